@@ -1,0 +1,29 @@
+# One venv in the project root; every target installs first (a no-op when nothing changed).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+SYSPY ?= python3
+
+.PHONY: install serve test lint generate
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(SYSPY) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch pinned to the CPU wheel on this machine's disk; unpinned pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,dev]'
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/specserve serve
+
+test: install
+	$(VENV)/bin/ruff check app tests
+	$(VENV)/bin/specserve models fetch smollm2-135m-instruct
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check app tests
+	$(VENV)/bin/ruff format --check app tests
