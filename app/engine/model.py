@@ -1,0 +1,274 @@
+"""A lean Llama-family decoder in plain PyTorch, with a static KV cache indexed by position.
+
+Covers Llama 2/3, SmolLM/SmolLM2, Mistral and Qwen2/2.5: grouped-query attention, RoPE with the
+model's theta (and Llama 3.1 frequency scaling), RMSNorm, optional q/k/v bias, tied or untied
+embeddings. Weights use the HuggingFace layout (rotate-half RoPE); loaders convert other layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of one decoder; everything the forward needs, nothing about files."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0: dim // n_heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    max_seq_len: int = 4096
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+class KVCache:
+    """Preallocated keys and values for every layer, indexed by absolute position.
+
+    `k` and `v` have shape [n_layers, batch, n_kv_heads, capacity, head_dim]. Only positions below
+    `length` are valid; rolling back rejected tokens is `truncate(n)`, an O(1) change of `length`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        capacity: int,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (config.n_layers, batch, config.n_kv_heads, capacity, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget every position at or after `length` (rollback after a rejection)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+
+def _rope_inv_freq(config: ModelConfig) -> Tensor:
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "freq_factors":
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
+    elif kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, a smooth ramp between.
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return inv_freq.float()
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.n_heads * config.head_dim
+        kv_size = config.n_kv_heads * config.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        # One fused projection: three small matmuls cost three dispatches on the hot path.
+        self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.wo = nn.Linear(q_size, config.dim, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        layer: int,
+        cache: KVCache | None,
+        start_pos: int,
+        mask: Tensor | None,
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = _apply_rope(q, cos, sin)
+        k = _apply_rope(k, cos, sin)
+        causal = mask is None and t > 1
+        if cache is not None:
+            end = start_pos + t
+            cache.k[layer, :, :, start_pos:end] = k
+            cache.v[layer, :, :, start_pos:end] = v
+            k = cache.k[layer, :, :, :end]
+            v = cache.v[layer, :, :, :end]
+            if causal and start_pos > 0:
+                # Queries sit at the end of the key range: a causal mask offset by start_pos.
+                mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
+                causal = False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class _Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attn = _Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        layer: int,
+        cache: KVCache | None,
+        start_pos: int,
+        mask: Tensor | None,
+    ) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, layer, cache, start_pos, mask)
+        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    """A Llama-family decoder.
+
+    `forward(input_ids [B, T], start_pos, cache)` runs tokens at positions start_pos..start_pos+T-1
+    and returns logits [B, T, vocab]; `hidden(...)` returns the final-normed hidden states [B, T, dim]
+    (what feature-conditioned drafts consume) and `logits(hidden)` projects them.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(_Block(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        # RoPE tables are plain attributes, not buffers: rebuilt lazily for the current dtype and device.
+        self._rope_len = 0
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        """A KV cache for `batch` sequences of up to `capacity` positions, in this model's dtype."""
+        if capacity > self.config.max_seq_len:
+            raise ValueError(f"{capacity} positions exceed the model's context of {self.config.max_seq_len}")
+        return KVCache(self.config, capacity, batch, self.dtype, self.device)
+
+    def _rope(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        if end > self._rope_len or self._cos.dtype != self.dtype or self._cos.device != self.device:
+            n = max(end, min(self.config.max_seq_len, 4096))
+            pos = torch.arange(n, dtype=torch.float32)
+            freqs = torch.outer(pos, _rope_inv_freq(self.config))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos = emb.cos().to(self.dtype).to(self.device)
+            self._sin = emb.sin().to(self.dtype).to(self.device)
+            self._rope_len = n
+        return self._cos[start:end], self._sin[start:end]
+
+    def hidden(
+        self,
+        input_ids: Tensor,
+        start_pos: int = 0,
+        cache: KVCache | None = None,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        """Final-normed hidden states [B, T, dim] for `input_ids` [B, T] at start_pos..start_pos+T-1.
+
+        With a cache, keys and values are written at those positions and attention covers positions
+        0..start_pos+T-1; `cache.length` becomes start_pos+T. Without one, attention is causal over the
+        inputs alone. `mask` (bool [T, start_pos+T], True = may attend) overrides the causal mask.
+        """
+        t = input_ids.shape[1]
+        end = start_pos + t
+        if cache is not None:
+            if start_pos > cache.length:
+                raise ValueError(f"start_pos {start_pos} leaves a gap after cache length {cache.length}")
+            if end > cache.capacity:
+                raise ValueError(f"position {end - 1} is beyond the cache capacity {cache.capacity}")
+        elif start_pos != 0:
+            raise ValueError("start_pos must be 0 without a cache")
+        cos, sin = self._rope(start_pos, end)
+        x = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, cache, start_pos, mask)
+        if cache is not None:
+            cache.length = end
+        return self.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Project hidden states [..., dim] to vocabulary logits [..., vocab]."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        start_pos: int = 0,
+        cache: KVCache | None = None,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        """Logits [B, T, vocab] for every input position; see `hidden` for the arguments."""
+        return self.logits(self.hidden(input_ids, start_pos, cache, mask))

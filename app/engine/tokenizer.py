@@ -1,0 +1,175 @@
+"""Text <-> token ids with the `tokenizers` library, and the model's chat template with jinja2.
+
+A GGUF tokenizer is rebuilt from the file's own metadata (tokens, merges, special tokens, pre-tokenizer
+kind), the way llama.cpp reads it; an HF directory brings its tokenizer.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# Regexes of llama.cpp's pre-tokenizer kinds (`tokenizer.ggml.pre`), for byte-level BPE vocabularies.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Tokens that end a turn in the chat formats we know; generation stops on any of them that is special.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "</s>", "<|eom_id|>")
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built, or a chat that cannot be rendered."""
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        split = _LLAMA3_SPLIT
+    elif pre in ("qwen2", "deepseek-r1-qwen"):
+        split = _QWEN2_SPLIT
+    elif pre == "smollm":
+        # SmolLM's own tokenizer splits every digit before the GPT-2 rules.
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    else:
+        split = _GPT2_SPLIT
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+
+
+def _from_gguf_meta(meta: dict[str, Any]) -> tuple[HFTokenizer, list[str]]:
+    if meta.get("model") != "gpt2":
+        raise TokenizerError(
+            f"GGUF tokenizer model {meta.get('model')!r} is not supported (byte-level BPE 'gpt2' is); "
+            "use the model's HF-format directory instead"
+        )
+    tokens: list[str] = list(meta["tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("pre"))
+    tok.decoder = decoders.ByteLevel()
+    types = list(meta.get("token_type") or [])
+    special = [tokens[i] for i, t in enumerate(types) if t == _GGUF_CONTROL]
+    user = [tokens[i] for i, t in enumerate(types) if t == _GGUF_USER_DEFINED]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return tok, special
+
+
+def _raise(message: str) -> None:
+    raise TokenizerError(message)
+
+
+class Tokenizer:
+    """Encoding, decoding and chat formatting for one model."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        special_tokens: Sequence[str],
+        chat_template: str | None,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
+        self.add_bos = add_bos
+        self.special_ids = frozenset(i for t in special_tokens if (i := backend.token_to_id(t)) is not None)
+        ends = {i for t in _END_OF_TURN if (i := backend.token_to_id(t)) is not None and i in self.special_ids}
+        self.eos_token_ids: frozenset[int] = frozenset(ends | set(eos_token_ids))
+        self._template = None
+        if chat_template:
+            # As transformers renders templates, so that both give the same prompt text.
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any], eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """Build from a checkpoint's tokenizer metadata (see `weights.Checkpoint.tokenizer_meta`)."""
+        if meta.get("format") == "gguf":
+            backend, special = _from_gguf_meta(meta)
+            bos = meta.get("bos_token_id")
+            # llama.cpp's add_bos flag is set on SmolLM GGUFs although the model's own tokenizer adds
+            # none; adding it would shift every prompt away from what the model was tuned on, so the
+            # chat template alone decides where BOS goes.
+            return cls(backend, special, meta.get("chat_template"), bos, eos_token_ids)
+        path = Path(meta["path"])
+        tj = path / "tokenizer.json"
+        if not tj.exists():
+            raise TokenizerError(f"{path}: no tokenizer.json")
+        backend = HFTokenizer.from_file(str(tj))
+        cfg = meta.get("config") or {}
+        template = cfg.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # several named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        special = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+        bos_tok = cfg.get("bos_token")
+        bos_tok = bos_tok.get("content") if isinstance(bos_tok, dict) else bos_tok
+        bos = backend.token_to_id(bos_tok) if bos_tok else None
+        # HF's own processor config decides BOS; disable it so encode() alone never double-adds.
+        backend.post_processor = None
+        return cls(backend, special, template, bos, eos_token_ids, add_bos=bool(cfg.get("add_bos_token", False)))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in it (as a chat template writes them) are parsed."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; undecodable bytes become U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render a conversation (a list of {role, content}) with the model's own chat template."""
+        if self._template is None:
+            raise TokenizerError("this model has no chat template; send a plain prompt instead")
+        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = next(iter(sorted(self.eos_token_ids)), None)
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=bos,
+                eos_token=self.backend.id_to_token(eos) if eos is not None else "",
+            )
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"chat template failed: {exc}") from exc
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary for logs and /info."""
+        return {
+            "vocab_size": self.vocab_size,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": sorted(self.eos_token_ids),
+            "chat_template": self.chat_template is not None,
+        }
+

@@ -1,0 +1,239 @@
+"""Reading checkpoints into a ModelConfig and a state dict in the decoder's own naming.
+
+Two formats: GGUF files (llama.cpp's; metadata and quantized tensors through the `gguf` package) and
+HuggingFace directories (config.json plus safetensors, sharded or not). Both end in float32 tensors
+in the HuggingFace layout, which `Transformer` uses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from app.engine.model import ModelConfig
+
+# Architectures this decoder implements, as GGUF `general.architecture` and HF `model_type` name them.
+_GGUF_ARCHS = {"llama", "mistral", "qwen2", "smollm"}
+_HF_ARCHS = {"llama", "mistral", "qwen2", "smollm3"}
+_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q2_K", "Q3_K"}
+
+
+class WeightsError(ValueError):
+    """A checkpoint this engine cannot use; the message says why in one line."""
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds: the decoder's shape, its weights, and what a tokenizer needs."""
+
+    config: ModelConfig
+    state_dict: dict[str, Tensor]
+    tokenizer_meta: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+
+def read_checkpoint(path: Path, max_seq_len: int | None = None) -> Checkpoint:
+    """Read a GGUF file or an HF-format directory; raise WeightsError for anything else."""
+    path = Path(path)
+    if path.is_dir():
+        return _read_hf(path, max_seq_len)
+    if path.is_file():
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+        if magic == b"GGUF":
+            return _read_gguf(path, max_seq_len)
+        raise WeightsError(f"{path} is neither a GGUF file nor an HF-format directory")
+    raise WeightsError(f"{path} does not exist")
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs) back to HF's rotate-half order."""
+    out = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *rest).transpose(1, 2).reshape(out, *rest)
+
+
+def _read_gguf(path: Path, max_seq_len: int | None) -> Checkpoint:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise WeightsError(f"{path.name}: architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    n_heads = int(meta("attention.head_count"))
+    n_kv = int(meta("attention.head_count_kv", n_heads))
+    dim = int(meta("embedding_length"))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = int(meta("vocab_size", len(tokens) if tokens else tensors["token_embd.weight"].shape[-1]))
+    ctx = int(meta("context_length", 4096))
+    rope_scaling = None
+    if "rope_freqs.weight" in tensors:
+        # Llama 3.1 GGUFs carry the per-frequency divisors llama.cpp computed at conversion.
+        factors = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in np.ravel(factors)]}
+    elif meta("rope.scaling.type") == "linear" and meta("rope.scaling.factor"):
+        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config = ModelConfig(
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=int(meta("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        intermediate_size=int(meta("feed_forward_length")),
+        head_dim=int(meta("attention.key_length", meta("rope.dimension_count", dim // n_heads))),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
+        rope_scaling=rope_scaling,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+    def load(name: str) -> Tensor:
+        t = tensors[name]
+        qtype = t.tensor_type.name
+        if qtype not in _GGUF_TYPES:
+            raise WeightsError(f"{path.name}: tensor {name} has type {qtype}, which this loader cannot read")
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+
+    # llama.cpp permutes q/k rows for its interleaved RoPE in the llama family only.
+    permuted = arch in {"llama", "mistral", "smollm"}
+    sd: dict[str, Tensor] = {"embed.weight": load("token_embd.weight"), "norm.weight": load("output_norm.weight")}
+    if not config.tie_embeddings:
+        sd["lm_head.weight"] = load("output.weight")
+    for i in range(config.n_layers):
+        p = f"blk.{i}."
+        q, k, v = load(p + "attn_q.weight"), load(p + "attn_k.weight"), load(p + "attn_v.weight")
+        if permuted:
+            q, k = _unpermute_rope(q, n_heads), _unpermute_rope(k, n_kv)
+        o = f"layers.{i}."
+        sd[o + "attn.wqkv.weight"] = torch.cat([q, k, v])
+        if config.qkv_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([load(p + "attn_q.bias"), load(p + "attn_k.bias"), load(p + "attn_v.bias")])
+        sd[o + "attn.wo.weight"] = load(p + "attn_output.weight")
+        sd[o + "attn_norm.weight"] = load(p + "attn_norm.weight")
+        sd[o + "ffn_norm.weight"] = load(p + "ffn_norm.weight")
+        sd[o + "w13.weight"] = torch.cat([load(p + "ffn_gate.weight"), load(p + "ffn_up.weight")])
+        sd[o + "w2.weight"] = load(p + "ffn_down.weight")
+
+    tokenizer_meta = {
+        "format": "gguf",
+        "model": _field(reader, "tokenizer.ggml.model"),
+        "pre": _field(reader, "tokenizer.ggml.pre"),
+        "tokens": tokens,
+        "token_type": _field(reader, "tokenizer.ggml.token_type"),
+        "merges": _field(reader, "tokenizer.ggml.merges"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+    return Checkpoint(config, sd, tokenizer_meta, source=str(path))
+
+
+# ------------------------------------------------------------------------------------------------ HF
+
+
+def _hf_tensors(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+    if not shards:
+        raise WeightsError(f"{path}: no safetensors weights found")
+    sd: dict[str, Tensor] = {}
+    for shard in shards:
+        sd.update(load_file(str(path / shard)))
+    return sd
+
+
+def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise WeightsError(f"{path}: no config.json, so not an HF-format model directory")
+    c = json.loads(cfg_path.read_text())
+    arch = c.get("model_type")
+    if arch not in _HF_ARCHS:
+        raise WeightsError(f"{path}: model_type {arch!r} is not supported (supported: {sorted(_HF_ARCHS)})")
+    rope = c.get("rope_parameters") or {}
+    rope_theta = float(c.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rope_scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    n_heads = int(c["num_attention_heads"])
+    eos = c.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    ctx = int(c.get("max_position_embeddings", 4096))
+    config = ModelConfig(
+        vocab_size=int(c["vocab_size"]),
+        dim=int(c["hidden_size"]),
+        n_layers=int(c["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
+        intermediate_size=int(c["intermediate_size"]),
+        head_dim=int(c.get("head_dim") or c["hidden_size"] // n_heads),
+        rope_theta=rope_theta,
+        norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
+        rope_scaling=rope_scaling,
+        bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+    raw = {k: v.float() for k, v in _hf_tensors(path).items()}
+    sd: dict[str, Tensor] = {
+        "embed.weight": raw["model.embed_tokens.weight"],
+        "norm.weight": raw["model.norm.weight"],
+    }
+    if not config.tie_embeddings:
+        sd["lm_head.weight"] = raw.get("lm_head.weight", raw["model.embed_tokens.weight"])
+    for i in range(config.n_layers):
+        p = f"model.layers.{i}."
+        o = f"layers.{i}."
+        attn = p + "self_attn."
+        sd[o + "attn.wqkv.weight"] = torch.cat([raw[attn + n + "_proj.weight"] for n in "qkv"])
+        if config.qkv_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([raw[attn + n + "_proj.bias"] for n in "qkv"])
+        sd[o + "attn.wo.weight"] = raw[attn + "o_proj.weight"]
+        sd[o + "attn_norm.weight"] = raw[p + "input_layernorm.weight"]
+        sd[o + "ffn_norm.weight"] = raw[p + "post_attention_layernorm.weight"]
+        sd[o + "w13.weight"] = torch.cat([raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"]])
+        sd[o + "w2.weight"] = raw[p + "mlp.down_proj.weight"]
+    tokenizer_meta: dict[str, Any] = {"format": "hf", "path": str(path)}
+    tok_cfg = path / "tokenizer_config.json"
+    if tok_cfg.exists():
+        tokenizer_meta["config"] = json.loads(tok_cfg.read_text())
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.exists():
+        g = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if g is not None:
+            extra = tuple(g) if isinstance(g, list) else (g,)
+            config = ModelConfig.from_dict({**config.to_dict(), "eos_token_ids": tuple(dict.fromkeys(eos_ids + extra))})
+    return Checkpoint(config, sd, tokenizer_meta, source=str(path))
