@@ -1,0 +1,127 @@
+"""Proposers: what suggests the next k tokens for the target to verify.
+
+A `Drafter` is loaded once and shared; each request gets its own `DraftSession`, which holds any per-
+request state (a draft KV cache) and keeps it in step with the accepted sequence by rolling back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from app.engine.loading import LoadedModel
+from app.engine.model import KVCache
+
+
+class DraftError(ValueError):
+    """A draft that cannot serve this target."""
+
+
+class DraftSession(Protocol):
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens likely to follow `token_ids` (the whole accepted sequence so far)."""
+        ...
+
+
+class Drafter(Protocol):
+    name: str
+
+    def session(self, capacity: int) -> DraftSession:
+        """State for one request whose sequence will hold at most `capacity` tokens."""
+        ...
+
+
+class _ModelDraftSession:
+    def __init__(self, drafter: ModelDrafter, capacity: int) -> None:
+        self._model = drafter.model
+        self._vocab = drafter.vocab_limit
+        self._cache: KVCache = self._model.new_cache(capacity)
+        self._ids: list[int] = []  # the tokens whose keys and values sit in the cache, in order
+
+    @torch.inference_mode()
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        # Roll back to the longest prefix the cache shares with the accepted sequence (an O(1) move),
+        # keeping at least one token to feed so the next logits exist.
+        keep = 0
+        limit = min(len(self._ids), len(token_ids) - 1)
+        while keep < limit and self._ids[keep] == token_ids[keep]:
+            keep += 1
+        self._cache.truncate(keep)
+        self._ids = list(token_ids)
+        room = self._cache.capacity - len(token_ids)
+        k = min(k, room + 1)
+        feed = torch.tensor([token_ids[keep:]], dtype=torch.long, device=self._model.device)
+        pos = keep
+        out: list[int] = []
+        for i in range(k):
+            hidden = self._model.hidden(feed, pos, self._cache)
+            logits = self._model.logits(hidden[0, -1])
+            nxt = int(logits[: self._vocab].argmax())
+            out.append(nxt)
+            if i + 1 < k:
+                pos += feed.shape[1]
+                feed = torch.tensor([[nxt]], dtype=torch.long, device=self._model.device)
+                self._ids.append(nxt)
+        return out
+
+
+class ModelDrafter:
+    """A small decoder sharing the target's vocabulary, proposing greedily with its own KV cache."""
+
+    def __init__(self, name: str, draft: LoadedModel, target: LoadedModel) -> None:
+        t_vocab = target.tokenizer.backend.get_vocab()
+        d_vocab = draft.tokenizer.backend.get_vocab()
+        if t_vocab != d_vocab:
+            differing = len(set(t_vocab.items()) ^ set(d_vocab.items()))
+            raise DraftError(
+                f"draft {name!r} does not share the target's vocabulary ({len(d_vocab)} vs {len(t_vocab)} tokens, "
+                f"{differing} entries differ); a draft must use the target's tokenizer"
+            )
+        self.name = name
+        self.model = draft.model
+        # Only ids the target can verify may be proposed (a padded draft head can be wider).
+        self.vocab_limit = min(draft.model.config.vocab_size, target.model.config.vocab_size)
+
+    def session(self, capacity: int) -> DraftSession:
+        return _ModelDraftSession(self, capacity)
+
+
+class _NgramSession:
+    def __init__(self, drafter: NgramDrafter) -> None:
+        self._d = drafter
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or len(token_ids) < 2:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        n_tokens = len(ids)
+        for n in range(min(self._d.max_n, n_tokens - 1), self._d.min_n - 1, -1):
+            tail = ids[n_tokens - n :]
+            # Windows of length n ending before the last token; the latest match wins, as in HF's
+            # prompt lookup, because recent text predicts what comes next best.
+            windows = np.lib.stride_tricks.sliding_window_view(ids[: n_tokens - 1], n)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return ids[start : start + k].tolist()
+        return []
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError("need 1 <= min_n <= max_n")
+        self.max_n = max_n
+        self.min_n = min_n
+
+    def session(self, capacity: int) -> DraftSession:
+        return _NgramSession(self)

@@ -1,0 +1,257 @@
+"""The production speculative loop: KV-cached drafting and verification, one request at a time.
+
+A `Generation` advances by `step()`: the drafter proposes up to k tokens, the target verifies them in
+one forward over [last accepted token, drafts...], the accepted prefix plus the target's own next token
+(a correction, or a bonus when everything was accepted) is appended, and both KV caches roll back past
+the rejected positions by moving a length. Greedy output is token for token the target's own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from app.engine.detokenizer import Detokenizer
+from app.engine.drafters import Drafter, DraftSession
+from app.engine.model import KVCache, Transformer
+from app.engine.tokenizer import Tokenizer
+from app.engine.verification import greedy_verify
+
+
+class GenerationError(ValueError):
+    """A request the engine cannot run as given; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What one request asks of the engine."""
+
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    num_draft_tokens: int = 4
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one request; rates are derived, never stored."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0  # every target forward, the prefill included
+    verify_passes: int = 0  # target forwards that checked at least one drafted token
+    accepted_per_position: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        return self.generated_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float | int | list[int]]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "target_passes": self.target_passes,
+            "verify_passes": self.verify_passes,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_target_pass": round(self.tokens_per_target_pass, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "total_seconds": round(self.total_seconds, 4),
+        }
+
+
+@dataclass
+class StepOutput:
+    """What one draft-and-verify step added."""
+
+    token_ids: list[int]
+    text: str
+    drafted: int
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    finish_reason: str | None = None  # "eos", "stop" or "length" on the last step
+
+
+class Generation:
+    """The decoding state of one request. Not thread-safe: one worker steps it."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        drafter: Drafter | None,
+    ) -> None:
+        if not prompt_ids:
+            raise GenerationError("the prompt is empty")
+        if params.max_new_tokens < 1:
+            raise GenerationError("max_new_tokens must be at least 1")
+        if params.num_draft_tokens < 0:
+            raise GenerationError("num_draft_tokens must be 0 or more")
+        limit = target.config.max_seq_len
+        if len(prompt_ids) + params.max_new_tokens > limit:
+            raise GenerationError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the model's context of {limit} tokens"
+            )
+        vocab = target.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise GenerationError(f"prompt token ids must lie in [0, {vocab})")
+        self.params = params
+        self.target = target
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.finish_reason: str | None = None
+        self._k = params.num_draft_tokens if drafter is not None else 0
+        self.stats.accepted_per_position = [0] * self._k
+        # One spare slot per draft position: verification writes k+1 entries before rolling back.
+        capacity = min(limit, len(prompt_ids) + params.max_new_tokens + self._k + 1)
+        self._cache: KVCache = target.new_cache(capacity)
+        self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
+        self._detok = Detokenizer(tokenizer, params.stop)
+        self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        self._started = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.ids[self.prompt_len :]
+
+    @property
+    def text(self) -> str:
+        """The generated text so far (without the stop string, when one ended it)."""
+        return self._detok.text
+
+    @torch.inference_mode()
+    def step(self) -> StepOutput:
+        """Run one step: prefill and first token on the first call, then draft and verify."""
+        if self.finished:
+            raise RuntimeError("generation already finished")
+        if self._cache.length == 0:
+            return self._prefill()
+        remaining = self.params.max_new_tokens - self.stats.generated_tokens
+        # A step adds up to k+1 tokens; never draft what could not be kept.
+        k = min(self._k, remaining - 1)
+        t0 = time.perf_counter()
+        drafts = self._draft.propose(self.ids, k) if self._draft is not None and k > 0 else []
+        t1 = time.perf_counter()
+        start = len(self.ids) - 1
+        feed = torch.tensor([[self.ids[-1], *drafts]], dtype=torch.long, device=self.target.device)
+        logits = self.target(feed, start, self._cache)[0]
+        draft_tensor = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        accepted, nxt = greedy_verify(draft_tensor, logits)
+        # Keep the last accepted token and the accepted drafts; the rest of the cache is rolled back.
+        self._cache.truncate(start + 1 + accepted)
+        t2 = time.perf_counter()
+        self.stats.target_passes += 1
+        if drafts:
+            self.stats.verify_passes += 1
+            self.stats.drafted += len(drafts)
+            self.stats.accepted += accepted
+            for i in range(accepted):
+                self.stats.accepted_per_position[i] += 1
+        self.stats.draft_seconds += t1 - t0
+        self.stats.verify_seconds += t2 - t1
+        return self._emit([*drafts[:accepted], nxt], len(drafts), accepted, t1 - t0, t2 - t1)
+
+    def _prefill(self) -> StepOutput:
+        t0 = time.perf_counter()
+        prompt = torch.tensor([self.ids], dtype=torch.long, device=self.target.device)
+        hidden = self.target.hidden(prompt, 0, self._cache)
+        # Only the last position's logits are needed: a 49k-wide projection of every prompt token is not.
+        nxt = int(self.target.logits(hidden[0, -1]).argmax())
+        t1 = time.perf_counter()
+        self.stats.target_passes += 1
+        self.stats.prefill_seconds = t1 - t0
+        return self._emit([nxt], 0, 0, 0.0, t1 - t0)
+
+    def _emit(self, new: list[int], drafted: int, accepted: int, draft_s: float, verify_s: float) -> StepOutput:
+        finish = None
+        remaining = self.params.max_new_tokens - self.stats.generated_tokens
+        if len(new) >= remaining:
+            new, finish = new[:remaining], "length"
+        for i, tok in enumerate(new):
+            if tok in self._eos:
+                new, finish = new[: i + 1], "eos"
+                break
+        text, keep = self._detok.push([t for t in new if t not in self._eos])
+        if self._detok.stopped_at is not None:
+            # The stop string ended inside this step: drop the tokens after the one that completed it.
+            new, finish = new[:keep], "stop"
+        self.ids.extend(new)
+        self.stats.generated_tokens += len(new)
+        if finish is not None:
+            self.finish_reason = finish
+            text += self._detok.flush()
+            self.stats.total_seconds = time.perf_counter() - self._started
+        return StepOutput(new, text, drafted, accepted, draft_s, verify_s, finish)
+
+
+class Engine:
+    """A loaded target with its drafters: starts generations, knows nothing of HTTP."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: Tokenizer,
+        drafters: dict[str, Drafter],
+        default_draft: str = "none",
+        num_draft_tokens: int = 4,
+    ) -> None:
+        if default_draft != "none" and default_draft not in drafters:
+            raise GenerationError(f"default draft {default_draft!r} is not loaded")
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafters = drafters
+        self.default_draft = default_draft
+        self.num_draft_tokens = num_draft_tokens
+
+    def drafter(self, name: str | None) -> Drafter | None:
+        """The drafter called `name` (None: the default; "none": target-only decoding)."""
+        name = self.default_draft if name in (None, "default") else name
+        if name == "none":
+            return None
+        if name not in self.drafters:
+            raise GenerationError(f"unknown draft {name!r}; available: none, {', '.join(self.drafters)}")
+        return self.drafters[name]
+
+    def start(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None) -> Generation:
+        """A new generation, ready to `step()`; raises GenerationError for a request it cannot run."""
+        return Generation(self.target, self.tokenizer, prompt_ids, params, self.drafter(draft))
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None
+    ) -> Iterator[StepOutput]:
+        """Steps of one generation until it finishes (a convenience over `start` and `step`)."""
+        gen = self.start(prompt_ids, params, draft)
+        while not gen.finished:
+            yield gen.step()
