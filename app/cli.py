@@ -39,8 +39,7 @@ def _add_models_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "models",
         help="list and fetch the models of the catalog",
-        description="List the models of the catalog (model_store/catalog.json) and fetch them "
-        "into the cache.",
+        description="List the models of the catalog (model_store/catalog.json) and fetch them into the cache.",
     )
     actions = parser.add_subparsers(dest="models_action", metavar="ACTION", required=True)
     actions.add_parser("list", help="show the catalog and which models are fetched")
@@ -87,6 +86,130 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- specserve generate -----------------------------------------------------------------------------------
+
+
+def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text with speculative decoding and report what the draft bought",
+        description="Generate from a prompt (or each line of a Spec-Bench-format JSONL file) with the target "
+        "model, drafting with --draft, and print the text and the speculative figures.",
+    )
+    parser.add_argument("prompt", nargs="?", help="the user message (or raw prompt with --no-chat)")
+    parser.add_argument("--input", metavar="FILE.jsonl", help="Spec-Bench-format lines; the first turn is used")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of --input")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument("--target", default=None, help="catalog name or path (default: smollm2-135m-instruct)")
+    parser.add_argument(
+        "--draft", default="default", help="default | none | ngram | catalog NAME | PATH (default: default)"
+    )
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="tokens drafted per step")
+    parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--compare", action="store_true", help="also run target-only and print the speedup")
+    parser.set_defaults(func=_cmd_generate)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    import json
+
+    if args.input is None:
+        if not args.prompt:
+            raise CliError("give a PROMPT or --input FILE.jsonl")
+        return [args.prompt]
+    prompts = []
+    try:
+        with open(args.input, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    prompts.append(json.loads(line)["turns"][0])
+                except (ValueError, KeyError, IndexError, TypeError) as exc:
+                    raise CliError(f"{args.input}:{n}: not a Spec-Bench line with 'turns' ({exc})") from exc
+    except OSError as exc:
+        raise CliError(f"cannot read {args.input}: {exc.strerror}") from exc
+    return prompts[: args.limit] if args.limit is not None else prompts
+
+
+def _describe_stats(stats: dict, prefix: str = "") -> str:
+    return (
+        f"{prefix}{stats['generated_tokens']} tokens in {stats['total_seconds']:.2f} s "
+        f"({stats['tokens_per_second']:.1f} tok/s); {stats['target_passes']} target passes, "
+        f"{stats['tokens_per_target_pass']:.2f} tokens per pass; drafted {stats['drafted']}, "
+        f"accepted {stats['accepted']} (acceptance {stats['acceptance_rate']:.1%}); "
+        f"accepted by position {stats['accepted_per_position']}"
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from app.engine.drafters import DraftError
+    from app.engine.factory import DEFAULT_TARGET, build_engine
+    from app.engine.generation import GenerationError, GenerationParams
+    from app.engine.tokenizer import TokenizerError
+    from app.engine.weights import WeightsError
+
+    prompts = _read_prompts(args)
+    if args.num_draft_tokens < 0 or args.max_new_tokens < 1:
+        raise CliError("--num-draft-tokens must be >= 0 and --max-new-tokens >= 1")
+    try:
+        engine, loaded = build_engine(
+            args.target or DEFAULT_TARGET, args.draft, args.num_draft_tokens, args.dtype, args.device
+        )
+        tok = loaded.tokenizer
+        params = GenerationParams(
+            max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), num_draft_tokens=args.num_draft_tokens
+        )
+        stream = not args.json and len(prompts) == 1
+        for prompt in prompts:
+            text = prompt if args.no_chat else tok.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt_ids = tok.encode(text)
+            gen = engine.start(prompt_ids, params, args.draft)
+            while not gen.finished:
+                out = gen.step()
+                if stream:
+                    print(out.text, end="", flush=True)
+            stats = gen.stats.to_dict()
+            result: dict = {
+                "text": gen.text,
+                "prompt_token_ids": prompt_ids,
+                "token_ids": gen.generated_ids,
+                "finish_reason": gen.finish_reason,
+                "stats": stats,
+            }
+            if args.compare:
+                base = engine.start(prompt_ids, params, "none")
+                while not base.finished:
+                    base.step()
+                b = base.stats.to_dict()
+                result["baseline"] = {"token_ids": base.generated_ids, "stats": b}
+                result["identical_to_target_only"] = base.generated_ids == gen.generated_ids
+                result["speedup"] = round(stats["tokens_per_second"] / max(b["tokens_per_second"], 1e-9), 3)
+            if args.json:
+                print(json.dumps(result, ensure_ascii=False), flush=True)
+                continue
+            if not stream:
+                print(gen.text)
+            print(
+                f"\n\n[{engine.default_draft if args.draft == 'default' else args.draft} draft, "
+                f"k={args.num_draft_tokens}, {loaded.model.dtype}] finish: {gen.finish_reason}"
+            )
+            print(_describe_stats(stats))
+            if args.compare:
+                print(_describe_stats(result["baseline"]["stats"], "target only: "))
+                same = "identical" if result["identical_to_target_only"] else "DIFFERENT"
+                print(f"speedup over target only: {result['speedup']:.2f}x (outputs {same})")
+    except (GenerationError, DraftError, WeightsError, TokenizerError) as exc:
+        raise CliError(str(exc)) from exc
+    return 0
+
+
 # --- entry point --------------------------------------------------------------------------------------------
 
 
@@ -98,6 +221,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_models_parser(subparsers)
+    _add_generate_parser(subparsers)
     return parser
 
 

@@ -225,9 +225,7 @@ def _not_ok_error(entry: CatalogEntry, path: Path, state: Status) -> ModelStoreE
             f"shipped model '{entry.name}' {what} at {path}; restore model_store/ from the source tree"
         )
     if state == "missing":
-        return ModelStoreError(
-            f"model '{entry.name}' is not fetched yet; run: specserve models fetch {entry.name}"
-        )
+        return ModelStoreError(f"model '{entry.name}' is not fetched yet; run: specserve models fetch {entry.name}")
     return ModelStoreError(
         f"model '{entry.name}' at {path} is corrupt (size or sha256 mismatch); "
         f"run: specserve models fetch {entry.name} --force"
@@ -251,8 +249,7 @@ def resolve(name_or_path: str) -> Path:
     if entry is None:
         known = ", ".join(entries) or "(none)"
         raise ModelStoreError(
-            f"'{name_or_path}' is neither an existing file or directory nor a known model; "
-            f"known models: {known}"
+            f"'{name_or_path}' is neither an existing file or directory nor a known model; known models: {known}"
         )
     path = entry.local_path()
     state = _check(entry, path)

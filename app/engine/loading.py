@@ -55,8 +55,11 @@ def _bf16_is_faster_on_cpu() -> bool:
         for _ in range(50):
             torch.nn.functional.linear(a, w)
         times[dtype] = time.perf_counter() - t0
-    log.info("dtype probe: float32 %.2f ms, bfloat16 %.2f ms per 50 products", times[torch.float32] * 1e3,
-             times[torch.bfloat16] * 1e3)
+    log.info(
+        "dtype probe: float32 %.2f ms, bfloat16 %.2f ms per 50 products",
+        times[torch.float32] * 1e3,
+        times[torch.bfloat16] * 1e3,
+    )
     return times[torch.bfloat16] < times[torch.float32]
 
 

@@ -172,4 +172,3 @@ class Tokenizer:
             "eos_token_ids": sorted(self.eos_token_ids),
             "chat_template": self.chat_template is not None,
         }
-

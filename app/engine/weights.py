@@ -118,8 +118,9 @@ def _read_gguf(path: Path, max_seq_len: int | None) -> Checkpoint:
         qtype = t.tensor_type.name
         if qtype not in _GGUF_TYPES:
             raise WeightsError(f"{path.name}: tensor {name} has type {qtype}, which this loader cannot read")
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # Unquantized tensors come back as read-only views of the memory-mapped file.
+        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
     # llama.cpp permutes q/k rows for its interleaved RoPE in the llama family only.
     permuted = arch in {"llama", "mistral", "smollm"}
@@ -134,7 +135,9 @@ def _read_gguf(path: Path, max_seq_len: int | None) -> Checkpoint:
         o = f"layers.{i}."
         sd[o + "attn.wqkv.weight"] = torch.cat([q, k, v])
         if config.qkv_bias:
-            sd[o + "attn.wqkv.bias"] = torch.cat([load(p + "attn_q.bias"), load(p + "attn_k.bias"), load(p + "attn_v.bias")])
+            sd[o + "attn.wqkv.bias"] = torch.cat(
+                [load(p + "attn_q.bias"), load(p + "attn_k.bias"), load(p + "attn_v.bias")]
+            )
         sd[o + "attn.wo.weight"] = load(p + "attn_output.weight")
         sd[o + "attn_norm.weight"] = load(p + "attn_norm.weight")
         sd[o + "ffn_norm.weight"] = load(p + "ffn_norm.weight")
