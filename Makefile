@@ -4,7 +4,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SYSPY ?= python3
 
-.PHONY: install serve test lint generate
+.PHONY: install fetch serve test lint generate
+PROMPT ?= Explain speculative decoding in two sentences.
+TARGET ?= smollm2-135m-instruct
 
 install: $(STAMP)
 
@@ -16,12 +18,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test,dev]'
 	touch $(STAMP)
 
-serve: install
+fetch: install
+	$(VENV)/bin/specserve models fetch $(TARGET)
+
+serve: fetch
 	$(VENV)/bin/specserve serve
 
-test: install
+generate: fetch
+	$(VENV)/bin/specserve generate "$(PROMPT)" --compare
+
+test: fetch
 	$(VENV)/bin/ruff check app tests
-	$(VENV)/bin/specserve models fetch smollm2-135m-instruct
 	$(PY) -m pytest -q
 
 lint: install

@@ -21,3 +21,45 @@ def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, int
     agree = (choices[:k] == draft_tokens).to(torch.int32)
     accepted = int(agree.cumprod(dim=0).sum())
     return accepted, int(choices[accepted])
+
+
+def rejection_sample(
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    target_probs: Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023, Algorithm 1) of k drafted tokens.
+
+    draft_tokens: long [k]; draft_probs: [k, V], the draft's warped distributions the tokens were drawn
+    from, or None for a deterministic proposer (one-hot q, as for n-gram lookup); target_probs: [k + 1, V],
+    the target's warped distributions. Token i is accepted with probability min(1, p(x)/q(x)); at the
+    first rejection a token is drawn from normalised max(0, p - q) and nothing after it is kept; when all
+    k are accepted a bonus token is drawn from the target's last row. Returns (accepted, next token).
+    The output is distributed exactly as sampling the target alone.
+    """
+    k = draft_tokens.shape[0]
+    # Draw every uniform up front: the same seed then consumes the same randomness whatever is accepted.
+    uniforms = torch.rand(k, generator=generator, device=target_probs.device) if k else None
+    if k:
+        rows = torch.arange(k, device=target_probs.device)
+        p = target_probs[rows, draft_tokens]
+        q = draft_probs[rows, draft_tokens] if draft_probs is not None else torch.ones_like(p)
+        accept = uniforms * q < p  # u < p/q without dividing by a zero q
+        accepted = int(accept.to(torch.int32).cumprod(0).sum())
+    else:
+        accepted = 0
+    if accepted == k:
+        return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
+    p_row = target_probs[accepted]
+    if draft_probs is not None:
+        q_row = draft_probs[accepted]
+    else:
+        q_row = torch.zeros_like(p_row)
+        q_row[draft_tokens[accepted]] = 1.0
+    residual = (p_row - q_row).clamp_min(0)
+    total = residual.sum()
+    # A zero residual means p <= q everywhere, i.e. p == q: then no rejection could have happened except by
+    # rounding, and p itself is the right distribution to draw from.
+    dist = residual / total if total > 0 else p_row
+    return accepted, int(torch.multinomial(dist, 1, generator=generator))
