@@ -210,6 +210,74 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- specserve bench --------------------------------------------------------------------------------------
+
+
+def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure speed and acceptance side by side over Spec-Bench-format prompts",
+        description="Run transformers' generate (target only), our engine target-only and our engine with each "
+        "draft on every prompt, interleaved, and report tokens/s, speedups, acceptance and output equality.",
+    )
+    parser.add_argument("--input", default="../shared/bench/specbench-dev.jsonl", help="Spec-Bench-format JSONL")
+    parser.add_argument("--per-category", type=int, default=None, help="only the first N prompts of each category")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    parser.add_argument("--target", default=None, help="catalog name or path (default: smollm2-135m-instruct)")
+    parser.add_argument("--draft", action="append", default=None, help="draft to measure (repeatable; default: ngram)")
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    parser.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
+    parser.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from app.bench import markdown, per_prompt_medians, read_prompts, run_bench, summarize
+    from app.engine.factory import DEFAULT_TARGET, build_engine
+
+    path = Path(args.input)
+    if not path.is_file():
+        raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
+    prompts = read_prompts(path, args.per_category, args.limit)
+    drafts = args.draft or ["ngram"]
+    model_drafts = [d for d in drafts if d not in ("ngram", "none")]
+    if len(model_drafts) > 1:
+        raise CliError("one model draft per run (plus ngram)")
+    engine, loaded = build_engine(
+        args.target or DEFAULT_TARGET, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype
+    )
+    runs = run_bench(engine, loaded, prompts, drafts, args.max_new_tokens, args.num_draft_tokens, not args.no_hf)
+    summary = summarize(runs, args.num_draft_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "dtype": str(loaded.model.dtype),
+        "target": loaded.source,
+        "max_new_tokens": args.max_new_tokens,
+        "num_draft_tokens": args.num_draft_tokens,
+        "prompts": len(prompts),
+        "threads": __import__("torch").get_num_threads(),
+    }
+    medians = per_prompt_medians(runs)
+    (out / "results.json").write_text(
+        json.dumps(
+            {"meta": meta, "summary": summary, "median_tokens_per_second": medians, "runs": [r.__dict__ for r in runs]},
+            indent=1,
+        )
+    )
+    table = markdown(summary)
+    (out / "results.md").write_text(table + "\n")
+    print(json.dumps(meta))
+    print(table)
+    print("median tokens/s per prompt: " + ", ".join(f"{c} {v:.1f}" for c, v in medians.items()))
+    return 0
+
+
 # --- entry point --------------------------------------------------------------------------------------------
 
 
@@ -222,6 +290,7 @@ def _build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_models_parser(subparsers)
     _add_generate_parser(subparsers)
+    _add_bench_parser(subparsers)
     return parser
 
 

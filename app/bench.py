@@ -1,0 +1,200 @@
+"""`specserve bench`: side-by-side speed and acceptance over Spec-Bench-format prompts.
+
+Every configuration runs on the same prompt before the next prompt starts (interleaved), so machine
+noise hits all of them alike. Configurations: transformers' own greedy `generate` on the target
+(`hf`), our engine target-only (`none`), and our engine with each draft. Greedy outputs of every draft
+configuration are checked against our target-only output token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.engine.generation import Engine, GenerationParams
+from app.engine.loading import LoadedModel
+
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+@dataclass
+class Prompt:
+    question_id: Any
+    category: str
+    text: str
+
+
+@dataclass
+class Run:
+    config: str
+    question_id: Any
+    category: str
+    tokens: int
+    seconds: float
+    token_ids: list[int]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def read_prompts(path: Path, per_category: int | None = None, limit: int | None = None) -> list[Prompt]:
+    """First turns of a Spec-Bench-format JSONL file, optionally the first N of each category."""
+    prompts: list[Prompt] = []
+    seen: dict[str, int] = defaultdict(int)
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        cat = row.get("category", "unknown")
+        if per_category is not None and seen[cat] >= per_category:
+            continue
+        seen[cat] += 1
+        prompts.append(Prompt(row.get("question_id"), cat, row["turns"][0]))
+    return prompts[:limit] if limit is not None else prompts
+
+
+def _group(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH else category
+
+
+class _HFRunner:
+    """transformers' target-only greedy generate on the same checkpoint and dtype."""
+
+    def __init__(self, source: str, dtype: torch.dtype, eos: list[int]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        path = Path(source)
+        if path.is_file():
+            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        self.model.eval()
+        self.eos = eos
+
+    @torch.inference_mode()
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+        ids = torch.tensor([prompt_ids])
+        t0 = time.perf_counter()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=self.eos,
+            pad_token_id=self.eos[0],
+        )
+        return out[0, len(prompt_ids) :].tolist(), time.perf_counter() - t0
+
+
+def run_bench(
+    engine: Engine,
+    loaded: LoadedModel,
+    prompts: list[Prompt],
+    drafts: list[str],
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    with_hf: bool,
+) -> list[Run]:
+    """All configurations on every prompt, interleaved; returns one Run per (prompt, configuration)."""
+    from tqdm import tqdm
+
+    hf = None
+    if with_hf:
+        hf = _HFRunner(loaded.source, loaded.model.dtype, sorted(loaded.tokenizer.eos_token_ids))
+    tok = loaded.tokenizer
+    runs: list[Run] = []
+    params = GenerationParams(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens)
+    # Warm up every path once so first-call costs do not land on the first prompt.
+    warm = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello"}]))
+    for d in ["none", *drafts]:
+        for _ in engine.generate(warm, GenerationParams(max_new_tokens=8, num_draft_tokens=num_draft_tokens), d):
+            pass
+    if hf is not None:
+        hf.run(warm, 8)
+    for p in tqdm(prompts, desc="bench", unit="prompt", file=sys.stderr):
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]))
+        if hf is not None:
+            out, secs = hf.run(ids, max_new_tokens)
+            runs.append(Run("hf", p.question_id, p.category, len(out), secs, out))
+        for d in ["none", *drafts]:
+            gen = engine.start(ids, params, d)
+            t0 = time.perf_counter()
+            while not gen.finished:
+                gen.step()
+            secs = time.perf_counter() - t0
+            runs.append(
+                Run(d, p.question_id, p.category, len(gen.generated_ids), secs, gen.generated_ids, gen.stats.to_dict())
+            )
+    return runs
+
+
+def summarize(runs: list[Run], num_draft_tokens: int) -> dict[str, Any]:
+    """Per group (mt_bench, then each other category, then overall) and configuration: the figures."""
+    by_prompt: dict[Any, dict[str, Run]] = defaultdict(dict)
+    for r in runs:
+        by_prompt[r.question_id][r.config] = r
+    groups: dict[str, list[Any]] = defaultdict(list)
+    for qid, configs in by_prompt.items():
+        groups[_group(next(iter(configs.values())).category)].append(qid)
+    groups["overall"] = list(by_prompt)
+    configs = list(dict.fromkeys(r.config for r in runs))
+    summary: dict[str, Any] = {}
+    for g, qids in groups.items():
+        row: dict[str, Any] = {}
+        for c in configs:
+            rs = [by_prompt[q][c] for q in qids if c in by_prompt[q]]
+            tokens = sum(r.tokens for r in rs)
+            secs = sum(r.seconds for r in rs)
+            entry: dict[str, Any] = {"prompts": len(rs), "tokens": tokens, "tokens_per_second": tokens / secs}
+            if c != "hf":
+                drafted = sum(r.stats["drafted"] for r in rs)
+                accepted = sum(r.stats["accepted"] for r in rs)
+                passes = sum(r.stats["target_passes"] for r in rs)
+                entry["acceptance_rate"] = accepted / drafted if drafted else 0.0
+                entry["tokens_per_target_pass"] = tokens / passes if passes else 0.0
+                per_pos = [sum(r.stats["accepted_per_position"][i] for r in rs) for i in range(num_draft_tokens)]
+                verify = sum(r.stats["verify_passes"] for r in rs)
+                entry["acceptance_by_position"] = [round(x / verify, 4) if verify else 0.0 for x in per_pos]
+                entry["identical_to_target_only"] = sum(
+                    by_prompt[q][c].token_ids == by_prompt[q]["none"].token_ids for q in qids
+                )
+            row[c] = entry
+        for entry in row.values():
+            if "hf" in row:
+                entry["speedup_vs_hf"] = entry["tokens_per_second"] / row["hf"]["tokens_per_second"]
+            entry["speedup_vs_target_only"] = entry["tokens_per_second"] / row["none"]["tokens_per_second"]
+        summary[g] = row
+    return summary
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The summary as a markdown table, one row per (group, configuration)."""
+    lines = [
+        "| group | config | prompts | tok/s | vs hf | vs target-only | acceptance | tokens/pass | same as ours |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for g, row in summary.items():
+        for c, e in row.items():
+            acc = f"{e['acceptance_rate']:.3f}" if "acceptance_rate" in e else "-"
+            tpp = f"{e['tokens_per_target_pass']:.2f}" if "tokens_per_target_pass" in e else "-"
+            same = f"{e['identical_to_target_only']}/{e['prompts']}" if "identical_to_target_only" in e else "-"
+            vs_hf = f"{e['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in e else "-"
+            lines.append(
+                f"| {g} | {c} | {e['prompts']} | {e['tokens_per_second']:.1f} | {vs_hf} | "
+                f"{e['speedup_vs_target_only']:.2f}x | {acc} | {tpp} | {same} |"
+            )
+    return "\n".join(lines)
+
+
+def per_prompt_medians(runs: list[Run]) -> dict[str, float]:
+    """Median over prompts of each configuration's tokens/s (robust to a noisy prompt)."""
+    by_config: dict[str, list[float]] = defaultdict(list)
+    for r in runs:
+        by_config[r.config].append(r.tokens / r.seconds)
+    return {c: statistics.median(v) for c, v in by_config.items()}
