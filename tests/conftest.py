@@ -1,0 +1,188 @@
+"""Shared session-scoped fixtures.
+
+Engine fixtures (below): the real default target loaded once per session in float32 (and a bfloat16
+copy), transformers' own model and tokenizer for the same GGUF (the oracle; a test-only dependency),
+the first Spec-Bench prompts, and factories for tiny random decoders and toy tokenizers. Factories are
+session-scoped fixtures returning plain functions, so hypothesis tests can use them too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from app import store
+from app.engine.loading import LoadedModel, load_model
+from app.engine.model import ModelConfig, Transformer
+from app.engine.tokenizer import Tokenizer
+
+# transformers must never reach for a hub: everything it loads here is a local file.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TARGET_NAME = "smollm2-135m-instruct"
+SPECBENCH = REPO_ROOT.parent / "shared" / "bench" / "specbench-dev.jsonl"
+
+
+# --- the real target ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def target_path() -> Path:
+    """The default target's GGUF (`make test` fetches it before pytest runs)."""
+    return store.resolve(TARGET_NAME)
+
+
+@pytest.fixture(scope="session")
+def target_f32(target_path: Path) -> LoadedModel:
+    return load_model(target_path, "float32", "cpu")
+
+
+@pytest.fixture(scope="session")
+def target_bf16(target_f32: LoadedModel) -> LoadedModel:
+    """The target's own weights in bfloat16: a cheap "quantized" draft that mostly agrees with it.
+
+    Cast from the float32 copy (what `load_model(path, "bfloat16")` does to the same dequantized state
+    dict) instead of reading the file a second time.
+    """
+    model = copy.deepcopy(target_f32.model).to(torch.bfloat16)
+    return LoadedModel(model, target_f32.tokenizer, target_f32.source + " (bfloat16)", 0.0)
+
+
+@pytest.fixture(scope="session")
+def hf_target(target_path: Path):
+    """transformers' LlamaForCausalLM for the same GGUF, dequantized to float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(target_path.parent), gguf_file=target_path.name, dtype=torch.float32
+    )
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(target_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target_path.parent), gguf_file=target_path.name)
+
+
+@pytest.fixture(scope="session")
+def specbench_first_turns() -> list[str]:
+    """The first turns of the first three Spec-Bench rows: prompts nobody here picked by hand."""
+    rows = [json.loads(line) for line in SPECBENCH.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [row["turns"][0] for row in rows[:3]]
+
+
+# --- tiny models and toy tokenizers ------------------------------------------------------------------------
+
+
+def _tiny_config(
+    vocab_size: int = 64,
+    dim: int = 32,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    intermediate_size: int = 48,
+    rope_theta: float = 10000.0,
+    tie_embeddings: bool = True,
+    qkv_bias: bool = False,
+    max_seq_len: int = 256,
+) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab_size,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        intermediate_size=intermediate_size,
+        rope_theta=rope_theta,
+        tie_embeddings=tie_embeddings,
+        qkv_bias=qkv_bias,
+        max_seq_len=max_seq_len,
+    )
+
+
+def _make_tiny_model(seed: int = 0, **config) -> Transformer:
+    """A random float32 decoder; norms get random gains too, so that no weight is trivially 1."""
+    torch.manual_seed(seed)
+    model = Transformer(_tiny_config(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval().requires_grad_(False)
+
+
+def _truncate_layers(model: Transformer, n_layers: int) -> Transformer:
+    """A decoder made of `model`'s first `n_layers` blocks, its final norm and its head (an early-exit draft)."""
+    cfg = ModelConfig.from_dict({**model.config.to_dict(), "n_layers": n_layers})
+    small = Transformer(cfg).to(model.dtype)
+    state = {
+        k: v for k, v in model.state_dict().items() if not k.startswith("layers.") or int(k.split(".")[1]) < n_layers
+    }
+    small.load_state_dict(state, strict=True)
+    return small.eval().requires_grad_(False)
+
+
+def _word_tokenizer(vocab_size: int, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """Token i is the word `t<i>`; decoding joins words with spaces. No special tokens, no template."""
+    backend = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, [], None, None, eos_token_ids)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what byte-level BPE vocabularies are written in)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def _byte_tokenizer(specials: Sequence[str] = ("<|im_end|>",)) -> Tokenizer:
+    """Byte-level BPE without merges: token id b is the single byte b; specials follow at 256, 257, ..."""
+    table = _bytes_to_unicode()
+    backend = HFTokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[], fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return Tokenizer(backend, list(specials), None, None, ())
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model() -> Callable[..., Transformer]:
+    """`make_tiny_model(seed, vocab_size=..., n_layers=..., ...)`: a random tiny float32 Transformer."""
+    return _make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def truncate_layers() -> Callable[[Transformer, int], Transformer]:
+    return _truncate_layers
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer() -> Callable[..., Tokenizer]:
+    """`word_tokenizer(vocab_size, eos_token_ids=())`: words t0, t1, ... as token ids 0, 1, ..."""
+    return _word_tokenizer
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer() -> Callable[..., Tokenizer]:
+    """`byte_tokenizer(specials=("<|im_end|>",))`: one token per byte (id == byte value)."""
+    return _byte_tokenizer
