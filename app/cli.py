@@ -278,6 +278,74 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- specserve serve --------------------------------------------------------------------------------------
+
+# (flag, Settings field, type, help); every flag defaults to None so that SPECSERVE_* variables apply.
+_SERVE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--target", "target", str, "target model: catalog name or path (default: smollm2-135m-instruct)"),
+    ("--draft", "draft", str, "default | none | ngram | draft catalog NAME | PATH (default: default)"),
+    ("--num-draft-tokens", "num_draft_tokens", int, "tokens drafted per step unless a request says (default: 4)"),
+    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (default: auto)"),
+    ("--device", "device", str, "auto | cpu | cuda | cuda:N (default: auto)"),
+    ("--host", "host", str, "address to listen on (default: 127.0.0.1)"),
+    ("--port", "port", int, "port to listen on (default: 8000)"),
+    ("--model-name", "model_name", str, "model id the OpenAI API reports (default: the target)"),
+    ("--max-concurrent-requests", "max_concurrent_requests", int, "generations interleaved at once (default: 4)"),
+    ("--max-queue-size", "max_queue_size", int, "requests waiting beyond those; then 429 (default: 16)"),
+    ("--request-timeout", "request_timeout", float, "seconds before a request is abandoned (default: 300)"),
+    ("--max-input-tokens", "max_input_tokens", int, "longest prompt in tokens (default: context - 1)"),
+    ("--max-new-tokens", "max_new_tokens", int, "largest max_new_tokens a request may ask (default: 2048)"),
+    ("--default-max-new-tokens", "default_max_new_tokens", int, "when a request does not say (default: 256)"),
+    ("--max-stop-sequences", "max_stop_sequences", int, "most stop strings per request (default: 4)"),
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body (default: 1048576)"),
+    ("--log-format", "log_format", str, "text | json (default: text)"),
+    ("--log-level", "log_level", str, "debug | info | warning | error (default: info)"),
+)
+
+
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the TGI- and OpenAI-compatible HTTP API",
+        description="Serve generation over HTTP (TGI-compatible /generate, OpenAI-compatible /v1/...). Each flag "
+        "can also be set by its SPECSERVE_* environment variable (--max-queue-size: SPECSERVE_MAX_QUEUE_SIZE); "
+        "a flag wins over the environment.",
+    )
+    for flag, field, type_, help_ in _SERVE_FLAGS:
+        parser.add_argument(flag, dest=field, type=type_, default=None, help=help_)
+    parser.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from app import store
+    from app.logs import configure_logging
+    from app.server import create_app
+    from app.settings import Settings
+
+    overrides = {field: getattr(args, field) for _, field, _, _ in _SERVE_FLAGS if getattr(args, field) is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        raise CliError(f"invalid settings: {problems}") from exc
+    configure_logging(settings.log_format, settings.log_level)
+    # A model that is not there fails here, with what to run, before the port opens.
+    store.resolve(settings.target)
+    if settings.draft not in ("default", "none", "ngram"):
+        store.resolve(settings.draft)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
 # --- entry point --------------------------------------------------------------------------------------------
 
 
@@ -291,6 +359,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_models_parser(subparsers)
     _add_generate_parser(subparsers)
     _add_bench_parser(subparsers)
+    _add_serve_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,84 @@
+"""A guard in front of every route that takes a body: size limit, JSON content type, UTF-8.
+
+It reads the whole body first (at most the limit), so that a body too large is refused with 413 before any
+of it is parsed, and bytes that are not UTF-8 are refused with a message that says so rather than a parse
+error. The body is then handed on unchanged; after it, the app receives the client's own messages, so that a
+disconnect still reaches the routes.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.api.errors import error_response
+
+_METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+class BodyGuard:
+    """ASGI middleware: refuse bodies over `max_bytes`, not JSON, or not UTF-8, in the API's error shape."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in _METHODS_WITH_BODY:
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope["path"]
+
+        async def refuse(kind: str, message: str) -> None:
+            await error_response(path, kind, message)(scope, receive, send)
+
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await refuse("too_large", f"the request body is {declared} bytes, over the limit of {self.max_bytes}")
+            return
+        content_type = headers.get("content-type")
+        if content_type is not None and not _is_json(content_type):
+            await refuse(
+                "unsupported_media_type", f"the body must be JSON (Content-Type: application/json), not {content_type}"
+            )
+            return
+
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await refuse("too_large", f"the request body is over the limit of {self.max_bytes} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            await refuse(
+                "validation",
+                f"the request body is not valid UTF-8 (byte 0x{body[exc.start]:02x} at offset {exc.start})",
+            )
+            return
+
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

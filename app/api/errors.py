@@ -1,0 +1,144 @@
+"""Errors as the clients of each API expect them.
+
+The native (TGI) routes answer ``{"error": "...", "error_type": "..."}`` with 422 for a bad request, the way
+text-generation-inference does, so that its client raises its own ValidationError, OverloadedError and
+GenerationError. The OpenAI routes (``/v1/...``) answer ``{"error": {"message", "type", "param", "code"}}``
+with 400 for a bad request, which the ``openai`` client turns into BadRequestError and friends. Every
+message says what is wrong in the request and, for a limit, what the limit is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+OPENAI_PREFIX = "/v1/"
+
+# error_type -> (status on the native routes, status on the OpenAI routes, OpenAI error type)
+_KINDS: dict[str, tuple[int, int, str]] = {
+    "validation": (422, 400, "invalid_request_error"),
+    "not_found": (404, 404, "not_found_error"),
+    "method_not_allowed": (405, 405, "invalid_request_error"),
+    "too_large": (413, 413, "invalid_request_error"),
+    "unsupported_media_type": (415, 415, "invalid_request_error"),
+    "overloaded": (429, 429, "rate_limit_exceeded"),
+    "generation": (424, 424, "server_error"),
+    "internal": (500, 500, "server_error"),
+    "unavailable": (503, 503, "server_error"),
+    "timeout": (504, 504, "timeout"),
+}
+
+
+class APIError(Exception):
+    """A request that cannot be served; `kind` is the TGI ``error_type`` and picks the status."""
+
+    def __init__(self, kind: str, message: str, headers: dict[str, str] | None = None) -> None:
+        if kind not in _KINDS:
+            raise ValueError(f"unknown error kind {kind!r}")
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.headers = headers
+
+
+def is_openai_path(path: str) -> bool:
+    """Does `path` belong to the OpenAI-compatible API (which has its own error shape)?"""
+    return path.startswith(OPENAI_PREFIX)
+
+
+def status_of(kind: str, openai: bool) -> int:
+    """HTTP status of an error of `kind` on the native or the OpenAI routes."""
+    native, oai, _ = _KINDS[kind]
+    return oai if openai else native
+
+
+def error_body(kind: str, message: str, openai: bool) -> dict[str, Any]:
+    """The JSON body of an error, in the shape the API's clients parse (also used inside SSE streams)."""
+    if openai:
+        return {"error": {"message": message, "type": _KINDS[kind][2], "param": None, "code": kind}}
+    return {"error": message, "error_type": kind}
+
+
+def error_response(path: str, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A complete error response for a request to `path`."""
+    openai = is_openai_path(path)
+    return JSONResponse(error_body(kind, message, openai), status_code=status_of(kind, openai), headers=headers)
+
+
+def describe_validation_errors(errors: list[dict[str, Any]] | Any) -> str:
+    """One line naming each invalid field of a request, from pydantic's or FastAPI's error list."""
+    parts = []
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        kind = err.get("type", "")
+        msg = str(err.get("msg", "invalid"))
+        if kind == "json_invalid":
+            reason = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"the body is not valid JSON ({reason} at character {loc[0] if loc else '?'})")
+            continue
+        if kind == "missing":
+            parts.append(f"missing field '{'.'.join(loc)}'")
+            continue
+        if kind == "model_attributes_type" and not loc:
+            parts.append("the body must be a JSON object")
+            continue
+        # Pydantic prefixes custom errors with "Value error, "; the rest of the message is ours.
+        msg = msg.removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def _count_invalid(request: Request) -> None:
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None and request.method == "POST":
+        metrics.request_ended("invalid")
+
+
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    if exc.kind == "validation":
+        _count_invalid(request)
+    return error_response(request.url.path, exc.kind, exc.message, exc.headers)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    _count_invalid(request)
+    return error_response(request.url.path, "validation", describe_validation_errors(exc.errors()))
+
+
+_HTTP_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "too_large", 415: "unsupported_media_type"}
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = _HTTP_KINDS.get(exc.status_code, "validation" if exc.status_code < 500 else "internal")
+    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404:
+        detail = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        detail = f"method {request.method} is not allowed on {request.url.path}"
+    response = error_response(request.url.path, kind, detail, dict(exc.headers or {}))
+    # Report the status Starlette chose, even where our table would pick another for that kind.
+    response.status_code = exc.status_code
+    return response
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(request.url.path, "internal", f"internal error: {type(exc).__name__}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error of `app`, FastAPI's own included, answer in the shape of its API."""
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

@@ -1,0 +1,194 @@
+"""From a request's fields to a running generation and back, the same for the native and the OpenAI routes.
+
+`prepare` tokenizes (off the event loop) and holds the request to every limit, so that a request the
+engine would refuse is a 4xx before anything is queued; `submit` asks the scheduler for a place; `run_to_end`
+collects a generation for a non-streaming answer and gives it up if the client leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import Request
+from pydantic import BaseModel
+
+from app.api.errors import APIError
+from app.api.schemas import SpeculativeDetails, SpeculativeParameters
+from app.engine.generation import GenerationParams
+from app.runtime import Runtime
+from app.settings import Settings
+from app.worker import Finished, Overloaded, RequestFailed, Ticket, TokenOut
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready; there is nobody to answer."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a request asks for, in terms both APIs share; `*_field` name the fields in error messages."""
+
+    prompt: str | Sequence[int]
+    max_new_tokens: int | None
+    stop: Sequence[str]
+    speculative: SpeculativeParameters | None
+    truncate: int | None = None
+    prompt_field: str = "inputs"
+    max_new_tokens_field: str = "max_new_tokens"
+    default_max_new_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request that passed every check, ready for the scheduler."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    draft: str
+    num_draft_tokens: int
+
+
+def refuse_sampling(do_sample: bool, temperature: float | None) -> None:
+    """Refuse a request for sampling, which the engine cannot do yet.
+
+    The one place to remove once GenerationParams carries temperature, top_p, top_k and seed; top_p, top_k
+    and seed alone change nothing under greedy decoding and are accepted.
+    """
+    if do_sample or (temperature is not None and temperature > 0):
+        raise APIError("validation", "sampling is not supported yet: use do_sample=false and temperature 0 or null")
+
+
+def _invalid(message: str) -> APIError:
+    return APIError("validation", message)
+
+
+async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepared:
+    """Tokenize the prompt and check the request against every limit; raises APIError (4xx)."""
+    info = runtime.info
+    if len(spec.stop) > settings.max_stop_sequences:
+        raise _invalid(f"at most {settings.max_stop_sequences} stop strings are allowed, got {len(spec.stop)}")
+    if spec.max_new_tokens is not None and spec.max_new_tokens > settings.max_new_tokens:
+        raise _invalid(
+            f"{spec.max_new_tokens_field} must be at most {settings.max_new_tokens}, got {spec.max_new_tokens}"
+        )
+    draft, k = _speculation(runtime, spec.speculative)
+
+    if isinstance(spec.prompt, str):
+        if not spec.prompt:
+            raise _invalid(f"{spec.prompt_field} must not be empty")
+        # A long prompt takes a while to tokenize: not on the event loop.
+        ids = await anyio.to_thread.run_sync(runtime.tokenizer.encode, spec.prompt)
+    else:
+        ids = list(spec.prompt)
+        if any(not 0 <= t < info.vocab_size for t in ids):
+            raise _invalid(f"{spec.prompt_field}: token ids must lie in [0, {info.vocab_size})")
+    if spec.truncate is not None:
+        ids = ids[-spec.truncate :]
+    if not ids:
+        raise _invalid(f"{spec.prompt_field} must not be empty")
+    if len(ids) > info.max_input_tokens:
+        raise _invalid(
+            f"the prompt is {len(ids)} tokens, over the limit of {info.max_input_tokens} tokens (max_input_tokens)"
+        )
+    room = info.context_length - len(ids)
+    max_new = spec.max_new_tokens
+    if max_new is None:
+        max_new = min(spec.default_max_new_tokens or settings.default_max_new_tokens, settings.max_new_tokens, room)
+    elif max_new > room:
+        raise _invalid(
+            f"the prompt ({len(ids)} tokens) plus {spec.max_new_tokens_field} ({max_new}) exceeds the model's "
+            f"context of {info.context_length} tokens"
+        )
+    params = GenerationParams(max_new_tokens=max_new, stop=tuple(spec.stop), num_draft_tokens=k)
+    return Prepared(ids, params, draft, k if draft != "none" else 0)
+
+
+def _speculation(runtime: Runtime, spec: SpeculativeParameters | None) -> tuple[str, int]:
+    info = runtime.info
+    draft = spec.draft if spec is not None and spec.draft is not None else "default"
+    if draft not in info.drafts:
+        raise _invalid(f"speculative.draft: unknown draft {draft!r}; available: {', '.join(info.drafts)}")
+    if draft == "default":
+        draft = info.default_draft
+    k = spec.num_draft_tokens if spec is not None and spec.num_draft_tokens is not None else info.num_draft_tokens
+    return draft, k
+
+
+def submit(runtime: Runtime, settings: Settings, prepared: Prepared) -> Ticket:
+    """Hand the request to the scheduler; raises APIError 429 (with Retry-After) when every place is taken."""
+    try:
+        return runtime.scheduler.submit(prepared.prompt_ids, prepared.params, prepared.draft, settings.request_timeout)
+    except Overloaded as exc:
+        raise APIError("overloaded", str(exc), {"Retry-After": str(exc.retry_after)}) from exc
+    except RequestFailed as exc:
+        raise APIError(exc.kind, exc.message) from exc
+
+
+def failure(exc: RequestFailed) -> APIError:
+    """The APIError answering a request that failed in the worker."""
+    return APIError(exc.kind, exc.message)
+
+
+async def _client_disconnect(request: Request) -> None:
+    # The body was read before the route ran, so the next message is the client leaving.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_to_end(ticket: Ticket, request: Request) -> tuple[list[TokenOut], Finished]:
+    """Every token and the end of a generation; raises APIError when it fails, ClientGone when the client left."""
+    tokens: list[TokenOut] = []
+
+    async def consume() -> Finished:
+        async for event in ticket.events():
+            tokens.extend(event.tokens)
+            if event.finished is not None:
+                return event.finished
+        raise AssertionError("the event stream ended without a finished event")
+
+    work = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(_client_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return tokens, work.result()
+        raise ClientGone
+    except RequestFailed as exc:
+        raise failure(exc) from exc
+    finally:
+        for task in (work, gone):
+            task.cancel()
+        ticket.cancel()
+
+
+def speculative_details(prepared: Prepared, finished: Finished) -> SpeculativeDetails:
+    """The speculative figures of a finished request, for `details.speculative`."""
+    s = finished.stats
+    return SpeculativeDetails(
+        draft=prepared.draft,
+        num_draft_tokens=prepared.num_draft_tokens,
+        drafted=int(s["drafted"]),
+        accepted=int(s["accepted"]),
+        target_passes=int(s["target_passes"]),
+        verify_passes=int(s["verify_passes"]),
+        acceptance_rate=float(s["acceptance_rate"]),
+        tokens_per_target_pass=float(s["tokens_per_target_pass"]),
+        accepted_per_position=list(s["accepted_per_position"]),
+    )
+
+
+def sse(data: BaseModel | dict[str, Any] | str) -> str:
+    """One server-sent event carrying `data` (JSON, or a literal like ``[DONE]``)."""
+    if isinstance(data, BaseModel):
+        data = data.model_dump_json()
+    elif isinstance(data, dict):
+        data = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

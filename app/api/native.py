@@ -1,0 +1,204 @@
+"""The native API, compatible with text-generation-inference: /generate, /generate_stream and POST /.
+
+``POST /`` is where TGI's own client sends both kinds of request: ``stream: false`` answers a list holding
+one /generate response, ``stream: true`` answers as /generate_stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+
+from app.api import jobs
+from app.api.deps import get_runtime, get_settings
+from app.api.errors import APIError, error_body
+from app.api.schemas import (
+    Details,
+    ErrorResponse,
+    GenerateParameters,
+    GenerateRequest,
+    GenerateResponse,
+    InputToken,
+    StreamDetails,
+    StreamResponse,
+    Token,
+)
+from app.runtime import Runtime
+from app.settings import Settings
+from app.worker import Finished, RequestFailed, TokenOut
+
+router = APIRouter(tags=["native (TGI-compatible)"])
+
+# Engine finish reasons as TGI names them.
+_FINISH = {"eos": "eos_token", "stop": "stop_sequence", "length": "length"}
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    422: {"model": ErrorResponse, "description": "invalid request (the message names the field and the limit)"},
+    413: {"model": ErrorResponse, "description": "body over the size limit"},
+    415: {"model": ErrorResponse, "description": "body not JSON"},
+    424: {"model": ErrorResponse, "description": "the generation failed"},
+    429: {"model": ErrorResponse, "description": "every place is taken; see Retry-After"},
+    503: {"model": ErrorResponse, "description": "the model is loading"},
+    504: {"model": ErrorResponse, "description": "the request outlived its timeout"},
+}
+_SSE_OK: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "server-sent events: one `data:` event per token, the last carrying `generated_text` "
+        "and `details`; an error after the stream began is one event with `error` and `error_type`",
+        "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/StreamResponse"}}},
+        "model": StreamResponse,
+    }
+}
+
+Runtime_ = Annotated[Runtime, Depends(get_runtime)]
+Settings_ = Annotated[Settings, Depends(get_settings)]
+
+
+def _check(parameters: GenerateParameters) -> None:
+    jobs.refuse_sampling(parameters.do_sample, parameters.temperature)
+    unsupported = {
+        "repetition_penalty": parameters.repetition_penalty not in (None, 1.0),
+        "frequency_penalty": parameters.frequency_penalty not in (None, 0.0),
+        "typical_p": parameters.typical_p is not None,
+        "best_of": parameters.best_of not in (None, 1),
+        "watermark": parameters.watermark,
+        "top_n_tokens": parameters.top_n_tokens not in (None, 0),
+        "grammar": parameters.grammar is not None,
+        "adapter_id": parameters.adapter_id is not None,
+    }
+    if bad := [name for name, set_ in unsupported.items() if set_]:
+        raise APIError("validation", f"parameters not supported: {', '.join(bad)} (leave them unset)")
+
+
+async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest) -> jobs.Prepared:
+    p = body.parameters
+    _check(p)
+    spec = jobs.JobSpec(
+        prompt=body.inputs,
+        max_new_tokens=p.max_new_tokens,
+        stop=p.stop,
+        speculative=p.speculative,
+        truncate=p.truncate,
+        prompt_field="inputs",
+        max_new_tokens_field="parameters.max_new_tokens",
+    )
+    return await jobs.prepare(runtime, settings, spec)
+
+
+def _token(t: TokenOut) -> Token:
+    return Token(id=t.id, text=t.text, logprob=None, special=t.special)
+
+
+def _full_text(body: GenerateRequest, finished: Finished) -> str:
+    return body.inputs + finished.text if body.parameters.return_full_text else finished.text
+
+
+async def _generate(request: Request, body: GenerateRequest, runtime: Runtime, settings: Settings) -> Response:
+    prepared = await _prepare(runtime, settings, body)
+    ticket = jobs.submit(runtime, settings, prepared)
+    try:
+        tokens, finished = await jobs.run_to_end(ticket, request)
+    except jobs.ClientGone:
+        return Response(status_code=499)
+    details = None
+    if body.parameters.details:
+        prefill = []
+        if body.parameters.decoder_input_details:
+            decode = runtime.tokenizer.decode
+            prefill = [InputToken(id=i, text=decode([i], skip_special_tokens=False)) for i in prepared.prompt_ids]
+        details = Details(
+            finish_reason=_FINISH[finished.finish_reason],  # type: ignore[arg-type]
+            generated_tokens=finished.generated_tokens,
+            seed=None,
+            prefill=prefill,
+            tokens=[_token(t) for t in tokens],
+            speculative=jobs.speculative_details(prepared, finished),
+        )
+    return Response(
+        GenerateResponse(generated_text=_full_text(body, finished), details=details).model_dump_json(),
+        media_type="application/json",
+    )
+
+
+async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -> StreamingResponse:
+    prepared = await _prepare(runtime, settings, body)
+    ticket = jobs.submit(runtime, settings, prepared)
+
+    async def events() -> AsyncIterator[str]:
+        index = 0
+        try:
+            async for step in ticket.events():
+                for n, tok in enumerate(step.tokens, 1):
+                    index += 1
+                    event = StreamResponse(index=index, token=_token(tok))
+                    if step.finished is not None and n == len(step.tokens):
+                        f = step.finished
+                        event.generated_text = _full_text(body, f)
+                        if body.parameters.details:
+                            event.details = StreamDetails(
+                                finish_reason=_FINISH[f.finish_reason],  # type: ignore[arg-type]
+                                generated_tokens=f.generated_tokens,
+                                seed=None,
+                                input_length=f.prompt_tokens,
+                                speculative=jobs.speculative_details(prepared, f),
+                            )
+                    yield jobs.sse(event)
+        except RequestFailed as exc:
+            yield jobs.sse(error_body(exc.kind, exc.message, openai=False))
+        finally:
+            ticket.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=jobs.SSE_HEADERS)
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateResponse,
+    responses=_ERRORS,
+    summary="Generate text (TGI /generate)",
+)
+async def generate(request: Request, body: GenerateRequest, runtime: Runtime_, settings: Settings_) -> Response:
+    """Generate greedily from `inputs` and answer the whole text at once."""
+    return await _generate(request, body, runtime, settings)
+
+
+@router.post(
+    "/generate_stream",
+    response_class=StreamingResponse,
+    responses={**_SSE_OK, **_ERRORS},
+    summary="Generate text as server-sent events (TGI /generate_stream)",
+)
+async def generate_stream(body: GenerateRequest, runtime: Runtime_, settings: Settings_) -> StreamingResponse:
+    """Generate greedily from `inputs`, one event per token even when one target pass accepts several."""
+    return await _stream(body, runtime, settings)
+
+
+@router.post(
+    "/",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "`stream: false`: a list holding one /generate response; `stream: true`: the events "
+            "of /generate_stream",
+            "content": {
+                "application/json": {
+                    "schema": {"type": "array", "items": {"$ref": "#/components/schemas/GenerateResponse"}}
+                },
+                "text/event-stream": {"schema": {"$ref": "#/components/schemas/StreamResponse"}},
+            },
+        },
+        **_ERRORS,
+    },
+    summary="TGI's compatibility route, where its client sends generate and generate_stream",
+)
+async def compat_generate(request: Request, body: GenerateRequest, runtime: Runtime_, settings: Settings_) -> Response:
+    """As /generate (answered as a one-element list) or, with `stream: true`, as /generate_stream."""
+    if body.stream:
+        return await _stream(body, runtime, settings)
+    single = await _generate(request, body, runtime, settings)
+    if single.status_code != 200:
+        return single
+    return Response(b"[" + bytes(single.body) + b"]", media_type="application/json")

@@ -1,0 +1,268 @@
+"""The OpenAI-compatible API: /v1/completions, /v1/chat/completions and /v1/models.
+
+A streamed answer is ``data:`` chunks, one per token that adds text, the last one with the finish reason,
+then (with ``stream_options.include_usage``) a chunk with the usage and no choices, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+
+from app.api import jobs
+from app.api.deps import get_runtime, get_settings
+from app.api.errors import APIError, error_body
+from app.api.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    OpenAIErrorResponse,
+    Usage,
+)
+from app.engine.tokenizer import TokenizerError
+from app.runtime import Runtime
+from app.settings import Settings
+from app.worker import Finished, RequestFailed, Ticket
+
+router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+_FINGERPRINT = "specserve"
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": OpenAIErrorResponse, "description": "invalid request (the message names the field and the limit)"},
+    413: {"model": OpenAIErrorResponse, "description": "body over the size limit"},
+    415: {"model": OpenAIErrorResponse, "description": "body not JSON"},
+    424: {"model": OpenAIErrorResponse, "description": "the generation failed"},
+    429: {"model": OpenAIErrorResponse, "description": "every place is taken; see Retry-After"},
+    503: {"model": OpenAIErrorResponse, "description": "the model is loading"},
+    504: {"model": OpenAIErrorResponse, "description": "the request outlived its timeout"},
+}
+
+
+def _ok(model: type, chunk: type, what: str) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {
+            "model": model,
+            "description": f"the {what}; with `stream: true`, server-sent `data:` events each holding a "
+            f"{chunk.__name__}, ending with `data: [DONE]`",
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}},
+                "text/event-stream": {"schema": {"$ref": f"#/components/schemas/{chunk.__name__}"}},
+            },
+        }
+    }
+
+
+Runtime_ = Annotated[Runtime, Depends(get_runtime)]
+Settings_ = Annotated[Settings, Depends(get_settings)]
+
+
+def _check(body: CompletionRequest | ChatCompletionRequest) -> None:
+    jobs.refuse_sampling(False, body.temperature)
+    unsupported = {
+        "presence_penalty": body.presence_penalty not in (None, 0.0),
+        "frequency_penalty": body.frequency_penalty not in (None, 0.0),
+        "logit_bias": bool(body.logit_bias),
+    }
+    if isinstance(body, CompletionRequest):
+        unsupported |= {"logprobs": body.logprobs is not None, "suffix": body.suffix is not None}
+    else:
+        unsupported |= {
+            "logprobs": bool(body.logprobs),
+            "top_logprobs": body.top_logprobs is not None,
+            "tools": bool(body.tools),
+            "tool_choice": body.tool_choice not in (None, "none"),
+            "response_format": body.response_format not in (None, {"type": "text"}),
+        }
+    if bad := [name for name, set_ in unsupported.items() if set_]:
+        raise APIError("validation", f"parameters not supported: {', '.join(bad)} (leave them unset)")
+
+
+def _usage(finished: Finished) -> Usage:
+    return Usage(
+        prompt_tokens=finished.prompt_tokens,
+        completion_tokens=finished.generated_tokens,
+        total_tokens=finished.prompt_tokens + finished.generated_tokens,
+    )
+
+
+def _stream(
+    ticket: Ticket,
+    chunk: Callable[[str | None, str | None], Any],
+    final_extra: Callable[[Finished], dict[str, Any]],
+    include_usage: bool,
+    usage_chunk: Callable[[Usage], Any],
+    first: Any = None,
+) -> StreamingResponse:
+    """SSE of one generation: `chunk(text, finish_reason)` per token with text, the last with the reason."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield jobs.sse(first)
+            async for step in ticket.events():
+                for n, tok in enumerate(step.tokens, 1):
+                    last = step.finished is not None and n == len(step.tokens)
+                    if last:
+                        assert step.finished is not None
+                        event = chunk(tok.text, _FINISH[step.finished.finish_reason])
+                        for key, value in final_extra(step.finished).items():
+                            setattr(event, key, value)
+                        yield jobs.sse(event)
+                        if include_usage:
+                            yield jobs.sse(usage_chunk(_usage(step.finished)))
+                    elif tok.text:
+                        yield jobs.sse(chunk(tok.text, None))
+        except RequestFailed as exc:
+            yield jobs.sse(error_body(exc.kind, exc.message, openai=True))
+        finally:
+            ticket.cancel()
+        yield jobs.sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=jobs.SSE_HEADERS)
+
+
+@router.post(
+    "/completions",
+    response_model=CompletionResponse,
+    responses={**_ok(CompletionResponse, CompletionResponse, "completion"), **_ERRORS},
+    summary="Complete a prompt (OpenAI completions)",
+)
+async def completions(request: Request, body: CompletionRequest, runtime: Runtime_, settings: Settings_) -> Response:
+    """Continue `prompt` greedily, sent as is (no chat template)."""
+    _check(body)
+    prompt: str | list[int]
+    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+        if len(body.prompt) != 1:
+            raise APIError("validation", f"prompt: one prompt per request, got {len(body.prompt)}")
+        prompt = str(body.prompt[0])
+    else:
+        prompt = body.prompt  # type: ignore[assignment]
+    spec = jobs.JobSpec(
+        prompt=prompt,
+        max_new_tokens=body.max_tokens,
+        stop=body.stop_strings(),
+        speculative=body.speculative,
+        prompt_field="prompt",
+        max_new_tokens_field="max_tokens",
+    )
+    prepared = await jobs.prepare(runtime, settings, spec)
+    ticket = jobs.submit(runtime, settings, prepared)
+    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), runtime.info.served_model_name
+    echo = prompt if body.echo and isinstance(prompt, str) else ""
+
+    def chunk(text: str | None, finish: str | None) -> CompletionResponse:
+        choice = CompletionChoice(text=text or "", finish_reason=finish)  # type: ignore[arg-type]
+        return CompletionResponse(
+            id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[choice]
+        )
+
+    if body.stream:
+        return _stream(
+            ticket,
+            chunk,
+            lambda f: {"speculative": jobs.speculative_details(prepared, f)},
+            bool(body.stream_options and body.stream_options.include_usage),
+            lambda u: CompletionResponse(
+                id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[], usage=u
+            ),
+            # The echoed prompt goes first, as a chunk of its own.
+            first=chunk(echo, None) if echo else None,
+        )
+    try:
+        _, finished = await jobs.run_to_end(ticket, request)
+    except jobs.ClientGone:
+        return Response(status_code=499)
+    result = chunk(echo + finished.text, _FINISH[finished.finish_reason])
+    result.usage = _usage(finished)
+    result.speculative = jobs.speculative_details(prepared, finished)
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={**_ok(ChatCompletionResponse, ChatCompletionChunk, "chat completion"), **_ERRORS},
+    summary="Answer a conversation (OpenAI chat completions)",
+)
+async def chat_completions(
+    request: Request, body: ChatCompletionRequest, runtime: Runtime_, settings: Settings_
+) -> Response:
+    """Render `messages` with the model's chat template and answer greedily as the assistant."""
+    _check(body)
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise APIError("validation", "give max_completion_tokens or max_tokens, not both")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    try:
+        prompt = runtime.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except TokenizerError as exc:
+        raise APIError("validation", f"messages: {exc}") from exc
+    spec = jobs.JobSpec(
+        prompt=prompt,
+        max_new_tokens=body.max_completion_tokens or body.max_tokens,
+        stop=body.stop_strings(),
+        speculative=body.speculative,
+        prompt_field="messages",
+        max_new_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+    )
+    prepared = await jobs.prepare(runtime, settings, spec)
+    ticket = jobs.submit(runtime, settings, prepared)
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), runtime.info.served_model_name
+
+    def chunk(text: str | None, finish: str | None) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish)  # type: ignore[arg-type]
+        return ChatCompletionChunk(
+            id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[choice]
+        )
+
+    if body.stream:
+        return _stream(
+            ticket,
+            chunk,
+            lambda f: {"speculative": jobs.speculative_details(prepared, f)},
+            bool(body.stream_options and body.stream_options.include_usage),
+            lambda u: ChatCompletionChunk(
+                id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[], usage=u
+            ),
+        )
+    try:
+        _, finished = await jobs.run_to_end(ticket, request)
+    except jobs.ClientGone:
+        return Response(status_code=499)
+    result = ChatCompletionResponse(
+        id=rid,
+        created=created,
+        model=model,
+        system_fingerprint=_FINGERPRINT,
+        choices=[
+            ChatChoice(
+                message=AssistantMessage(content=finished.text),
+                finish_reason=_FINISH[finished.finish_reason],  # type: ignore[arg-type]
+            )
+        ],
+        usage=_usage(finished),
+        speculative=jobs.speculative_details(prepared, finished),
+    )
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+@router.get("/models", response_model=ModelList, summary="The served model (OpenAI models)")
+async def models(runtime: Runtime_) -> ModelList:
+    """The one model this server serves, under the name the OpenAI API reports."""
+    info = runtime.info
+    return ModelList(data=[ModelCard(id=info.served_model_name, created=0, max_model_len=info.context_length)])

@@ -1,0 +1,73 @@
+"""Operations routes: /health, /info and /metrics."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from app.api.deps import get_metrics, get_runtime, get_settings
+from app.api.schemas import ErrorResponse, Health, Info
+from app.metrics import Metrics
+from app.runtime import Runtime
+from app.settings import Settings
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get(
+    "/health",
+    response_model=Health,
+    responses={503: {"model": Health, "description": "the model is loading, or failed to load"}},
+    summary="Readiness",
+)
+async def health(request: Request) -> JSONResponse:
+    """200 once the models are loaded and the worker runs; 503 before (and if loading failed)."""
+    state = request.app.state
+    if state.runtime is not None:
+        return JSONResponse(Health(status="ok").model_dump())
+    if state.load_error:
+        return JSONResponse(Health(status="failed", error=state.load_error).model_dump(), status_code=503)
+    return JSONResponse(Health(status="loading").model_dump(), status_code=503)
+
+
+@router.get(
+    "/info",
+    response_model=Info,
+    responses={503: {"model": ErrorResponse, "description": "the model is loading"}},
+    summary="The served models and the limits",
+)
+async def info(
+    runtime: Annotated[Runtime, Depends(get_runtime)], settings: Annotated[Settings, Depends(get_settings)]
+) -> Info:
+    """Models, dtype, device, draft, k, limits and version."""
+    i = runtime.info
+    return Info(
+        model_id=i.model_id,
+        served_model_name=i.served_model_name,
+        model_dtype=i.dtype,
+        model_device_type=i.device,
+        draft=i.default_draft,
+        available_drafts=list(i.drafts),
+        num_draft_tokens=i.num_draft_tokens,
+        max_input_tokens=i.max_input_tokens,
+        max_new_tokens=settings.max_new_tokens,
+        max_total_tokens=i.context_length,
+        max_stop_sequences=settings.max_stop_sequences,
+        max_concurrent_requests=settings.max_concurrent_requests,
+        max_queue_size=settings.max_queue_size,
+        request_timeout=settings.request_timeout,
+        version=i.version,
+    )
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"description": "Prometheus text exposition format", "content": {"text/plain": {}}}},
+    summary="Prometheus metrics",
+)
+async def metrics(metrics: Annotated[Metrics, Depends(get_metrics)]) -> Response:
+    """Every metric, prefix ``specserve_``, in the Prometheus text format."""
+    return Response(metrics.render(), media_type=metrics.content_type)

@@ -1,0 +1,81 @@
+"""What the routes serve with once the models are loaded: the scheduler, the tokenizer, facts about the models.
+
+Building one from settings loads the target and the draft (seconds); building one from an engine that is
+already loaded (tests) does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app import __version__
+from app.engine.generation import Engine
+from app.engine.tokenizer import Tokenizer
+from app.metrics import Metrics
+from app.settings import Settings
+from app.worker import Scheduler
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded models as /info and the OpenAI API describe them."""
+
+    model_id: str
+    served_model_name: str
+    dtype: str
+    device: str
+    context_length: int
+    vocab_size: int
+    default_draft: str
+    drafts: tuple[str, ...]  # every name a request may ask for, "none" included
+    num_draft_tokens: int
+    max_input_tokens: int
+    has_chat_template: bool
+    version: str = __version__
+
+
+@dataclass
+class Runtime:
+    """A started scheduler over a loaded engine, and what requests are validated against."""
+
+    scheduler: Scheduler
+    tokenizer: Tokenizer
+    info: ModelInfo
+
+    @classmethod
+    def from_engine(cls, engine: Engine, settings: Settings, metrics: Metrics | None) -> Runtime:
+        """Wrap a loaded engine and start its worker."""
+        config = engine.target.config
+        context = config.max_seq_len
+        # A prompt leaves room for at least one new token.
+        max_input = min(settings.max_input_tokens or context - 1, context - 1)
+        info = ModelInfo(
+            model_id=settings.target,
+            served_model_name=settings.served_model_name,
+            dtype=str(engine.target.dtype).removeprefix("torch."),
+            device=str(engine.target.device),
+            context_length=context,
+            vocab_size=config.vocab_size,
+            default_draft=engine.default_draft,
+            drafts=("default", "none", *engine.drafters),
+            num_draft_tokens=engine.num_draft_tokens,
+            max_input_tokens=max_input,
+            has_chat_template=engine.tokenizer.chat_template is not None,
+        )
+        scheduler = Scheduler(engine, settings.max_concurrent_requests, settings.max_queue_size, metrics)
+        scheduler.start()
+        return cls(scheduler, engine.tokenizer, info)
+
+    @classmethod
+    def load(cls, settings: Settings, metrics: Metrics | None) -> Runtime:
+        """Load the target and the draft named in `settings` and start the worker (blocks for seconds)."""
+        from app.engine.factory import build_engine
+
+        engine, _ = build_engine(
+            settings.target, settings.draft, settings.num_draft_tokens, settings.dtype, settings.device
+        )
+        return cls.from_engine(engine, settings, metrics)
+
+    def close(self) -> None:
+        """Stop the worker; requests still held fail with 503."""
+        self.scheduler.stop()

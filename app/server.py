@@ -1,0 +1,122 @@
+"""The FastAPI application: `create_app` and the lifespan that loads the models once.
+
+Loading takes seconds, so the lifespan starts it in a thread and the server answers at once: /health is
+503 until the models are loaded, then 200. Tests hand `create_app` an engine they loaded once; then the
+app is ready as soon as it starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from app import __version__
+from app.api import native, openai, ops
+from app.api.body import BodyGuard
+from app.api.errors import OPENAI_PREFIX, install_error_handlers
+from app.engine.generation import Engine
+from app.metrics import Metrics
+from app.runtime import Runtime
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_DESCRIPTION = """Speculative-decoding text generation: a cheap draft proposes, the target verifies in one pass.
+
+* **Native API**, compatible with text-generation-inference: `/generate`, `/generate_stream`, `POST /`.
+* **OpenAI API**: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+* **Operations**: `/health`, `/info`, `/metrics`.
+
+Both generation APIs take an extra `speculative` object (`num_draft_tokens`, `draft`) and report what the
+draft bought in `speculative` details.
+"""
+
+
+async def _load(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
+    try:
+        runtime = await asyncio.to_thread(Runtime.load, settings, metrics)
+    except Exception as exc:
+        log.exception("loading %s failed", settings.target)
+        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        return
+    if app.state.closing:
+        runtime.close()
+        return
+    app.state.runtime = runtime
+    _log_ready(runtime)
+
+
+def _log_ready(runtime: Runtime) -> None:
+    i = runtime.info
+    log.info(
+        "ready: %s (%s, %s, context %d), draft %s, k=%d", i.model_id, i.dtype, i.device, i.context_length,
+        i.default_draft, i.num_draft_tokens,
+    )  # fmt: skip
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, less the 422 it documents for every body: the OpenAI routes answer 400 instead."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path, operations in schema.get("paths", {}).items():
+            if path.startswith(OPENAI_PREFIX):
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+        components = schema.get("components", {}).get("schemas", {})
+        text = str(schema.get("paths"))
+        for unused in ("HTTPValidationError", "ValidationError"):
+            if f"/{unused}'" not in text:
+                components.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
+    """The service: routes, error handlers, body guard, metrics; with `engine`, served as is instead of loaded."""
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = None
+        if engine is not None:
+            app.state.runtime = Runtime.from_engine(engine, settings, metrics)
+            _log_ready(app.state.runtime)
+        else:
+            log.info("loading %s with draft %s", settings.target, settings.draft)
+            loader = asyncio.create_task(_load(app, settings, metrics))
+        try:
+            yield
+        finally:
+            app.state.closing = True
+            if loader is not None and not loader.done():
+                loader.cancel()
+            if app.state.runtime is not None:
+                await asyncio.to_thread(app.state.runtime.close)
+                app.state.runtime = None
+
+    app = FastAPI(
+        title="specserve",
+        version=__version__,
+        description=_DESCRIPTION,
+        lifespan=lifespan,
+        strict_content_type=False,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.runtime = None
+    app.state.load_error = None
+    app.state.closing = False
+    install_error_handlers(app)
+    app.include_router(native.router)
+    app.include_router(openai.router)
+    app.include_router(ops.router)
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app

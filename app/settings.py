@@ -1,0 +1,61 @@
+"""Settings of the HTTP service, read from ``SPECSERVE_*`` environment variables and ``specserve serve`` flags.
+
+Flags win over the environment, the environment over the defaults. Every field here has a flag of the same
+name in ``specserve serve`` (``max_queue_size`` is ``--max-queue-size``) and a variable in upper case with the
+prefix (``SPECSERVE_MAX_QUEUE_SIZE``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the service is configured with."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_", extra="ignore", frozen=True)
+
+    target: str = Field("smollm2-135m-instruct", description="target model: catalog name or path")
+    draft: str = Field(
+        "default", description="default draft: `default`, `none`, `ngram`, or a draft model's catalog name or path"
+    )
+    num_draft_tokens: int = Field(4, ge=0, le=16, description="tokens drafted per step unless a request says")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and activations")
+    device: str = Field("auto", description="`auto`, `cpu`, `cuda` or `cuda:N`")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
+    model_name: str | None = Field(None, description="the model id the OpenAI API reports (default: the target's name)")
+    max_concurrent_requests: int = Field(4, ge=1, le=256, description="generations interleaved at once by the worker")
+    max_queue_size: int = Field(
+        16, ge=0, le=10_000, description="requests waiting for a place; beyond this the answer is 429"
+    )
+    request_timeout: float = Field(
+        300.0, gt=0, description="seconds from arrival until a request is abandoned with an error"
+    )
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="longest prompt in tokens (default: the model's context minus one)"
+    )
+    max_new_tokens: int = Field(2048, ge=1, description="largest max_new_tokens (max_tokens) a request may ask")
+    default_max_new_tokens: int = Field(
+        256, ge=1, description="max_new_tokens of a request that does not say (OpenAI completions: 16)"
+    )
+    max_stop_sequences: int = Field(4, ge=0, le=64, description="most stop strings one request may give")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body in bytes; larger is 413")
+    log_format: Literal["text", "json"] = Field("text", description="`text` lines or one JSON object per line")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="lowest level logged")
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> Settings:
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
+
+    @property
+    def served_model_name(self) -> str:
+        """The id clients of the OpenAI API see: ``model_name``, else the target as it was named."""
+        return self.model_name or self.target
