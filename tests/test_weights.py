@@ -123,9 +123,8 @@ def test_hf_directory_logits_match_transformers(tmp_path, word_tokenizer, kind):
     cfg = loaded.config
     assert cfg.n_layers == 2 and cfg.vocab_size == VOCAB
     assert cfg.n_heads == hf.config.num_attention_heads and cfg.n_kv_heads == hf.config.num_key_value_heads
-    assert (
-        cfg.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
-    )
+    head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    assert cfg.head_dim == head_dim
     assert cfg.tie_embeddings == hf.config.tie_word_embeddings
     assert cfg.qkv_bias == kind.startswith("qwen2")
     assert cfg.rope_theta == pytest.approx(hf.config.rope_parameters["rope_theta"])
