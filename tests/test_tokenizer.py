@@ -1,0 +1,183 @@
+"""The tokenizer (app/engine/tokenizer.py): the default target's GGUF tokenizer against transformers' own
+tokenizer for the same file (ids, chat formatting, decoding), and the HF-directory and error paths on
+toy tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import AddedToken, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from app.engine.tokenizer import Tokenizer, TokenizerError
+
+TEXTS = [
+    "Hello, world!",
+    "def main():\n    print('hi')\n\treturn {\"a\": [1, 2, 3]}\n",
+    "x = 1234567890 + 3.14159 - 0x1F; y = 10**6",
+    "spaces:   three,      six,\t\ttabs,\n\n\nthree newlines \r\n windows",
+    "   leading and trailing   ",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>not special here? <|im_end|><|im_end|>",
+    "emoji 😀👍🏽 flags 🇫🇷 family 👨‍👩‍👧",
+    "中文字符和日本語のテキスト、한국어",
+    "café naïve façade Ångström résumé — “quotes” …",
+    "Ünïcödé combining: e\u0301 a\u0308 and Привет мир, مرحبا",
+    "I'm sure you'll see they've done it, didn't they? 'quoted'",
+    "https://example.com/path?query=1&b=2#frag email@example.org",
+    "",
+    "\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(target_f32):
+    return target_f32.tokenizer
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_ids_equal_transformers(tok, hf_tokenizer, text):
+    ours = tok.encode(text)
+    assert ours == hf_tokenizer.encode(text, add_special_tokens=False)
+    # The model's own tokenizer adds no BOS either: the default encode agrees as it is.
+    assert ours == hf_tokenizer.encode(text)
+
+
+def test_special_tokens_are_single_ids(tok, hf_tokenizer):
+    for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        assert tok.encode(special) == [tok.token_to_id(special)] == [hf_tokenizer.convert_tokens_to_ids(special)]
+
+
+def test_eos_ids_contain_im_end(tok, hf_tokenizer):
+    im_end = tok.token_to_id("<|im_end|>")
+    assert im_end is not None and im_end in tok.eos_token_ids
+    assert hf_tokenizer.eos_token_id in tok.eos_token_ids
+    assert tok.vocab_size == len(hf_tokenizer)
+
+
+MESSAGES = {
+    "single": [{"role": "user", "content": "What is 2 + 2?"}],
+    "system": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour. ¿Sí? 😀"},
+    ],
+    "multi-turn": [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Write a haiku\nabout rain."},
+    ],
+    "system-multi-turn": [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Good morning"},
+        {"role": "assistant", "content": "Bonjour"},
+        {"role": "user", "content": "Good night"},
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(MESSAGES))
+def test_chat_template_equals_transformers(tok, hf_tokenizer, name):
+    messages = MESSAGES[name]
+    ours = tok.apply_chat_template(messages)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+    assert ours.endswith("<|im_start|>assistant\n")
+    assert tok.encode(ours) == hf_tokenizer.encode(theirs, add_special_tokens=False)
+    without = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert without == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert not without.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "naïve café, Ångström",
+        "中文字符和日本語のテキスト",
+        "emoji 😀👍🏽🇫🇷👨‍👩‍👧 end",
+        "e\u0301 a\u0308 Привет мир مرحبا",
+        "  mixed\n\ttabs   and  spaces ",
+    ],
+)
+def test_decode_encode_round_trip(tok, hf_tokenizer, text):
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids) == hf_tokenizer.decode(ids)
+
+
+def test_decode_skips_special_tokens_unless_asked(tok, hf_tokenizer):
+    text = "<|im_start|>assistant\nSure.<|im_end|>"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == "assistant\nSure."
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_describe(tok):
+    d = tok.describe()
+    assert d["vocab_size"] == 49152 and d["chat_template"] is True
+    assert tok.token_to_id("<|im_end|>") in d["eos_token_ids"]
+
+
+# --- toy tokenizers: the HF-directory path and errors --------------------------------------------------------
+
+
+def _toy_backend() -> HFTokenizer:
+    vocab = {w: i for i, w in enumerate(["<s>", "</s>", "hello", "world", "<|im_end|>"])}
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<|im_end|>")])
+    return backend
+
+
+TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+
+
+def test_hf_directory_tokenizer(tmp_path):
+    _toy_backend().save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": {"content": "<s>"}, "add_bos_token": True, "chat_template": TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    meta = {"format": "hf", "path": str(tmp_path), "config": config}
+    tok = Tokenizer.from_metadata(meta, eos_token_ids=[1])
+    assert tok.bos_token_id == 0
+    assert tok.encode("hello world") == [0, 2, 3]
+    assert tok.encode("<s> hello") == [0, 2], "BOS is added once, never twice"
+    assert tok.eos_token_ids == {1, 4}  # the given eos, plus the special end-of-turn token
+    assert tok.decode([0, 2, 3, 1]) == "hello world"
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert rendered == "<s>[user] hello</s>"  # eos_token is the lowest eos id's token
+
+    # A chat_template.jinja file beside it wins over the config's template.
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    tok = Tokenizer.from_metadata(meta)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<x>"
+
+
+def test_hf_directory_named_templates_take_the_default(tmp_path):
+    _toy_backend().save(str(tmp_path / "tokenizer.json"))
+    config = {"chat_template": [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "PLAIN"}]}
+    tok = Tokenizer.from_metadata({"format": "hf", "path": str(tmp_path), "config": config})
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "PLAIN"
+    assert tok.encode("hello") == [2]  # no add_bos_token: nothing added
+
+
+def test_hf_directory_without_tokenizer_json(tmp_path):
+    with pytest.raises(TokenizerError, match=r"no tokenizer\.json"):
+        Tokenizer.from_metadata({"format": "hf", "path": str(tmp_path)})
+
+
+def test_chat_errors():
+    backend = _toy_backend()
+    no_template = Tokenizer(backend, ["<s>"], None, 0, [1])
+    with pytest.raises(TokenizerError, match="no chat template"):
+        no_template.apply_chat_template([{"role": "user", "content": "hello"}])
+    strict = Tokenizer(backend, ["<s>"], "{{ raise_exception('only user turns') }}", 0, [1])
+    with pytest.raises(TokenizerError, match="only user turns"):
+        strict.apply_chat_template([{"role": "user", "content": "hello"}])
+
+
+def test_unsupported_gguf_tokenizer_model():
+    meta = {"format": "gguf", "model": "llama", "tokens": ["a"], "merges": []}
+    with pytest.raises(TokenizerError, match="'llama' is not supported"):
+        Tokenizer.from_metadata(meta)
