@@ -1,0 +1,136 @@
+"""Drafters (app/engine/drafters.py): prompt lookup (n-gram) and a model draft with its own KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.drafters import DraftError, ModelDrafter, NgramDrafter
+from app.engine.loading import LoadedModel
+from app.engine.reference import greedy_decode
+
+# --- n-gram (prompt lookup) -------------------------------------------------------------------------------
+
+#             0  1  2  3  4  5  6  7  8  9 10 11
+SEQ = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+
+
+def _propose(ids, k, **kwargs):
+    return NgramDrafter(**kwargs).session(capacity=100).propose(ids, k)
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_earlier_occurrence():
+    # The tail [1, 2, 3] occurred at 0 (followed by 9) and at 4 (followed by 7, 5, ...): the latest wins.
+    assert _propose(SEQ, 3) == [7, 5, 1]
+
+
+@pytest.mark.parametrize(("k", "expected"), [(1, [7]), (2, [7, 5]), (4, [7, 5, 1, 2]), (50, [7, 5, 1, 2, 3])])
+def test_ngram_respects_k(k, expected):
+    assert _propose(SEQ, k) == expected
+
+
+def test_ngram_returns_nothing_when_nothing_matches():
+    assert _propose([1, 2, 3, 4], 3) == []
+    assert _propose([4], 3) == []
+    assert _propose(SEQ, 0) == []
+
+
+def test_ngram_prefers_the_longest_match():
+    ids = [5, 6, 7, 8, 9, 7, 1, 5, 6, 7]
+    # The 3-gram [5, 6, 7] occurred at 0 (followed by 8); the 1-gram [7] more recently at 5 (followed by 1).
+    assert _propose(ids, 2) == [8, 9]
+    assert _propose(ids, 2, max_n=1) == [1, 5]
+
+
+def test_ngram_min_n():
+    ids = [4, 1, 2, 9, 3, 2]  # only the 1-gram [2] occurred before (followed by 9)
+    assert _propose(ids, 2) == [9, 3]
+    assert _propose(ids, 2, max_n=3, min_n=2) == []
+
+
+def test_ngram_overlapping_match():
+    assert _propose([5, 5, 5, 5], 3) == [5]
+
+
+def test_ngram_bounds():
+    with pytest.raises(ValueError):
+        NgramDrafter(max_n=2, min_n=3)
+    with pytest.raises(ValueError):
+        NgramDrafter(max_n=2, min_n=0)
+
+
+# --- a model draft -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(make_tiny_model, word_tokenizer):
+    tok = word_tokenizer(64)
+    target = LoadedModel(make_tiny_model(seed=1, vocab_size=64), tok, "target", 0.0)
+    draft = LoadedModel(make_tiny_model(seed=2, vocab_size=64, n_layers=1), tok, "draft", 0.0)
+    return target, draft
+
+
+def test_model_draft_proposes_its_greedy_continuation_across_rollbacks(pair):
+    target, draft = pair
+    session = ModelDrafter("tiny", draft, target).session(capacity=40)
+    a = [3, 14, 15, 9, 26, 5]
+    first = session.propose(a, 4)
+    assert first == greedy_decode(draft.model, a, 4)
+    assert session._cache.length == len(a) + 4 - 1  # the last proposal is never fed
+
+    # Two proposals accepted, the third replaced by another token: the cache must roll back to it.
+    wrong = (first[2] + 1) % 64
+    b = [*a, *first[:2], wrong]
+    assert session.propose(b, 3) == greedy_decode(draft.model, b, 3)
+    assert session._cache.length == len(b) + 3 - 1
+
+    # An unrelated, shorter sequence (nothing shared but nothing stale may leak), then extend it.
+    c = [7, 7, 1]
+    assert session.propose(c, 2) == greedy_decode(draft.model, c, 2)
+    d = [*c, 60, 61, 62, 2]
+    assert session.propose(d, 5) == greedy_decode(draft.model, d, 5)
+    assert session.propose(d, 1) == greedy_decode(draft.model, d, 1)
+    assert session.propose(d, 0) == []
+
+
+def test_model_draft_stops_at_the_session_capacity(pair):
+    target, draft = pair
+    session = ModelDrafter("tiny", draft, target).session(capacity=8)
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    assert session.propose(ids, 4) == greedy_decode(draft.model, ids, 2)  # room for one more fed token
+    full = [*ids, 8]
+    assert session.propose(full, 4) == greedy_decode(draft.model, full, 1)
+
+
+def test_model_draft_never_proposes_ids_the_target_cannot_verify(make_tiny_model, word_tokenizer):
+    tok = word_tokenizer(64)
+    target = LoadedModel(make_tiny_model(seed=1, vocab_size=64), tok, "target", 0.0)
+    wide = make_tiny_model(seed=3, vocab_size=80, tie_embeddings=False)
+    with torch.no_grad():
+        # A padded head whose extra rows (64 and 65) dominate: +-100 along the first hidden dimension.
+        wide.lm_head.weight.mul_(0.01)
+        wide.lm_head.weight[64:] = 0
+        wide.lm_head.weight[64, 0], wide.lm_head.weight[65, 0] = 100.0, -100.0
+    draft = LoadedModel(wide, tok, "wide", 0.0)
+    ids = [5, 9, 13, 2]
+    with torch.no_grad():
+        assert int(wide(torch.tensor([ids]))[0, -1].argmax()) >= 64  # the setup: unrestricted, it would
+    proposals = ModelDrafter("wide", draft, target).session(capacity=20).propose(ids, 4)
+    expected, seq = [], list(ids)
+    with torch.no_grad():
+        for _ in range(4):
+            expected.append(int(wide(torch.tensor([seq]))[0, -1, :64].argmax()))
+            seq.append(expected[-1])
+    assert proposals == expected
+    assert all(p < 64 for p in proposals)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(make_tiny_model, word_tokenizer, byte_tokenizer):
+    target = LoadedModel(make_tiny_model(seed=1, vocab_size=64), word_tokenizer(64), "target", 0.0)
+    bigger = LoadedModel(make_tiny_model(seed=2, vocab_size=65), word_tokenizer(65), "bigger", 0.0)
+    with pytest.raises(DraftError, match="'bigger' does not share the target's vocabulary") as err:
+        ModelDrafter("bigger", bigger, target)
+    assert "65 vs 64 tokens" in str(err.value)
+    other = LoadedModel(make_tiny_model(seed=2, vocab_size=257), byte_tokenizer(), "bytes", 0.0)
+    with pytest.raises(DraftError, match="must use the target's tokenizer"):
+        ModelDrafter("bytes", other, target)
