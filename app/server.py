@@ -117,6 +117,6 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.include_router(native.router)
     app.include_router(openai.router)
     app.include_router(ops.router)
-    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, metrics=metrics)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -186,3 +186,61 @@ def word_tokenizer() -> Callable[..., Tokenizer]:
 def byte_tokenizer() -> Callable[..., Tokenizer]:
     """`byte_tokenizer(specials=("<|im_end|>",))`: one token per byte (id == byte value)."""
     return _byte_tokenizer
+
+
+# --- the HTTP service --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def api_engine(target_f32: LoadedModel):
+    """An Engine over the session's float32 target with the n-gram draft (default, k=4), as the server builds."""
+    from app.engine.drafters import NgramDrafter
+    from app.engine.generation import Engine
+
+    return Engine(target_f32.model, target_f32.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4)
+
+
+@pytest.fixture(scope="session")
+def api_client(api_engine):
+    """`async with api_client(engine=None, **settings) as client`: an httpx client of an app served in process.
+
+    The app runs its lifespan (so its worker thread) around the block; `engine` defaults to `api_engine`.
+    """
+    import contextlib
+
+    import httpx
+
+    from app.server import create_app
+    from app.settings import Settings
+
+    @contextlib.asynccontextmanager
+    async def client(engine=None, **settings):
+        app = create_app(Settings(**settings), engine if engine is not None else api_engine)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=120) as c:
+                c.app = app  # type: ignore[attr-defined]
+                yield c
+
+    return client
+
+
+def _sse_data(body: str) -> list[str]:
+    """The `data:` payloads of a server-sent-event stream, in order (multi-line data joined by newlines)."""
+    events, data = [], []
+    for line in body.splitlines():
+        if not line:
+            if data:
+                events.append("\n".join(data))
+                data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+    if data:
+        events.append("\n".join(data))
+    return events
+
+
+@pytest.fixture(scope="session")
+def sse_data() -> Callable[[str], list[str]]:
+    """`sse_data(body)`: the `data:` payloads of a server-sent-event stream."""
+    return _sse_data

@@ -11,6 +11,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import error_response
+from app.metrics import Metrics
 
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 
@@ -23,9 +24,10 @@ def _is_json(content_type: str) -> bool:
 class BodyGuard:
     """ASGI middleware: refuse bodies over `max_bytes`, not JSON, or not UTF-8, in the API's error shape."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: Metrics | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _METHODS_WITH_BODY:
@@ -35,6 +37,8 @@ class BodyGuard:
         path = scope["path"]
 
         async def refuse(kind: str, message: str) -> None:
+            if self.metrics is not None:
+                self.metrics.request_ended("invalid")
             await error_response(path, kind, message)(scope, receive, send)
 
         declared = headers.get("content-length")

@@ -10,6 +10,7 @@ message says what is wrong in the request and, for a limit, what the limit is.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -72,26 +73,41 @@ def error_response(path: str, kind: str, message: str, headers: dict[str, str] |
     return JSONResponse(error_body(kind, message, openai), status_code=status_of(kind, openai), headers=headers)
 
 
+# Union members show up in pydantic's error locations as type tags ("str", "list[ContentPart]"): not fields.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|function-\w+)\[.*\]|[A-Z][A-Za-z0-9]*)$")
+
+
 def describe_validation_errors(errors: list[dict[str, Any]] | Any) -> str:
     """One line naming each invalid field of a request, from pydantic's or FastAPI's error list."""
-    parts = []
+    general: list[str] = []
+    by_field: dict[str, list[str]] = {}
+    given_of: dict[str, str] = {}
     for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _TYPE_TAG.match(str(x))]
+        field = ".".join(loc)
         kind = err.get("type", "")
-        msg = str(err.get("msg", "invalid"))
         if kind == "json_invalid":
             reason = (err.get("ctx") or {}).get("error", "")
-            parts.append(f"the body is not valid JSON ({reason} at character {loc[0] if loc else '?'})")
-            continue
-        if kind == "missing":
-            parts.append(f"missing field '{'.'.join(loc)}'")
-            continue
-        if kind == "model_attributes_type" and not loc:
-            parts.append("the body must be a JSON object")
-            continue
-        # Pydantic prefixes custom errors with "Value error, "; the rest of the message is ours.
-        msg = msg.removeprefix("Value error, ")
-        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+            general.append(f"the body is not valid JSON ({reason} at character {field or '?'})")
+        elif kind == "missing":
+            general.append(f"missing field '{field}'")
+        elif kind == "model_attributes_type" and not loc:
+            general.append("the body must be a JSON object")
+        else:
+            # Pydantic prefixes custom errors with "Value error, "; the rest of the message is ours.
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+            if not field:
+                general.append(msg)
+                continue
+            if msg not in by_field.setdefault(field, []):
+                by_field[field].append(msg)
+            given = err.get("input")
+            if isinstance(given, str | int | float | bool) and len(repr(given)) <= 40:
+                given_of[field] = f" (got {given!r})"
+    parts = general + [
+        f"{f}: {' or '.join([msgs[0], *(m.removeprefix('Input should be ') for m in msgs[1:])])}{given_of.get(f, '')}"
+        for f, msgs in by_field.items()
+    ]
     return "; ".join(parts) or "invalid request"
 
 

@@ -60,7 +60,9 @@ def refuse_sampling(do_sample: bool, temperature: float | None) -> None:
     and seed alone change nothing under greedy decoding and are accepted.
     """
     if do_sample or (temperature is not None and temperature > 0):
-        raise APIError("validation", "sampling is not supported yet: use do_sample=false and temperature 0 or null")
+        raise APIError(
+            "validation", "sampling is not supported yet: leave temperature unset or 0 (and do_sample false)"
+        )
 
 
 def _invalid(message: str) -> APIError:
@@ -112,7 +114,7 @@ def _speculation(runtime: Runtime, spec: SpeculativeParameters | None) -> tuple[
     info = runtime.info
     draft = spec.draft if spec is not None and spec.draft is not None else "default"
     if draft not in info.drafts:
-        raise _invalid(f"speculative.draft: unknown draft {draft!r}; available: {', '.join(info.drafts)}")
+        raise _invalid(f"unknown speculative.draft {draft!r}; available: {', '.join(info.drafts)}")
     if draft == "default":
         draft = info.default_draft
     k = spec.num_draft_tokens if spec is not None and spec.num_draft_tokens is not None else info.num_draft_tokens

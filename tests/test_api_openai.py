@@ -1,0 +1,109 @@
+"""The OpenAI-compatible routes in process: completions and chat, streamed and not, with the real target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+def _chunks(sse_data, body: str) -> list[dict]:
+    data = sse_data(body)
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+async def test_completions_streamed_and_not_match_native(api_client, sse_data) -> None:
+    async with api_client() as client:
+        native = (await client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 10}})).json()
+        whole = await client.post("/v1/completions", json={"model": "any", "prompt": PROMPT, "max_tokens": 10})
+        streamed = await client.post(
+            "/v1/completions",
+            json={
+                "model": "any",
+                "prompt": [PROMPT],
+                "max_tokens": 10,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    assert whole.status_code == 200, whole.text
+    w = whole.json()
+    assert w["object"] == "text_completion" and w["model"] == "smollm2-135m-instruct"
+    assert w["choices"][0]["text"] == native["generated_text"]
+    assert w["choices"][0]["finish_reason"] == "length"
+    assert w["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}
+    chunks = _chunks(sse_data, streamed.text)
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == w["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == w["usage"]
+    assert len({c["id"] for c in chunks}) == 1
+
+
+async def test_chat_streamed_and_not_agree(api_client, api_engine, sse_data) -> None:
+    async with api_client() as client:
+        whole = await client.post("/v1/chat/completions", json={"model": "m", "messages": CHAT, "max_tokens": 10})
+        streamed = await client.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": CHAT, "max_completion_tokens": 10, "stream": True},
+        )
+    assert whole.status_code == 200, whole.text
+    w = whole.json()
+    answer = w["choices"][0]["message"]
+    assert answer["role"] == "assistant" and answer["content"]
+    prompt_ids = api_engine.tokenizer.encode(api_engine.tokenizer.apply_chat_template(CHAT))
+    assert w["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert w["usage"]["completion_tokens"] == 10
+    chunks = _chunks(sse_data, streamed.text)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks) == answer["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == w["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["speculative"]["draft"] == "ngram"
+
+
+async def test_chat_stop_string_and_content_parts(api_client) -> None:
+    async with api_client() as client:
+        base = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10})
+        text = base.json()["choices"][0]["message"]["content"]
+        stop = text.split()[1]  # the second word: the answer ends before it
+        parts = [
+            CHAT[0],
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": " of France?"}],
+            },
+        ]
+        stopped = await client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 10, "stop": stop})
+    got = stopped.json()["choices"][0]
+    assert got["message"]["content"] == text[: text.index(stop)]
+    assert got["finish_reason"] == "stop"
+
+
+async def test_completion_echo_and_token_prompt(api_client, api_engine) -> None:
+    ids = api_engine.tokenizer.encode(PROMPT)
+    async with api_client() as client:
+        echoed = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "echo": True})
+        by_ids = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 4})
+    text = by_ids.json()["choices"][0]["text"]
+    assert echoed.json()["choices"][0]["text"] == PROMPT + text
+
+
+async def test_models_and_info(api_client) -> None:
+    async with api_client(model_name="smol") as client:
+        models = (await client.get("/v1/models")).json()
+        info = (await client.get("/info")).json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["smol"]
+    assert info["served_model_name"] == "smol"
+    assert info["model_id"] == "smollm2-135m-instruct"
+    assert info["model_dtype"] == "float32" and info["model_device_type"] == "cpu"
+    assert info["draft"] == "ngram" and info["num_draft_tokens"] == 4
+    assert info["available_drafts"] == ["default", "none", "ngram"]
+    assert info["max_total_tokens"] == 8192 and info["max_input_tokens"] == 8191
