@@ -1,0 +1,111 @@
+"""The scheduler and its worker thread, driven directly with the real target: interleaving, identical greedy
+texts whatever runs alongside, cancellation that frees the place at once, failures that stay with their
+request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from app.engine.generation import GenerationParams
+from app.metrics import Metrics
+from app.worker import Overloaded, RequestFailed, Scheduler, Ticket
+
+pytestmark = pytest.mark.anyio
+
+PROMPTS = ["The capital of France is", "Water boils at", "1, 2, 3, 4, 5,"]
+
+
+async def _collect(ticket: Ticket) -> tuple[str, list[int], float]:
+    """Text, token ids and the time the last event arrived."""
+    ids: list[int] = []
+    async for event in ticket.events():
+        ids.extend(t.id for t in event.tokens)
+        if event.finished is not None:
+            return event.finished.text, ids, time.monotonic()
+    raise AssertionError("no finished event")
+
+
+@pytest.fixture
+def scheduler(api_engine):
+    metrics = Metrics()
+    s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=metrics)
+    s.start()
+    yield s
+    s.stop()
+
+
+def _ids(api_engine, prompt: str) -> list[int]:
+    return api_engine.tokenizer.encode(prompt)
+
+
+async def test_concurrent_requests_give_their_sequential_texts(scheduler, api_engine) -> None:
+    params = GenerationParams(max_new_tokens=10)
+    sequential = []
+    for prompt in PROMPTS:
+        sequential.append(await _collect(scheduler.submit(_ids(api_engine, prompt), params, None, 60)))
+    tickets = [scheduler.submit(_ids(api_engine, p), params, None, 60) for p in PROMPTS]
+    concurrent = await asyncio.gather(*(_collect(t) for t in tickets))
+    assert [c[:2] for c in concurrent] == [s[:2] for s in sequential]
+    assert len({text for text, _, _ in sequential}) == 3
+
+
+async def test_a_short_request_is_not_held_behind_a_long_one(scheduler, api_engine) -> None:
+    # Target-only decoding: one token per step, so the long request needs 32 steps.
+    params = GenerationParams(max_new_tokens=32, ignore_eos=True)
+    long = scheduler.submit(_ids(api_engine, PROMPTS[0]), params, "none", 60)
+    short = scheduler.submit(_ids(api_engine, PROMPTS[1]), GenerationParams(max_new_tokens=3), "none", 60)
+    (_, long_ids, long_done), (_, short_ids, short_done) = await asyncio.gather(_collect(long), _collect(short))
+    assert len(long_ids) == 32 and len(short_ids) == 3
+    assert short_done < long_done
+
+
+async def test_cancel_frees_the_place_and_stops_the_generation(scheduler, api_engine) -> None:
+    registry = scheduler.metrics.registry
+    params = GenerationParams(max_new_tokens=500, ignore_eos=True)
+    ticket = scheduler.submit(_ids(api_engine, PROMPTS[0]), params, "none", 60)
+    events = ticket.events()
+    await events.__anext__()  # the prefill's token
+    assert scheduler.holding == 1
+    ticket.cancel()
+    assert scheduler.holding == 0, "the place is free at once"
+    await events.aclose()
+    deadline = time.monotonic() + 5
+    while registry.get_sample_value("specserve_num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the worker kept the cancelled generation"
+        await asyncio.sleep(0.01)
+    generated = registry.get_sample_value("specserve_generation_tokens_total")
+    await asyncio.sleep(0.3)
+    assert registry.get_sample_value("specserve_generation_tokens_total") == generated
+    assert generated < 50
+    assert registry.get_sample_value("specserve_requests_total", {"outcome": "cancelled", "finish_reason": "none"}) == 1
+
+
+async def test_admission_is_bounded(api_engine) -> None:
+    s = Scheduler(api_engine, max_running=1, max_waiting=1)  # not started: nothing leaves
+    ids = _ids(api_engine, PROMPTS[0])
+    first = s.submit(ids, GenerationParams(max_new_tokens=1), None, 60)
+    s.submit(ids, GenerationParams(max_new_tokens=1), None, 60)
+    with pytest.raises(Overloaded) as refused:
+        s.submit(ids, GenerationParams(max_new_tokens=1), None, 60)
+    assert refused.value.retry_after >= 1
+    first.cancel()
+    s.submit(ids, GenerationParams(max_new_tokens=1), None, 60)  # the cancelled one's place
+
+
+async def test_engine_refusal_and_shutdown_fail_the_request_only(scheduler, api_engine) -> None:
+    ids = _ids(api_engine, PROMPTS[0])
+    too_long = scheduler.submit(ids, GenerationParams(max_new_tokens=9000), None, 60)
+    with pytest.raises(RequestFailed) as failed:
+        await _collect(too_long)
+    assert failed.value.kind == "validation" and "context" in failed.value.message
+    text, _, _ = await _collect(scheduler.submit(ids, GenerationParams(max_new_tokens=2), None, 60))
+    assert text
+    pending = scheduler.submit(ids, GenerationParams(max_new_tokens=500, ignore_eos=True), "none", 60)
+    await asyncio.sleep(0.05)
+    await asyncio.to_thread(scheduler.stop)
+    with pytest.raises(RequestFailed) as stopped:
+        await _collect(pending)
+    assert stopped.value.kind == "unavailable"
