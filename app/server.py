@@ -8,6 +8,7 @@ app is ready as soon as it starts.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from app import __version__
 from app.api import native, openai, ops
 from app.api.body import BodyGuard
 from app.api.errors import OPENAI_PREFIX, install_error_handlers
+from app.api.schemas import ChatCompletionChunk
 from app.engine.generation import Engine
 from app.metrics import Metrics
 from app.runtime import Runtime
@@ -60,21 +62,50 @@ def _log_ready(runtime: Runtime) -> None:
     )  # fmt: skip
 
 
+def _limit(prop: dict[str, Any], type_: str, key: str, value: int) -> None:
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") == type_:
+            branch[key] = value
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema, less the 422 it documents for every body: the OpenAI routes answer 400 instead."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        for path, operations in schema.get("paths", {}).items():
-            if path.startswith(OPENAI_PREFIX):
-                for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
-        components = schema.get("components", {}).get("schemas", {})
-        text = str(schema.get("paths"))
-        for unused in ("HTTPValidationError", "ValidationError"):
-            if f"/{unused}'" not in text:
-                components.pop(unused, None)
-        app.openapi_schema = schema
-    return app.openapi_schema
+    """FastAPI's schema, made exact: the 422 FastAPI documents for every body is 400 on the OpenAI routes, the
+    configured limits are in it, and so is the schema of the streamed chat chunks."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    for path, operations in schema.get("paths", {}).items():
+        if path.startswith(OPENAI_PREFIX):
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    if "/HTTPValidationError" not in json.dumps(schema["paths"]):
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+    chunk = ChatCompletionChunk.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(chunk.pop("$defs", {}))
+    components["ChatCompletionChunk"] = chunk
+
+    settings: Settings = app.state.settings
+    runtime: Runtime | None = app.state.runtime
+    params = components["GenerateParameters"]["properties"]
+    _limit(params["max_new_tokens"], "integer", "maximum", settings.max_new_tokens)
+    _limit(params["stop"], "array", "maxItems", settings.max_stop_sequences)
+    for name, fields in (
+        ("CompletionRequest", ("max_tokens",)),
+        ("ChatCompletionRequest", ("max_tokens", "max_completion_tokens")),
+    ):
+        props = components[name]["properties"]
+        for field in fields:
+            _limit(props[field], "integer", "maximum", settings.max_new_tokens)
+        _limit(props["stop"], "array", "maxItems", settings.max_stop_sequences)
+    if runtime is None:
+        return schema  # the vocabulary is not known yet: not cached, so that it is added once loaded
+    for branch in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        if branch.get("items", {}).get("type") == "integer":
+            branch["items"]["maximum"] = runtime.info.vocab_size - 1
+    app.openapi_schema = schema
+    return schema
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:

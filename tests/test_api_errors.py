@@ -52,7 +52,7 @@ NATIVE_CASES = {
     "top_p over 1": (_native({**P, "top_p": 1.5}), 422, ["top_p", "less than or equal to 1"]),
     "top_k 0": (_native({**P, "top_k": 0}), 422, ["top_k", "greater than or equal to 1"]),
     "too many stop strings": (_native({**P, "stop": list("abcde")}), 422, ["at most 4 stop strings", "got 5"]),
-    "empty stop string": (_native({**P, "stop": [""]}), 422, ["stop strings must not be empty"]),
+    "empty stop string": (_native({**P, "stop": [""]}), 422, ["parameters.stop.0", "at least 1 character"]),
     "truncate 0": (_native({**P, "truncate": 0}), 422, ["truncate"]),
     "unknown draft": (
         _native({**P, "speculative": {"draft": "eagle"}}),
@@ -61,7 +61,7 @@ NATIVE_CASES = {
     ),
     "too many draft tokens": (_native({**P, "speculative": {"num_draft_tokens": 17}}), 422, ["num_draft_tokens"]),
     "unknown speculative field": (_native({**P, "speculative": {"k": 2}}), 422, ["speculative.k"]),
-    "unsupported penalty": (_native({**P, "repetition_penalty": 1.3}), 422, ["not supported", "repetition_penalty"]),
+    "unsupported penalty": (_native({**P, "repetition_penalty": 1.3}), 422, ["repetition_penalty: not supported"]),
     "non-UTF-8 bytes": (b'{"inputs": "caf\xe9"}', 422, ["not valid UTF-8", "0xe9"]),
 }
 
@@ -95,7 +95,7 @@ OPENAI_CASES = {
     ),
     "n of 2": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2}, 400, ["n"]),
     "missing prompt": ("/v1/completions", {"model": "m"}, 400, ["missing", "prompt"]),
-    "empty prompt": ("/v1/completions", {"prompt": ""}, 400, ["prompt must not be empty"]),
+    "empty prompt": ("/v1/completions", {"prompt": ""}, 400, ["prompt: must not be empty"]),
     "two prompts": ("/v1/completions", {"prompt": ["a", "b"]}, 400, ["one prompt per request"]),
     "token id out of range": ("/v1/completions", {"prompt": [1, 10**6]}, 400, ["token ids must lie in"]),
     "max_tokens 0": ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, ["max_tokens"]),

@@ -74,7 +74,7 @@ def error_response(path: str, kind: str, message: str, headers: dict[str, str] |
 
 
 # Union members show up in pydantic's error locations as type tags ("str", "list[ContentPart]"): not fields.
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|function-\w+)\[.*\]|[A-Z][A-Za-z0-9]*)$")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|function-\w+)\[.*\]|constrained-\w+|[A-Z][A-Za-z0-9]*)$")
 
 
 def describe_validation_errors(errors: list[dict[str, Any]] | Any) -> str:

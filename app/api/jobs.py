@@ -53,18 +53,6 @@ class Prepared:
     num_draft_tokens: int
 
 
-def refuse_sampling(do_sample: bool, temperature: float | None) -> None:
-    """Refuse a request for sampling, which the engine cannot do yet.
-
-    The one place to remove once GenerationParams carries temperature, top_p, top_k and seed; top_p, top_k
-    and seed alone change nothing under greedy decoding and are accepted.
-    """
-    if do_sample or (temperature is not None and temperature > 0):
-        raise APIError(
-            "validation", "sampling is not supported yet: leave temperature unset or 0 (and do_sample false)"
-        )
-
-
 def _invalid(message: str) -> APIError:
     return APIError("validation", message)
 

@@ -14,11 +14,10 @@ from fastapi.responses import StreamingResponse
 
 from app.api import jobs
 from app.api.deps import get_runtime, get_settings
-from app.api.errors import APIError, error_body
+from app.api.errors import error_body
 from app.api.schemas import (
     Details,
     ErrorResponse,
-    GenerateParameters,
     GenerateRequest,
     GenerateResponse,
     InputToken,
@@ -57,25 +56,8 @@ Runtime_ = Annotated[Runtime, Depends(get_runtime)]
 Settings_ = Annotated[Settings, Depends(get_settings)]
 
 
-def _check(parameters: GenerateParameters) -> None:
-    jobs.refuse_sampling(parameters.do_sample, parameters.temperature)
-    unsupported = {
-        "repetition_penalty": parameters.repetition_penalty not in (None, 1.0),
-        "frequency_penalty": parameters.frequency_penalty not in (None, 0.0),
-        "typical_p": parameters.typical_p is not None,
-        "best_of": parameters.best_of not in (None, 1),
-        "watermark": parameters.watermark,
-        "top_n_tokens": parameters.top_n_tokens not in (None, 0),
-        "grammar": parameters.grammar is not None,
-        "adapter_id": parameters.adapter_id is not None,
-    }
-    if bad := [name for name, set_ in unsupported.items() if set_]:
-        raise APIError("validation", f"parameters not supported: {', '.join(bad)} (leave them unset)")
-
-
 async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest) -> jobs.Prepared:
     p = body.parameters
-    _check(p)
     spec = jobs.JobSpec(
         prompt=body.inputs,
         max_new_tokens=p.max_new_tokens,

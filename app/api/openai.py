@@ -72,27 +72,6 @@ Runtime_ = Annotated[Runtime, Depends(get_runtime)]
 Settings_ = Annotated[Settings, Depends(get_settings)]
 
 
-def _check(body: CompletionRequest | ChatCompletionRequest) -> None:
-    jobs.refuse_sampling(False, body.temperature)
-    unsupported = {
-        "presence_penalty": body.presence_penalty not in (None, 0.0),
-        "frequency_penalty": body.frequency_penalty not in (None, 0.0),
-        "logit_bias": bool(body.logit_bias),
-    }
-    if isinstance(body, CompletionRequest):
-        unsupported |= {"logprobs": body.logprobs is not None, "suffix": body.suffix is not None}
-    else:
-        unsupported |= {
-            "logprobs": bool(body.logprobs),
-            "top_logprobs": body.top_logprobs is not None,
-            "tools": bool(body.tools),
-            "tool_choice": body.tool_choice not in (None, "none"),
-            "response_format": body.response_format not in (None, {"type": "text"}),
-        }
-    if bad := [name for name, set_ in unsupported.items() if set_]:
-        raise APIError("validation", f"parameters not supported: {', '.join(bad)} (leave them unset)")
-
-
 def _usage(finished: Finished) -> Usage:
     return Usage(
         prompt_tokens=finished.prompt_tokens,
@@ -145,14 +124,7 @@ def _stream(
 )
 async def completions(request: Request, body: CompletionRequest, runtime: Runtime_, settings: Settings_) -> Response:
     """Continue `prompt` greedily, sent as is (no chat template)."""
-    _check(body)
-    prompt: str | list[int]
-    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-        if len(body.prompt) != 1:
-            raise APIError("validation", f"prompt: one prompt per request, got {len(body.prompt)}")
-        prompt = str(body.prompt[0])
-    else:
-        prompt = body.prompt  # type: ignore[assignment]
+    prompt: str | list[int] = body.prompt  # type: ignore[assignment]  # one prompt, by its validator
     spec = jobs.JobSpec(
         prompt=prompt,
         max_new_tokens=body.max_tokens,
@@ -204,7 +176,6 @@ async def chat_completions(
     request: Request, body: ChatCompletionRequest, runtime: Runtime_, settings: Settings_
 ) -> Response:
     """Render `messages` with the model's chat template and answer greedily as the assistant."""
-    _check(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise APIError("validation", "give max_completion_tokens or max_tokens, not both")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]

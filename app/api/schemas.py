@@ -8,13 +8,58 @@ as TGI and OpenAI ignore them, except inside our own ``speculative`` object.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
 MAX_DRAFT_TOKENS = 16
 
 _REQUEST = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+# --- sampling: not implemented by the engine yet -----------------------------------------------------------
+# The one place to change once GenerationParams carries temperature, top_p, top_k and seed: drop the two
+# refusals and the schema's maximum below. top_p, top_k and seed alone change nothing under greedy decoding.
+
+
+def _refuse_temperature(value: float | None) -> float | None:
+    if value is not None and value > 0:
+        raise ValueError("sampling is not supported yet: send temperature 0 or leave it unset")
+    return value
+
+
+def _refuse_do_sample(value: bool) -> bool:
+    if value:
+        raise ValueError("sampling is not supported yet: do_sample must be false")
+    return value
+
+
+Temperature = Annotated[
+    Annotated[float, Field(ge=0, json_schema_extra={"maximum": 0})] | None, AfterValidator(_refuse_temperature)
+]
+DoSample = Annotated[bool, AfterValidator(_refuse_do_sample), WithJsonSchema({"type": "boolean", "enum": [False]})]
+
+
+def _neutral_only(annotation: Any, *allowed: Any) -> Any:
+    """A field the clients send that we cannot honour: accepted only at its neutral values."""
+    shown = " or ".join(json.dumps(a) for a in allowed if a is not None)
+    hint = f"leave it unset or send {shown}" if shown else "leave it unset"
+
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise ValueError(f"not supported: {hint}")
+        return value
+
+    return Annotated[
+        annotation,
+        AfterValidator(check),
+        WithJsonSchema({"enum": list(allowed)}),
+        Field(description=f"not supported: {hint}"),
+    ]
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
 class ErrorResponse(BaseModel):
@@ -81,33 +126,28 @@ class GenerateParameters(BaseModel):
     max_new_tokens: int | None = Field(
         None, ge=1, description="most tokens to generate (default: the server's default_max_new_tokens)"
     )
-    do_sample: bool = Field(False, description="sample instead of greedy decoding (not supported yet)")
-    temperature: float | None = Field(None, ge=0, description="> 0 asks for sampling (not supported yet)")
+    do_sample: DoSample = Field(False, description="sample instead of greedy decoding (not supported yet)")
+    temperature: Temperature = Field(None, description="> 0 asks for sampling (not supported yet)")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass, in (0, 1]")
     top_k: int | None = Field(None, ge=1, description="sample from the k most likely tokens")
     seed: int | None = Field(None, ge=0, le=2**64 - 1, description="random seed of sampling")
-    stop: list[str] = Field(default_factory=list, description="stop strings; the text ends before the first one")
+    stop: list[NonEmptyStr] = Field(
+        default_factory=list, description="stop strings; the text ends before the first one"
+    )
     details: bool = Field(False, description="add `details` to the response")
     return_full_text: bool = Field(False, description="prepend the prompt to `generated_text`")
     decoder_input_details: bool = Field(False, description="add the prompt's tokens to `details.prefill`")
     truncate: int | None = Field(None, ge=1, description="keep only the last `truncate` tokens of the prompt")
     # Sent by TGI's client; only their neutral values can be honoured.
-    repetition_penalty: float | None = Field(None, description="only null or 1.0 (not supported)")
-    frequency_penalty: float | None = Field(None, description="only null or 0.0 (not supported)")
-    typical_p: float | None = Field(None, description="only null (not supported)")
-    best_of: int | None = Field(None, description="only null or 1 (not supported)")
-    watermark: bool = Field(False, description="only false (not supported)")
-    top_n_tokens: int | None = Field(None, description="only null or 0 (not supported)")
-    grammar: dict[str, Any] | None = Field(None, description="only null (not supported)")
-    adapter_id: str | None = Field(None, description="only null (not supported)")
+    repetition_penalty: _neutral_only(float | None, None, 1.0) = None
+    frequency_penalty: _neutral_only(float | None, None, 0.0) = None
+    typical_p: _neutral_only(float | None, None) = None
+    best_of: _neutral_only(int | None, None, 1) = None
+    watermark: _neutral_only(bool, False) = False
+    top_n_tokens: _neutral_only(int | None, None, 0) = None
+    grammar: _neutral_only(dict[str, Any] | None, None) = None
+    adapter_id: _neutral_only(str | None, None) = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings_not_empty(cls, stop: list[str]) -> list[str]:
-        if any(not s for s in stop):
-            raise ValueError("stop strings must not be empty")
-        return stop
 
 
 class GenerateRequest(BaseModel):
@@ -115,7 +155,7 @@ class GenerateRequest(BaseModel):
 
     model_config = _REQUEST
 
-    inputs: str = Field(description="the prompt, sent as is (no chat template)")
+    inputs: str = Field(description="the prompt, sent as is (no chat template)", json_schema_extra={"minLength": 1})
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = Field(False, description="only for `POST /`: answer as `/generate_stream` does")
 
@@ -176,23 +216,52 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _one_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        if not prompt:
+            raise ValueError("must not be empty")
+        return prompt  # type: ignore[return-value]
+    if len(prompt) != 1:
+        raise ValueError(f"one prompt per request, got {len(prompt)}")
+    if not prompt[0]:
+        raise ValueError("must not be empty")
+    return str(prompt[0])
+
+
+Prompt = Annotated[
+    str | list[str] | list[int],
+    AfterValidator(_one_prompt),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            ]
+        }
+    ),
+]
+
+
 class _OpenAISampling(BaseModel):
     """The generation parameters both OpenAI endpoints share."""
 
     model_config = _REQUEST
 
     model: str | None = Field(None, description="any name is accepted; responses report the served model")
-    temperature: float | None = Field(None, ge=0, le=2, description="> 0 asks for sampling (not supported yet)")
+    temperature: Temperature = Field(None, description="> 0 asks for sampling (not supported yet)")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1, description="vLLM's extension")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int | None = Field(None, ge=1, le=1, description="only 1")
-    stop: str | list[str] | None = Field(None, description="stop strings; the text ends before the first one")
+    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
+        None, description="stop strings; the text ends before the first one"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 (not supported)")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 (not supported)")
-    logit_bias: dict[str, float] | None = Field(None, description="only null or empty (not supported)")
+    presence_penalty: _neutral_only(float | None, None, 0.0) = None
+    frequency_penalty: _neutral_only(float | None, None, 0.0) = None
+    logit_bias: _neutral_only(dict[str, float] | None, None, {}) = None
     user: str | None = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
 
@@ -205,14 +274,12 @@ class _OpenAISampling(BaseModel):
 class CompletionRequest(_OpenAISampling):
     """An OpenAI completion request: the prompt is sent as is."""
 
-    prompt: str | list[str] | list[int] = Field(
-        description="a string, a list holding one string, or a list of token ids"
-    )
+    prompt: Prompt = Field(description="a string, a list holding one string, or a list of token ids")
     max_tokens: int | None = Field(16, ge=1, description="most tokens to generate (OpenAI's default: 16)")
     echo: bool = Field(False, description="prepend the prompt to the text")
-    logprobs: int | None = Field(None, description="only null (not supported)")
+    logprobs: _neutral_only(int | None, None) = None
     best_of: int | None = Field(None, ge=1, le=1, description="only 1")
-    suffix: str | None = Field(None, description="only null (not supported)")
+    suffix: _neutral_only(str | None, None) = None
 
 
 class ContentPart(BaseModel):
@@ -243,11 +310,11 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (deprecated name)")
     max_completion_tokens: int | None = Field(None, ge=1, description="most tokens to generate")
-    logprobs: bool | None = Field(None, description="only null or false (not supported)")
-    top_logprobs: int | None = Field(None, description="only null (not supported)")
-    tools: list[Any] | None = Field(None, description="only null or empty (not supported)")
-    tool_choice: Any = Field(None, description="only null or `none` (not supported)")
-    response_format: dict[str, Any] | None = Field(None, description="only null or {type: text}")
+    logprobs: _neutral_only(bool | None, None, False) = None
+    top_logprobs: _neutral_only(int | None, None, 0) = None
+    tools: _neutral_only(list[Any] | None, None, []) = None
+    tool_choice: _neutral_only(str | dict[str, Any] | None, None, "none") = None
+    response_format: _neutral_only(dict[str, Any] | None, None, {"type": "text"}) = None
 
 
 class Usage(BaseModel):
