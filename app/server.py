@@ -100,7 +100,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             _limit(props[field], "integer", "maximum", settings.max_new_tokens)
         _limit(props["stop"], "array", "maxItems", settings.max_stop_sequences)
     if runtime is None:
-        return schema  # the vocabulary is not known yet: not cached, so that it is added once loaded
+        return schema  # the drafts and the vocabulary are not known yet: not cached, so that they are added
+    components["SpeculativeParameters"]["properties"]["draft"]["anyOf"][0]["enum"] = list(runtime.info.drafts)
     for branch in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         if branch.get("items", {}).get("type") == "integer":
             branch["items"]["maximum"] = runtime.info.vocab_size - 1

@@ -309,6 +309,7 @@ class Scheduler:
             job.gen = self.engine.start(job.prompt_ids, job.params, job.draft)
             job.texts = _TokenTexts(self.engine.tokenizer)
         except GenerationError as exc:
+            log.warning("request %d: the engine refused it: %s", job.id, exc)
             if self._end(job, "invalid"):
                 job.post(RequestFailed("validation", str(exc)))
             return False
@@ -328,6 +329,7 @@ class Scheduler:
         if job.ended:
             return False
         if time.monotonic() >= job.deadline:
+            log.warning("request %d: timed out after %g s", job.id, job.timeout)
             if self._end(job, "timeout"):
                 job.post(RequestFailed("timeout", _timeout_message(job)))
             return False

@@ -62,7 +62,14 @@ def _ok(model: type, chunk: type, what: str) -> dict[int | str, dict[str, Any]]:
             f"{chunk.__name__}, ending with `data: [DONE]`",
             "content": {
                 "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}},
-                "text/event-stream": {"schema": {"$ref": f"#/components/schemas/{chunk.__name__}"}},
+                "text/event-stream": {
+                    "schema": {
+                        "anyOf": [
+                            {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                            {"$ref": "#/components/schemas/OpenAIErrorResponse"},
+                        ]
+                    }
+                },
             },
         }
     }
@@ -176,8 +183,6 @@ async def chat_completions(
     request: Request, body: ChatCompletionRequest, runtime: Runtime_, settings: Settings_
 ) -> Response:
     """Render `messages` with the model's chat template and answer greedily as the assistant."""
-    if body.max_tokens is not None and body.max_completion_tokens is not None:
-        raise APIError("validation", "give max_completion_tokens or max_tokens, not both")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     try:
         prompt = runtime.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -185,6 +190,7 @@ async def chat_completions(
         raise APIError("validation", f"messages: {exc}") from exc
     spec = jobs.JobSpec(
         prompt=prompt,
+        # max_tokens is the deprecated name: the new one wins when both are given.
         max_new_tokens=body.max_completion_tokens or body.max_tokens,
         stop=body.stop_strings(),
         speculative=body.speculative,
