@@ -62,10 +62,7 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     info = runtime.info
     if len(spec.stop) > settings.max_stop_sequences:
         raise _invalid(f"at most {settings.max_stop_sequences} stop strings are allowed, got {len(spec.stop)}")
-    if spec.max_new_tokens is not None and spec.max_new_tokens > settings.max_new_tokens:
-        raise _invalid(
-            f"{spec.max_new_tokens_field} must be at most {settings.max_new_tokens}, got {spec.max_new_tokens}"
-        )
+    check_max_new_tokens(spec.max_new_tokens, spec.max_new_tokens_field, settings)
     draft, k = _speculation(runtime, spec.speculative)
 
     if isinstance(spec.prompt, str):
@@ -96,6 +93,12 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         )
     params = GenerationParams(max_new_tokens=max_new, stop=tuple(spec.stop), num_draft_tokens=k)
     return Prepared(ids, params, draft, k if draft != "none" else 0)
+
+
+def check_max_new_tokens(value: int | None, field: str, settings: Settings) -> None:
+    """Refuse a request for more new tokens than the server allows (`field` names it in the message)."""
+    if value is not None and value > settings.max_new_tokens:
+        raise _invalid(f"{field} must be at most {settings.max_new_tokens}, got {value}")
 
 
 def _speculation(runtime: Runtime, spec: SpeculativeParameters | None) -> tuple[str, int]:
@@ -179,6 +182,21 @@ def sse(data: BaseModel | dict[str, Any] | str) -> str:
     elif isinstance(data, dict):
         data = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"
+
+
+def sse_item_schema(data: dict[str, Any], literal: str | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.2 ``itemSchema`` of an event stream whose ``data`` is JSON matching `data` (or `literal`)."""
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": data}
+    return {
+        "type": "object",
+        "properties": {
+            "data": {"anyOf": [json_data, {"const": literal}]} if literal is not None else json_data,
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer", "minimum": 0},
+        },
+        "required": ["data"],
+    }
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -44,12 +44,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     504: {"model": ErrorResponse, "description": "the request outlived its timeout"},
 }
 # An event of a stream: a token, or the error that ended the stream.
-_EVENT = {"anyOf": [{"$ref": "#/components/schemas/StreamResponse"}, {"$ref": "#/components/schemas/ErrorResponse"}]}
+_EVENT = jobs.sse_item_schema(
+    {"anyOf": [{"$ref": "#/components/schemas/StreamResponse"}, {"$ref": "#/components/schemas/ErrorResponse"}]}
+)
 _SSE_OK: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "server-sent events: one `data:` event per token, the last carrying `generated_text` "
         "and `details`; an error after the stream began is one event with `error` and `error_type`",
-        "content": {"text/event-stream": {"schema": _EVENT}},
+        "content": {"text/event-stream": {"itemSchema": _EVENT}},
         "model": StreamResponse,
     }
 }
@@ -171,7 +173,7 @@ async def generate_stream(body: GenerateRequest, runtime: Runtime_, settings: Se
                 "application/json": {
                     "schema": {"type": "array", "items": {"$ref": "#/components/schemas/GenerateResponse"}}
                 },
-                "text/event-stream": {"schema": _EVENT},
+                "text/event-stream": {"itemSchema": _EVENT},
             },
         },
         **_ERRORS,

@@ -63,12 +63,15 @@ def _ok(model: type, chunk: type, what: str) -> dict[int | str, dict[str, Any]]:
             "content": {
                 "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}},
                 "text/event-stream": {
-                    "schema": {
-                        "anyOf": [
-                            {"$ref": f"#/components/schemas/{chunk.__name__}"},
-                            {"$ref": "#/components/schemas/OpenAIErrorResponse"},
-                        ]
-                    }
+                    "itemSchema": jobs.sse_item_schema(
+                        {
+                            "anyOf": [
+                                {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                {"$ref": "#/components/schemas/OpenAIErrorResponse"},
+                            ]
+                        },
+                        literal="[DONE]",
+                    )
                 },
             },
         }
@@ -139,6 +142,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
         speculative=body.speculative,
         prompt_field="prompt",
         max_new_tokens_field="max_tokens",
+        default_max_new_tokens=16,
     )
     prepared = await jobs.prepare(runtime, settings, spec)
     ticket = jobs.submit(runtime, settings, prepared)
@@ -183,6 +187,7 @@ async def chat_completions(
     request: Request, body: ChatCompletionRequest, runtime: Runtime_, settings: Settings_
 ) -> Response:
     """Render `messages` with the model's chat template and answer greedily as the assistant."""
+    jobs.check_max_new_tokens(body.max_tokens, "max_tokens", settings)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     try:
         prompt = runtime.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

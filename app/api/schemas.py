@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 MAX_DRAFT_TOKENS = 16
 
@@ -62,6 +62,16 @@ def _neutral_only(annotation: Any, *allowed: Any) -> Any:
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 3.0 as an integer, and so do clients that send every number as a float.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _int(**constraints: Any) -> Any:
+    """A strict integer that also takes an integral float; constraints come first, or the schema loses them."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
 class ErrorResponse(BaseModel):
     """An error of the native API, as text-generation-inference gives it."""
 
@@ -93,8 +103,8 @@ class SpeculativeParameters(BaseModel):
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
-    num_draft_tokens: int | None = Field(
-        None, ge=0, le=MAX_DRAFT_TOKENS, description="tokens drafted per step (0: target only); default: the server's"
+    num_draft_tokens: _int(ge=0, le=MAX_DRAFT_TOKENS) | None = Field(
+        None, description="tokens drafted per step (0: target only); default: the server's"
     )
     draft: str | None = Field(
         None, description="`default`, `none` (target only), `ngram` (prompt lookup) or the name of the loaded draft"
@@ -123,28 +133,28 @@ class GenerateParameters(BaseModel):
 
     model_config = _REQUEST
 
-    max_new_tokens: int | None = Field(
-        None, ge=1, description="most tokens to generate (default: the server's default_max_new_tokens)"
+    max_new_tokens: _int(ge=1) | None = Field(
+        None, description="most tokens to generate (default: the server's default_max_new_tokens)"
     )
     do_sample: DoSample = Field(False, description="sample instead of greedy decoding (not supported yet)")
     temperature: Temperature = Field(None, description="> 0 asks for sampling (not supported yet)")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass, in (0, 1]")
-    top_k: int | None = Field(None, ge=1, description="sample from the k most likely tokens")
-    seed: int | None = Field(None, ge=0, le=2**64 - 1, description="random seed of sampling")
+    top_k: _int(ge=1) | None = Field(None, description="sample from the k most likely tokens")
+    seed: _int(ge=0, le=2**64 - 1) | None = Field(None, description="random seed of sampling")
     stop: list[NonEmptyStr] = Field(
         default_factory=list, description="stop strings; the text ends before the first one"
     )
     details: bool = Field(False, description="add `details` to the response")
     return_full_text: bool = Field(False, description="prepend the prompt to `generated_text`")
     decoder_input_details: bool = Field(False, description="add the prompt's tokens to `details.prefill`")
-    truncate: int | None = Field(None, ge=1, description="keep only the last `truncate` tokens of the prompt")
+    truncate: _int(ge=1) | None = Field(None, description="keep only the last `truncate` tokens of the prompt")
     # Sent by TGI's client; only their neutral values can be honoured.
     repetition_penalty: _neutral_only(float | None, None, 1.0) = None
     frequency_penalty: _neutral_only(float | None, None, 0.0) = None
     typical_p: _neutral_only(float | None, None) = None
-    best_of: _neutral_only(int | None, None, 1) = None
+    best_of: _neutral_only(_int() | None, None, 1) = None
     watermark: _neutral_only(bool, False) = False
-    top_n_tokens: _neutral_only(int | None, None, 0) = None
+    top_n_tokens: _neutral_only(_int() | None, None, 0) = None
     grammar: _neutral_only(dict[str, Any] | None, None) = None
     adapter_id: _neutral_only(str | None, None) = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
@@ -229,7 +239,7 @@ def _one_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
 
 
 Prompt = Annotated[
-    str | list[str] | list[int],
+    str | list[str] | list[_int()],
     AfterValidator(_one_prompt),
     WithJsonSchema(
         {
@@ -251,9 +261,9 @@ class _OpenAISampling(BaseModel):
     model: str | None = Field(None, description="any name is accepted; responses report the served model")
     temperature: Temperature = Field(None, description="> 0 asks for sampling (not supported yet)")
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1, description="vLLM's extension")
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    n: int | None = Field(None, ge=1, le=1, description="only 1")
+    top_k: _int(ge=1) | None = Field(None, description="vLLM's extension")
+    seed: _int(ge=-(2**63), le=2**63 - 1) | None = None
+    n: _int(ge=1, le=1) | None = Field(None, description="only 1")
     stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
         None, description="stop strings; the text ends before the first one"
     )
@@ -275,10 +285,12 @@ class CompletionRequest(_OpenAISampling):
     """An OpenAI completion request: the prompt is sent as is."""
 
     prompt: Prompt = Field(description="a string, a list holding one string, or a list of token ids")
-    max_tokens: int | None = Field(16, ge=1, description="most tokens to generate (OpenAI's default: 16)")
+    max_tokens: _int(ge=1) | None = Field(
+        None, description="most tokens to generate (default 16, as OpenAI's, or the server's limit if lower)"
+    )
     echo: bool = Field(False, description="prepend the prompt to the text")
-    logprobs: _neutral_only(int | None, None) = None
-    best_of: int | None = Field(None, ge=1, le=1, description="only 1")
+    logprobs: _neutral_only(_int() | None, None) = None
+    best_of: _int(ge=1, le=1) | None = Field(None, description="only 1")
     suffix: _neutral_only(str | None, None) = None
 
 
@@ -308,10 +320,10 @@ class ChatCompletionRequest(_OpenAISampling):
     """An OpenAI chat completion request: the messages are rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (deprecated name)")
-    max_completion_tokens: int | None = Field(None, ge=1, description="most tokens to generate")
+    max_tokens: _int(ge=1) | None = Field(None, description="most tokens to generate (deprecated name)")
+    max_completion_tokens: _int(ge=1) | None = Field(None, description="most tokens to generate")
     logprobs: _neutral_only(bool | None, None, False) = None
-    top_logprobs: _neutral_only(int | None, None, 0) = None
+    top_logprobs: _neutral_only(_int() | None, None, 0) = None
     tools: _neutral_only(list[Any] | None, None, []) = None
     tool_choice: _neutral_only(str | dict[str, Any] | None, None, "none") = None
     response_format: _neutral_only(dict[str, Any] | None, None, {"type": "text"}) = None
