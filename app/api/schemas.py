@@ -140,7 +140,7 @@ class GenerateParameters(BaseModel):
     temperature: Temperature = Field(None, description="> 0 asks for sampling (not supported yet)")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass, in (0, 1]")
     top_k: _int(ge=1) | None = Field(None, description="sample from the k most likely tokens")
-    seed: _int(ge=0, le=2**64 - 1) | None = Field(None, description="random seed of sampling")
+    seed: _int(ge=0) | None = Field(None, description="random seed of sampling")
     stop: list[NonEmptyStr] = Field(
         default_factory=list, description="stop strings; the text ends before the first one"
     )
@@ -262,7 +262,7 @@ class _OpenAISampling(BaseModel):
     temperature: Temperature = Field(None, description="> 0 asks for sampling (not supported yet)")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: _int(ge=1) | None = Field(None, description="vLLM's extension")
-    seed: _int(ge=-(2**63), le=2**63 - 1) | None = None
+    seed: _int() | None = Field(None, description="random seed of sampling")
     n: _int(ge=1, le=1) | None = Field(None, description="only 1")
     stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
         None, description="stop strings; the text ends before the first one"
