@@ -1,0 +1,256 @@
+"""`specserve serve` as a real uvicorn process on 127.0.0.1, driven by the clients people use.
+
+TGI's `text-generation` client and the `openai` client, unchanged, get the same greedy text; a client that
+leaves mid-stream stops its generation; a full server answers 429 at once; /metrics passes promtool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+PROMPT = "The capital of France is"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy counts on for hundreds of tokens
+MAX_RUNNING, MAX_WAITING = 2, 1
+
+# TGI's client still calls pydantic's deprecated .dict().
+pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated:DeprecationWarning")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).with_name("specserve")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, target_path: Path) -> Iterator[str]:
+    """The base URL of a `specserve serve` process with room for 2 running and 1 waiting request."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    args = [
+        *_command(),
+        "serve",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", "float32",
+        "--max-concurrent-requests", str(MAX_RUNNING),
+        "--max-queue-size", str(MAX_WAITING),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"specserve serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"specserve serve was not ready in 180 s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """The value of one sample of /metrics (0 when absent)."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _wait_idle(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while _metric(url, "specserve_num_requests_running") or _metric(url, "specserve_num_requests_waiting"):
+        assert time.monotonic() < deadline, "the server did not go idle"
+        time.sleep(0.05)
+
+
+def test_real_clients_agree(server: str) -> None:
+    from openai import OpenAI
+    from text_generation import Client
+
+    tgi = Client(server, timeout=120)
+    generated = tgi.generate(PROMPT, max_new_tokens=12)
+    assert generated.details.generated_tokens == 12
+    assert generated.details.finish_reason.value == "length"
+    events = list(tgi.generate_stream(PROMPT, max_new_tokens=12))
+    assert len(events) == 12
+    assert "".join(e.token.text for e in events if not e.token.special) == generated.generated_text
+    assert events[-1].generated_text == generated.generated_text
+
+    oai = OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    completion = oai.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert completion.choices[0].text == generated.generated_text
+    assert completion.usage.completion_tokens == 12
+    stream = oai.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=12, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == generated.generated_text
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12)
+    answer = chat.choices[0].message.content
+    assert answer and 1 <= chat.usage.completion_tokens <= 12
+    chunks = oai.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=messages,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage = [], None
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert "".join(parts) == answer
+    assert usage is not None and usage.total_tokens == chat.usage.total_tokens
+    # The same conversation as a raw prompt through TGI's route: the chat template is the only difference.
+    templated = tgi.generate(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+        max_new_tokens=12,
+    )
+    assert templated.generated_text == answer
+
+
+def test_concurrent_requests_match_sequential(server: str) -> None:
+    from text_generation import Client
+
+    tgi = Client(server, timeout=120)
+    prompts = [PROMPT, "Water boils at", COUNTING]
+    sequential = [tgi.generate(p, max_new_tokens=10).generated_text for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        concurrent = list(pool.map(lambda p: tgi.generate(p, max_new_tokens=10).generated_text, prompts))
+    assert concurrent == sequential
+    assert len(set(sequential)) == 3
+
+
+def test_disconnect_mid_stream_stops_the_generation(server: str) -> None:
+    _wait_idle(server)
+    cancelled = _metric(server, "specserve_requests_total", outcome="cancelled", finish_reason="none")
+    body = {"inputs": COUNTING, "parameters": {"max_new_tokens": 1500}}
+    with httpx.Client(timeout=60) as client, client.stream("POST", f"{server}/generate_stream", json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data:")
+            if seen == 3:
+                break
+    # The connection is closed: the worker drops the generation before its next step.
+    deadline = time.monotonic() + 10
+    while _metric(server, "specserve_requests_total", outcome="cancelled", finish_reason="none") == cancelled:
+        assert time.monotonic() < deadline, "the disconnect was not noticed"
+        time.sleep(0.05)
+    _wait_idle(server)
+    generated = _metric(server, "specserve_generation_tokens_total")
+    time.sleep(0.5)
+    assert _metric(server, "specserve_generation_tokens_total") == generated, "tokens kept coming"
+
+
+def test_overload_is_429_at_once(server: str) -> None:
+    from text_generation import Client
+    from text_generation.errors import OverloadedError
+
+    _wait_idle(server)
+    body = {"inputs": COUNTING, "parameters": {"max_new_tokens": 1500}}
+    with httpx.Client(timeout=60) as client:
+        streams = [client.stream("POST", f"{server}/generate_stream", json=body) for _ in range(MAX_RUNNING + 1)]
+        responses = [s.__enter__() for s in streams]
+        try:
+            assert all(r.status_code == 200 for r in responses)
+            t0 = time.monotonic()
+            refused = httpx.post(f"{server}/generate", json={"inputs": "Hi"}, timeout=10)
+            assert time.monotonic() - t0 < 2
+            assert refused.status_code == 429
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error_type"] == "overloaded"
+            with pytest.raises(OverloadedError):
+                Client(server, timeout=10).generate("Hi", max_new_tokens=2)
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    _wait_idle(server)
+    after = httpx.post(f"{server}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60)
+    assert after.status_code == 200
+
+
+def test_bad_requests_over_the_wire(server: str) -> None:
+    raw = {"content-type": "application/json"}
+    cases = [
+        (b'{"inputs": ', 422, "not valid JSON"),
+        (b'{"inputs": "\xff"}', 422, "not valid UTF-8"),
+        (b"x" * (2 << 20), 413, "over the limit"),
+    ]
+    for body, status, words in cases:
+        r = httpx.post(f"{server}/generate", content=body, headers=raw, timeout=30)
+        assert r.status_code == status and words in r.json()["error"], r.text
+    schema = httpx.get(f"{server}/openapi.json").json()
+    assert set(schema["paths"]) == {
+        "/generate",
+        "/generate_stream",
+        "/",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/info",
+        "/metrics",
+    }
+
+
+def test_metrics_pass_promtool(server: str) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is missing in CI (Debian package prometheus)")
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    httpx.post(f"{server}/generate", json={"inputs": COUNTING, "parameters": {"max_new_tokens": 8}}, timeout=60)
+    exposition = httpx.get(f"{server}/metrics").text
+    check = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, text=True)
+    assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
+    for name in (
+        "specserve_spec_decode_num_drafts_total",
+        "specserve_spec_decode_num_draft_tokens_total",
+        "specserve_spec_decode_num_accepted_tokens_total",
+        'specserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+        "specserve_spec_decode_tokens_per_target_pass_bucket",
+        "specserve_request_acceptance_rate_bucket",
+        "specserve_time_to_first_token_seconds_bucket",
+        "specserve_inter_token_latency_seconds_bucket",
+        "specserve_e2e_request_latency_seconds_bucket",
+        "specserve_request_queue_time_seconds_bucket",
+        "specserve_draft_forward_seconds_bucket",
+        "specserve_target_forward_seconds_bucket",
+    ):
+        assert name in exposition, name
+    assert json.loads(httpx.get(f"{server}/health").text)["status"] == "ok"
