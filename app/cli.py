@@ -329,13 +329,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
         raise CliError(f"invalid settings: {problems}") from exc
-    configure_logging(settings.log_format, settings.log_level)
     # A model that is not there fails here, with what to run, before the port opens.
     store.resolve(settings.target)
     if settings.draft not in ("default", "none", "ngram"):
         store.resolve(settings.draft)
+    configure_logging(settings.log_format, settings.log_level)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -176,6 +176,15 @@ def test_disconnect_mid_stream_stops_the_generation(server: str) -> None:
     time.sleep(0.5)
     assert _metric(server, "specserve_generation_tokens_total") == generated, "tokens kept coming"
 
+    # A client that gives up on a non-streamed answer is noticed too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/generate", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while _metric(server, "specserve_requests_total", outcome="cancelled", finish_reason="none") < cancelled + 2:
+        assert time.monotonic() < deadline, "the disconnect of a non-streaming client was not noticed"
+        time.sleep(0.05)
+    _wait_idle(server)
+
 
 def test_overload_is_429_at_once(server: str) -> None:
     from text_generation import Client
