@@ -101,7 +101,7 @@ class Metrics:
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
         # Every series exists from the start, so that rate() has a zero to begin from.
         for outcome in OUTCOMES:
-            for reason in FINISH_REASONS if outcome == "success" else ("none",):
+            for reason in FINISH_REASONS[:-1] if outcome == "success" else ("none",):
                 self.requests.labels(outcome, reason)
 
     def render(self) -> bytes:

@@ -356,8 +356,8 @@ class Scheduler:
             finished = Finished(
                 out.finish_reason, gen.text, len(job.prompt_ids), gen.stats.generated_tokens, gen.stats.to_dict()
             )
-        job.post(StepEvent(tokens, finished))
         if finished is not None:
+            # Counted before the event leaves: the route gives the ticket up as soon as it has read it.
             self._end(job, "success", finished.finish_reason)
-            return False
-        return True
+        job.post(StepEvent(tokens, finished))
+        return finished is None

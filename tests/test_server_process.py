@@ -96,9 +96,18 @@ def _wait_idle(url: str) -> None:
         time.sleep(0.05)
 
 
+def _outcomes(url: str) -> dict[str, float]:
+    return {
+        outcome: _metric(url, "specserve_requests_total", outcome=outcome, finish_reason="none")
+        for outcome in ("cancelled", "error", "timeout", "invalid", "overloaded")
+    }
+
+
 def test_real_clients_agree(server: str) -> None:
     from openai import OpenAI
     from text_generation import Client
+
+    before = _outcomes(server)
 
     tgi = Client(server, timeout=120)
     generated = tgi.generate(PROMPT, max_new_tokens=12)
@@ -141,6 +150,8 @@ def test_real_clients_agree(server: str) -> None:
         max_new_tokens=12,
     )
     assert templated.generated_text == answer
+    # Eight answers, all counted as successes: none of them as given up by its client.
+    assert _outcomes(server) == before
 
 
 def test_concurrent_requests_match_sequential(server: str) -> None:

@@ -50,6 +50,13 @@ async def test_concurrent_requests_give_their_sequential_texts(scheduler, api_en
     concurrent = await asyncio.gather(*(_collect(t) for t in tickets))
     assert [c[:2] for c in concurrent] == [s[:2] for s in sequential]
     assert len({text for text, _, _ in sequential}) == 3
+    registry = scheduler.metrics.registry
+    successes = sum(
+        registry.get_sample_value("specserve_requests_total", {"outcome": "success", "finish_reason": r}) or 0
+        for r in ("eos", "stop", "length")
+    )
+    assert successes == 6
+    assert registry.get_sample_value("specserve_requests_total", {"outcome": "cancelled", "finish_reason": "none"}) == 0
 
 
 async def test_a_short_request_is_not_held_behind_a_long_one(scheduler, api_engine) -> None:
