@@ -86,13 +86,19 @@ async def test_chat_stop_string_and_content_parts(api_client) -> None:
     assert got["finish_reason"] == "stop"
 
 
-async def test_completion_echo_and_token_prompt(api_client, api_engine) -> None:
+async def test_completion_echo_and_token_prompt(api_client, api_engine, sse_data) -> None:
     ids = api_engine.tokenizer.encode(PROMPT)
     async with api_client() as client:
         echoed = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "echo": True})
         by_ids = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 4})
+        streamed = await client.post(
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "echo": True, "stream": True}
+        )
     text = by_ids.json()["choices"][0]["text"]
     assert echoed.json()["choices"][0]["text"] == PROMPT + text
+    chunks = _chunks(sse_data, streamed.text)
+    assert chunks[0]["choices"][0]["text"] == PROMPT
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + text
 
 
 async def test_models_and_info(api_client) -> None:

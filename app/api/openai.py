@@ -92,13 +92,13 @@ def _usage(finished: Finished) -> Usage:
 
 def _stream(
     ticket: Ticket,
-    chunk: Callable[[str | None, str | None], Any],
-    final_extra: Callable[[Finished], dict[str, Any]],
+    prepared: jobs.Prepared,
+    chunk: Callable[[str | None, str | None], CompletionResponse | ChatCompletionChunk],
     include_usage: bool,
-    usage_chunk: Callable[[Usage], Any],
-    first: Any = None,
+    first: CompletionResponse | None = None,
 ) -> StreamingResponse:
-    """SSE of one generation: `chunk(text, finish_reason)` per token with text, the last with the reason."""
+    """SSE of one generation: `chunk(text, finish_reason)` per token that adds text, the last with the reason
+    and the speculative figures, then the usage when asked, then ``[DONE]``."""
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -106,15 +106,14 @@ def _stream(
                 yield jobs.sse(first)
             async for step in ticket.events():
                 for n, tok in enumerate(step.tokens, 1):
-                    last = step.finished is not None and n == len(step.tokens)
-                    if last:
-                        assert step.finished is not None
+                    if step.finished is not None and n == len(step.tokens):
                         event = chunk(tok.text, _FINISH[step.finished.finish_reason])
-                        for key, value in final_extra(step.finished).items():
-                            setattr(event, key, value)
+                        event.speculative = jobs.speculative_details(prepared, step.finished)
                         yield jobs.sse(event)
                         if include_usage:
-                            yield jobs.sse(usage_chunk(_usage(step.finished)))
+                            usage = chunk(None, None)
+                            usage.choices, usage.usage = [], _usage(step.finished)
+                            yield jobs.sse(usage)
                     elif tok.text:
                         yield jobs.sse(chunk(tok.text, None))
         except RequestFailed as exc:
@@ -156,17 +155,9 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
         )
 
     if body.stream:
-        return _stream(
-            ticket,
-            chunk,
-            lambda f: {"speculative": jobs.speculative_details(prepared, f)},
-            bool(body.stream_options and body.stream_options.include_usage),
-            lambda u: CompletionResponse(
-                id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[], usage=u
-            ),
-            # The echoed prompt goes first, as a chunk of its own.
-            first=chunk(echo, None) if echo else None,
-        )
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # The echoed prompt goes first, as a chunk of its own.
+        return _stream(ticket, prepared, chunk, include_usage, first=chunk(echo, None) if echo else None)
     try:
         _, finished = await jobs.run_to_end(ticket, request)
     except jobs.ClientGone:
@@ -213,15 +204,7 @@ async def chat_completions(
         )
 
     if body.stream:
-        return _stream(
-            ticket,
-            chunk,
-            lambda f: {"speculative": jobs.speculative_details(prepared, f)},
-            bool(body.stream_options and body.stream_options.include_usage),
-            lambda u: ChatCompletionChunk(
-                id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[], usage=u
-            ),
-        )
+        return _stream(ticket, prepared, chunk, bool(body.stream_options and body.stream_options.include_usage))
     try:
         _, finished = await jobs.run_to_end(ticket, request)
     except jobs.ClientGone:
