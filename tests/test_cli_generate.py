@@ -87,14 +87,6 @@ def test_generate_input_file_limit_and_no_draft(tmp_path):
     assert outs[0]["prompt_token_ids"] != outs[1]["prompt_token_ids"]
 
 
-def test_generate_human_output_with_compare():
-    proc = _cli("Say hello.", "-n", "6", "--draft", "ngram", "--compare", "--dtype", "float32", "--device", "cpu")
-    assert proc.returncode == 0, proc.stderr
-    assert "target only:" in proc.stdout
-    assert "(outputs identical)" in proc.stdout
-    assert "[ngram draft, k=4, torch.float32] finish:" in proc.stdout
-
-
 def test_unknown_draft_is_one_error_line():
     proc = _cli("hi", "-n", "2", "--draft", "no-such-draft", "--dtype", "float32")
     assert proc.returncode == 1

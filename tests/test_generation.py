@@ -175,11 +175,11 @@ def baseline(target_f32, bench_prompts) -> list[Generation]:
 
 @pytest.fixture(scope="module")
 def real_drafters(target_f32, target_bf16, truncate_layers) -> dict:
-    early_exit = _loaded(truncate_layers(target_f32.model, 8), target_f32.tokenizer, "first-8-layers")
+    early_exit = _loaded(truncate_layers(target_f32.model, 6), target_f32.tokenizer, "first-6-layers")
     return {
         "self": ModelDrafter("self", target_f32, target_f32),
         "bf16": ModelDrafter("bf16", target_bf16, target_f32),
-        "first-8-layers": ModelDrafter("first-8-layers", early_exit, target_f32),
+        "first-6-layers": ModelDrafter("first-6-layers", early_exit, target_f32),
         "ngram": NgramDrafter(),
     }
 
@@ -210,13 +210,16 @@ def test_target_only_equals_reference_greedy_decode(target_f32, bench_prompts, b
     assert greedy_decode(target_f32.model, bench_prompts[0], n) == baseline[0].generated_ids
 
 
-@pytest.mark.parametrize("draft", ["self", "bf16", "first-8-layers", "ngram"])
+@pytest.mark.parametrize("draft", ["self", "bf16", "first-6-layers", "ngram"])
 def test_speculative_equals_target_only_on_the_real_target(target_f32, bench_prompts, baseline, real_drafters, draft):
     drafter = real_drafters[draft]
     k = 4
     params = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=k)
     total_accepted = 0
-    for prompt, base in zip(bench_prompts, baseline, strict=True):
+    # The target as its own draft only proves the bonus-token bookkeeping: one prompt is enough. The
+    # early-exit draft is rarely right (its proposals cost half a target pass each): two prompts.
+    n = {"self": 1, "first-6-layers": 2}.get(draft, len(bench_prompts))
+    for prompt, base in zip(bench_prompts[:n], baseline[:n], strict=True):
         gen, steps = run_checked(target_f32.model, target_f32.tokenizer, prompt, params, drafter)
         assert gen.generated_ids == base.generated_ids, f"{draft}: differs at {_first_diff(gen.generated_ids, base)}"
         assert gen.text == base.text and gen.finish_reason == base.finish_reason
