@@ -102,6 +102,16 @@ def test_model_draft_stops_at_the_session_capacity(pair):
     assert session.propose(full, 4) == greedy_decode(draft.model, full, 1)
 
 
+def test_model_draft_with_a_shorter_context_than_the_request(pair, make_tiny_model):
+    target, draft = pair
+    short = LoadedModel(make_tiny_model(seed=2, vocab_size=64, n_layers=1, max_seq_len=10), draft.tokenizer, "s", 0.0)
+    session = ModelDrafter("short", short, target).session(capacity=40)  # more than the draft's context
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert session.propose(ids, 4) == greedy_decode(short.model, ids, 3)  # positions up to 9 only
+    assert session.propose([*ids, 9, 10], 4) == greedy_decode(short.model, [*ids, 9, 10], 1)
+    assert session.propose([*ids, 9, 10, 11], 4) == []  # past the draft's context: nothing
+
+
 def test_model_draft_never_proposes_ids_the_target_cannot_verify(make_tiny_model, word_tokenizer):
     tok = word_tokenizer(64)
     target = LoadedModel(make_tiny_model(seed=1, vocab_size=64), tok, "target", 0.0)

@@ -416,6 +416,18 @@ def test_context_edge_with_drafts(make_tiny_model, tok):
         assert gen.generated_ids == expected_greedy(target, prompt, 8, set())
 
 
+def test_a_draft_with_a_shorter_context_drafts_while_the_sequence_fits(make_tiny_model, tok):
+    target = make_tiny_model(seed=6, vocab_size=V, max_seq_len=64)
+    short = make_tiny_model(seed=6, vocab_size=V, max_seq_len=16)  # the same weights, a 16-token context
+    drafter = ModelDrafter("short", _loaded(short, tok), _loaded(target, tok))
+    params = GenerationParams(max_new_tokens=20, num_draft_tokens=3, ignore_eos=True)
+    gen, steps = run_checked(target, tok, PROMPT, params, drafter)
+    assert gen.generated_ids == expected_greedy(target, PROMPT, 20, set())
+    assert gen.stats.accepted > 0
+    lengths = [len(PROMPT) + sum(len(s.token_ids) for s in steps[:i]) for i in range(len(steps))]
+    assert all(step.drafted == 0 for step, n in zip(steps, lengths, strict=True) if n > 16)
+
+
 # --- the property: speculative == target-only greedy, for random tiny models and drafts ----------------------
 
 DRAFT_KINDS = ["self", "noisy", "independent", "truncated", "wrong", "ngram", "scripted"]

@@ -38,12 +38,13 @@ class _ModelDraftSession:
     def __init__(self, drafter: ModelDrafter, capacity: int) -> None:
         self._model = drafter.model
         self._vocab = drafter.vocab_limit
-        self._cache: KVCache = self._model.new_cache(capacity)
+        # A draft's context can be shorter than the request's: it proposes while the sequence fits it.
+        self._cache: KVCache = self._model.new_cache(min(capacity, self._model.config.max_seq_len))
         self._ids: list[int] = []  # the tokens whose keys and values sit in the cache, in order
 
     @torch.inference_mode()
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        if k <= 0:
+        if k <= 0 or len(token_ids) > self._cache.capacity:
             return []
         # Roll back to the longest prefix the cache shares with the accepted sequence (an O(1) move),
         # keeping at least one token to feed so the next logits exist.
