@@ -63,6 +63,7 @@ NATIVE_CASES = {
     "unknown speculative field": (_native({**P, "speculative": {"k": 2}}), 422, ["speculative.k"]),
     "unsupported penalty": (_native({**P, "repetition_penalty": 1.3}), 422, ["repetition_penalty: not supported"]),
     "non-UTF-8 bytes": (b'{"inputs": "caf\xe9"}', 422, ["not valid UTF-8", "0xe9"]),
+    "escaped lone surrogate": (b'{"inputs": "a\\ud800b"}', 422, ["lone UTF-16 surrogate", "\\ud800"]),
 }
 
 OPENAI_CASES = {
@@ -102,6 +103,12 @@ OPENAI_CASES = {
     "top_p over 1": ("/v1/completions", {"prompt": "Hi", "top_p": 2}, 400, ["top_p"]),
     "stop of a wrong type": ("/v1/completions", {"prompt": "Hi", "stop": 3}, 400, ["stop"]),
     "non-UTF-8 bytes": ("/v1/completions", b'{"prompt": "\xff"}', 400, ["not valid UTF-8"]),
+    "escaped lone surrogate": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "\\udc00"}]}',
+        400,
+        ["lone UTF-16 surrogate"],
+    ),
 }
 
 
@@ -153,12 +160,15 @@ async def test_body_limits_and_content_type(api_client) -> None:
         big_oai = await client.post("/v1/completions", json={"prompt": "x" * 4000})
         form = await client.post("/generate", content=b"inputs=Hi", headers={"content-type": "text/plain"})
         no_type = await client.post("/generate", content=b'{"inputs": "Hi", "parameters": {"max_new_tokens": 1}}')
+        # An escaped surrogate pair is one character (an emoji), not a lone surrogate.
+        pair = await _post(client, "/generate", b'{"inputs": "\\ud83d\\ude00", "parameters": {"max_new_tokens": 1}}')
         missing = await client.get("/nope")
         wrong_method = await client.get("/generate")
     assert big.status_code == 413 and "over the limit of 2048" in big.json()["error"]
     assert big_oai.status_code == 413 and "2048" in big_oai.json()["error"]["message"]
     assert form.status_code == 415 and "application/json" in form.json()["error"]
     assert no_type.status_code == 200  # a body without a content type is taken as JSON, as curl -d users expect
+    assert pair.status_code == 200, pair.text
     assert missing.status_code == 404 and missing.json()["error_type"] == "not_found"
     assert wrong_method.status_code == 405 and "GET" in wrong_method.json()["error"]
 

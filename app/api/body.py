@@ -8,6 +8,8 @@ disconnect still reaches the routes.
 
 from __future__ import annotations
 
+import json
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import error_response
@@ -19,6 +21,28 @@ _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 def _is_json(content_type: str) -> bool:
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """A lone surrogate that a JSON \\u escape in `text` decodes to, if any (tokenizers cannot take one)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None  # not JSON: the route's own parser says so
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return item[exc.start]
+    return None
 
 
 class BodyGuard:
@@ -68,11 +92,17 @@ class BodyGuard:
                 break
         body = b"".join(chunks)
         try:
-            body.decode("utf-8")
+            text = body.decode("utf-8")
         except UnicodeDecodeError as exc:
             await refuse(
                 "validation",
                 f"the request body is not valid UTF-8 (byte 0x{body[exc.start]:02x} at offset {exc.start})",
+            )
+            return
+        if "\\u" in text and (surrogate := _lone_surrogate(text)) is not None:
+            await refuse(
+                "validation",
+                f"the request body escapes a lone UTF-16 surrogate (\\u{ord(surrogate):04x}), which is not a character",
             )
             return
 
