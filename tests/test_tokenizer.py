@@ -90,6 +90,20 @@ def test_chat_template_equals_transformers(tok, hf_tokenizer, name):
     assert not without.endswith("<|im_start|>assistant\n")
 
 
+def test_templates_get_the_models_own_bos_and_eos_tokens(tok, hf_tokenizer):
+    """A template that writes bos_token and eos_token renders them as transformers does."""
+    assert tok.eos_token == hf_tokenizer.eos_token == "<|im_end|>"
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    specials = [tok.backend.id_to_token(i) for i in tok.special_ids]
+    custom = Tokenizer(
+        tok.backend, specials, template, tok.bos_token_id, sorted(tok.eos_token_ids), eos_token=tok.eos_token
+    )
+    messages = MESSAGES["multi-turn"]
+    assert custom.apply_chat_template(messages) == hf_tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False
+    )
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -136,7 +150,12 @@ TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['conten
 
 def test_hf_directory_tokenizer(tmp_path):
     _toy_backend().save(str(tmp_path / "tokenizer.json"))
-    config = {"bos_token": {"content": "<s>"}, "add_bos_token": True, "chat_template": TEMPLATE}
+    config = {
+        "bos_token": {"content": "<s>"},
+        "eos_token": "<|im_end|>",
+        "add_bos_token": True,
+        "chat_template": TEMPLATE,
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     meta = {"format": "hf", "path": str(tmp_path), "config": config}
     tok = Tokenizer.from_metadata(meta, eos_token_ids=[1])
@@ -146,7 +165,11 @@ def test_hf_directory_tokenizer(tmp_path):
     assert tok.eos_token_ids == {1, 4}  # the given eos, plus the special end-of-turn token
     assert tok.decode([0, 2, 3, 1]) == "hello world"
     rendered = tok.apply_chat_template([{"role": "user", "content": "hello"}])
-    assert rendered == "<s>[user] hello</s>"  # eos_token is the lowest eos id's token
+    assert rendered == "<s>[user] hello<|im_end|>"  # the config's eos_token, not merely the lowest end id
+
+    # Without an eos_token of its own, a template gets the lowest end-of-sequence id's token.
+    plain = Tokenizer(_toy_backend(), ["<s>", "</s>"], TEMPLATE, 0, [1])
+    assert plain.apply_chat_template([{"role": "user", "content": "hello"}]) == "<s>[user] hello</s>"
 
     # A chat_template.jinja file beside it wins over the config's template.
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")

@@ -84,8 +84,11 @@ class Tokenizer:
         bos_token_id: int | None,
         eos_token_ids: Sequence[int],
         add_bos: bool = False,
+        eos_token: str | None = None,
     ) -> None:
         self.backend = backend
+        # What chat templates call eos_token: the model's own (as transformers passes it), when known.
+        self.eos_token = eos_token
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
@@ -110,7 +113,9 @@ class Tokenizer:
             # llama.cpp's add_bos flag is set on SmolLM GGUFs although the model's own tokenizer adds
             # none; adding it would shift every prompt away from what the model was tuned on, so the
             # chat template alone decides where BOS goes.
-            return cls(backend, special, meta.get("chat_template"), bos, eos_token_ids)
+            eos, tokens = meta.get("eos_token_id"), meta["tokens"]
+            eos_token = tokens[eos] if eos is not None and 0 <= eos < len(tokens) else None
+            return cls(backend, special, meta.get("chat_template"), bos, eos_token_ids, eos_token=eos_token)
         path = Path(meta["path"])
         tj = path / "tokenizer.json"
         if not tj.exists():
@@ -128,7 +133,10 @@ class Tokenizer:
         bos = backend.token_to_id(bos_tok) if bos_tok else None
         # HF's own processor config decides BOS; disable it so encode() alone never double-adds.
         backend.post_processor = None
-        return cls(backend, special, template, bos, eos_token_ids, add_bos=bool(cfg.get("add_bos_token", False)))
+        eos_tok = cfg.get("eos_token")
+        eos_tok = eos_tok.get("content") if isinstance(eos_tok, dict) else eos_tok
+        add_bos = bool(cfg.get("add_bos_token", False))
+        return cls(backend, special, template, bos, eos_token_ids, add_bos=add_bos, eos_token=eos_tok)
 
     @property
     def vocab_size(self) -> int:
@@ -159,7 +167,7 @@ class Tokenizer:
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos,
-                eos_token=self.backend.id_to_token(eos) if eos is not None else "",
+                eos_token=self.eos_token or (self.backend.id_to_token(eos) if eos is not None else ""),
             )
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
