@@ -12,6 +12,7 @@ llama.cpp's dequantizer, since gguf.quants cannot quantize them).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -290,10 +291,17 @@ def _write_gguf(
     rope_theta: float = 10000.0,
     tokenizer_model: str = "gpt2",
     override: dict[str, tuple[np.ndarray, Q]] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    linear_rope_factor: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write a GGUF the way llama.cpp's converter lays it out; return the HF-layout weights it stands for."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
+    if linear_rope_factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(linear_rope_factor)
+    for name, tensor in (extra_tensors or {}).items():
+        w.add_tensor(name, tensor)
     w.add_context_length(128)
     w.add_embedding_length(G_DIM)
     w.add_block_count(G_LAYERS)
@@ -357,7 +365,7 @@ def _write_gguf(
     return expected
 
 
-def _gguf_source_model(arch: str, tied: bool, seed: int, rope_theta: float = 10000.0):
+def _gguf_source_model(arch: str, tied: bool, seed: int, rope_theta: float = 10000.0, rope: dict | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     kwargs = dict(
@@ -370,8 +378,11 @@ def _gguf_source_model(arch: str, tied: bool, seed: int, rope_theta: float = 100
         rms_norm_eps=1e-6,
         max_position_embeddings=128,
         tie_word_embeddings=tied,
-        rope_theta=rope_theta,
     )
+    if rope:
+        kwargs["rope_parameters"] = rope
+    else:
+        kwargs["rope_theta"] = rope_theta
     if arch == "qwen2":
         return _randomize(Qwen2ForCausalLM(Qwen2Config(**kwargs)), seed)
     return _randomize(LlamaForCausalLM(LlamaConfig(**kwargs)), seed)
@@ -472,6 +483,54 @@ def test_gguf_qwen2_with_bias_is_not_permuted(tmp_path, qtype):
     src.load_state_dict({k: v for k, v in exp.items() if k in src.state_dict()}, strict=False)
     diff = (_our_logits(loaded.model, IDS) - _hf_logits(src, IDS)).abs().max().item()
     assert diff <= 1e-4
+
+
+def _llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf writes it for Llama 3.1 RoPE scaling."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+@pytest.mark.parametrize("kind", ["llama3-rope-freqs", "linear"])
+def test_gguf_rope_scaling_matches_transformers(tmp_path, kind):
+    if kind == "linear":
+        rope = dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
+        extra, linear = None, 4.0
+    else:
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+        rope["original_max_position_embeddings"] = 64
+        extra, linear = {"rope_freqs.weight": _llama3_rope_factors(rope, G_DIM // G_HEADS)}, None
+    src = _gguf_source_model("llama", tied=False, seed=27, rope=rope)
+    path = tmp_path / f"{kind}.gguf"
+    exp = _write_gguf(
+        path,
+        "llama",
+        src.state_dict(),
+        Q.F32,
+        False,
+        rope_theta=rope["rope_theta"],
+        extra_tensors=extra,
+        linear_rope_factor=linear,
+    )
+    loaded = load_model(path, "float32")
+    assert loaded.config.rope_scaling is not None
+    assert loaded.config.rope_scaling["rope_type"] == ("linear" if kind == "linear" else "freq_factors")
+    src.load_state_dict({k: v for k, v in exp.items() if k in src.state_dict()}, strict=False)
+    ids = IDS * 3
+    diff = (_our_logits(loaded.model, ids) - _hf_logits(src, ids)).abs().max().item()
+    assert diff <= 1e-4, f"{kind}: max |ours - transformers| = {diff}"
 
 
 def test_gguf_metadata(tmp_path):
