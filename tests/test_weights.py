@@ -87,6 +87,10 @@ def _hf_variant(kind: str):
         rope = dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
         cfg = LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope)
         return LlamaForCausalLM(cfg)
+    if kind == "llama-dynamic-rope-scaling":  # plain RoPE up to max_position_embeddings, our context limit
+        rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+        cfg = LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope)
+        return LlamaForCausalLM(cfg)
     if kind == "qwen2-bias-tied":
         cfg = Qwen2Config(
             **common, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6
@@ -106,6 +110,7 @@ HF_VARIANTS = [
     "llama-head-dim-32",
     "llama3-rope-scaling",
     "llama-linear-rope-scaling",
+    "llama-dynamic-rope-scaling",
     "qwen2-bias-tied",
     "qwen2-bias-untied",
 ]
@@ -293,6 +298,7 @@ def _write_gguf(
     override: dict[str, tuple[np.ndarray, Q]] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     linear_rope_factor: float | None = None,
+    extra_kv: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write a GGUF the way llama.cpp's converter lays it out; return the HF-layout weights it stands for."""
     rng = np.random.default_rng(seed)
@@ -302,6 +308,8 @@ def _write_gguf(
         w.add_rope_scaling_factor(linear_rope_factor)
     for name, tensor in (extra_tensors or {}).items():
         w.add_tensor(name, tensor)
+    for key, value in (extra_kv or {}).items():
+        w.add_string(key, value)
     w.add_context_length(128)
     w.add_embedding_length(G_DIM)
     w.add_block_count(G_LAYERS)
@@ -531,6 +539,21 @@ def test_gguf_rope_scaling_matches_transformers(tmp_path, kind):
     ids = IDS * 3
     diff = (_our_logits(loaded.model, ids) - _hf_logits(src, ids)).abs().max().item()
     assert diff <= 1e-4, f"{kind}: max |ours - transformers| = {diff}"
+
+
+def test_unsupported_rope_scaling_is_refused_not_ignored(tmp_path, word_tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    rope = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, rope_parameters=rope)
+    _save_hf(Qwen2ForCausalLM(cfg), tmp_path / "hf", word_tokenizer)
+    with pytest.raises(WeightsError, match="RoPE scaling 'yarn' is not supported"):
+        read_checkpoint(tmp_path / "hf")
+    src = _gguf_source_model("llama", tied=True, seed=28)
+    path = tmp_path / "yarn.gguf"
+    _write_gguf(path, "llama", src.state_dict(), Q.F32, True, extra_kv={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(WeightsError, match="RoPE scaling 'yarn' is not supported"):
+        read_checkpoint(path)
 
 
 def test_gguf_metadata(tmp_path):

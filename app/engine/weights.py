@@ -94,6 +94,9 @@ def _read_gguf(path: Path, max_seq_len: int | None) -> Checkpoint:
         rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in np.ravel(factors)]}
     elif meta("rope.scaling.type") == "linear" and meta("rope.scaling.factor"):
         rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    elif meta("rope.scaling.type") not in (None, "none", "linear"):
+        # Silently ignoring it (YaRN, ...) would give wrong logits at every position.
+        raise WeightsError(f"{path.name}: RoPE scaling {meta('rope.scaling.type')!r} is not supported")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     config = ModelConfig(
         vocab_size=vocab,
@@ -189,6 +192,10 @@ def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
     rope = c.get("rope_parameters") or {}
     rope_theta = float(c.get("rope_theta", rope.get("rope_theta", 10000.0)))
     rope_scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope_kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+    # "dynamic" only departs from plain RoPE past max_position_embeddings, which is also our context limit.
+    if rope_kind not in (None, "default", "linear", "llama3", "dynamic"):
+        raise WeightsError(f"{path}: RoPE scaling {rope_kind!r} is not supported (supported: linear, llama3)")
     n_heads = int(c["num_attention_heads"])
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
