@@ -64,6 +64,8 @@ NATIVE_CASES = {
     "unsupported penalty": (_native({**P, "repetition_penalty": 1.3}), 422, ["repetition_penalty: not supported"]),
     "non-UTF-8 bytes": (b'{"inputs": "caf\xe9"}', 422, ["not valid UTF-8", "0xe9"]),
     "escaped lone surrogate": (b'{"inputs": "a\\ud800b"}', 422, ["lone UTF-16 surrogate", "\\ud800"]),
+    "nested too deeply": (b'{"inputs": "\\u00e9", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 422, ["nested"]),
+    "no body": (b"", 422, ["body is missing"]),
 }
 
 OPENAI_CASES = {

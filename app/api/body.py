@@ -1,8 +1,9 @@
-"""A guard in front of every route that takes a body: size limit, JSON content type, UTF-8.
+"""A guard in front of every route that takes a body: size limit, JSON content type, UTF-8, JSON depth.
 
 It reads the whole body first (at most the limit), so that a body too large is refused with 413 before any
-of it is parsed, and bytes that are not UTF-8 are refused with a message that says so rather than a parse
-error. The body is then handed on unchanged; after it, the app receives the client's own messages, so that a
+of it is parsed, and bytes that are not UTF-8, JSON nested past the parser's recursion limit and escaped lone
+surrogates (which the tokenizer cannot take) are refused with a message that says so rather than a parse
+error or a crash. The body is then handed on unchanged; after it, the app receives the client's own messages, so that a
 disconnect still reaches the routes.
 """
 
@@ -23,12 +24,9 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def _lone_surrogate(text: str) -> str | None:
-    """A lone surrogate that a JSON \\u escape in `text` decodes to, if any (tokenizers cannot take one)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None  # not JSON: the route's own parser says so
+def _lone_surrogate(value: object) -> str | None:
+    """A lone surrogate in a string of parsed JSON, if any: a \\u escape can make one, and tokenizers cannot
+    take it."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -99,7 +97,14 @@ class BodyGuard:
                 f"the request body is not valid UTF-8 (byte 0x{body[exc.start]:02x} at offset {exc.start})",
             )
             return
-        if "\\u" in text and (surrogate := _lone_surrogate(text)) is not None:
+        try:
+            value = json.loads(text)
+        except RecursionError:
+            await refuse("validation", "the JSON body is nested too deeply")
+            return
+        except ValueError:
+            value = None  # not JSON: the route's own parser says where
+        if "\\u" in text and (surrogate := _lone_surrogate(value)) is not None:
             await refuse(
                 "validation",
                 f"the request body escapes a lone UTF-16 surrogate (\\u{ord(surrogate):04x}), which is not a character",

@@ -90,7 +90,7 @@ def describe_validation_errors(errors: list[dict[str, Any]] | Any) -> str:
             reason = (err.get("ctx") or {}).get("error", "")
             general.append(f"the body is not valid JSON ({reason} at character {field or '?'})")
         elif kind == "missing":
-            general.append(f"missing field '{field}'")
+            general.append(f"missing field '{field}'" if field else "the request body is missing (send a JSON object)")
         elif kind == "model_attributes_type" and not loc:
             general.append("the body must be a JSON object")
         else:
