@@ -300,6 +300,9 @@ _SERVE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--max-body-bytes", "max_body_bytes", int, "largest request body (default: 1048576)"),
     ("--log-format", "log_format", str, "text | json (default: text)"),
     ("--log-level", "log_level", str, "debug | info | warning | error (default: info)"),
+    ("--api-key", "api_key", str, "require Authorization: Bearer KEY (prefer SPECSERVE_API_KEY: flags show in ps)"),
+    ("--metrics-public", "metrics_public", bool, "with an API key, serve /metrics without it (default: no)"),
+    ("--cors-allow-origins", "cors_allow_origins", str, "comma-separated origins for CORS, * for any (default: off)"),
 )
 
 
@@ -312,7 +315,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "a flag wins over the environment.",
     )
     for flag, field, type_, help_ in _SERVE_FLAGS:
-        parser.add_argument(flag, dest=field, type=type_, default=None, help=help_)
+        if type_ is bool:  # --metrics-public / --no-metrics-public
+            parser.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=field, type=type_, default=None, help=help_)
     parser.set_defaults(func=_cmd_serve)
 
 

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
 from app import __version__
@@ -22,6 +23,7 @@ from app.api import native, openai, ops
 from app.api.body import BodyGuard
 from app.api.errors import OPENAI_PREFIX, install_error_handlers
 from app.api.schemas import ChatCompletionChunk
+from app.api.security import REQUEST_ID_HEADER, APIKeyGuard, RequestID
 from app.engine.generation import Engine
 from app.metrics import Metrics
 from app.runtime import Runtime
@@ -87,6 +89,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     components["ChatCompletionChunk"] = chunk
 
     settings: Settings = app.state.settings
+    if settings.api_key is not None:
+        schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        schema["security"] = [{"apiKey": []}]
+        for path in open_paths(settings):
+            for operation in schema["paths"].get(path, {}).values():
+                operation["security"] = []
     runtime: Runtime | None = app.state.runtime
     params = components["GenerateParameters"]["properties"]
     _limit(params["max_new_tokens"], "integer", "maximum", settings.max_new_tokens)
@@ -107,6 +115,11 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             branch["items"]["maximum"] = runtime.info.vocab_size - 1
     app.openapi_schema = schema
     return schema
+
+
+def open_paths(settings: Settings) -> tuple[str, ...]:
+    """The paths served without the API key."""
+    return ("/health", "/metrics") if settings.metrics_public else ("/health",)
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
@@ -149,6 +162,21 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.include_router(native.router)
     app.include_router(openai.router)
     app.include_router(ops.router)
+    # The last added runs first: request id, CORS (a preflight carries no key), API key, then the body guard
+    # (so that a client without the key never gets to send a body).
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, metrics=metrics)
+    if settings.api_key is not None:
+        app.add_middleware(
+            APIKeyGuard, api_key=settings.api_key.get_secret_value(), open_paths=open_paths(settings), metrics=metrics
+        )
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
+            expose_headers=[REQUEST_ID_HEADER, "Retry-After"],
+        )
+    app.add_middleware(RequestID)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -46,6 +46,25 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body in bytes; larger is 413")
     log_format: Literal["text", "json"] = Field("text", description="`text` lines or one JSON object per line")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="lowest level logged")
+    api_key: SecretStr | None = Field(
+        None,
+        description="require `Authorization: Bearer <key>` on every route but /health (and /metrics with "
+        "metrics_public); unset or empty: no key",
+    )
+    metrics_public: bool = Field(False, description="with an API key, serve /metrics without it (for a scraper)")
+    cors_allow_origins: str = Field(
+        "", description="comma-separated origins browsers may call the API from (`*` for any); empty: CORS off"
+    )
+
+    @field_validator("api_key", mode="after")
+    @classmethod
+    def _usable_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None  # SPECSERVE_API_KEY= (empty) is no key, as compose passes an unset variable
+        # An HTTP header carries it: anything else could never match (and is a paste error).
+        if not all(33 <= ord(c) <= 126 for c in value.get_secret_value()):
+            raise ValueError("the API key must be printable ASCII without spaces")
+        return value
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> Settings:
@@ -54,6 +73,11 @@ class Settings(BaseSettings):
                 f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
             )
         return self
+
+    @property
+    def cors_origins(self) -> list[str]:
+        """The origins of `cors_allow_origins`, as a list (empty: CORS is off)."""
+        return [o.strip() for o in self.cors_allow_origins.split(",") if o.strip()]
 
     @property
     def served_model_name(self) -> str:

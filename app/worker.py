@@ -24,6 +24,7 @@ from typing import Any
 
 from app.engine.generation import Engine, Generation, GenerationError, GenerationParams, StepOutput
 from app.engine.tokenizer import Tokenizer
+from app.logs import current_request_id
 from app.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -131,12 +132,18 @@ class _Job:
     arrived: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = field(default_factory=lambda: next(_ids))
+    # The HTTP request's id, read where the job is made (the request's task), for the worker's log records.
+    request_id: str | None = field(default_factory=current_request_id)
     ended: bool = False  # set once, under the scheduler's lock: the place is free, the outcome counted
     gen: Generation | None = None
     texts: _TokenTexts | None = None
     last_delivery: float = 0.0
     drafted: int = 0
     accepted: int = 0
+
+    @property
+    def log_extra(self) -> dict[str, str | None]:
+        return {"request_id": self.request_id}
 
     def post(self, item: StepEvent | RequestFailed) -> None:
         # A closed loop raises RuntimeError: nobody is listening any more.
@@ -309,12 +316,12 @@ class Scheduler:
             job.gen = self.engine.start(job.prompt_ids, job.params, job.draft)
             job.texts = _TokenTexts(self.engine.tokenizer)
         except GenerationError as exc:
-            log.warning("request %d: the engine refused it: %s", job.id, exc)
+            log.warning("request %d: the engine refused it: %s", job.id, exc, extra=job.log_extra)
             if self._end(job, "invalid"):
                 job.post(RequestFailed("validation", str(exc)))
             return False
         except Exception as exc:
-            log.exception("request %d: the generation could not start", job.id)
+            log.exception("request %d: the generation could not start", job.id, extra=job.log_extra)
             if self._end(job, "error"):
                 job.post(RequestFailed("generation", f"the generation could not start: {type(exc).__name__}: {exc}"))
             return False
@@ -329,7 +336,7 @@ class Scheduler:
         if job.ended:
             return False
         if time.monotonic() >= job.deadline:
-            log.warning("request %d: timed out after %g s", job.id, job.timeout)
+            log.warning("request %d: timed out after %g s", job.id, job.timeout, extra=job.log_extra)
             if self._end(job, "timeout"):
                 job.post(RequestFailed("timeout", _timeout_message(job)))
             return False
@@ -339,7 +346,7 @@ class Scheduler:
             out: StepOutput = job.gen.step()
             tokens = job.texts.split(out.token_ids, out.text)
         except Exception as exc:
-            log.exception("request %d: generation failed", job.id)
+            log.exception("request %d: generation failed", job.id, extra=job.log_extra)
             if self._end(job, "error"):
                 job.post(RequestFailed("generation", f"generation failed: {type(exc).__name__}: {exc}"))
             return False

@@ -25,6 +25,7 @@ OPENAI_PREFIX = "/v1/"
 # error_type -> (status on the native routes, status on the OpenAI routes, OpenAI error type)
 _KINDS: dict[str, tuple[int, int, str]] = {
     "validation": (422, 400, "invalid_request_error"),
+    "unauthorized": (401, 401, "invalid_request_error"),
     "not_found": (404, 404, "not_found_error"),
     "method_not_allowed": (405, 405, "invalid_request_error"),
     "too_large": (413, 413, "invalid_request_error"),
@@ -148,8 +149,12 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # The traceback goes to the log, never to the client: the answer names the exception's type only. This
+    # handler runs outside the middleware, so it adds the request id header itself.
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(request.url.path, "internal", f"internal error: {type(exc).__name__}")
+    rid = request.scope.get("state", {}).get("request_id")
+    headers = {"X-Request-ID": rid} if rid else None
+    return error_response(request.url.path, "internal", f"internal error: {type(exc).__name__}", headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,0 +1,92 @@
+"""Middleware in front of the routes: request ids, the optional API key.
+
+`RequestID` gives every request an id, the client's ``X-Request-ID`` when it sent a sane one, else a new
+one; the id goes back in the ``X-Request-ID`` response header and into every log record of the request.
+
+`APIKeyGuard` refuses, with 401 in the API's error shape, any request without ``Authorization: Bearer
+<key>`` except to the open paths (``/health``, and ``/metrics`` when the settings say so). The key is
+compared in constant time. It runs before the body is read, so an unauthenticated client cannot make the
+server buffer a body.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import uuid
+from collections.abc import Iterable
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.api.errors import error_response
+from app.logs import request_id_var
+from app.metrics import Metrics
+
+REQUEST_ID_HEADER = "X-Request-ID"
+# What a client's own id may look like: no spaces, quotes or control characters (it goes into log lines).
+_SANE_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+class RequestID:
+    """ASGI middleware: an id per request, in the ``X-Request-ID`` response header and the request's logs."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"x-request-id"), None)
+        rid = given if given is not None and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        # Not reset afterwards: each request runs in a task of its own (so nothing leaks to the next), and
+        # Starlette's handler for unexpected errors runs outside this middleware, after it, and logs with it.
+        request_id_var.set(rid)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _bearer_token(scope: Scope) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header, as sent; None without one."""
+    for key, value in scope["headers"]:
+        if key.lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer":
+                return token.strip()
+            return None
+    return None
+
+
+class APIKeyGuard:
+    """ASGI middleware: 401 for a request without the API key, except to `open_paths`."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: Iterable[str], metrics: Metrics | None = None) -> None:
+        self.app = app
+        self._key = api_key.encode("utf-8")
+        self.open_paths = frozenset(open_paths)
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        token = _bearer_token(scope)
+        # compare_digest takes time independent of where the bytes differ (a length difference shows).
+        if token is not None and hmac.compare_digest(token, self._key):
+            await self.app(scope, receive, send)
+            return
+        if token is None:
+            message = "this server requires an API key: send the header Authorization: Bearer <key>"
+        else:
+            message = "the API key is not valid"
+        if self.metrics is not None and scope["method"] == "POST":
+            self.metrics.request_ended("invalid")
+        headers = {"WWW-Authenticate": 'Bearer realm="specserve"'}
+        await error_response(scope["path"], "unauthorized", message, headers)(scope, receive, send)

@@ -1,0 +1,228 @@
+"""Security of the service in process: the optional API key, CORS, request ids, no tracebacks in answers.
+
+The key (`Authorization: Bearer`) guards every route but /health and, by setting, /metrics, and answers 401
+in each API's error shape before any body is read. CORS is off unless origins are configured. Every answer
+carries an `X-Request-ID` (the client's, or a new one) and the request's log records carry the same id.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import httpx
+import openai
+import pytest
+
+from app import cli
+from app.api import security
+from app.engine.drafters import NgramDrafter
+from app.engine.generation import Engine
+from app.logs import _JSONFormatter, _RequestIdFilter
+from app.server import create_app
+from app.settings import Settings
+
+pytestmark = pytest.mark.anyio
+
+KEY = "s3cret-key_0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GEN = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 2}}
+
+
+async def test_without_a_key_configured_everything_is_open(api_client) -> None:
+    async with api_client() as client:
+        for path in ("/info", "/metrics", "/v1/models", "/openapi.json"):
+            assert (await client.get(path)).status_code == 200, path
+        assert (await client.post("/generate", json=GEN)).status_code == 200
+        schema = (await client.get("/openapi.json")).json()
+    assert "securitySchemes" not in schema["components"]
+
+
+async def test_api_key_guards_every_route_but_health(api_client) -> None:
+    async with api_client(api_key=KEY) as client:
+        assert (await client.get("/health")).status_code == 200
+        missing = await client.post("/generate", json=GEN)
+        wrong = await client.post("/generate", json=GEN, headers={"Authorization": "Bearer not-the-key"})
+        basic = await client.post("/generate", json=GEN, headers={"Authorization": f"Basic {KEY}"})
+        oai = await client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2})
+        refused_gets = {p: (await client.get(p)).status_code for p in ("/info", "/metrics", "/openapi.json", "/docs")}
+        nowhere = await client.get("/no-such-route")
+        # A body over the limit from a client without the key is refused for the key, unread.
+        big = await client.post("/generate", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
+        ok = await client.post("/generate", json=GEN, headers=AUTH)
+        lower_scheme = await client.get("/info", headers={"Authorization": f"bearer {KEY}"})
+        metrics = (await client.get("/metrics", headers=AUTH)).text
+    assert missing.status_code == 401
+    assert missing.headers["www-authenticate"].startswith("Bearer")
+    assert missing.json() == {
+        "error": "this server requires an API key: send the header Authorization: Bearer <key>",
+        "error_type": "unauthorized",
+    }
+    assert wrong.status_code == 401 and wrong.json() == {
+        "error": "the API key is not valid",
+        "error_type": "unauthorized",
+    }
+    assert basic.status_code == 401 and "requires an API key" in basic.json()["error"]
+    assert oai.status_code == 401 and oai.json()["error"]["code"] == "unauthorized"
+    assert oai.json()["error"]["type"] == "invalid_request_error"
+    assert refused_gets == dict.fromkeys(refused_gets, 401)
+    assert nowhere.status_code == 401  # routes are not revealed to a client without the key
+    assert big.status_code == 401
+    assert ok.status_code == 200 and ok.json()["generated_text"]
+    assert lower_scheme.status_code == 200
+    assert KEY not in lower_scheme.text
+    # The refused POSTs count as invalid requests; the refused GETs count nowhere.
+    assert 'specserve_requests_total{finish_reason="none",outcome="invalid"} 5.0' in metrics
+
+
+async def test_metrics_public_opens_metrics_only(api_client) -> None:
+    async with api_client(api_key=KEY, metrics_public=True) as client:
+        assert (await client.get("/metrics")).status_code == 200
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/info")).status_code == 401
+        schema = (await client.get("/openapi.json", headers=AUTH)).json()
+    assert schema["components"]["securitySchemes"] == {"apiKey": {"type": "http", "scheme": "bearer"}}
+    assert schema["security"] == [{"apiKey": []}]
+    assert schema["paths"]["/health"]["get"]["security"] == []
+    assert schema["paths"]["/metrics"]["get"]["security"] == []
+    assert "security" not in schema["paths"]["/generate"]["post"]
+
+
+async def test_the_key_is_compared_in_constant_time(api_client, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = security.hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(security.hmac, "compare_digest", spy)
+    async with api_client(api_key=KEY) as client:
+        assert (await client.get("/info", headers={"Authorization": "Bearer guess"})).status_code == 401
+        assert (await client.get("/info", headers=AUTH)).status_code == 200
+    assert calls == [(b"guess", KEY.encode()), (KEY.encode(), KEY.encode())]
+
+
+async def test_openai_client_with_the_key(api_client) -> None:
+    async with api_client(api_key=KEY) as client:
+        good = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=client, max_retries=0)
+        completion = await good.completions.create(model="m", prompt="The capital of France is", max_tokens=2)
+        assert completion.choices[0].text
+        bad = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="nope", http_client=client, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.models.list()
+
+
+async def test_cors_is_off_unless_configured(api_client) -> None:
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    async with api_client() as client:
+        r = await client.options("/generate", headers=preflight)
+        g = await client.get("/info", headers={"Origin": "https://app.example"})
+    assert "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-origin" not in g.headers
+
+    async with api_client(api_key=KEY, cors_allow_origins="https://app.example, https://other.example") as client:
+        allowed = await client.options(
+            "/generate", headers={**preflight, "Access-Control-Request-Headers": "authorization"}
+        )
+        stranger = await client.options("/generate", headers={**preflight, "Origin": "https://evil.example"})
+        simple = await client.get("/info", headers={"Origin": "https://other.example", **AUTH})
+        refused = await client.get("/info", headers={"Origin": "https://app.example"})
+    # A preflight carries no credentials: it is answered before the key is checked.
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    assert stranger.status_code == 400 and "access-control-allow-origin" not in stranger.headers
+    assert simple.headers["access-control-allow-origin"] == "https://other.example"
+    assert "x-request-id" in simple.headers["access-control-expose-headers"].lower()
+    # The browser may read the 401 (the allow-origin header is on it too).
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://app.example"
+
+
+async def test_request_ids_in_every_answer(api_client, sse_data) -> None:
+    async with api_client(max_body_bytes=1024) as client:
+        new = await client.post("/generate", json=GEN)
+        again = await client.post("/generate", json=GEN)
+        echoed = await client.post("/generate_stream", json=GEN, headers={"X-Request-ID": "trace-42.a:b"})
+        odd = await client.get("/health", headers={"X-Request-ID": "has space" + "x" * 200})
+        too_large = await client.post("/generate", content=b"x" * 2048, headers={"content-type": "application/json"})
+        missing = await client.get("/nowhere", headers={"X-Request-ID": "abc"})
+    assert len(new.headers["x-request-id"]) == 32 and new.headers["x-request-id"] != again.headers["x-request-id"]
+    assert echoed.headers["x-request-id"] == "trace-42.a:b" and sse_data(echoed.text)
+    assert len(odd.headers["x-request-id"]) == 32  # not a sane id: replaced
+    assert too_large.status_code == 413 and len(too_large.headers["x-request-id"]) == 32
+    assert missing.status_code == 404 and missing.headers["x-request-id"] == "abc"
+
+
+class _ExplodingDraft:
+    name = "boom"
+
+    def session(self, capacity: int) -> _ExplodingDraft:
+        return self
+
+    def propose(self, token_ids, k: int) -> list[int]:
+        raise RuntimeError("draft exploded")
+
+
+@pytest.fixture
+def json_log() -> io.StringIO:
+    """The JSON lines the service logs during the test, as `specserve serve --log-format json` writes them."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(_RequestIdFilter())
+    handler.setFormatter(_JSONFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield out
+    finally:
+        root.removeHandler(handler)
+
+
+async def test_no_traceback_in_answers_and_the_id_in_the_log(api_engine, json_log) -> None:
+    engine = Engine(
+        api_engine.target, api_engine.tokenizer, {"ngram": NgramDrafter(), "boom": _ExplodingDraft()}, "ngram", 4
+    )
+    app = create_app(Settings(), engine)
+
+    @app.get("/boom", include_in_schema=False)
+    async def boom() -> None:
+        raise RuntimeError("secret detail in /etc/passwd")
+
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
+            crash = await client.get("/boom", headers={"X-Request-ID": "crash-1"})
+            failed = await client.post(
+                "/generate",
+                json={**GEN, "parameters": {"max_new_tokens": 8, "speculative": {"draft": "boom"}}},
+                headers={"X-Request-ID": "failed-2"},
+            )
+    assert crash.status_code == 500
+    assert crash.json() == {"error": "internal error: RuntimeError", "error_type": "internal"}
+    assert crash.headers["x-request-id"] == "crash-1"
+    assert failed.status_code == 424 and "Traceback" not in failed.text
+    assert failed.headers["x-request-id"] == "failed-2"
+    records = [json.loads(line) for line in json_log.getvalue().splitlines()]
+    by_id = {r.get("request_id"): r for r in records if r["level"] == "error"}
+    assert "secret detail" in by_id["crash-1"]["exception"]  # the traceback is in the log, not the answer
+    assert by_id["failed-2"]["logger"] == "app.worker" and "draft exploded" in by_id["failed-2"]["exception"]
+
+
+def test_key_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSERVE_API_KEY", "")
+    assert Settings().api_key is None  # compose passes an unset variable as empty
+    monkeypatch.setenv("SPECSERVE_API_KEY", KEY)
+    monkeypatch.setenv("SPECSERVE_CORS_ALLOW_ORIGINS", "https://a.example,*")
+    settings = Settings()
+    assert settings.api_key is not None and settings.api_key.get_secret_value() == KEY
+    assert KEY not in repr(settings) and KEY not in str(settings.model_dump())
+    assert settings.cors_origins == ["https://a.example", "*"]
+    assert Settings(cors_allow_origins=" ").cors_origins == []
+    with pytest.raises(ValueError, match="printable ASCII"):
+        Settings(api_key="two words")
+    parser = cli._build_parser()
+    assert parser.parse_args(["serve", "--metrics-public"]).metrics_public is True
+    assert parser.parse_args(["serve", "--no-metrics-public"]).metrics_public is False
+    assert parser.parse_args(["serve"]).metrics_public is None  # then SPECSERVE_METRICS_PUBLIC applies
