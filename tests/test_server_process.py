@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _server import metric, running_server
 
 PROMPT = "The capital of France is"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy counts on for hundreds of tokens
@@ -28,77 +27,30 @@ MAX_RUNNING, MAX_WAITING = 2, 1
 pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated:DeprecationWarning")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).with_name("specserve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, target_path: Path) -> Iterator[str]:
     """The base URL of a `specserve serve` process with room for 2 running and 1 waiting request."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     args = [
-        *_command(),
-        "serve",
-        "--host", "127.0.0.1",
-        "--port", str(port),
         "--dtype", "float32",
         "--max-concurrent-requests", str(MAX_RUNNING),
         "--max-queue-size", str(MAX_WAITING),
         "--log-level", "warning",
     ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"specserve serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"specserve serve was not ready in 180 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.25)
+    with running_server(log, *args) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    """The value of one sample of /metrics (0 when absent)."""
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def _wait_idle(url: str) -> None:
     deadline = time.monotonic() + 10
-    while _metric(url, "specserve_num_requests_running") or _metric(url, "specserve_num_requests_waiting"):
+    while metric(url, "specserve_num_requests_running") or metric(url, "specserve_num_requests_waiting"):
         assert time.monotonic() < deadline, "the server did not go idle"
         time.sleep(0.05)
 
 
 def _outcomes(url: str) -> dict[str, float]:
     return {
-        outcome: _metric(url, "specserve_requests_total", outcome=outcome, finish_reason="none")
+        outcome: metric(url, "specserve_requests_total", outcome=outcome, finish_reason="none")
         for outcome in ("cancelled", "error", "timeout", "invalid", "overloaded")
     }
 
@@ -168,7 +120,7 @@ def test_concurrent_requests_match_sequential(server: str) -> None:
 
 def test_disconnect_mid_stream_stops_the_generation(server: str) -> None:
     _wait_idle(server)
-    cancelled = _metric(server, "specserve_requests_total", outcome="cancelled", finish_reason="none")
+    cancelled = metric(server, "specserve_requests_total", outcome="cancelled", finish_reason="none")
     body = {"inputs": COUNTING, "parameters": {"max_new_tokens": 1500}}
     with httpx.Client(timeout=60) as client, client.stream("POST", f"{server}/generate_stream", json=body) as r:
         assert r.status_code == 200
@@ -179,19 +131,19 @@ def test_disconnect_mid_stream_stops_the_generation(server: str) -> None:
                 break
     # The connection is closed: the worker drops the generation before its next step.
     deadline = time.monotonic() + 10
-    while _metric(server, "specserve_requests_total", outcome="cancelled", finish_reason="none") == cancelled:
+    while metric(server, "specserve_requests_total", outcome="cancelled", finish_reason="none") == cancelled:
         assert time.monotonic() < deadline, "the disconnect was not noticed"
         time.sleep(0.05)
     _wait_idle(server)
-    generated = _metric(server, "specserve_generation_tokens_total")
+    generated = metric(server, "specserve_generation_tokens_total")
     time.sleep(0.5)
-    assert _metric(server, "specserve_generation_tokens_total") == generated, "tokens kept coming"
+    assert metric(server, "specserve_generation_tokens_total") == generated, "tokens kept coming"
 
     # A client that gives up on a non-streamed answer is noticed too.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/generate", json=body, timeout=1.0)
     deadline = time.monotonic() + 10
-    while _metric(server, "specserve_requests_total", outcome="cancelled", finish_reason="none") < cancelled + 2:
+    while metric(server, "specserve_requests_total", outcome="cancelled", finish_reason="none") < cancelled + 2:
         assert time.monotonic() < deadline, "the disconnect of a non-streaming client was not noticed"
         time.sleep(0.05)
     _wait_idle(server)

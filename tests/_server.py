@@ -1,0 +1,73 @@
+"""A real `specserve serve` process for the tests that need one (on 127.0.0.1, a free port), and /metrics reads.
+
+Test modules import it as `_server` (pytest puts tests/ on sys.path: the directory has no __init__.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def specserve_command() -> list[str]:
+    """The `specserve` command of this interpreter's environment."""
+    script = Path(sys.executable).with_name("specserve")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+
+
+@contextlib.contextmanager
+def running_server(
+    log: Path, *args: str, env: Mapping[str, str] | None = None, ready_within: float = 180
+) -> Iterator[str]:
+    """`specserve serve --host 127.0.0.1 --port <free> *args`, its output in `log`; yields its base URL once
+    /health is 200, and stops it afterwards. Fails the test, with the log's end, if it exits or is not ready."""
+    port = free_port()
+    command = [*specserve_command(), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_within
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"specserve serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"specserve serve was not ready in {ready_within:g} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The value of one sample of the server's /metrics (0 when absent)."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
