@@ -1,0 +1,463 @@
+"""The deployment files, checked without a Docker engine: compose, Dockerfile, Prometheus, Grafana, nginx, k8s.
+
+Each file names things other files define (services, ports, paths in the image, metric names, settings);
+these tests check that every such name resolves: the compose file against the repository and the Dockerfile,
+the Prometheus and nginx targets against the compose services, the Grafana provisioning against the mounts,
+every PromQL expression of the dashboard and the autoscaler's metric against what a running specserve
+exports, every SPECSERVE_* variable against the settings. `promtool check config` checks the Prometheus
+configuration (it fails rather than skips under CI, which installs it). tests/test_prometheus.py runs the
+real Prometheus on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+from app.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+PROMETHEUS = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
+DASHBOARD_FILE = DOCKER / "grafana" / "dashboards" / "specserve.json"
+DASHBOARD = json.loads(DASHBOARD_FILE.read_text())
+NGINX = (DOCKER / "nginx" / "nginx.conf").read_text()
+SPECSERVE_SERVICES = ("specserve", "specserve-replica")
+SPECSERVE_VARIABLES = {"SPECSERVE_" + name.upper() for name in Settings.model_fields} | {"SPECSERVE_CACHE"}
+# A prompt the n-gram draft predicts well, so that every speculative series (per position too) has samples.
+REPETITIVE = "a b c d a b c d a b c d a b"
+
+
+def interpolate(value: str) -> str:
+    """A compose value with every ${VAR:-default} replaced by its default (as with nothing set)."""
+    return re.sub(r"\$\{\w+(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
+
+
+def published(service: str) -> list[tuple[str, int, int]]:
+    """(host address, host port, container port) of each port a service publishes."""
+    out = []
+    for spec in SERVICES[service].get("ports", []):
+        address, host, container = interpolate(spec).rsplit(":", 2)
+        out.append((address, int(host), int(container)))
+    return out
+
+
+def mounts(service: str) -> list[tuple[str, str]]:
+    """(source, target) of each volume of a service: a named volume or a ./path of the repository."""
+    out = []
+    for spec in SERVICES[service].get("volumes", []):
+        source, target, *_ = spec.split(":")
+        out.append((source, target))
+    return out
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions as (INSTRUCTION, arguments), continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (DOCKER / "Dockerfile").read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def dockerfile_env() -> dict[str, str]:
+    env = {}
+    for word, rest in dockerfile():
+        if word == "ENV":
+            env.update(dict(re.findall(r"(\w+)=(\S+)", rest)))
+    return env
+
+
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"docker_{name}", DOCKER / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- docker-compose.yml ----------------------------------------------------------------------------------
+
+
+def test_compose_services_and_profiles() -> None:
+    assert set(SERVICES) == {"specserve", "prometheus", "grafana", "specserve-replica", "lb"}
+    plain = {name for name, s in SERVICES.items() if not s.get("profiles")}
+    assert plain == {"specserve", "prometheus", "grafana"}  # what `docker compose up` starts
+    assert SERVICES["specserve-replica"]["profiles"] == ["scaled"] == SERVICES["lb"]["profiles"]
+    assert SERVICES["specserve-replica"]["deploy"]["replicas"] >= 2
+    for name in ("prometheus", "grafana", "lb"):
+        image = SERVICES[name]["image"]
+        assert re.fullmatch(r"[\w./-]+:[\w.-]+", image) and not image.endswith(":latest"), image
+
+
+def test_compose_specserve_is_built_from_the_dockerfile() -> None:
+    for name in SPECSERVE_SERVICES:
+        service = SERVICES[name]
+        build = service["build"]
+        assert (ROOT / build["context"] / build["dockerfile"]).is_file()
+        assert interpolate(build["args"]["TORCH_VARIANT"]) == "cpu"
+        args = {rest.split("=")[0] for word, rest in dockerfile() if word == "ARG"}
+        assert set(build["args"]) <= args
+        # The healthcheck runs the script where the Dockerfile puts it.
+        assert service["healthcheck"]["test"] == ["CMD", "python", "/opt/specserve/docker/healthcheck.py"]
+        assert "specserve-pool" in service["networks"]["default"]["aliases"]
+
+
+def test_compose_environment_is_the_service_settings() -> None:
+    for name in SPECSERVE_SERVICES:
+        env = SERVICES[name]["environment"]
+        assert set(env) <= SPECSERVE_VARIABLES, set(env) - SPECSERVE_VARIABLES
+        # No model, draft or limit is chosen here: unset, the server's own defaults apply.
+        for key in ("SPECSERVE_TARGET", "SPECSERVE_DRAFT", "SPECSERVE_API_KEY"):
+            assert env[key] is None, key
+        assert interpolate(env["SPECSERVE_METRICS_PUBLIC"]) == "true"  # Prometheus scrapes without a key
+    # The Dockerfile's defaults are settings too, and the server listens on every interface in the container.
+    env = dockerfile_env()
+    assert {k for k in env if k.startswith("SPECSERVE_")} <= SPECSERVE_VARIABLES
+    assert env["SPECSERVE_HOST"] == "0.0.0.0"
+    assert Settings().host == "127.0.0.1"  # outside a container: local only
+
+
+def test_compose_ports() -> None:
+    expected = {"specserve": 8000, "prometheus": 9090, "grafana": 3000, "lb": 8080}
+    seen_host_ports = []
+    for name, container_port in expected.items():
+        [(address, host, container)] = published(name)
+        assert address == "127.0.0.1", f"{name} is published beyond this host by default"
+        assert container == container_port
+        seen_host_ports.append(host)
+    assert len(set(seen_host_ports)) == len(seen_host_ports)
+    assert "ports" not in SERVICES["specserve-replica"]  # replicas are reached through the load balancer
+    env = dockerfile_env()
+    assert int(env["SPECSERVE_PORT"]) == expected["specserve"]
+    assert ("EXPOSE", str(expected["specserve"])) in dockerfile()
+    assert re.search(rf"^\s*listen {expected['lb']};", NGINX, re.M)
+
+
+def test_compose_volumes_exist() -> None:
+    declared = set(COMPOSE["volumes"])
+    used = set()
+    for name in SERVICES:
+        for source, target in mounts(name):
+            assert target.startswith("/"), (name, target)
+            if source.startswith("."):
+                assert (ROOT / source).exists(), f"{name} mounts {source}, which is not in the repository"
+            else:
+                assert source in declared, f"{name} uses the undeclared volume {source}"
+                used.add(source)
+    assert used == declared
+    # The model cache volume is where the image keeps the cache, and what the image declares a volume.
+    cache = dockerfile_env()["SPECSERVE_CACHE"]
+    for name in SPECSERVE_SERVICES:
+        assert ("model-cache", cache) in mounts(name)
+    assert ("VOLUME", f'["{cache}"]') in dockerfile()
+
+
+def test_compose_load_balancer_waits_for_healthy_servers() -> None:
+    depends = SERVICES["lb"]["depends_on"]
+    assert set(depends) == set(SPECSERVE_SERVICES)
+    assert all(d["condition"] == "service_healthy" for d in depends.values())
+    assert ("./docker/nginx/nginx.conf", "/etc/nginx/nginx.conf") in mounts("lb")
+
+
+def test_gpu_override_names_the_same_services() -> None:
+    gpu = yaml.safe_load((DOCKER / "compose.gpu.yml").read_text())
+    assert set(gpu["services"]) == set(SPECSERVE_SERVICES)
+    for service in gpu["services"].values():
+        assert interpolate(service["build"]["args"]["TORCH_VARIANT"]).startswith("cu")
+        [device] = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert set(service["environment"]) <= SPECSERVE_VARIABLES
+
+
+# --- docker/Dockerfile -----------------------------------------------------------------------------------
+
+
+def test_dockerfile() -> None:
+    steps = dockerfile()
+    words = [w for w, _ in steps]
+    run = " ".join(rest for w, rest in steps if w == "RUN")
+    args = dict(rest.split("=", 1) for w, rest in steps if w == "ARG" and "=" in rest)
+    # torch from PyTorch's index, CPU build unless asked; the version the Makefile installs.
+    assert args["TORCH_VARIANT"] == "cpu"
+    assert '--index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"' in run
+    makefile_pin = re.search(r"pip install -q torch==(\S+)", (ROOT / "Makefile").read_text())
+    assert makefile_pin is not None and args["TORCH_VERSION"] == makefile_pin.group(1)
+    # Every COPY source is in the build context, and not ignored.
+    ignored = [p for p in (ROOT / ".dockerignore").read_text().split() if not p.startswith("#")]
+    for word, rest in steps:
+        if word == "COPY":
+            *sources, _ = rest.split()
+            for source in sources:
+                assert (ROOT / source).exists(), source
+                assert source.split("/")[0] not in ignored, source
+    assert ".venv" in ignored and ".git" in ignored
+    # Non-root from the user step on; health check and entry point are the scripts copied in.
+    user = next(rest for w, rest in steps if w == "USER")
+    assert user not in ("root", "0") and words.index("USER") > words.index("VOLUME")
+    assert ("WORKDIR", "/opt/specserve") in steps
+    healthcheck = next(rest for w, rest in steps if w == "HEALTHCHECK")
+    assert healthcheck.endswith('CMD ["python", "/opt/specserve/docker/healthcheck.py"]')
+    assert ("ENTRYPOINT", '["python", "/opt/specserve/docker/entrypoint.py"]') in steps
+
+
+def test_entrypoint_fetches_what_the_server_will_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entrypoint = load_script("entrypoint")
+    plan = entrypoint.models_to_fetch
+    target = "smollm2-135m-instruct"
+    assert plan([], {}) == [target]  # the default target; the default draft (n-gram) needs nothing
+    assert plan(["--draft", "none"], {"SPECSERVE_DRAFT": target}) == [target]  # the flag wins
+    assert plan([], {"SPECSERVE_DRAFT": target}) == [target]  # once
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"")
+    assert plan(["--target", str(model), "--port", "1"], {}) == []  # a path is loaded as it is
+    assert plan([], {"SPECSERVE_TARGET": "no-such-model"}) == []  # the server says what is wrong
+
+
+def test_healthcheck_fails_without_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from _server import free_port
+
+    monkeypatch.setenv("SPECSERVE_PORT", str(free_port()))
+    assert load_script("healthcheck").main() == 1
+
+
+# --- Prometheus ------------------------------------------------------------------------------------------
+
+
+def test_prometheus_scrapes_every_specserve_container() -> None:
+    assert PROMETHEUS["global"]["scrape_interval"] == "5s"
+    [job] = [j for j in PROMETHEUS["scrape_configs"] if j["job_name"] == "specserve"]
+    assert job["metrics_path"] == "/metrics"
+    [sd] = job["dns_sd_configs"]
+    aliases = {a for s in SPECSERVE_SERVICES for a in SERVICES[s]["networks"]["default"]["aliases"]}
+    assert set(sd["names"]) <= aliases | set(SERVICES)
+    assert sd["port"] == int(dockerfile_env()["SPECSERVE_PORT"])
+    assert ("./docker/prometheus/prometheus.yml", "/etc/prometheus/prometheus.yml") in mounts("prometheus")
+    assert "--config.file=/etc/prometheus/prometheus.yml" in SERVICES["prometheus"]["command"]
+
+
+def _promtool() -> str:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is missing in CI (Debian package prometheus)")
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    return promtool
+
+
+def test_promtool_checks_the_prometheus_config() -> None:
+    check = subprocess.run(
+        [_promtool(), "check", "config", str(DOCKER / "prometheus" / "prometheus.yml")], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "SUCCESS" in check.stdout
+
+
+# --- Grafana ---------------------------------------------------------------------------------------------
+
+
+def test_grafana_provisioning_points_at_the_dashboard() -> None:
+    grafana = dict(mounts("grafana"))
+    provisioning = DOCKER / "grafana" / "provisioning"
+    assert grafana["./docker/grafana/provisioning"] == "/etc/grafana/provisioning"
+    [datasource] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["isDefault"]
+    [(_, _, prometheus_port)] = published("prometheus")
+    assert datasource["url"] == f"http://prometheus:{prometheus_port}"
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "specserve.yml").read_text())["providers"]
+    dashboards_dir = grafana["./docker/grafana/dashboards"]
+    assert provider["options"]["path"] == dashboards_dir
+    # The dashboard is the home page, for anyone, without a login.
+    env = SERVICES["grafana"]["environment"]
+    assert env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{dashboards_dir}/{DASHBOARD_FILE.name}"
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    # Every panel and query uses the provisioned data source.
+    uids = {p["datasource"]["uid"] for p in DASHBOARD["panels"]}
+    uids |= {t["datasource"]["uid"] for p in DASHBOARD["panels"] for t in p["targets"]}
+    uids |= {v["datasource"]["uid"] for v in DASHBOARD["templating"]["list"]}
+    assert uids == {datasource["uid"]}
+
+
+def test_dashboard_has_the_promised_panels() -> None:
+    titles = [p["title"] for p in DASHBOARD["panels"]]
+    for title in (
+        "Acceptance rate",
+        "Tokens per target pass",
+        "Accepted tokens per position",
+        "Tokens/s",
+        "Time to first token",
+        "Inter-token latency",
+        "Requests by outcome",
+        "In flight and queued",
+    ):
+        assert title in titles
+    assert len(set(titles)) == len(titles)
+    assert len({p["id"] for p in DASHBOARD["panels"]}) == len(titles)
+    assert DASHBOARD["refresh"] == "5s"
+    for name in ("Time to first token", "Inter-token latency"):
+        [panel] = [p for p in DASHBOARD["panels"] if p["title"] == name]
+        quantiles = sorted(re.match(r"histogram_quantile\(([\d.]+),", t["expr"]).group(1) for t in panel["targets"])
+        assert quantiles == ["0.5", "0.9", "0.99"]
+    # Panels do not overlap on the 24-column grid.
+    cells = set()
+    for p in DASHBOARD["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24
+        area = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & area, p["title"]
+        cells |= area
+
+
+PROMQL_WORDS = {
+    "sum", "avg", "min", "max", "count", "rate", "irate", "increase", "histogram_quantile", "group_left",
+    "group_right", "and", "or", "unless", "bool", "offset", "max_over_time", "avg_over_time", "clamp_min",
+    "label_values", "topk", "bottomk",
+}  # fmt: skip
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """The metric names a PromQL expression (or a Grafana label_values query) reads."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings, such as label values
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)  # label lists
+    expr = re.sub(r"\b\d+(\.\d+)?(e[+-]?\d+)?\b", "", expr)  # numbers
+    expr = re.sub(r",\s*\w+\s*\)", ")", expr) if expr.startswith("label_values") else expr  # its label
+    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr)) - PROMQL_WORDS
+    return names
+
+
+def dashboard_queries() -> list[str]:
+    queries = [t["expr"] for p in DASHBOARD["panels"] for t in p["targets"]]
+    queries += [v["query"]["query"] for v in DASHBOARD["templating"]["list"]]
+    return queries
+
+
+def test_promql_metric_extraction() -> None:
+    expr = (
+        'sum by (position) (rate(a_total{instance=~"$x", b="c d"}[$__rate_interval]))\n'
+        "  / ignoring(position) group_left sum(rate(b_total[5m])) * 0.5"
+    )
+    assert promql_metrics(expr) == {"a_total", "b_total"}
+    assert promql_metrics("histogram_quantile(0.99, sum by (le) (rate(h_bucket[1m])))") == {"h_bucket"}
+    assert promql_metrics("label_values(g, instance)") == {"g"}
+
+
+@pytest.fixture(scope="module")
+def exported(api_client) -> set[str]:
+    """The sample names (`x_total`, `x_bucket`, ...) a running specserve's /metrics has after a request."""
+    import anyio
+
+    async def scrape() -> str:
+        async with api_client() as client:
+            body = {"inputs": REPETITIVE, "parameters": {"max_new_tokens": 8}}
+            r = await client.post("/generate", json=body)
+            assert r.status_code == 200
+            return (await client.get("/metrics")).text
+
+    text = anyio.run(scrape)
+    return {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_dashboard_queries_read_only_exported_metrics(exported: set[str]) -> None:
+    assert "specserve_spec_decode_num_accepted_tokens_per_pos_total" in exported  # the request accepted drafts
+    for query in dashboard_queries():
+        names = promql_metrics(query)
+        assert names, query
+        assert names <= exported, f"{sorted(names - exported)} in {query!r} are not exported"
+        # Quantiles come from histogram buckets, summed by le.
+        if "histogram_quantile" in query:
+            assert all(n.endswith("_bucket") for n in names) and "by (le)" in query, query
+
+
+# --- nginx (the scaled profile) ----------------------------------------------------------------------------
+
+
+def test_nginx_balances_least_connections_over_the_replicas() -> None:
+    upstreams = dict(re.findall(r"upstream\s+(\S+)\s*\{([^}]*)\}", NGINX))
+    [(name, body)] = upstreams.items()
+    assert re.search(r"^\s*least_conn;", body, re.M)
+    servers = re.findall(r"^\s*server\s+([\w.-]+):(\d+)([^;]*);", body, re.M)
+    assert servers
+    aliases = {a for s in SPECSERVE_SERVICES for a in SERVICES[s]["networks"]["default"]["aliases"]}
+    for host, port, params in servers:
+        assert host in aliases | set(SPECSERVE_SERVICES), host
+        assert int(port) == int(dockerfile_env()["SPECSERVE_PORT"])
+        assert "resolve" in params.split()  # replicas that come and go are found again
+    assert re.search(r"^\s*zone\s+\S+\s+\w+;", body, re.M)  # `resolve` needs a shared zone
+    assert re.search(r"^\s*resolver\s+127\.0\.0\.11\b", NGINX, re.M)  # Docker's DNS
+    assert f"proxy_pass http://{name};" in NGINX
+    assert re.search(r"^\s*proxy_buffering off;", NGINX, re.M)  # server-sent events token by token
+    assert "proxy_set_header X-Request-ID" in NGINX
+
+
+# --- Kubernetes --------------------------------------------------------------------------------------------
+
+
+def k8s_objects() -> dict[str, dict]:
+    kustomization = yaml.safe_load((DOCKER / "k8s" / "kustomization.yaml").read_text())
+    objects = {}
+    for name in kustomization["resources"]:
+        for doc in yaml.safe_load_all((DOCKER / "k8s" / name).read_text()):
+            objects[doc["kind"]] = doc
+    return objects
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((DOCKER / "k8s" / "kustomization.yaml").read_text())
+    manifests = {p.name for p in (DOCKER / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == manifests - {"prometheus-adapter-values.yaml"}
+    assert set(k8s_objects()) == {"Deployment", "Service", "HorizontalPodAutoscaler"}
+
+
+def test_k8s_deployment_and_service() -> None:
+    objects = k8s_objects()
+    deployment, service = objects["Deployment"], objects["Service"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": int(dockerfile_env()["SPECSERVE_PORT"])}
+    [service_port] = service["spec"]["ports"]
+    assert service_port["targetPort"] in ports
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {e["name"] for e in container["env"]} <= SPECSERVE_VARIABLES
+    pod_security = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert pod_security["runAsNonRoot"] and pod_security["runAsUser"] != 0
+    cache = dockerfile_env()["SPECSERVE_CACHE"]
+    assert cache in {m["mountPath"] for m in container["volumeMounts"]}
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(ports["http"])
+
+
+def test_k8s_autoscaler_follows_an_exported_queue_metric(exported: set[str]) -> None:
+    objects = k8s_objects()
+    hpa = objects["HorizontalPodAutoscaler"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", objects["Deployment"]["metadata"]["name"])
+    [metric] = hpa["spec"]["metrics"]
+    name = metric["pods"]["metric"]["name"]
+    assert name == "specserve_num_requests_waiting" and name in exported
+    assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    # prometheus-adapter serves that name from that series.
+    adapter = yaml.safe_load((DOCKER / "k8s" / "prometheus-adapter-values.yaml").read_text())
+    [rule] = adapter["rules"]["custom"]
+    assert rule["name"]["as"] == name
+    assert promql_metrics(rule["seriesQuery"]) == {name}
+    assert re.fullmatch(rule["name"]["matches"], name)
