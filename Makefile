@@ -31,9 +31,9 @@ generate: fetch
 	$(VENV)/bin/specserve generate "$(PROMPT)" --compare
 
 test: fetch
-	$(VENV)/bin/ruff check app tests
+	$(VENV)/bin/ruff check app tests docker
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check app tests
-	$(VENV)/bin/ruff format --check app tests
+	$(VENV)/bin/ruff check app tests docker
+	$(VENV)/bin/ruff format --check app tests docker
