@@ -11,9 +11,11 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from app.engine.loading import LoadedModel
 from app.engine.model import KVCache
+from app.engine.sampling import SamplingParams, sample, warp
 
 
 class DraftError(ValueError):
@@ -21,6 +23,10 @@ class DraftError(ValueError):
 
 
 class DraftSession(Protocol):
+    """Per-request proposer state. A session that can also sample implements
+    `propose_sampled(token_ids, k, params, generator) -> (tokens, q [len(tokens), vocab])`; one that
+    cannot is treated as deterministic under sampling (one-hot q), which rejection sampling allows."""
+
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens likely to follow `token_ids` (the whole accepted sequence so far)."""
         ...
@@ -38,14 +44,31 @@ class _ModelDraftSession:
     def __init__(self, drafter: ModelDrafter, capacity: int) -> None:
         self._model = drafter.model
         self._vocab = drafter.vocab_limit
+        self._target_vocab = drafter.target_vocab
         # A draft's context can be shorter than the request's: it proposes while the sequence fits it.
         self._cache: KVCache = self._model.new_cache(min(capacity, self._model.config.max_seq_len))
         self._ids: list[int] = []  # the tokens whose keys and values sit in the cache, in order
 
-    @torch.inference_mode()
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        return self._draft(token_ids, k, None, None)[0]
+
+    def propose_sampled(
+        self, token_ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[list[int], Tensor | None]:
+        """Up to `k` tokens drawn from the draft's warped distributions, and those distributions
+        [len(tokens), target vocab]: the q of rejection sampling."""
+        return self._draft(token_ids, k, params, generator)
+
+    @torch.inference_mode()
+    def _draft(
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        params: SamplingParams | None,
+        generator: torch.Generator | None,
+    ) -> tuple[list[int], Tensor | None]:
         if k <= 0 or len(token_ids) > self._cache.capacity:
-            return []
+            return [], None
         # Roll back to the longest prefix the cache shares with the accepted sequence (an O(1) move),
         # keeping at least one token to feed so the next logits exist.
         keep = 0
@@ -59,16 +82,23 @@ class _ModelDraftSession:
         feed = torch.tensor([token_ids[keep:]], dtype=torch.long, device=self._model.device)
         pos = keep
         out: list[int] = []
+        dists: list[Tensor] = []
         for i in range(k):
             hidden = self._model.hidden(feed, pos, self._cache)
-            logits = self._model.logits(hidden[0, -1])
-            nxt = int(logits[: self._vocab].argmax())
+            logits = self._model.logits(hidden[0, -1])[: self._vocab]
+            if params is None or params.greedy:
+                nxt = int(logits.argmax())
+            else:
+                probs = warp(logits, params)
+                nxt = int(sample(probs, generator))
+                # q must cover the target's whole vocabulary: ids the draft cannot propose have q = 0.
+                dists.append(torch.nn.functional.pad(probs, (0, self._target_vocab - probs.shape[-1])))
             out.append(nxt)
             if i + 1 < k:
                 pos += feed.shape[1]
                 feed = torch.tensor([[nxt]], dtype=torch.long, device=self._model.device)
                 self._ids.append(nxt)
-        return out
+        return out, torch.stack(dists) if dists else None
 
 
 class ModelDrafter:
@@ -87,6 +117,7 @@ class ModelDrafter:
         self.model = draft.model
         # Only ids the target can verify may be proposed (a padded draft head can be wider).
         self.vocab_limit = min(draft.model.config.vocab_size, target.model.config.vocab_size)
+        self.target_vocab = target.model.config.vocab_size
 
     def session(self, capacity: int) -> DraftSession:
         return _ModelDraftSession(self, capacity)

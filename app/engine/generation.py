@@ -8,6 +8,7 @@ the rejected positions by moving a length. Greedy output is token for token the 
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,12 +18,17 @@ import torch
 from app.engine.detokenizer import Detokenizer
 from app.engine.drafters import Drafter, DraftSession
 from app.engine.model import KVCache, Transformer
+from app.engine.sampling import SamplingParams, sample, warp
 from app.engine.tokenizer import Tokenizer
-from app.engine.verification import greedy_verify
+from app.engine.verification import greedy_verify, rejection_sample
 
 
 class GenerationError(ValueError):
     """A request the engine cannot run as given; the message says what to change."""
+
+
+class NumericalError(RuntimeError):
+    """The target produced NaN or infinite logits: this request cannot go on (others are unaffected)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,10 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     num_draft_tokens: int = 4
     ignore_eos: bool = False
+    temperature: float = 0.0  # 0: greedy, the exact-match verification of the reference contract
+    top_k: int = 0  # 0: no cut
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed, reported in Generation.seed
 
 
 @dataclass
@@ -112,6 +122,10 @@ class Generation:
             raise GenerationError("max_new_tokens must be at least 1")
         if params.num_draft_tokens < 0:
             raise GenerationError("num_draft_tokens must be 0 or more")
+        try:
+            self.sampling = SamplingParams(params.temperature, params.top_k, params.top_p)
+        except ValueError as exc:
+            raise GenerationError(str(exc)) from exc
         limit = target.config.max_seq_len
         if len(prompt_ids) + params.max_new_tokens > limit:
             raise GenerationError(
@@ -136,6 +150,11 @@ class Generation:
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
         self._detok = Detokenizer(tokenizer, params.stop)
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        # Each request draws from its own generator, so a seed reproduces it whatever else is running.
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._rng: torch.Generator | None = None
+        if not self.sampling.greedy:
+            self._rng = torch.Generator(device=target.device).manual_seed(self.seed)
         self._started = time.perf_counter()
 
     @property
@@ -162,13 +181,16 @@ class Generation:
         # A step adds up to k+1 tokens; never draft what could not be kept.
         k = min(self._k, remaining - 1)
         t0 = time.perf_counter()
-        drafts = self._draft.propose(self.ids, k) if self._draft is not None and k > 0 else []
+        drafts, q = self._propose(k)
         t1 = time.perf_counter()
         start = len(self.ids) - 1
         feed = torch.tensor([[self.ids[-1], *drafts]], dtype=torch.long, device=self.target.device)
-        logits = self.target(feed, start, self._cache)[0]
+        logits = self._checked(self.target(feed, start, self._cache)[0])
         draft_tensor = torch.tensor(drafts, dtype=torch.long, device=logits.device)
-        accepted, nxt = greedy_verify(draft_tensor, logits)
+        if self.sampling.greedy:
+            accepted, nxt = greedy_verify(draft_tensor, logits)
+        else:
+            accepted, nxt = rejection_sample(draft_tensor, q, warp(logits, self.sampling), self._rng)
         # Keep the last accepted token and the accepted drafts; the rest of the cache is rolled back.
         self._cache.truncate(start + 1 + accepted)
         t2 = time.perf_counter()
@@ -183,12 +205,29 @@ class Generation:
         self.stats.verify_seconds += t2 - t1
         return self._emit([*drafts[:accepted], nxt], len(drafts), accepted, t1 - t0, t2 - t1)
 
+    def _propose(self, k: int) -> tuple[list[int], torch.Tensor | None]:
+        if self._draft is None or k <= 0:
+            return [], None
+        if self.sampling.greedy:
+            return self._draft.propose(self.ids, k), None
+        propose_sampled = getattr(self._draft, "propose_sampled", None)
+        if propose_sampled is None:  # a deterministic proposer: q is one-hot on what it proposes
+            return self._draft.propose(self.ids, k), None
+        return propose_sampled(self.ids, k, self.sampling, self._rng)
+
+    @staticmethod
+    def _checked(logits: torch.Tensor) -> torch.Tensor:
+        if not bool(torch.isfinite(logits).all()):
+            raise NumericalError("the target produced non-finite logits")
+        return logits
+
     def _prefill(self) -> StepOutput:
         t0 = time.perf_counter()
         prompt = torch.tensor([self.ids], dtype=torch.long, device=self.target.device)
         hidden = self.target.hidden(prompt, 0, self._cache)
         # Only the last position's logits are needed: a 49k-wide projection of every prompt token is not.
-        nxt = int(self.target.logits(hidden[0, -1]).argmax())
+        logits = self._checked(self.target.logits(hidden[0, -1]))
+        nxt = int(logits.argmax()) if self.sampling.greedy else int(sample(warp(logits, self.sampling), self._rng))
         t1 = time.perf_counter()
         self.stats.target_passes += 1
         self.stats.prefill_seconds = t1 - t0
