@@ -226,3 +226,30 @@ def test_key_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parser.parse_args(["serve", "--metrics-public"]).metrics_public is True
     assert parser.parse_args(["serve", "--no-metrics-public"]).metrics_public is False
     assert parser.parse_args(["serve"]).metrics_public is None  # then SPECSERVE_METRICS_PUBLIC applies
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_log_lines_carry_the_request_id(log_format: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.logs import configure_logging, request_id_var
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        configure_logging(log_format, "info")
+        log = logging.getLogger("app.test")
+        token = request_id_var.set("rid-7")
+        log.info("inside")
+        request_id_var.reset(token)
+        log.info("outside")
+        log.info("from the worker", extra={"request_id": "rid-8"})
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "app.test" in line]
+    if log_format == "json":
+        entries = [json.loads(line) for line in lines]
+        assert [e.get("request_id") for e in entries] == ["rid-7", None, "rid-8"]
+    else:
+        assert lines[0].endswith("INFO app.test [rid-7]: inside")
+        assert lines[1].endswith("INFO app.test: outside")
+        assert lines[2].endswith("INFO app.test [rid-8]: from the worker")
