@@ -66,6 +66,7 @@ class Finished:
     prompt_tokens: int
     generated_tokens: int
     stats: dict[str, Any]
+    seed: int | None = None  # the seed sampling used (the request's, or a random one); None for greedy decoding
 
 
 @dataclass(frozen=True)
@@ -361,7 +362,12 @@ class Scheduler:
         if out.finish_reason is not None:
             gen = job.gen
             finished = Finished(
-                out.finish_reason, gen.text, len(job.prompt_ids), gen.stats.generated_tokens, gen.stats.to_dict()
+                out.finish_reason,
+                gen.text,
+                len(job.prompt_ids),
+                gen.stats.generated_tokens,
+                gen.stats.to_dict(),
+                seed=None if gen.sampling.greedy else gen.seed,
             )
         if finished is not None:
             # Counted before the event leaves: the route gives the ticket up as soon as it has read it.

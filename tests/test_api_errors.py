@@ -46,8 +46,18 @@ NATIVE_CASES = {
     "max_new_tokens over the limit": (_native({"max_new_tokens": 2049}), 422, ["max_new_tokens", "at most 2048"]),
     "negative temperature": (_native({**P, "temperature": -0.5}), 422, ["temperature", "greater than or equal to 0"]),
     "NaN temperature": (b'{"inputs": "Hi", "parameters": {"temperature": NaN}}', 422, ["temperature", "finite"]),
-    "sampling": (_native({**P, "do_sample": True}), 422, ["sampling is not supported yet"]),
-    "temperature asks for sampling": (_native({**P, "temperature": 0.7}), 422, ["sampling is not supported yet"]),
+    # Sampling is supported (tests/test_api_sampling.py); what stays refused is a contradiction or an unusable value.
+    "do_sample at temperature 0": (
+        _native({**P, "do_sample": True, "temperature": 0}),
+        422,
+        ["temperature 0", "do_sample"],
+    ),
+    "temperature over the maximum": (
+        _native({**P, "temperature": 700}),
+        422,
+        ["temperature", "less than or equal to 100"],
+    ),
+    "seed not an integer": (_native({**P, "do_sample": True, "seed": 2.5}), 422, ["parameters.seed", "integer"]),
     "top_p 0": (_native({**P, "top_p": 0}), 422, ["top_p", "greater than 0"]),
     "top_p over 1": (_native({**P, "top_p": 1.5}), 422, ["top_p", "less than or equal to 1"]),
     "top_k 0": (_native({**P, "top_k": 0}), 422, ["top_k", "greater than or equal to 1"]),
@@ -90,11 +100,11 @@ OPENAI_CASES = {
         400,
         ["max_tokens must be at most 2048"],
     ),
-    "chat sampling": (
+    "chat temperature too small": (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.8},
+        {"messages": [{"role": "user", "content": "Hi"}], "temperature": 1e-9},
         400,
-        ["sampling is not supported yet"],
+        ["temperature", "0 (greedy) or at least 1e-06"],
     ),
     "n of 2": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2}, 400, ["n"]),
     "missing prompt": ("/v1/completions", {"model": "m"}, 400, ["missing", "prompt"]),

@@ -59,6 +59,32 @@ async def test_concurrent_requests_give_their_sequential_texts(scheduler, api_en
     assert registry.get_sample_value("specserve_requests_total", {"outcome": "cancelled", "finish_reason": "none"}) == 0
 
 
+async def _finished(ticket: Ticket):
+    async for event in ticket.events():
+        if event.finished is not None:
+            return event.finished
+    raise AssertionError("no finished event")
+
+
+async def test_finished_carries_the_seed_sampling_used(scheduler, api_engine) -> None:
+    ids = _ids(api_engine, PROMPTS[0])
+    seeded = GenerationParams(max_new_tokens=6, temperature=1.0, seed=42)
+    given, drawn, greedy = await asyncio.gather(
+        _finished(scheduler.submit(ids, seeded, None, 60)),
+        _finished(scheduler.submit(ids, GenerationParams(max_new_tokens=6, temperature=1.0), None, 60)),
+        _finished(scheduler.submit(ids, GenerationParams(max_new_tokens=6, seed=42), None, 60)),
+    )
+    assert given.seed == 42
+    assert isinstance(drawn.seed, int)
+    assert greedy.seed is None, "greedy decoding reports no seed, as TGI"
+    # The drawn seed replays the request; the given one reproduced it beside two others.
+    replay = await _finished(
+        scheduler.submit(ids, GenerationParams(max_new_tokens=6, temperature=1.0, seed=drawn.seed), None, 60)
+    )
+    assert replay.text == drawn.text
+    assert (await _finished(scheduler.submit(ids, seeded, None, 60))).text == given.text
+
+
 async def test_a_short_request_is_not_held_behind_a_long_one(scheduler, api_engine) -> None:
     # Target-only decoding: one token per step, so the long request needs 32 steps.
     params = GenerationParams(max_new_tokens=32, ignore_eos=True)

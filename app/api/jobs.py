@@ -18,8 +18,9 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from app.api.errors import APIError
-from app.api.schemas import SpeculativeDetails, SpeculativeParameters
+from app.api.schemas import GREEDY, Sampling, SpeculativeDetails, SpeculativeParameters
 from app.engine.generation import GenerationParams
+from app.engine.sampling import SamplingParams
 from app.runtime import Runtime
 from app.settings import Settings
 from app.worker import Finished, Overloaded, RequestFailed, Ticket, TokenOut
@@ -41,6 +42,7 @@ class JobSpec:
     prompt_field: str = "inputs"
     max_new_tokens_field: str = "max_new_tokens"
     default_max_new_tokens: int | None = None
+    sampling: Sampling = GREEDY  # temperature, top_k, top_p, seed as the engine takes them
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         raise _invalid(f"at most {settings.max_stop_sequences} stop strings are allowed, got {len(spec.stop)}")
     check_max_new_tokens(spec.max_new_tokens, spec.max_new_tokens_field, settings)
     draft, k = _speculation(runtime, spec.speculative)
+    s = spec.sampling
+    try:  # the engine's own check, before anything is queued (the schemas already hold requests to it)
+        SamplingParams(s.temperature, s.top_k, s.top_p)
+    except ValueError as exc:
+        raise _invalid(str(exc)) from exc
 
     if isinstance(spec.prompt, str):
         if not spec.prompt:
@@ -91,7 +98,15 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
             f"the prompt ({len(ids)} tokens) plus {spec.max_new_tokens_field} ({max_new}) exceeds the model's "
             f"context of {info.context_length} tokens"
         )
-    params = GenerationParams(max_new_tokens=max_new, stop=tuple(spec.stop), num_draft_tokens=k)
+    params = GenerationParams(
+        max_new_tokens=max_new,
+        stop=tuple(spec.stop),
+        num_draft_tokens=k,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed,
+    )
     return Prepared(ids, params, draft, k if draft != "none" else 0)
 
 

@@ -70,6 +70,7 @@ async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest) 
         truncate=p.truncate,
         prompt_field="inputs",
         max_new_tokens_field="parameters.max_new_tokens",
+        sampling=p.sampling(),
     )
     return await jobs.prepare(runtime, settings, spec)
 
@@ -98,7 +99,7 @@ async def _generate(request: Request, body: GenerateRequest, runtime: Runtime, s
         details = Details(
             finish_reason=_FINISH[finished.finish_reason],  # type: ignore[arg-type]
             generated_tokens=finished.generated_tokens,
-            seed=None,
+            seed=finished.seed,
             prefill=prefill,
             tokens=[_token(t) for t in tokens],
             speculative=jobs.speculative_details(prepared, finished),
@@ -127,7 +128,7 @@ async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -
                             event.details = StreamDetails(
                                 finish_reason=_FINISH[f.finish_reason],  # type: ignore[arg-type]
                                 generated_tokens=f.generated_tokens,
-                                seed=None,
+                                seed=f.seed,
                                 input_length=f.prompt_tokens,
                                 speculative=jobs.speculative_details(prepared, f),
                             )
@@ -147,7 +148,7 @@ async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -
     summary="Generate text (TGI /generate)",
 )
 async def generate(request: Request, body: GenerateRequest, runtime: Runtime_, settings: Settings_) -> Response:
-    """Generate greedily from `inputs` and answer the whole text at once."""
+    """Generate from `inputs` (greedily unless sampling is asked for) and answer the whole text at once."""
     return await _generate(request, body, runtime, settings)
 
 
@@ -158,7 +159,7 @@ async def generate(request: Request, body: GenerateRequest, runtime: Runtime_, s
     summary="Generate text as server-sent events (TGI /generate_stream)",
 )
 async def generate_stream(body: GenerateRequest, runtime: Runtime_, settings: Settings_) -> StreamingResponse:
-    """Generate greedily from `inputs`, one event per token even when one target pass accepts several."""
+    """Generate from `inputs` as /generate does, one event per token even when one target pass accepts several."""
     return await _stream(body, runtime, settings)
 
 

@@ -132,7 +132,7 @@ def _stream(
     summary="Complete a prompt (OpenAI completions)",
 )
 async def completions(request: Request, body: CompletionRequest, runtime: Runtime_, settings: Settings_) -> Response:
-    """Continue `prompt` greedily, sent as is (no chat template)."""
+    """Continue `prompt`, sent as is (no chat template): greedily unless temperature > 0."""
     prompt: str | list[int] = body.prompt  # type: ignore[assignment]  # one prompt, by its validator
     spec = jobs.JobSpec(
         prompt=prompt,
@@ -142,6 +142,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
         prompt_field="prompt",
         max_new_tokens_field="max_tokens",
         default_max_new_tokens=16,
+        sampling=body.sampling(),
     )
     prepared = await jobs.prepare(runtime, settings, spec)
     ticket = jobs.submit(runtime, settings, prepared)
@@ -177,7 +178,8 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
 async def chat_completions(
     request: Request, body: ChatCompletionRequest, runtime: Runtime_, settings: Settings_
 ) -> Response:
-    """Render `messages` with the model's chat template and answer greedily as the assistant."""
+    """Render `messages` with the model's chat template and answer as the assistant: greedily unless
+    temperature > 0."""
     jobs.check_max_new_tokens(body.max_tokens, "max_tokens", settings)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     try:
@@ -192,6 +194,7 @@ async def chat_completions(
         speculative=body.speculative,
         prompt_field="messages",
         max_new_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+        sampling=body.sampling(),
     )
     prepared = await jobs.prepare(runtime, settings, spec)
     ticket = jobs.submit(runtime, settings, prepared)

@@ -9,36 +9,50 @@ as TGI and OpenAI ignore them, except inside our own ``speculative`` object.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 MAX_DRAFT_TOKENS = 16
 
 _REQUEST = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
-# --- sampling: not implemented by the engine yet -----------------------------------------------------------
-# The one place to change once GenerationParams carries temperature, top_p, top_k and seed: drop the two
-# refusals and the schema's maximum below. top_p, top_k and seed alone change nothing under greedy decoding.
+# --- sampling ----------------------------------------------------------------------------------------------
+
+MAX_TEMPERATURE = 100.0
+# The smallest positive temperature: below it, logits / temperature can overflow float32 and the
+# probabilities become NaN. Anything this small is greedy in all but name.
+MIN_TEMPERATURE = 1e-6
+MAX_SEED = 2**64 - 1  # the range of a torch.Generator seed (TGI's seed is a u64 too)
 
 
-def _refuse_temperature(value: float | None) -> float | None:
-    if value is not None and value > 0:
-        raise ValueError("sampling is not supported yet: send temperature 0 or leave it unset")
-    return value
-
-
-def _refuse_do_sample(value: bool) -> bool:
-    if value:
-        raise ValueError("sampling is not supported yet: do_sample must be false")
+def _check_temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
     return value
 
 
 Temperature = Annotated[
-    Annotated[float, Field(ge=0, json_schema_extra={"maximum": 0})] | None, AfterValidator(_refuse_temperature)
+    float,
+    Field(ge=0, le=MAX_TEMPERATURE),
+    AfterValidator(_check_temperature),
+    WithJsonSchema(
+        {"anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": MAX_TEMPERATURE}]}
+    ),
 ]
-DoSample = Annotated[bool, AfterValidator(_refuse_do_sample), WithJsonSchema({"type": "boolean", "enum": [False]})]
+
+
+class Sampling(NamedTuple):
+    """How the engine decodes a request: temperature 0 is greedy, and then the rest is neutral."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no cut
+    top_p: float = 1.0
+    seed: int | None = None  # None: the engine draws one (reported back when sampling)
+
+
+GREEDY = Sampling()
 
 
 def _neutral_only(annotation: Any, *allowed: Any) -> Any:
@@ -136,11 +150,20 @@ class GenerateParameters(BaseModel):
     max_new_tokens: _int(ge=1) | None = Field(
         None, description="most tokens to generate (default: the server's default_max_new_tokens)"
     )
-    do_sample: DoSample = Field(False, description="sample instead of greedy decoding (not supported yet)")
-    temperature: Temperature = Field(None, description="> 0 asks for sampling (not supported yet)")
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass, in (0, 1]")
-    top_k: _int(ge=1) | None = Field(None, description="sample from the k most likely tokens")
-    seed: _int(ge=0) | None = Field(None, description="random seed of sampling")
+    do_sample: bool = Field(False, description="sample (at temperature 1.0 unless given) instead of greedy decoding")
+    temperature: Temperature | None = Field(
+        None,
+        description="0: greedy; otherwise sampling, asked for even without do_sample unless it is 1.0 (as in TGI)",
+    )
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="nucleus sampling mass, in (0, 1]; below 1 it asks for sampling (as in TGI)"
+    )
+    top_k: _int(ge=1) | None = Field(
+        None, description="sample from the k most likely tokens; asks for sampling (as in TGI)"
+    )
+    seed: _int(ge=0, le=MAX_SEED) | None = Field(
+        None, description="seed of sampling: the same seed and parameters give the same text; default: random"
+    )
     stop: list[NonEmptyStr] = Field(
         default_factory=list, description="stop strings; the text ends before the first one"
     )
@@ -158,6 +181,29 @@ class GenerateParameters(BaseModel):
     grammar: _neutral_only(dict[str, Any] | None, None) = None
     adapter_id: _neutral_only(str | None, None) = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
+
+    @model_validator(mode="after")
+    def _sampling_is_consistent(self) -> GenerateParameters:
+        if self.do_sample and self.temperature == 0:
+            raise ValueError(
+                "temperature 0 means greedy decoding but do_sample is true: send a temperature > 0 "
+                "(or none, for 1.0), or do_sample false"
+            )
+        return self
+
+    def sampling(self) -> Sampling:
+        """TGI's rule: `do_sample`, a temperature other than 1.0, `top_k`, or `top_p` below 1 asks for sampling
+        (at temperature 1.0 unless given); temperature 0 is greedy whatever else is given."""
+        t, top_p = self.temperature, self.top_p
+        asked = (
+            self.do_sample
+            or (t is not None and t != 1.0)
+            or self.top_k is not None
+            or (top_p is not None and top_p < 1.0)
+        )
+        if not asked or t == 0:
+            return GREEDY
+        return Sampling(1.0 if t is None else t, self.top_k or 0, 1.0 if top_p is None else top_p, self.seed)
 
 
 class GenerateRequest(BaseModel):
@@ -259,10 +305,18 @@ class _OpenAISampling(BaseModel):
     model_config = _REQUEST
 
     model: str | None = Field(None, description="any name is accepted; responses report the served model")
-    temperature: Temperature = Field(None, description="> 0 asks for sampling (not supported yet)")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: _int(ge=1) | None = Field(None, description="vLLM's extension")
-    seed: _int() | None = Field(None, description="random seed of sampling")
+    temperature: Temperature | None = Field(
+        None, description="> 0 samples; 0 or unset (our default, unlike OpenAI's 1.0) decodes greedily"
+    )
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="nucleus sampling mass, in (0, 1]; only with temperature > 0"
+    )
+    top_k: _int(ge=1) | None = Field(
+        None, description="vLLM's extension: the k most likely tokens; only with temperature > 0"
+    )
+    seed: _int(ge=-(2**63), le=2**63 - 1) | None = Field(
+        None, description="seed of sampling (taken modulo 2**64): the same seed and parameters give the same text"
+    )
     n: _int(ge=1, le=1) | None = Field(None, description="only 1")
     stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
         None, description="stop strings; the text ends before the first one"
@@ -274,6 +328,13 @@ class _OpenAISampling(BaseModel):
     logit_bias: _neutral_only(dict[str, float] | None, None, {}) = None
     user: str | None = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
+
+    def sampling(self) -> Sampling:
+        """Greedy unless temperature > 0 (top_p, top_k and seed alone change nothing)."""
+        if not self.temperature:
+            return GREEDY
+        seed = None if self.seed is None else self.seed & MAX_SEED  # a negative seed, as two's complement
+        return Sampling(self.temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p, seed)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
