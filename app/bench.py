@@ -1,9 +1,10 @@
 """`specserve bench`: side-by-side speed and acceptance over Spec-Bench-format prompts.
 
 Every configuration runs on the same prompt before the next prompt starts (interleaved), so machine
-noise hits all of them alike. Configurations: transformers' own greedy `generate` on the target
-(`hf`), our engine target-only (`none`), and our engine with each draft. Greedy outputs of every draft
-configuration are checked against our target-only output token for token.
+noise hits all of them alike. Configurations: transformers' own `generate` on the target (`hf`), our
+engine target-only (`none`), and our engine with each draft. Decoding is greedy unless a temperature > 0 is
+given; greedy outputs of every draft configuration are checked against our target-only output token for
+token. Sampled outputs are only equal in distribution, so that check is not made (reported as null).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _group(category: str) -> str:
 
 
 class _HFRunner:
-    """transformers' target-only greedy generate on the same checkpoint and dtype."""
+    """transformers' target-only generate on the same checkpoint and dtype, greedy or sampling alike."""
 
     def __init__(self, source: str, dtype: torch.dtype, eos: list[int]) -> None:
         from transformers import AutoModelForCausalLM
@@ -78,16 +79,29 @@ class _HFRunner:
         self.eos = eos
 
     @torch.inference_mode()
-    def run(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    def run(
+        self, prompt_ids: list[int], max_new_tokens: int, params: GenerationParams | None = None
+    ) -> tuple[list[int], float]:
         ids = torch.tensor([prompt_ids])
+        sampling: dict[str, Any] = {"do_sample": False}
+        if params is not None and params.temperature > 0:
+            # top_k=0 and top_p=1.0 switch transformers' warpers off, as they do ours.
+            sampling = {
+                "do_sample": True,
+                "temperature": params.temperature,
+                "top_k": params.top_k,
+                "top_p": params.top_p,
+            }
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
         t0 = time.perf_counter()
         out = self.model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
-            do_sample=False,
             eos_token_id=self.eos,
             pad_token_id=self.eos[0],
+            **sampling,
         )
         return out[0, len(prompt_ids) :].tolist(), time.perf_counter() - t0
 
@@ -100,8 +114,14 @@ def run_bench(
     max_new_tokens: int,
     num_draft_tokens: int,
     with_hf: bool,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
 ) -> list[Run]:
-    """All configurations on every prompt, interleaved; returns one Run per (prompt, configuration)."""
+    """All configurations on every prompt, interleaved; returns one Run per (prompt, configuration).
+
+    Greedy by default; temperature > 0 samples every configuration (with `seed`, each run starts from it)."""
     from tqdm import tqdm
 
     hf = None
@@ -109,18 +129,20 @@ def run_bench(
         hf = _HFRunner(loaded.source, loaded.model.dtype, sorted(loaded.tokenizer.eos_token_ids))
     tok = loaded.tokenizer
     runs: list[Run] = []
-    params = GenerationParams(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens)
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    params = GenerationParams(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, **sampling)
     # Warm up every path once so first-call costs do not land on the first prompt.
     warm = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello"}]))
+    warm_params = GenerationParams(max_new_tokens=8, num_draft_tokens=num_draft_tokens, **sampling)
     for d in ["none", *drafts]:
-        for _ in engine.generate(warm, GenerationParams(max_new_tokens=8, num_draft_tokens=num_draft_tokens), d):
+        for _ in engine.generate(warm, warm_params, d):
             pass
     if hf is not None:
-        hf.run(warm, 8)
+        hf.run(warm, 8, params)
     for p in tqdm(prompts, desc="bench", unit="prompt", file=sys.stderr):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]))
         if hf is not None:
-            out, secs = hf.run(ids, max_new_tokens)
+            out, secs = hf.run(ids, max_new_tokens, params)
             runs.append(Run("hf", p.question_id, p.category, len(out), secs, out))
         for d in ["none", *drafts]:
             gen = engine.start(ids, params, d)
@@ -134,8 +156,12 @@ def run_bench(
     return runs
 
 
-def summarize(runs: list[Run], num_draft_tokens: int) -> dict[str, Any]:
-    """Per group (mt_bench, then each other category, then overall) and configuration: the figures."""
+def summarize(runs: list[Run], num_draft_tokens: int, sampled: bool = False) -> dict[str, Any]:
+    """Per group (mt_bench, then each other category, then overall) and configuration: the figures.
+
+    `identical_to_target_only` counts the prompts whose output equals our target-only output token for token;
+    when `sampled` it is None: sampled outputs are equal in distribution, not token for token.
+    """
     by_prompt: dict[Any, dict[str, Run]] = defaultdict(dict)
     for r in runs:
         by_prompt[r.question_id][r.config] = r
@@ -158,11 +184,15 @@ def summarize(runs: list[Run], num_draft_tokens: int) -> dict[str, Any]:
                 passes = sum(r.stats["target_passes"] for r in rs)
                 entry["acceptance_rate"] = accepted / drafted if drafted else 0.0
                 entry["tokens_per_target_pass"] = tokens / passes if passes else 0.0
-                per_pos = [sum(r.stats["accepted_per_position"][i] for r in rs) for i in range(num_draft_tokens)]
+                # Target-only runs draft nothing: their accepted_per_position is empty.
+                per_pos = [
+                    sum(r.stats["accepted_per_position"][i] for r in rs if i < len(r.stats["accepted_per_position"]))
+                    for i in range(num_draft_tokens)
+                ]
                 verify = sum(r.stats["verify_passes"] for r in rs)
                 entry["acceptance_by_position"] = [round(x / verify, 4) if verify else 0.0 for x in per_pos]
-                entry["identical_to_target_only"] = sum(
-                    by_prompt[q][c].token_ids == by_prompt[q]["none"].token_ids for q in qids
+                entry["identical_to_target_only"] = (
+                    None if sampled else sum(by_prompt[q][c].token_ids == by_prompt[q]["none"].token_ids for q in qids)
                 )
             row[c] = entry
         for entry in row.values():
@@ -183,7 +213,11 @@ def markdown(summary: dict[str, Any]) -> str:
         for c, e in row.items():
             acc = f"{e['acceptance_rate']:.3f}" if "acceptance_rate" in e else "-"
             tpp = f"{e['tokens_per_target_pass']:.2f}" if "tokens_per_target_pass" in e else "-"
-            same = f"{e['identical_to_target_only']}/{e['prompts']}" if "identical_to_target_only" in e else "-"
+            same = (
+                f"{e['identical_to_target_only']}/{e['prompts']}"
+                if e.get("identical_to_target_only") is not None
+                else "-"
+            )
             vs_hf = f"{e['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in e else "-"
             lines.append(
                 f"| {g} | {c} | {e['prompts']} | {e['tokens_per_second']:.1f} | {vs_hf} | "

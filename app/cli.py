@@ -111,7 +111,49 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--compare", action="store_true", help="also run target-only and print the speedup")
+    _add_sampling_arguments(parser)
     parser.set_defaults(func=_cmd_generate)
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling", "greedy by default; --temperature > 0 samples")
+    group.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    group.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="with --temperature > 0: sample from the k most likely tokens (default 0: all)",
+    )
+    group.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="with --temperature > 0: nucleus sampling mass in (0, 1] (default 1: all)",
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="with --temperature > 0: seed of sampling (default: a random one, printed)",
+    )
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling fields of GenerationParams from the flags; raises CliError before any model loads."""
+    import math
+
+    from app.api.schemas import MAX_SEED, MIN_TEMPERATURE
+    from app.engine.sampling import SamplingParams
+
+    if not math.isfinite(args.temperature) or 0 < args.temperature < MIN_TEMPERATURE:
+        raise CliError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+    try:
+        SamplingParams(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:
+        raise CliError(f"invalid sampling flags: {exc}") from exc
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        raise CliError(f"--seed must lie in [0, {MAX_SEED}]")
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -155,16 +197,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from app.engine.tokenizer import TokenizerError
     from app.engine.weights import WeightsError
 
+    sampling = _sampling_kwargs(args)
     prompts = _read_prompts(args)
     if args.num_draft_tokens < 0 or args.max_new_tokens < 1:
         raise CliError("--num-draft-tokens must be >= 0 and --max-new-tokens >= 1")
+    sampled = args.temperature > 0
     try:
         engine, loaded = build_engine(
             args.target or DEFAULT_TARGET, args.draft, args.num_draft_tokens, args.dtype, args.device
         )
         tok = loaded.tokenizer
         params = GenerationParams(
-            max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), num_draft_tokens=args.num_draft_tokens
+            max_new_tokens=args.max_new_tokens,
+            stop=tuple(args.stop),
+            num_draft_tokens=args.num_draft_tokens,
+            **sampling,
         )
         stream = not args.json and len(prompts) == 1
         for prompt in prompts:
@@ -181,30 +228,41 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 "prompt_token_ids": prompt_ids,
                 "token_ids": gen.generated_ids,
                 "finish_reason": gen.finish_reason,
+                "seed": gen.seed if sampled else None,  # the seed used: --seed, or the one drawn
                 "stats": stats,
             }
             if args.compare:
+                # The same seed, but draft and target-only consume randomness differently: sampled outputs are
+                # equal in distribution, not token for token, so their equality is not reported (null).
                 base = engine.start(prompt_ids, params, "none")
                 while not base.finished:
                     base.step()
                 b = base.stats.to_dict()
                 result["baseline"] = {"token_ids": base.generated_ids, "stats": b}
-                result["identical_to_target_only"] = base.generated_ids == gen.generated_ids
+                result["identical_to_target_only"] = None if sampled else base.generated_ids == gen.generated_ids
                 result["speedup"] = round(stats["tokens_per_second"] / max(b["tokens_per_second"], 1e-9), 3)
             if args.json:
                 print(json.dumps(result, ensure_ascii=False), flush=True)
                 continue
             if not stream:
                 print(gen.text)
+            decoding = (
+                f"temperature {args.temperature:g}, top-k {args.top_k}, top-p {args.top_p:g}, seed {gen.seed}"
+                if sampled
+                else "greedy"
+            )
             print(
                 f"\n\n[{engine.default_draft if args.draft == 'default' else args.draft} draft, "
-                f"k={args.num_draft_tokens}, {loaded.model.dtype}] finish: {gen.finish_reason}"
+                f"k={args.num_draft_tokens}, {loaded.model.dtype}, {decoding}] finish: {gen.finish_reason}"
             )
             print(_describe_stats(stats))
             if args.compare:
                 print(_describe_stats(result["baseline"]["stats"], "target only: "))
-                same = "identical" if result["identical_to_target_only"] else "DIFFERENT"
-                print(f"speedup over target only: {result['speedup']:.2f}x (outputs {same})")
+                if sampled:
+                    print(f"speedup over target only: {result['speedup']:.2f}x")
+                else:
+                    same = "identical" if result["identical_to_target_only"] else "DIFFERENT"
+                    print(f"speedup over target only: {result['speedup']:.2f}x (outputs {same})")
     except (GenerationError, DraftError, WeightsError, TokenizerError) as exc:
         raise CliError(str(exc)) from exc
     return 0
@@ -230,6 +288,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     parser.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
+    _add_sampling_arguments(parser)
     parser.set_defaults(func=_cmd_bench)
 
 
@@ -240,6 +299,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from app.bench import markdown, per_prompt_medians, read_prompts, run_bench, summarize
     from app.engine.factory import DEFAULT_TARGET, build_engine
 
+    sampling = _sampling_kwargs(args)
     path = Path(args.input)
     if not path.is_file():
         raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
@@ -251,8 +311,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     engine, loaded = build_engine(
         args.target or DEFAULT_TARGET, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype
     )
-    runs = run_bench(engine, loaded, prompts, drafts, args.max_new_tokens, args.num_draft_tokens, not args.no_hf)
-    summary = summarize(runs, args.num_draft_tokens)
+    runs = run_bench(
+        engine, loaded, prompts, drafts, args.max_new_tokens, args.num_draft_tokens, not args.no_hf, **sampling
+    )
+    summary = summarize(runs, args.num_draft_tokens, sampled=args.temperature > 0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -260,6 +322,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "target": loaded.source,
         "max_new_tokens": args.max_new_tokens,
         "num_draft_tokens": args.num_draft_tokens,
+        "decoding": "sampling" if args.temperature > 0 else "greedy",
+        **sampling,
         "prompts": len(prompts),
         "threads": __import__("torch").get_num_threads(),
     }

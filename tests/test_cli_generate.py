@@ -7,6 +7,7 @@ each checks as much as it can.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,78 @@ def test_no_prompt_is_one_error_line(capsys):
     assert main(["generate", "-n", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+def test_generate_sampling_json_reproduces_its_seed(target_f32):
+    from app.engine.drafters import NgramDrafter
+
+    prompt = "Write a short poem about the sea."
+    proc = _cli(
+        prompt, "--json", "-n", "8", "--draft", "ngram", "--compare", "--dtype", "float32", "--device", "cpu",
+        "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--seed", "7",
+    )  # fmt: skip
+    [out] = _json_lines(proc)
+    assert out["seed"] == 7
+    # Sampled outputs are equal in distribution only: equality with target-only is not reported.
+    assert out["identical_to_target_only"] is None
+    assert out["stats"]["generated_tokens"] == len(out["token_ids"]) >= 1
+    # The same seed and parameters in this process give the same tokens: the seed is the whole randomness.
+    params = GenerationParams(max_new_tokens=8, num_draft_tokens=4, temperature=0.9, top_k=40, top_p=0.95, seed=7)
+    gen = Generation(target_f32.model, target_f32.tokenizer, out["prompt_token_ids"], params, NgramDrafter())
+    while not gen.finished:
+        gen.step()
+    assert gen.generated_ids == out["token_ids"]
+
+
+def test_generate_sampling_prints_the_seed_drawn():
+    proc = _cli("Say hello.", "-n", "4", "--draft", "none", "--dtype", "float32", "--temperature", "0.7")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"temperature 0\.7, top-k 0, top-p 1, seed \d+\] finish:", proc.stdout), proc.stdout
+    greedy = _cli("Say hello.", "-n", "2", "--draft", "none", "--dtype", "float32", "--json")
+    assert _json_lines(greedy)[0]["seed"] is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "1e-9"], "--temperature must be 0 (greedy) or at least 1e-06"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--temperature", "1", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--temperature", "1", "--top-k", "-2"], "top_k must be >= 0"),
+        (["--temperature", "1", "--seed", "-1"], "--seed must lie in [0, "),
+    ],
+    ids=["negative-temperature", "tiny-temperature", "nan-temperature", "top-p-0", "negative-top-k", "negative-seed"],
+)
+def test_bad_sampling_flags_are_one_error_line(capsys, flags, message):
+    """Refused before any model is loaded (generate and bench alike)."""
+    for command in (["generate", "hi", "-n", "2"], ["bench", "--input", __file__]):
+        assert main([*command, *flags]) == 1
+        captured = capsys.readouterr()
+        lines = [line for line in captured.err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], captured.err
+
+
+def test_bench_summary_reports_no_equality_when_sampling():
+    from app.bench import Run, markdown, summarize
+
+    stats = {"drafted": 4, "accepted": 2, "target_passes": 3, "verify_passes": 2, "accepted_per_position": [1, 1]}
+    runs = [
+        Run(
+            "none",
+            1,
+            "qa",
+            4,
+            1.0,
+            [1, 2, 3, 4],
+            {**stats, "drafted": 0, "accepted": 0, "accepted_per_position": []},
+        ),
+        Run("ngram", 1, "qa", 4, 0.5, [1, 2, 3, 4], stats),
+    ]
+    greedy = summarize(runs, 2)
+    assert greedy["overall"]["ngram"]["identical_to_target_only"] == 1
+    assert "| 1/1 |" in markdown(greedy)
+    sampled = summarize(runs, 2, sampled=True)
+    assert sampled["overall"]["ngram"]["identical_to_target_only"] is None
+    assert sampled["overall"]["ngram"]["acceptance_rate"] == 0.5
+    assert markdown(sampled).splitlines()[-1].endswith("| - |")
