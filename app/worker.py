@@ -367,7 +367,7 @@ class Scheduler:
                 len(job.prompt_ids),
                 gen.stats.generated_tokens,
                 gen.stats.to_dict(),
-                seed=None if gen.sampling.greedy else gen.seed,
+                seed=gen.seed,
             )
         if finished is not None:
             # Counted before the event leaves: the route gives the ticket up as soon as it has read it.

@@ -150,10 +150,13 @@ class Generation:
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
         self._detok = Detokenizer(tokenizer, params.stop)
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        if params.seed is not None and not 0 <= params.seed < 2**64:
+            raise GenerationError("seed must lie in [0, 2**64)")
         # Each request draws from its own generator, so a seed reproduces it whatever else is running.
-        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.seed: int | None = None  # the seed actually used; None under greedy decoding
         self._rng: torch.Generator | None = None
         if not self.sampling.greedy:
+            self.seed = params.seed if params.seed is not None else secrets.randbits(63)
             self._rng = torch.Generator(device=target.device).manual_seed(self.seed)
         self._started = time.perf_counter()
 

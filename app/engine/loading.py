@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from app.engine.model import ModelConfig, Transformer
+from app.engine.model import ModelConfig, Transformer, can_pack
 from app.engine.tokenizer import Tokenizer
 from app.engine.weights import read_checkpoint
 
@@ -42,29 +42,37 @@ def resolve_device(device: str) -> torch.device:
 
 @functools.cache
 def _bf16_is_faster_on_cpu() -> bool:
-    # A verification-sized product (16 rows through a 576x1536 layer, the default target's MLP): bf16
-    # wins where the CPU has AMX or AVX512-BF16, and loses badly where it is emulated.
-    a32 = torch.randn(16, 576)
-    w32 = torch.randn(1536, 576)
-    times = {}
+    # Time what decoding runs: the default target's MLP weight (576x1536) times 1 row (a plain step) and
+    # 8 rows (a verification), in float32 and in bfloat16 as the decoder would run it (packed where oneDNN
+    # allows). Where bf16 is emulated instead of done by AMX or AVX512-BF16, float32 wins.
+    weight = torch.randn(1536, 576)
+    cases = {}
     for dtype in (torch.float32, torch.bfloat16):
-        a, w = a32.to(dtype), w32.to(dtype)
-        for _ in range(3):
-            torch.nn.functional.linear(a, w)
+        w = weight.to(dtype)
+        if can_pack(dtype, torch.device("cpu")):
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+
+            def product(x: torch.Tensor, packed: torch.Tensor = packed) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        else:
+
+            def product(x: torch.Tensor, w: torch.Tensor = w) -> torch.Tensor:
+                return torch.nn.functional.linear(x, w)
+
+        xs = [torch.randn(rows, 576, dtype=dtype) for rows in (1, 8)]
+        for x in xs:
+            product(x)
         t0 = time.perf_counter()
-        for _ in range(50):
-            torch.nn.functional.linear(a, w)
-        times[dtype] = time.perf_counter() - t0
-    log.info(
-        "dtype probe: float32 %.2f ms, bfloat16 %.2f ms per 50 products",
-        times[torch.float32] * 1e3,
-        times[torch.bfloat16] * 1e3,
-    )
-    return times[torch.bfloat16] < times[torch.float32]
+        for _ in range(30):
+            for x in xs:
+                product(x)
+        cases[dtype] = time.perf_counter() - t0
+    log.info("dtype probe: float32 %.2f ms, bfloat16 %.2f ms", cases[torch.float32] * 1e3, cases[torch.bfloat16] * 1e3)
+    return cases[torch.bfloat16] < cases[torch.float32]
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on CUDA with bf16 support, and on a CPU where a measured bf16 product is faster."""
+    """`auto`: bfloat16 on CUDA with bf16 support, and on a CPU where measured bf16 products are faster."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
@@ -90,6 +98,7 @@ def load_model(
     state = {k: v.to(dt) for k, v in ckpt.state_dict.items()}
     model.load_state_dict(state, assign=True, strict=True)
     model = model.to(dev).eval().requires_grad_(False)
+    model.pack()
     tokenizer = Tokenizer.from_metadata(ckpt.tokenizer_meta, ckpt.config.eos_token_ids)
     elapsed = time.perf_counter() - t0
     log.info("loaded %s (%s, %s) in %.1f s", path, dt, dev, elapsed)

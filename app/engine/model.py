@@ -150,6 +150,33 @@ class _Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class _PackedLinear(nn.Module):
+    """A bfloat16 linear layer whose weight oneDNN reordered once, at load.
+
+    Unpacked, oneDNN reorders a bf16 weight on every call, which on CPU costs more than the product itself
+    for the few rows a decoding step multiplies (measured: 30 layers of the default target, 1 row, 33 ms
+    plain, 24 ms packed). The results are bit-identical to F.linear.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.bias = bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `Transformer.pack()` speeds up this dtype and device (bfloat16 on a CPU with oneDNN)."""
+    return (
+        dtype == torch.bfloat16
+        and device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -202,6 +229,23 @@ class Transformer(nn.Module):
         self._rope_len = 0
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self._packed_head: _PackedLinear | None = None
+
+    def pack(self) -> bool:
+        """Reorder every bf16 weight for oneDNN once (see `_PackedLinear`); inference only, irreversible.
+
+        Returns whether anything was packed (only bfloat16 on CPU is).
+        """
+        if not can_pack(self.dtype, self.device):
+            return False
+        for block in self.layers:
+            for owner, name in ((block.attn, "wqkv"), (block.attn, "wo"), (block, "w13"), (block, "w2")):
+                lin = getattr(owner, name)
+                if isinstance(lin, nn.Linear):
+                    setattr(owner, name, _PackedLinear(lin.weight, lin.bias))
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        self._packed_head = _PackedLinear(head, None)
+        return True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -260,6 +304,8 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Project hidden states [..., dim] to vocabulary logits [..., vocab]."""
+        if self._packed_head is not None:
+            return self._packed_head(hidden)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+MIN_TEMPERATURE = 1e-6
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +26,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # Dividing logits by less overflows float32 to inf and the probabilities to NaN.
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0 (0: no cut)")
         if not 0 < self.top_p <= 1:
