@@ -98,7 +98,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("prompt", nargs="?", help="the user message (or raw prompt with --no-chat)")
     parser.add_argument("--input", metavar="FILE.jsonl", help="Spec-Bench-format lines; the first turn is used")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of --input")
+    parser.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts of --input")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     parser.add_argument("--target", default=None, help="catalog name or path (default: smollm2-135m-instruct)")
     parser.add_argument(
@@ -154,6 +154,17 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise CliError(f"--seed must lie in [0, {MAX_SEED}]")
     return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (a --limit of 0 or -1 would silently drop prompts)."""
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -279,8 +290,10 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "draft on every prompt, interleaved, and report tokens/s, speedups, acceptance and output equality.",
     )
     parser.add_argument("--input", default="../shared/bench/specbench-dev.jsonl", help="Spec-Bench-format JSONL")
-    parser.add_argument("--per-category", type=int, default=None, help="only the first N prompts of each category")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    parser.add_argument(
+        "--per-category", type=_positive_int, default=None, help="only the first N prompts of each category"
+    )
+    parser.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts")
     parser.add_argument("--target", default=None, help="catalog name or path (default: smollm2-135m-instruct)")
     parser.add_argument("--draft", action="append", default=None, help="draft to measure (repeatable; default: ngram)")
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)

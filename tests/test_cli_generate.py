@@ -197,3 +197,11 @@ def test_bench_summary_reports_no_equality_when_sampling():
     assert sampled["overall"]["ngram"]["identical_to_target_only"] is None
     assert sampled["overall"]["ngram"]["acceptance_rate"] == 0.5
     assert markdown(sampled).splitlines()[-1].endswith("| - |")
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "x"])
+def test_a_limit_below_one_is_refused_before_anything_loads(limit, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--input", "prompts.jsonl", "--limit", limit])
+    assert exc.value.code == 2
+    assert "--limit" in capsys.readouterr().err
