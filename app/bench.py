@@ -232,3 +232,47 @@ def per_prompt_medians(runs: list[Run]) -> dict[str, float]:
     for r in runs:
         by_config[r.config].append(r.tokens / r.seconds)
     return {c: statistics.median(v) for c, v in by_config.items()}
+
+
+def kernel_table(rows: tuple[int, ...] = (1, 5, 16), repeats: int = 7) -> dict[str, dict[int, float]]:
+    """Milliseconds for the default target's 30 layers of products (random weights of its shapes, each layer
+    its own so that weights stream from memory as in a real step), per row count and weight format:
+    float32, bfloat16 as F.linear runs it, and bfloat16 packed for oneDNN as the decoder runs it."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    layers = [[torch.randn(o, i) * 0.05 for o, i in shapes] for _ in range(30)]
+    halves = [[w.bfloat16() for w in ws] for ws in layers]
+    formats: dict[str, tuple[list[list[Any]], torch.dtype]] = {
+        "float32": ([[(lambda x, w=w: F.linear(x, w)) for w in ws] for ws in layers], torch.float32),
+        "bfloat16": ([[(lambda x, w=w: F.linear(x, w)) for w in ws] for ws in halves], torch.bfloat16),
+    }
+    if torch.backends.mkldnn.is_available():
+        packed = [[torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for ws in halves]
+        formats["bfloat16 packed"] = (
+            [
+                [(lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")) for p in ps]
+                for ps in packed
+            ],
+            torch.bfloat16,
+        )
+    table: dict[str, dict[int, float]] = {}
+    for name, (fns, dtype) in formats.items():
+        table[name] = {}
+        for m in rows:
+            xs = {i: torch.randn(m, i, dtype=dtype) for _, i in shapes}
+
+            def step(fns: list[list[Any]] = fns, xs: dict[int, torch.Tensor] = xs) -> None:
+                for layer in fns:
+                    for (_, i), f in zip(shapes, layer, strict=True):
+                        f(xs[i])
+
+            step()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            table[name][m] = min(times) * 1e3
+    return table

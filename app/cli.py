@@ -300,6 +300,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    parser.add_argument(
+        "--kernels", action="store_true", help="only time the target's matrix products per dtype (no model needed)"
+    )
     parser.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     _add_sampling_arguments(parser)
     parser.set_defaults(func=_cmd_bench)
@@ -313,6 +316,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from app.engine.factory import DEFAULT_TARGET, build_engine
 
     sampling = _sampling_kwargs(args)
+    if args.kernels:
+        from app.bench import kernel_table
+
+        table = kernel_table()
+        print("rows | " + " | ".join(table))
+        for m in next(iter(table.values())):
+            print(f"{m} | " + " | ".join(f"{table[name][m]:.1f} ms" for name in table))
+        return 0
     path = Path(args.input)
     if not path.is_file():
         raise CliError(f"no prompts at {path}; give --input FILE.jsonl")

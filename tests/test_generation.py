@@ -31,10 +31,10 @@ MAX_NEW = 32
 
 
 def run_checked(
-    target, tokenizer, prompt: Sequence[int], params: GenerationParams, drafter
+    target, tokenizer, prompt: Sequence[int], params: GenerationParams, drafter, verify_width: int = 0
 ) -> tuple[Generation, list[StepOutput]]:
     """Run a generation to the end, checking the loop's invariants after every step."""
-    gen = Generation(target, tokenizer, prompt, params, drafter)
+    gen = Generation(target, tokenizer, prompt, params, drafter, verify_width)
     k = params.num_draft_tokens if drafter is not None else 0
     steps: list[StepOutput] = []
     while not gen.finished:
@@ -256,6 +256,39 @@ def test_stop_string_on_the_real_target(target_f32, bench_prompts, baseline, rea
     assert gen.finish_reason == "stop"
     assert gen.text == full[:first] and stop not in "".join(s.text for s in steps)
     assert gen.generated_ids == base.generated_ids[:needed], "no tokens past the one completing the stop string"
+
+
+def test_half_precision_rows_depend_on_the_row_count(target_bf16):
+    """Why decoding forwards are padded to one width in bf16: the same token at the same position gets other
+    logits as a 1-row step than as a row of a 5-row verification."""
+    model = target_bf16.model
+    ids = torch.arange(100, 160).reshape(1, -1)
+    with torch.inference_mode():
+        one, five = model.new_cache(64), model.new_cache(64)
+        model(ids[:, :50], 0, one)
+        model(ids[:, :50], 0, five)
+        rows = torch.stack([model(ids[:, 50 + i : 51 + i], 50 + i, one)[0, 0] for i in range(5)])
+        chunk = model(ids[:, 50:55], 50, five)[0]
+    assert not torch.equal(rows, chunk)
+
+
+def test_half_precision_speculative_equals_target_only(target_f32, target_bf16, bench_prompts):
+    """In bfloat16, with oneDNN-packed weights as `load_model` gives them, speculative greedy decoding with
+    many multi-token verifications equals target-only decoding token for token."""
+    model = copy.deepcopy(target_bf16.model)
+    assert model.pack()
+    bf16 = LoadedModel(model, target_f32.tokenizer, "bf16 packed", 0.0)
+    drafters = {"f32": ModelDrafter("f32", target_f32, bf16), "ngram": NgramDrafter()}
+    engine = Engine(model, target_f32.tokenizer, drafters, "f32", 4)
+    assert engine.verify_width == 8
+    params = GenerationParams(max_new_tokens=MAX_NEW)
+    for prompt in bench_prompts[:2]:
+        base = run_checked(model, target_f32.tokenizer, prompt, params, None, engine.verify_width)[0]
+        for draft in ("f32", "ngram"):
+            spec = run_checked(model, target_f32.tokenizer, prompt, params, drafters[draft], engine.verify_width)[0]
+            assert spec.generated_ids == base.generated_ids, draft
+            if draft == "f32":  # the float32 draft mostly agrees: verifications of several tokens happened
+                assert spec.stats.target_passes < base.stats.target_passes / 2
 
 
 def test_a_draft_with_another_vocabulary_is_refused(target_f32, make_tiny_model, word_tokenizer):

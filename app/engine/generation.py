@@ -115,6 +115,7 @@ class Generation:
         prompt_ids: Sequence[int],
         params: GenerationParams,
         drafter: Drafter | None,
+        verify_width: int = 0,
     ) -> None:
         if not prompt_ids:
             raise GenerationError("the prompt is empty")
@@ -145,8 +146,10 @@ class Generation:
         self._k = params.num_draft_tokens if drafter is not None else 0
         self.stats.accepted_per_position = [0] * self._k
         # One spare slot per draft position: verification writes k+1 entries before rolling back.
-        capacity = min(limit, len(prompt_ids) + params.max_new_tokens + self._k + 1)
+        self._width = verify_width
+        capacity = min(limit, len(prompt_ids) + params.max_new_tokens + max(self._k + 1, verify_width))
         self._cache: KVCache = target.new_cache(capacity)
+        self._cache.fixed_span = verify_width > 0
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
         self._detok = Detokenizer(tokenizer, params.stop)
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
@@ -187,8 +190,14 @@ class Generation:
         drafts, q = self._propose(k)
         t1 = time.perf_counter()
         start = len(self.ids) - 1
-        feed = torch.tensor([[self.ids[-1], *drafts]], dtype=torch.long, device=self.target.device)
-        logits = self._checked(self.target(feed, start, self._cache)[0])
+        real = 1 + len(drafts)
+        # Padded to a fixed width, every decoding forward has one shape, so each real row is computed by the
+        # same kernels whether it is a plain step or one row of a verification: in bfloat16, a 1-row and a
+        # 5-row product differ in the last bits, enough to flip a near-tie and make "speculative == target
+        # alone" false. Padding sits after the real rows, so causality keeps it from touching them.
+        pad = max(0, min(self._width, self._cache.capacity - start) - real)
+        feed = torch.tensor([[self.ids[-1], *drafts, *[0] * pad]], dtype=torch.long, device=self.target.device)
+        logits = self._checked(self.target(feed, start, self._cache)[0, :real])
         draft_tensor = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         if self.sampling.greedy:
             accepted, nxt = greedy_verify(draft_tensor, logits)
@@ -268,6 +277,7 @@ class Engine:
         drafters: dict[str, Drafter],
         default_draft: str = "none",
         num_draft_tokens: int = 4,
+        verify_width: int | None = None,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:
             raise GenerationError(f"default draft {default_draft!r} is not loaded")
@@ -276,6 +286,12 @@ class Engine:
         self.drafters = drafters
         self.default_draft = default_draft
         self.num_draft_tokens = num_draft_tokens
+        # None: pad decoding forwards to 8 rows in half precision, where row results depend on the row count
+        # (see Generation.step), and not at all in float32, where they differ too little to flip a token
+        # and padding would cost more than the products themselves.
+        if verify_width is None:
+            verify_width = 8 if target.dtype in (torch.bfloat16, torch.float16) else 0
+        self.verify_width = verify_width
 
     def drafter(self, name: str | None) -> Drafter | None:
         """The drafter called `name` (None: the default; "none": target-only decoding)."""
@@ -288,7 +304,7 @@ class Engine:
 
     def start(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None) -> Generation:
         """A new generation, ready to `step()`; raises GenerationError for a request it cannot run."""
-        return Generation(self.target, self.tokenizer, prompt_ids, params, self.drafter(draft))
+        return Generation(self.target, self.tokenizer, prompt_ids, params, self.drafter(draft), self.verify_width)
 
     def generate(
         self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None

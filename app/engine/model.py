@@ -74,6 +74,11 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0
+        # Attend over the whole capacity (masked) instead of the valid length: every forward then reduces over
+        # the same number of keys, so a token's attention does not depend on how many tokens were fed with it.
+        # (Softmax and attention kernels vectorise over the key axis, and a different length changes the order
+        # of additions.) Set by callers that need bit-identical results across step shapes.
+        self.fixed_span = False
 
     def truncate(self, length: int) -> None:
         """Forget every position at or after `length` (rollback after a rejection)."""
@@ -140,12 +145,9 @@ class _Attention(nn.Module):
             end = start_pos + t
             cache.k[layer, :, :, start_pos:end] = k
             cache.v[layer, :, :, start_pos:end] = v
-            k = cache.k[layer, :, :, :end]
-            v = cache.v[layer, :, :, :end]
-            if causal and start_pos > 0:
-                # Queries sit at the end of the key range: a causal mask offset by start_pos.
-                mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
-                causal = False
+            span = mask.shape[-1] if mask is not None else end
+            k = cache.k[layer, :, :, :span]
+            v = cache.v[layer, :, :, :span]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -295,12 +297,25 @@ class Transformer(nn.Module):
         elif start_pos != 0:
             raise ValueError("start_pos must be 0 without a cache")
         cos, sin = self._rope(start_pos, end)
+        if cache is not None and (mask is not None or t > 1 or cache.fixed_span):
+            mask = self._cache_mask(cache, start_pos, t, mask)
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache, start_pos, mask)
         if cache is not None:
             cache.length = end
         return self.norm(x)
+
+    @staticmethod
+    def _cache_mask(cache: KVCache, start: int, t: int, mask: Tensor | None) -> Tensor:
+        # Built once per forward, not per layer: bool [T, span], query i (position start+i) sees keys <= start+i.
+        span = cache.capacity if cache.fixed_span else start + t
+        device = cache.k.device
+        if mask is not None:  # the caller's mask over 0..start+T-1 replaces the causal one
+            allowed = torch.zeros(t, span, dtype=torch.bool, device=device)
+            allowed[:, : mask.shape[-1]] = mask
+            return allowed
+        return torch.arange(span, device=device)[None, :] <= (start + torch.arange(t, device=device))[:, None]
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Project hidden states [..., dim] to vocabulary logits [..., vocab]."""
