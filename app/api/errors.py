@@ -163,3 +163,18 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)
+
+
+def documented_errors(model: type, validation_status: int) -> dict[int | str, dict[str, Any]]:
+    """The error answers a family of generation routes documents in OpenAPI (FastAPI's `responses=`), with
+    its own error body `model` and the status it gives invalid requests (TGI 422, OpenAI 400)."""
+    described = {
+        validation_status: "invalid request (the message names the field and the limit)",
+        413: "body over the size limit",
+        415: "body not JSON",
+        424: "the generation failed",
+        429: "every place is taken; see Retry-After",
+        503: "the model is loading",
+        504: "the request outlived its timeout",
+    }
+    return {status: {"model": model, "description": text} for status, text in described.items()}

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api import jobs
 from app.api.deps import get_runtime, get_settings
-from app.api.errors import error_body
+from app.api.errors import documented_errors, error_body
 from app.api.schemas import (
     Details,
     ErrorResponse,
@@ -34,15 +34,7 @@ router = APIRouter(tags=["native (TGI-compatible)"])
 # Engine finish reasons as TGI names them.
 _FINISH = {"eos": "eos_token", "stop": "stop_sequence", "length": "length"}
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    422: {"model": ErrorResponse, "description": "invalid request (the message names the field and the limit)"},
-    413: {"model": ErrorResponse, "description": "body over the size limit"},
-    415: {"model": ErrorResponse, "description": "body not JSON"},
-    424: {"model": ErrorResponse, "description": "the generation failed"},
-    429: {"model": ErrorResponse, "description": "every place is taken; see Retry-After"},
-    503: {"model": ErrorResponse, "description": "the model is loading"},
-    504: {"model": ErrorResponse, "description": "the request outlived its timeout"},
-}
+_ERRORS = documented_errors(ErrorResponse, 422)
 # An event of a stream: a token, or the error that ended the stream.
 _EVENT = jobs.sse_item_schema(
     {"anyOf": [{"$ref": "#/components/schemas/StreamResponse"}, {"$ref": "#/components/schemas/ErrorResponse"}]}

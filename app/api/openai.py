@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api import jobs
 from app.api.deps import get_runtime, get_settings
-from app.api.errors import APIError, error_body
+from app.api.errors import APIError, documented_errors, error_body
 from app.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -43,15 +43,7 @@ router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 _FINGERPRINT = "specserve"
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": OpenAIErrorResponse, "description": "invalid request (the message names the field and the limit)"},
-    413: {"model": OpenAIErrorResponse, "description": "body over the size limit"},
-    415: {"model": OpenAIErrorResponse, "description": "body not JSON"},
-    424: {"model": OpenAIErrorResponse, "description": "the generation failed"},
-    429: {"model": OpenAIErrorResponse, "description": "every place is taken; see Retry-After"},
-    503: {"model": OpenAIErrorResponse, "description": "the model is loading"},
-    504: {"model": OpenAIErrorResponse, "description": "the request outlived its timeout"},
-}
+_ERRORS = documented_errors(OpenAIErrorResponse, 400)
 
 
 def _ok(model: type, chunk: type, what: str) -> dict[int | str, dict[str, Any]]:
