@@ -243,8 +243,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
         for job in [*self._waiting, *self._running]:
-            if self._end(job, "error"):
-                job.post(RequestFailed("unavailable", "the server is shutting down"))
+            self._fail(job, "error", "unavailable", "the server is shutting down")
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None, timeout: float) -> Ticket:
         """Admit a request, or raise Overloaded at once. Call from the event loop that will read its events."""
@@ -280,6 +279,11 @@ class Scheduler:
             self.metrics.request_ended(outcome, finish_reason)
             self.metrics.generation_ended(time.monotonic() - job.arrived, job.drafted, job.accepted)
         return True
+
+    def _fail(self, job: _Job, outcome: str, kind: str, message: str) -> None:
+        """End `job` as `outcome` and tell its client why, unless it had already ended."""
+        if self._end(job, outcome):
+            job.post(RequestFailed(kind, message))
 
     def _publish_load(self) -> None:
         if self.metrics is not None:
@@ -318,13 +322,11 @@ class Scheduler:
             job.texts = _TokenTexts(self.engine.tokenizer)
         except GenerationError as exc:
             log.warning("request %d: the engine refused it: %s", job.id, exc, extra=job.log_extra)
-            if self._end(job, "invalid"):
-                job.post(RequestFailed("validation", str(exc)))
+            self._fail(job, "invalid", "validation", str(exc))
             return False
         except Exception as exc:
             log.exception("request %d: the generation could not start", job.id, extra=job.log_extra)
-            if self._end(job, "error"):
-                job.post(RequestFailed("generation", f"the generation could not start: {type(exc).__name__}: {exc}"))
+            self._fail(job, "error", "generation", f"the generation could not start: {type(exc).__name__}: {exc}")
             return False
         now = time.monotonic()
         job.last_delivery = job.arrived
@@ -338,8 +340,7 @@ class Scheduler:
             return False
         if time.monotonic() >= job.deadline:
             log.warning("request %d: timed out after %g s", job.id, job.timeout, extra=job.log_extra)
-            if self._end(job, "timeout"):
-                job.post(RequestFailed("timeout", _timeout_message(job)))
+            self._fail(job, "timeout", "timeout", _timeout_message(job))
             return False
         assert job.gen is not None and job.texts is not None
         first = job.gen.stats.target_passes == 0
@@ -348,8 +349,7 @@ class Scheduler:
             tokens = job.texts.split(out.token_ids, out.text)
         except Exception as exc:
             log.exception("request %d: generation failed", job.id, extra=job.log_extra)
-            if self._end(job, "error"):
-                job.post(RequestFailed("generation", f"generation failed: {type(exc).__name__}: {exc}"))
+            self._fail(job, "error", "generation", f"generation failed: {type(exc).__name__}: {exc}")
             return False
         now = time.monotonic()
         job.drafted += out.drafted
