@@ -22,6 +22,7 @@ import torch
 
 from app.engine.generation import Engine, GenerationParams
 from app.engine.loading import LoadedModel
+from app.engine.model import PackedLinear, can_pack
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -248,15 +249,8 @@ def kernel_table(rows: tuple[int, ...] = (1, 5, 16), repeats: int = 7) -> dict[s
         "float32": ([[(lambda x, w=w: F.linear(x, w)) for w in ws] for ws in layers], torch.float32),
         "bfloat16": ([[(lambda x, w=w: F.linear(x, w)) for w in ws] for ws in halves], torch.bfloat16),
     }
-    if torch.backends.mkldnn.is_available():
-        packed = [[torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for ws in halves]
-        formats["bfloat16 packed"] = (
-            [
-                [(lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")) for p in ps]
-                for ps in packed
-            ],
-            torch.bfloat16,
-        )
+    if can_pack(torch.bfloat16, torch.device("cpu")):
+        formats["bfloat16 packed"] = ([[PackedLinear(w, None) for w in ws] for ws in halves], torch.bfloat16)
     table: dict[str, dict[int, float]] = {}
     for name, (fns, dtype) in formats.items():
         table[name] = {}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from app.engine.model import ModelConfig, Transformer, can_pack
+from app.engine.model import ModelConfig, PackedLinear, Transformer, can_pack
 from app.engine.tokenizer import Tokenizer
 from app.engine.weights import read_checkpoint
 
@@ -49,16 +49,11 @@ def _bf16_is_faster_on_cpu() -> bool:
     cases = {}
     for dtype in (torch.float32, torch.bfloat16):
         w = weight.to(dtype)
-        if can_pack(dtype, torch.device("cpu")):
-            packed = torch.ops.mkldnn._reorder_linear_weight(w)
-
-            def product(x: torch.Tensor, packed: torch.Tensor = packed) -> torch.Tensor:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        else:
-
-            def product(x: torch.Tensor, w: torch.Tensor = w) -> torch.Tensor:
-                return torch.nn.functional.linear(x, w)
-
+        product = (
+            PackedLinear(w, None)
+            if can_pack(dtype, torch.device("cpu"))
+            else functools.partial(torch.nn.functional.linear, weight=w)
+        )
         xs = [torch.randn(rows, 576, dtype=dtype) for rows in (1, 8)]
         for x in xs:
             product(x)

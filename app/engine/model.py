@@ -152,7 +152,7 @@ class _Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class _PackedLinear(nn.Module):
+class PackedLinear(nn.Module):
     """A bfloat16 linear layer whose weight oneDNN reordered once, at load.
 
     Unpacked, oneDNN reorders a bf16 weight on every call, which on CPU costs more than the product itself
@@ -231,10 +231,10 @@ class Transformer(nn.Module):
         self._rope_len = 0
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
-        self._packed_head: _PackedLinear | None = None
+        self._packed_head: PackedLinear | None = None
 
     def pack(self) -> bool:
-        """Reorder every bf16 weight for oneDNN once (see `_PackedLinear`); inference only, irreversible.
+        """Reorder every bf16 weight for oneDNN once (see `PackedLinear`); inference only, irreversible.
 
         Returns whether anything was packed (only bfloat16 on CPU is).
         """
@@ -244,9 +244,9 @@ class Transformer(nn.Module):
             for owner, name in ((block.attn, "wqkv"), (block.attn, "wo"), (block, "w13"), (block, "w2")):
                 lin = getattr(owner, name)
                 if isinstance(lin, nn.Linear):
-                    setattr(owner, name, _PackedLinear(lin.weight, lin.bias))
+                    setattr(owner, name, PackedLinear(lin.weight, lin.bias))
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_head = _PackedLinear(head, None)
+        self._packed_head = PackedLinear(head, None)
         return True
 
     @property
