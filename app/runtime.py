@@ -29,6 +29,8 @@ class ModelInfo:
     default_draft: str
     drafts: tuple[str, ...]  # every name a request may ask for, "none" included
     num_draft_tokens: int
+    draft_schedule: str
+    draft_p_min: float
     max_input_tokens: int
     has_chat_template: bool
     version: str = __version__
@@ -59,6 +61,8 @@ class Runtime:
             default_draft=engine.default_draft,
             drafts=("default", "none", *engine.drafters),
             num_draft_tokens=engine.num_draft_tokens,
+            draft_schedule=engine.draft_schedule,
+            draft_p_min=engine.draft_p_min,
             max_input_tokens=max_input,
             has_chat_template=engine.tokenizer.chat_template is not None,
         )
@@ -72,7 +76,13 @@ class Runtime:
         from app.engine.factory import build_engine
 
         engine, _ = build_engine(
-            settings.target, settings.draft, settings.num_draft_tokens, settings.dtype, settings.device
+            settings.target,
+            settings.draft,
+            settings.num_draft_tokens,
+            settings.dtype,
+            settings.device,
+            draft_schedule=settings.draft_schedule,
+            draft_p_min=settings.draft_p_min,
         )
         return cls.from_engine(engine, settings, metrics)
 

@@ -22,7 +22,17 @@ class Settings(BaseSettings):
     draft: str = Field(
         "default", description="default draft: `default`, `none`, `ngram`, or a draft model's catalog name or path"
     )
-    num_draft_tokens: int = Field(4, ge=0, le=16, description="tokens drafted per step unless a request says")
+    num_draft_tokens: int = Field(
+        6, ge=0, le=16, description="tokens drafted per step unless a request says (the most, when adaptive)"
+    )
+    draft_schedule: Literal["adaptive", "heuristic", "fixed"] = Field(
+        "adaptive",
+        description="draft length per step: `adaptive` (from measured acceptance and costs), `heuristic` "
+        "(+2 after a full accept, -1 otherwise) or `fixed`",
+    )
+    draft_p_min: float = Field(
+        0.0, ge=0.0, le=1.0, description="a model draft stops proposing below this top probability (0: never)"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and activations")
     device: str = Field("auto", description="`auto`, `cpu`, `cuda` or `cuda:N`")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for every interface)")

@@ -41,7 +41,7 @@ _CHUNK = 1 << 20
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _SOURCE_TYPES = ("pypi-wheel", "local")
-_OPTIONAL_META = ("architecture", "quantization", "upstream")
+_OPTIONAL_META = ("architecture", "quantization", "upstream", "draft_for")
 
 Status = Literal["ok", "missing", "corrupt"]
 
@@ -70,6 +70,7 @@ class CatalogEntry:
     architecture: str | None = None
     quantization: str | None = None
     upstream: str | None = None
+    draft_for: str | None = None  # a draft: the catalog name of the target it was trained for
 
     @property
     def filename(self) -> str:
@@ -154,6 +155,14 @@ def _parse_entry(path: Path, name: str, raw: object) -> CatalogEntry:
             raise bad("source 'path' must be relative to the catalog directory, without '..'")
         fields["path"] = rel
     return CatalogEntry(name=name, source=src["type"], sha256=sha, size=size, **fields)  # type: ignore[arg-type]
+
+
+def default_draft_for(target: str) -> str | None:
+    """The catalog draft trained for catalog target `target`, if one ships."""
+    for entry in catalog().values():
+        if entry.role == "draft" and entry.draft_for == target:
+            return entry.name
+    return None
 
 
 def _entry(name: str) -> CatalogEntry:

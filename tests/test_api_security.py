@@ -161,7 +161,7 @@ class _ExplodingDraft:
     def session(self, capacity: int) -> _ExplodingDraft:
         return self
 
-    def propose(self, token_ids, k: int) -> list[int]:
+    def propose(self, token_ids, k: int, p_min: float = 0.0) -> list[int]:
         raise RuntimeError("draft exploded")
 
 

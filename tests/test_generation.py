@@ -109,7 +109,7 @@ class WrongDrafter:
     def session(self, capacity: int):
         return self
 
-    def propose(self, token_ids, k):
+    def propose(self, token_ids, k, p_min=0.0):
         self.calls += 1
         first = (_target_next(self.target, token_ids) + 1) % self.vocab
         return [first] + [(first + 7 * i) % self.vocab for i in range(1, k)]
@@ -131,7 +131,7 @@ class ScriptedDrafter:
     def session(self, capacity: int):
         return self
 
-    def propose(self, token_ids, k):
+    def propose(self, token_ids, k, p_min=0.0):
         correct = self.script[len(self.log) % len(self.script)]
         truth = greedy_decode(self.target, token_ids, min(correct, k) + 1)
         if correct >= k:

@@ -106,6 +106,8 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         top_k=s.top_k,
         top_p=s.top_p,
         seed=s.seed,
+        draft_schedule=spec.speculative.schedule if spec.speculative is not None else None,
+        draft_p_min=spec.speculative.p_min if spec.speculative is not None else None,
     )
     return Prepared(ids, params, draft, k if draft != "none" else 0)
 
@@ -187,6 +189,10 @@ def speculative_details(prepared: Prepared, finished: Finished) -> SpeculativeDe
         acceptance_rate=float(s["acceptance_rate"]),
         tokens_per_target_pass=float(s["tokens_per_target_pass"]),
         accepted_per_position=list(s["accepted_per_position"]),
+        schedule=str(s["draft_schedule"]),
+        p_min=float(s["draft_p_min"]),
+        draft_lengths=list(s["draft_lengths"]),
+        p_min_stops=int(s["p_min_stops"]),
     )
 
 

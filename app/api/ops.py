@@ -51,6 +51,8 @@ async def info(
         draft=i.default_draft,
         available_drafts=list(i.drafts),
         num_draft_tokens=i.num_draft_tokens,
+        draft_schedule=i.draft_schedule,
+        draft_p_min=i.draft_p_min,
         max_input_tokens=i.max_input_tokens,
         max_new_tokens=settings.max_new_tokens,
         max_total_tokens=i.context_length,

@@ -123,6 +123,16 @@ class SpeculativeParameters(BaseModel):
     draft: str | None = Field(
         None, description="`default`, `none` (target only), `ngram` (prompt lookup) or the name of the loaded draft"
     )
+    schedule: Literal["adaptive", "heuristic", "fixed"] | None = Field(
+        None,
+        description="draft length per step: `adaptive` (the length that maximises expected tokens/s from measured "
+        "acceptance and costs; num_draft_tokens is the most), `heuristic` (+2 after a full accept, -1 otherwise) "
+        "or `fixed`; default: the server's",
+    )
+    p_min: float | None = Field(
+        None, ge=0, le=1, description="confidence cut-off: a model draft stops below this top probability; "
+        "0 turns it off; default: the server's"
+    )
 
 
 class SpeculativeDetails(BaseModel):
@@ -137,6 +147,10 @@ class SpeculativeDetails(BaseModel):
     acceptance_rate: float = Field(description="accepted / drafted (0 when nothing was drafted)")
     tokens_per_target_pass: float = Field(description="generated tokens / target passes")
     accepted_per_position: list[int] = Field(description="accepted drafted tokens at each draft position")
+    schedule: str = Field(description="the draft-length schedule used (`none` without a draft)")
+    p_min: float = Field(description="the confidence cut-off used")
+    draft_lengths: list[int] = Field(description="[k]: steps that asked the draft for k tokens")
+    p_min_stops: int = Field(description="steps whose draft stopped early below p_min")
 
 
 # --- native (TGI) API --------------------------------------------------------------------------------------
@@ -495,6 +509,8 @@ class Info(BaseModel):
     draft: str = Field(description="the default draft")
     available_drafts: list[str]
     num_draft_tokens: int = Field(description="k, tokens drafted per step by default")
+    draft_schedule: str = Field(description="the default draft-length schedule")
+    draft_p_min: float = Field(description="the default confidence cut-off of model drafts")
     max_input_tokens: int
     max_new_tokens: int
     max_total_tokens: int = Field(description="the model's context")

@@ -24,11 +24,14 @@ class DraftError(ValueError):
 
 class DraftSession(Protocol):
     """Per-request proposer state. A session that can also sample implements
-    `propose_sampled(token_ids, k, params, generator) -> (tokens, q [len(tokens), vocab])`; one that
-    cannot is treated as deterministic under sampling (one-hot q), which rejection sampling allows."""
+    `propose_sampled(token_ids, k, params, generator, p_min=0.0) -> (tokens, q [len(tokens), vocab])`; one
+    that cannot is treated as deterministic under sampling (one-hot q), which rejection sampling allows.
+    A session that conditions on the target's hidden states exposes `features` [capacity, dim], which the
+    generation fills with the target's final hidden state of each position as soon as it is verified."""
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens likely to follow `token_ids` (the whole accepted sequence so far)."""
+    def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
+        """Up to `k` tokens likely to follow `token_ids` (the whole accepted sequence so far); a model draft
+        stops early when its top probability falls below `p_min`."""
         ...
 
 
@@ -49,15 +52,20 @@ class _ModelDraftSession:
         self._cache: KVCache = self._model.new_cache(min(capacity, self._model.config.max_seq_len))
         self._ids: list[int] = []  # the tokens whose keys and values sit in the cache, in order
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        return self._draft(token_ids, k, None, None)[0]
+    def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
+        return self._draft(token_ids, k, None, None, p_min)[0]
 
     def propose_sampled(
-        self, token_ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator | None
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        p_min: float = 0.0,
     ) -> tuple[list[int], Tensor | None]:
         """Up to `k` tokens drawn from the draft's warped distributions, and those distributions
         [len(tokens), target vocab]: the q of rejection sampling."""
-        return self._draft(token_ids, k, params, generator)
+        return self._draft(token_ids, k, params, generator, p_min)
 
     @torch.inference_mode()
     def _draft(
@@ -66,6 +74,7 @@ class _ModelDraftSession:
         k: int,
         params: SamplingParams | None,
         generator: torch.Generator | None,
+        p_min: float,
     ) -> tuple[list[int], Tensor | None]:
         if k <= 0 or len(token_ids) > self._cache.capacity:
             return [], None
@@ -93,6 +102,10 @@ class _ModelDraftSession:
                 nxt = int(sample(probs, generator))
                 # q must cover the target's whole vocabulary: ids the draft cannot propose have q = 0.
                 dists.append(torch.nn.functional.pad(probs, (0, self._target_vocab - probs.shape[-1])))
+            if p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < p_min:
+                if dists:
+                    dists.pop()
+                break
             out.append(nxt)
             if i + 1 < k:
                 pos += feed.shape[1]
@@ -127,7 +140,8 @@ class _NgramSession:
     def __init__(self, drafter: NgramDrafter) -> None:
         self._d = drafter
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
+        # A lookup has no confidence to cut on: p_min does not apply.
         if k <= 0 or len(token_ids) < 2:
             return []
         ids = np.asarray(token_ids, dtype=np.int64)

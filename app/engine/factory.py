@@ -5,15 +5,23 @@ from __future__ import annotations
 import logging
 
 from app import store
-from app.engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from app.engine.drafters import Drafter, DraftError, ModelDrafter, NgramDrafter
+from app.engine.eagle import EagleDrafter, EagleError, is_eagle_dir, load_draft
 from app.engine.generation import Engine
 from app.engine.loading import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-# Until a trained draft ships for the default target, prompt lookup is the default draft.
-DEFAULT_DRAFT = "ngram"
+# "default": the draft the catalog ships for the target (a trained feature draft for the default target);
+# prompt lookup for a target without one.
+DEFAULT_DRAFT = "default"
+FALLBACK_DRAFT = "ngram"
+
+
+def default_draft_name(target: str) -> str:
+    """The draft `--draft default` means for `target`."""
+    return store.default_draft_for(target) or FALLBACK_DRAFT
 
 
 def build_engine(
@@ -23,20 +31,36 @@ def build_engine(
     dtype: str = "auto",
     device: str = "auto",
     max_seq_len: int | None = None,
+    draft_schedule: str = "adaptive",
+    draft_p_min: float = 0.0,
 ) -> tuple[Engine, LoadedModel]:
-    """Load `target` (catalog name or path) and `draft` (catalog name, path, `ngram` or `none`).
+    """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
-    The n-gram drafter is always available by name; a model draft is registered under the name it was
-    given and becomes the default. Raises store.ModelStoreError for a missing model and
+    The n-gram drafter is always available by name; a model draft (a small decoder sharing the target's
+    vocabulary, or a feature draft trained with `specserve train-draft`) is registered under the name it
+    was given and becomes the default. Raises store.ModelStoreError for a missing model and
     drafters.DraftError for a draft that does not fit the target.
     """
     loaded = load_model(store.resolve(target), dtype, device, max_seq_len)
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
-    default = draft
-    if draft == "default":
-        default = DEFAULT_DRAFT
+    default = default_draft_name(target) if draft == "default" else draft
     if default not in ("none", "ngram"):
-        draft_model = load_model(store.resolve(default), loaded.model.dtype, loaded.model.device, max_seq_len)
-        drafters[default] = ModelDrafter(default, draft_model, loaded)
-    engine = Engine(loaded.model, loaded.tokenizer, drafters, default, num_draft_tokens)
+        path = store.resolve(default)
+        if is_eagle_dir(path):
+            try:
+                drafters[default] = EagleDrafter(default, load_draft(path, loaded.model), loaded)
+            except EagleError as exc:
+                raise DraftError(f"draft {default!r}: {exc}") from exc
+        else:
+            draft_model = load_model(path, loaded.model.dtype, loaded.model.device, max_seq_len)
+            drafters[default] = ModelDrafter(default, draft_model, loaded)
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        drafters,
+        default,
+        num_draft_tokens,
+        draft_schedule=draft_schedule,
+        draft_p_min=draft_p_min,
+    )
     return engine, loaded

@@ -11,11 +11,12 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from app.engine.detokenizer import Detokenizer
+from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts
 from app.engine.drafters import Drafter, DraftSession
 from app.engine.model import KVCache, Transformer
 from app.engine.sampling import SamplingParams, sample, warp
@@ -43,6 +44,10 @@ class GenerationParams:
     top_k: int = 0  # 0: no cut
     top_p: float = 1.0
     seed: int | None = None  # None: a fresh random seed, reported in Generation.seed
+    # None: the engine's default. With "adaptive" or "heuristic", num_draft_tokens is the most ever drafted.
+    draft_schedule: str | None = None
+    # The draft stops proposing when its top probability falls below this (0: never); None: engine default.
+    draft_p_min: float | None = None
 
 
 @dataclass
@@ -56,6 +61,10 @@ class GenerationStats:
     target_passes: int = 0  # every target forward, the prefill included
     verify_passes: int = 0  # target forwards that checked at least one drafted token
     accepted_per_position: list[int] = field(default_factory=list)
+    draft_schedule: str = "fixed"
+    draft_p_min: float = 0.0
+    draft_lengths: list[int] = field(default_factory=list)  # [k]: steps that asked the draft for k tokens
+    p_min_stops: int = 0  # steps whose draft stopped early for lack of confidence
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -84,6 +93,10 @@ class GenerationStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_target_pass": round(self.tokens_per_target_pass, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "draft_schedule": self.draft_schedule,
+            "draft_p_min": self.draft_p_min,
+            "draft_lengths": list(self.draft_lengths),
+            "p_min_stops": self.p_min_stops,
             "tokens_per_second": round(self.tokens_per_second, 3),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
@@ -116,6 +129,7 @@ class Generation:
         params: GenerationParams,
         drafter: Drafter | None,
         verify_width: int = 0,
+        costs: StepCosts | None = None,
     ) -> None:
         if not prompt_ids:
             raise GenerationError("the prompt is empty")
@@ -123,6 +137,12 @@ class Generation:
             raise GenerationError("max_new_tokens must be at least 1")
         if params.num_draft_tokens < 0:
             raise GenerationError("num_draft_tokens must be 0 or more")
+        schedule = params.draft_schedule or "fixed"
+        if schedule not in SCHEDULES:
+            raise GenerationError(f"draft_schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")
+        p_min = params.draft_p_min or 0.0
+        if not 0.0 <= p_min <= 1.0:
+            raise GenerationError("draft_p_min must lie in [0, 1]")
         try:
             self.sampling = SamplingParams(params.temperature, params.top_k, params.top_p)
         except ValueError as exc:
@@ -145,12 +165,19 @@ class Generation:
         self.finish_reason: str | None = None
         self._k = params.num_draft_tokens if drafter is not None else 0
         self.stats.accepted_per_position = [0] * self._k
+        self.stats.draft_lengths = [0] * (self._k + 1)
+        self.stats.draft_schedule = schedule if self._k else "none"
+        self.stats.draft_p_min = p_min if self._k else 0.0
+        self._p_min = p_min
+        self._length = DraftLength(schedule, self._k, costs or StepCosts())
         # One spare slot per draft position: verification writes k+1 entries before rolling back.
         self._width = verify_width
         capacity = min(limit, len(prompt_ids) + params.max_new_tokens + max(self._k + 1, verify_width))
         self._cache: KVCache = target.new_cache(capacity)
         self._cache.fixed_span = verify_width > 0
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
+        # A feature-conditioned draft reads the target's final hidden state of every verified position.
+        self._features: torch.Tensor | None = getattr(self._draft, "features", None)
         self._detok = Detokenizer(tokenizer, params.stop)
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
         if params.seed is not None and not 0 <= params.seed < 2**64:
@@ -185,7 +212,7 @@ class Generation:
             return self._prefill()
         remaining = self.params.max_new_tokens - self.stats.generated_tokens
         # A step adds up to k+1 tokens; never draft what could not be kept.
-        k = min(self._k, remaining - 1)
+        k = self._length.next_k(remaining - 1) if self._k else 0
         t0 = time.perf_counter()
         drafts, q = self._propose(k)
         t1 = time.perf_counter()
@@ -197,7 +224,11 @@ class Generation:
         # alone" false. Padding sits after the real rows, so causality keeps it from touching them.
         pad = max(0, min(self._width, self._cache.capacity - start) - real)
         feed = torch.tensor([[self.ids[-1], *drafts, *[0] * pad]], dtype=torch.long, device=self.target.device)
-        logits = self._checked(self.target(feed, start, self._cache)[0, :real])
+        hidden = self.target.hidden(feed, start, self._cache)
+        # The head runs on every row, padding included, for the same reason the padding exists.
+        logits = self._checked(self.target.logits(hidden)[0, :real])
+        if self._features is not None:
+            self._features[start : start + real] = hidden[0, :real]
         draft_tensor = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         if self.sampling.greedy:
             accepted, nxt = greedy_verify(draft_tensor, logits)
@@ -215,17 +246,24 @@ class Generation:
                 self.stats.accepted_per_position[i] += 1
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
+        if k > 0:
+            self.stats.draft_lengths[k] += 1
+            self.stats.p_min_stops += len(drafts) < k
+            self._length.update(len(drafts), accepted)
+        # A draft that stopped for lack of confidence still ran one more step than it proposed.
+        steps = min(k, len(drafts) + 1)
+        self._length.costs.observe(steps, t1 - t0, real, t2 - t1)
         return self._emit([*drafts[:accepted], nxt], len(drafts), accepted, t1 - t0, t2 - t1)
 
     def _propose(self, k: int) -> tuple[list[int], torch.Tensor | None]:
         if self._draft is None or k <= 0:
             return [], None
         if self.sampling.greedy:
-            return self._draft.propose(self.ids, k), None
+            return self._draft.propose(self.ids, k, p_min=self._p_min), None
         propose_sampled = getattr(self._draft, "propose_sampled", None)
         if propose_sampled is None:  # a deterministic proposer: q is one-hot on what it proposes
-            return self._draft.propose(self.ids, k), None
-        return propose_sampled(self.ids, k, self.sampling, self._rng)
+            return self._draft.propose(self.ids, k, p_min=self._p_min), None
+        return propose_sampled(self.ids, k, self.sampling, self._rng, p_min=self._p_min)
 
     @staticmethod
     def _checked(logits: torch.Tensor) -> torch.Tensor:
@@ -237,6 +275,8 @@ class Generation:
         t0 = time.perf_counter()
         prompt = torch.tensor([self.ids], dtype=torch.long, device=self.target.device)
         hidden = self.target.hidden(prompt, 0, self._cache)
+        if self._features is not None:
+            self._features[: hidden.shape[1]] = hidden[0]
         # Only the last position's logits are needed: a 49k-wide projection of every prompt token is not.
         logits = self._checked(self.target.logits(hidden[0, -1]))
         nxt = int(logits.argmax()) if self.sampling.greedy else int(sample(warp(logits, self.sampling), self._rng))
@@ -278,6 +318,8 @@ class Engine:
         default_draft: str = "none",
         num_draft_tokens: int = 4,
         verify_width: int | None = None,
+        draft_schedule: str = "adaptive",
+        draft_p_min: float = 0.0,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:
             raise GenerationError(f"default draft {default_draft!r} is not loaded")
@@ -286,6 +328,12 @@ class Engine:
         self.drafters = drafters
         self.default_draft = default_draft
         self.num_draft_tokens = num_draft_tokens
+        if draft_schedule not in SCHEDULES:
+            raise GenerationError(f"draft_schedule must be one of {', '.join(SCHEDULES)}")
+        self.draft_schedule = draft_schedule
+        self.draft_p_min = draft_p_min
+        # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length).
+        self._costs: dict[int, StepCosts] = {}
         # None: pad decoding forwards to 8 rows in half precision, where row results depend on the row count
         # (see Generation.step), and not at all in float32, where they differ too little to flip a token
         # and padding would cost more than the products themselves.
@@ -303,8 +351,17 @@ class Engine:
         return self.drafters[name]
 
     def start(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None) -> Generation:
-        """A new generation, ready to `step()`; raises GenerationError for a request it cannot run."""
-        return Generation(self.target, self.tokenizer, prompt_ids, params, self.drafter(draft), self.verify_width)
+        """A new generation, ready to `step()`; raises GenerationError for a request it cannot run.
+
+        Draft-length settings left None in `params` take the engine's defaults."""
+        drafter = self.drafter(draft)
+        params = replace(
+            params,
+            draft_schedule=params.draft_schedule or self.draft_schedule,
+            draft_p_min=self.draft_p_min if params.draft_p_min is None else params.draft_p_min,
+        )
+        costs = self._costs.setdefault(id(drafter), StepCosts()) if drafter is not None else None
+        return Generation(self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs)
 
     def generate(
         self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None

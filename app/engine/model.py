@@ -179,6 +179,13 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
+def rope_tables(config: ModelConfig, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """RoPE cos and sin tables [n, head_dim] for positions 0..n-1 (rotate-half layout)."""
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), _rope_inv_freq(config))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -188,7 +195,9 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + _rotate_half(x) * sin
 
 
-class _Block(nn.Module):
+class DecoderBlock(nn.Module):
+    """One pre-norm decoder layer: attention then a gated MLP, each with a residual."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
@@ -224,7 +233,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(_Block(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(DecoderBlock(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         # RoPE tables are plain attributes, not buffers: rebuilt lazily for the current dtype and device.
@@ -266,11 +275,7 @@ class Transformer(nn.Module):
     def _rope(self, start: int, end: int) -> tuple[Tensor, Tensor]:
         if end > self._rope_len or self._cos.dtype != self.dtype or self._cos.device != self.device:
             n = max(end, min(self.config.max_seq_len, 4096))
-            pos = torch.arange(n, dtype=torch.float32)
-            freqs = torch.outer(pos, _rope_inv_freq(self.config))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos = emb.cos().to(self.dtype).to(self.device)
-            self._sin = emb.sin().to(self.dtype).to(self.device)
+            self._cos, self._sin = rope_tables(self.config, n, self.dtype, self.device)
             self._rope_len = n
         return self._cos[start:end], self._sin[start:end]
 
@@ -285,7 +290,8 @@ class Transformer(nn.Module):
 
         With a cache, keys and values are written at those positions and attention covers positions
         0..start_pos+T-1; `cache.length` becomes start_pos+T. Without one, attention is causal over the
-        inputs alone. `mask` (bool [T, start_pos+T], True = may attend) overrides the causal mask.
+        inputs alone. `mask` (bool [T, start_pos+T], or [B, T, start_pos+T] per sequence, True = may
+        attend) overrides the causal mask.
         """
         t = input_ids.shape[1]
         end = start_pos + t
@@ -312,9 +318,10 @@ class Transformer(nn.Module):
         span = cache.capacity if cache.fixed_span else start + t
         device = cache.k.device
         if mask is not None:  # the caller's mask over 0..start+T-1 replaces the causal one
-            allowed = torch.zeros(t, span, dtype=torch.bool, device=device)
-            allowed[:, : mask.shape[-1]] = mask
-            return allowed
+            allowed = torch.zeros(*mask.shape[:-1], span, dtype=torch.bool, device=device)
+            allowed[..., : mask.shape[-1]] = mask
+            # A per-sequence mask [B, T, S] broadcasts over the heads.
+            return allowed[:, None] if allowed.dim() == 3 else allowed
         return torch.arange(span, device=device)[None, :] <= (start + torch.arange(t, device=device))[:, None]
 
     def logits(self, hidden: Tensor) -> Tensor:

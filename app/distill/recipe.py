@@ -1,0 +1,200 @@
+"""`specserve train-draft`: the whole recipe, from a target to a shipped draft, resumable at every stage.
+
+Stages, each skipped when its output already exists in the work directory:
+1. corpus: the target answers the seed instructions (round 1), then instructions that work on its own
+   answers (round 2: summaries, translation, rewriting, answering from passages);
+2. vocabulary: the draft proposes only the target's most frequent answer tokens (FR-Spec);
+3. training: see `app.distill.training`, checkpointed;
+4. card: the measured acceptance on held-out seed instructions, written beside the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from app import store
+from app.distill import corpus, instructions, training
+from app.engine.eagle import EagleConfig, EagleDraft, EagleDrafter, load_draft, save_draft
+from app.engine.generation import Engine, GenerationParams
+from app.engine.loading import LoadedModel, load_model
+from app.engine.model import Transformer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the draft; written into its card."""
+
+    seed: int = 0
+    first_round: int = 3200
+    second_round: int = 800
+    batch_size: int = 48
+    max_new_tokens: int = 160
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    draft_vocab: int = 8192
+    steps: int = 700
+    lr: float = 1e-3
+    seq_len: int = 512
+    tokens_per_batch: int = 4096
+    held_out: int = 32
+
+
+def build_data(loaded: LoadedModel, recipe: Recipe, work: Path) -> list[Path]:
+    """Stage 1: both rounds of the corpus in `work`/corpus; returns every shard path."""
+    data_dir = work / "corpus"
+    first = instructions.seed_instructions(recipe.first_round + recipe.held_out, recipe.seed)
+    first = first[recipe.held_out :]  # the first `held_out` are kept for measuring acceptance
+    t0 = time.perf_counter()
+    paths = _round(loaded, recipe, first, data_dir, "r1")
+    samples = corpus.load_shards(paths)
+    second = instructions.text_tasks(corpus.answers(samples, loaded), recipe.second_round, recipe.seed + 1)
+    paths += _round(loaded, recipe, second, data_dir, "r2")
+    log.info("corpus ready in %.0f s: %d shards", time.perf_counter() - t0, len(paths))
+    return paths
+
+
+def _round(loaded: LoadedModel, recipe: Recipe, texts: list[str], data_dir: Path, prefix: str) -> list[Path]:
+    with tqdm(total=len(texts), desc=f"corpus {prefix}", unit="answer", dynamic_ncols=True) as bar:
+
+        def progress(answers: int, tokens: int) -> None:
+            bar.update(answers)
+            elapsed = bar.format_dict["elapsed"] or 1e-9
+            bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}", tokens=tokens)
+
+        return corpus.build_corpus(
+            loaded,
+            texts,
+            data_dir,
+            recipe.batch_size,
+            recipe.max_new_tokens,
+            recipe.temperatures,
+            recipe.seed,
+            progress,
+            prefix,
+        )
+
+
+def held_out_instructions(recipe: Recipe) -> list[str]:
+    """Seed instructions never trained on, for the card's acceptance figure."""
+    return instructions.seed_instructions(recipe.first_round + recipe.held_out, recipe.seed)[: recipe.held_out]
+
+
+def train_stage(
+    target: Transformer, eos_ids: list[int], recipe: Recipe, samples: list[corpus.Sample], work: Path, name: str
+) -> tuple[EagleDraft, dict[str, float]]:
+    """Stages 2 and 3: choose the draft vocabulary and train. Returns the trained draft (float32) and figures:
+    the vocabulary's coverage of answer tokens and the final running loss and top-1 agreements."""
+    vocab = training.choose_vocab(samples, recipe.draft_vocab, target.config.vocab_size, eos_ids)
+    answer_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
+    covered = sum(int(torch.isin(s.tokens[s.prompt_len :].long(), vocab).sum()) for s in samples)
+    coverage = covered / max(1, answer_tokens)
+    log.info("draft vocabulary: %d tokens cover %.2f%% of answer tokens", len(vocab), 100 * coverage)
+    draft = EagleDraft(EagleConfig.for_target(target.config, len(vocab), name))
+    draft.vocab_ids.copy_(vocab)
+    draft.attach(target)
+    cfg = training.TrainConfig(
+        steps=recipe.steps,
+        lr=recipe.lr,
+        seq_len=recipe.seq_len,
+        tokens_per_batch=recipe.tokens_per_batch,
+        seed=recipe.seed,
+    )
+    with tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True) as bar:
+
+        def progress(step: int, running: dict[str, float]) -> None:
+            bar.update(step - bar.n)
+            bar.set_postfix(
+                loss=f"{running['loss']:.3f}",
+                top1=f"{running['agree1']:.3f}/{running['agree2']:.3f}",
+                pos_s=f"{running['positions_per_s']:.0f}",
+                refresh=False,
+            )
+
+        final = training.train(draft, target, samples, cfg, work / "checkpoint.pt", progress)
+    return draft, {"vocab_coverage": round(coverage, 4), **{k: round(v, 4) for k, v in final.items()}}
+
+
+def measure(loaded: LoadedModel, drafter: EagleDrafter, prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
+    """Greedy generation of `prompts` with the draft (fixed k and the default schedule) and without:
+    acceptance, tokens per target pass, tokens/s, and whether every output equals target-only."""
+    engine = Engine(loaded.model, loaded.tokenizer, {drafter.name: drafter}, drafter.name, 6)
+    tok = loaded.tokenizer
+    configs = {"none": ("none", "fixed"), "fixed k=6": (drafter.name, "fixed"), "adaptive": (drafter.name, "adaptive")}
+    totals = {c: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "passes": 0, "same": 0} for c in configs}
+    for text in tqdm(prompts, desc="measure", unit="prompt", dynamic_ncols=True):
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+        outputs = {}
+        for label, (draft, schedule) in configs.items():
+            params = GenerationParams(max_new_tokens=max_new_tokens, num_draft_tokens=6, draft_schedule=schedule)
+            gen = engine.start(ids, params, draft)
+            while not gen.finished:
+                gen.step()
+            st, t = gen.stats, totals[label]
+            t["tokens"] += st.generated_tokens
+            t["seconds"] += st.total_seconds
+            t["drafted"] += st.drafted
+            t["accepted"] += st.accepted
+            t["passes"] += st.target_passes
+            outputs[label] = gen.generated_ids
+            t["same"] += outputs[label] == outputs["none"]
+    out: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens}
+    base = totals["none"]["tokens"] / max(totals["none"]["seconds"], 1e-9)
+    for label, t in totals.items():
+        rate = t["tokens"] / max(t["seconds"], 1e-9)
+        out[label] = {
+            "acceptance_rate": round(t["accepted"] / max(1, t["drafted"]), 4),
+            "tokens_per_target_pass": round(t["tokens"] / max(1, t["passes"]), 3),
+            "tokens_per_second": round(rate, 2),
+            "speedup": round(rate / base, 3),
+            "identical_to_target": f"{t['same']}/{len(prompts)}",
+        }
+    return out
+
+
+def train_draft(target_name: str, out_dir: Path, work: Path, recipe: Recipe, name: str) -> dict[str, Any]:
+    """The whole recipe: corpus, vocabulary, training, measurement, card. Returns the card's figures."""
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    path = store.resolve(target_name)
+    # The target runs as it serves (bfloat16, packed): training only borrows its embedding and output rows.
+    loaded = load_model(path, "bfloat16", "cpu")
+    t0 = time.perf_counter()
+    shards = build_data(loaded, recipe, work)
+    corpus_seconds = time.perf_counter() - t0
+    samples = corpus.load_shards(shards)
+    t0 = time.perf_counter()
+    draft, figures = train_stage(loaded.model, sorted(loaded.tokenizer.eos_token_ids), recipe, samples, work, name)
+    train_seconds = time.perf_counter() - t0
+    save_draft(draft, out_dir)
+    drafter = EagleDrafter(name, load_draft(out_dir, loaded.model), loaded)
+    measured = measure(loaded, drafter, held_out_instructions(recipe), 128)
+    card = {
+        "name": name,
+        "target": target_name,
+        "architecture": "EAGLE-style feature draft: fc(2d->d) + 1 decoder layer + norm, target's embedding and "
+        "output layer (restricted to the draft vocabulary)",
+        "parameters": sum(p.numel() for p in draft.parameters()),
+        "recipe": asdict(recipe),
+        "corpus": {
+            "sequences": len(samples),
+            "positions": sum(s.features.shape[0] for s in samples),
+            "answer_tokens": sum(len(s.tokens) - s.prompt_len for s in samples),
+            "seconds": round(corpus_seconds),
+        },
+        "training": {"seconds": round(train_seconds), **figures},
+        "held_out_measurement": measured,
+        "total_seconds": round(time.perf_counter() - started),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    (out_dir / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    return card

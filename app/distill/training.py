@@ -1,0 +1,169 @@
+"""Training a feature draft on the self-distillation corpus.
+
+Loss, per answer position p: the cross-entropy of the draft's distribution over its vocabulary against
+the target's own distribution there (soft labels: the target's output layer applied to the stored state
+h_(p+1)), plus a small regression of the predicted state onto h_(p+1). Every batch is run twice: once
+reading the target's true states, and once reading, at each position, the state the first pass
+predicted for it, as the draft reads its own guesses from its second drafted token on (a one-step form
+of EAGLE-3's training-time test). Without the second pass the draft learns to continue true states only
+and its second and later guesses fall apart.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from app.distill.corpus import Sample
+from app.engine.eagle import EagleDraft
+from app.engine.model import Transformer
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    lr: float
+    seq_len: int
+    tokens_per_batch: int
+    seed: int
+    regression_weight: float = 0.2
+    warmup: int = 50
+    checkpoint_every: int = 200
+
+
+@dataclass
+class Batch:
+    states: Tensor  # [B, T, dim] target states h_p, bf16
+    next_tokens: Tensor  # long [B, T]: token p+1
+    goal: Tensor  # [B, T, dim]: h_(p+1)
+    weight: Tensor  # [B, T]: 1 where the loss counts (answer positions), 0 on prompt and padding
+
+
+def make_batches(samples: Sequence[Sample], cfg: TrainConfig, rng: random.Random) -> list[Batch]:
+    """One epoch of batches: sequences cut to seq_len, grouped by length, `tokens_per_batch` positions each."""
+    pieces = []
+    for s in samples:
+        n = s.features.shape[0]  # states for positions 0..n-1; tokens 0..n
+        if n < 3:
+            continue
+        start = 0 if n - 1 <= cfg.seq_len else rng.randrange(0, n - 1 - cfg.seq_len + 1)
+        pieces.append((s, start, min(n - 1, start + cfg.seq_len)))
+    rng.shuffle(pieces)
+    pieces.sort(key=lambda p: p[2] - p[1])
+    batches: list[Batch] = []
+    i = 0
+    while i < len(pieces):
+        t = pieces[i][2] - pieces[i][1]
+        rows = max(1, cfg.tokens_per_batch // max(t, 1))
+        group = pieces[i : i + rows]
+        t = max(end - start for _, start, end in group)
+        dim = group[0][0].features.shape[1]
+        states = torch.zeros(len(group), t, dim, dtype=torch.bfloat16)
+        goal = torch.zeros(len(group), t, dim, dtype=torch.bfloat16)
+        nxt = torch.zeros(len(group), t, dtype=torch.long)
+        weight = torch.zeros(len(group), t)
+        for r, (s, start, end) in enumerate(group):
+            m = end - start
+            states[r, :m] = s.features[start:end]
+            goal[r, :m] = s.features[start + 1 : end + 1]
+            nxt[r, :m] = s.tokens[start + 1 : end + 1].long()
+            # Position p predicts token p+2: count it when that token belongs to the answer.
+            pos = torch.arange(start, end)
+            weight[r, :m] = (pos + 2 >= s.prompt_len).float()
+        batches.append(Batch(states, nxt, goal, weight))
+        i += rows
+    rng.shuffle(batches)
+    return batches
+
+
+def _pass_loss(
+    draft: EagleDraft, states: Tensor, batch: Batch, teacher: Tensor, reg_weight: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    guess = draft(states, batch.next_tokens)
+    logp = F.log_softmax(draft.draft_logits(guess).float(), -1)
+    w = batch.weight
+    ce = -(teacher * logp).sum(-1)
+    ce = (ce * w).sum() / w.sum().clamp_min(1)
+    reg = F.smooth_l1_loss(guess.float(), batch.goal.float(), reduction="none").mean(-1)
+    reg = (reg * w).sum() / w.sum().clamp_min(1)
+    agree = ((logp.argmax(-1) == teacher.argmax(-1)).float() * w).sum() / w.sum().clamp_min(1)
+    return ce + reg_weight * reg, agree, guess
+
+
+def train(
+    draft: EagleDraft,
+    target: Transformer,
+    samples: Sequence[Sample],
+    cfg: TrainConfig,
+    checkpoint: Path,
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, float]:
+    """Train `draft` (float32, attached to `target`) for cfg.steps optimizer steps, resuming from
+    `checkpoint` when it exists and writing it every cfg.checkpoint_every steps. Returns the final
+    running figures (loss, top-1 agreement of the first and second pass)."""
+    torch.manual_seed(cfg.seed)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step = 0
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        draft.load_state_dict(state["draft"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+    rng = random.Random(cfg.seed * 7919 + step)
+    running: dict[str, float] = {}
+    batches: list[Batch] = []
+    t0 = time.perf_counter()
+    tokens = 0
+    draft.train()
+    while step < cfg.steps:
+        if not batches:
+            batches = make_batches(samples, cfg, rng)
+        batch = batches.pop()
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                teacher = torch.softmax(draft.draft_logits(batch.goal).float(), -1)
+            loss1, agree1, guess = _pass_loss(draft, batch.states, batch, teacher, cfg.regression_weight)
+            # Second pass: position p reads the state the first pass guessed for it (position 0 has none).
+            fed = torch.cat([batch.states[:, :1], guess[:, :-1].to(batch.states.dtype)], dim=1)
+            loss2, agree2, _ = _pass_loss(draft, fed, batch, teacher, cfg.regression_weight)
+            loss = loss1 + loss2
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        tokens += int(batch.weight.numel())
+        for key, val in (("loss", loss.item()), ("agree1", agree1.item()), ("agree2", agree2.item())):
+            running[key] = val if key not in running else 0.98 * running[key] + 0.02 * val
+        running["positions_per_s"] = tokens / (time.perf_counter() - t0)
+        running["lr"] = lr
+        if progress is not None:
+            progress(step, running)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            tmp = checkpoint.with_suffix(".tmp")
+            torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+            tmp.rename(checkpoint)
+    draft.eval()
+    return running
+
+
+def choose_vocab(samples: Sequence[Sample], size: int, vocab_size: int, always: Sequence[int]) -> Tensor:
+    """The `size` most frequent answer tokens of the corpus (plus `always`, e.g. EOS), sorted."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(s.tokens[s.prompt_len :].long(), minlength=vocab_size)
+    counts[list(always)] = counts.max() + 1
+    top = torch.topk(counts, size).indices
+    return top.sort().values

@@ -1,0 +1,124 @@
+"""How many tokens to draft in the next step.
+
+Three schedules:
+- "fixed": always the request's num_draft_tokens;
+- "heuristic": HuggingFace assisted generation's schedule: +2 after a fully accepted draft, -1 otherwise;
+- "adaptive": the k that maximises expected tokens per second, from this request's recent acceptance and
+  the measured cost of a draft step and of verifying j tokens (shared by every request of a drafter).
+
+With a per-token acceptance a, a draft of k tokens yields (1 - a^(k+1)) / (1 - a) tokens per target pass
+(the accepted prefix plus the target's own next token) and costs k draft steps plus one verification of
+k+1 rows. In bfloat16 the verification is padded to a fixed width, so its cost hardly depends on k and the
+choice is driven by the draft step's cost; in float32 it grows with k and longer drafts pay less.
+"""
+
+from __future__ import annotations
+
+SCHEDULES = ("adaptive", "heuristic", "fixed")
+
+_DECAY = 0.8  # weight of the past in the running figures (about the last five steps count)
+_PRIOR_STEPS = 2.0  # how many steps' worth of weight the drafter-wide acceptance gets at the start
+
+
+class StepCosts:
+    """Running seconds of one draft step and of one verification per number of rows, for one drafter."""
+
+    def __init__(self) -> None:
+        self.draft_step: float | None = None
+        self.verify: dict[int, float] = {}
+        # Drafter-wide acceptance, the starting point of each new request's estimate.
+        self.accepted = 0.0
+        self.rejected = 0.0
+
+    def observe(self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float) -> None:
+        if draft_steps > 0:
+            per = draft_seconds / draft_steps
+            self.draft_step = per if self.draft_step is None else 0.9 * self.draft_step + 0.1 * per
+        old = self.verify.get(rows)
+        self.verify[rows] = verify_seconds if old is None else 0.9 * old + 0.1 * verify_seconds
+
+    def observe_acceptance(self, accepted: int, rejected: bool) -> None:
+        self.accepted = 0.99 * self.accepted + accepted
+        self.rejected = 0.99 * self.rejected + float(rejected)
+
+    def verify_cost(self, rows: int) -> float | None:
+        """Seconds to verify `rows` rows: measured, or a line through what was measured."""
+        if rows in self.verify:
+            return self.verify[rows]
+        if not self.verify:
+            return None
+        xs = sorted(self.verify)
+        if len(xs) == 1:
+            return self.verify[xs[0]]
+        n = len(xs)
+        mx = sum(xs) / n
+        my = sum(self.verify[x] for x in xs) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = max(0.0, sum((x - mx) * (self.verify[x] - my) for x in xs) / sxx)
+        return max(1e-6, my + slope * (rows - mx))
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens per target pass when each drafted token is accepted with probability `acceptance`."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class DraftLength:
+    """The draft-length schedule of one request."""
+
+    def __init__(self, schedule: str, max_k: int, costs: StepCosts) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"draft_schedule must be one of {', '.join(SCHEDULES)}")
+        self.schedule = schedule
+        self.max_k = max_k
+        self.costs = costs
+        self._k = max_k  # the heuristic's current length
+        # Pseudo-counts: the drafter-wide acceptance, worth a couple of steps, until this request's own count.
+        prior = self.prior()
+        self._acc = _PRIOR_STEPS * 2 * prior
+        self._rej = _PRIOR_STEPS * 2 * (1.0 - prior)
+
+    def prior(self) -> float:
+        c = self.costs
+        return c.accepted / (c.accepted + c.rejected) if c.accepted + c.rejected > 0 else 0.5
+
+    @property
+    def acceptance(self) -> float:
+        """The current estimate of the probability that a drafted token is accepted."""
+        total = self._acc + self._rej
+        return self._acc / total if total > 0 else 0.5
+
+    def next_k(self, limit: int) -> int:
+        """How many tokens to draft now, at most `limit`."""
+        if self.schedule == "fixed":
+            return min(self.max_k, limit)
+        if self.schedule == "heuristic":
+            return min(self._k, limit)
+        return min(self._best_k(), limit)
+
+    def _best_k(self) -> int:
+        c_draft = self.costs.draft_step
+        if c_draft is None or not self.costs.verify:
+            return self.max_k  # nothing measured yet: the configured length, until a step is timed
+        a = min(self.acceptance, 0.995)
+        best_k, best_rate = 1, 0.0
+        for k in range(1, self.max_k + 1):
+            cost = k * c_draft + (self.costs.verify_cost(k + 1) or 0.0)
+            rate = expected_tokens(a, k) / max(cost, 1e-9)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a verification of `drafted` tokens of which the first `accepted` were kept."""
+        if drafted == 0:
+            return
+        rejected = accepted < drafted
+        # Per-token acceptance from a truncated geometric draw: accepted successes, one failure if rejected.
+        self._acc = _DECAY * self._acc + accepted
+        self._rej = _DECAY * self._rej + float(rejected)
+        self.costs.observe_acceptance(accepted, rejected)
+        if self.schedule == "heuristic":
+            self._k = min(self.max_k, self._k + 2) if not rejected else max(1, self._k - 1)

@@ -1,0 +1,303 @@
+"""A feature-conditioned draft (EAGLE-style): one decoder layer that reads the target's hidden states.
+
+The target's final hidden state at position p already encodes most of what it will say next, so a tiny
+network that sees it predicts the target far better than an independent small model of the same cost.
+At position p the draft reads [embedding of token p+1, target state h_p], runs one decoder layer with its
+own KV cache, and outputs its guess of the next state h_(p+1); the target's own output layer turns that
+into token logits. To draft further it feeds its own guessed state back with the token it chose.
+
+The output layer is the target's, restricted to the `vocab_ids` the draft may propose (its most frequent
+tokens, as in FR-Spec): a 49k-wide projection per draft step would cost as much as 8 target layers.
+The embedding is the target's too, so a shipped draft holds only the fusion layer, the decoder layer, its
+norm and the list of ids (a few MB).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from app.engine.loading import LoadedModel
+from app.engine.model import DecoderBlock, KVCache, ModelConfig, PackedLinear, Transformer, can_pack, rope_tables
+from app.engine.sampling import SamplingParams, sample, warp
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+ARCHITECTURE = "specserve-eagle"
+
+
+class EagleError(ValueError):
+    """A draft directory that is not a feature draft, or does not fit the target."""
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Shape of the draft, and the target it was trained for."""
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    norm_eps: float
+    max_seq_len: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    target_n_layers: int
+    target_name: str = ""
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int, target_name: str = "") -> EagleConfig:
+        """A draft layer shaped like one of `target`'s layers."""
+        return cls(
+            dim=target.dim,
+            n_heads=target.n_heads,
+            n_kv_heads=target.n_kv_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            rope_theta=target.rope_theta,
+            norm_eps=target.norm_eps,
+            max_seq_len=target.max_seq_len,
+            target_vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_n_layers=target.n_layers,
+            target_name=target_name,
+        )
+
+    def block_config(self) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=self.target_vocab_size,
+            dim=self.dim,
+            n_layers=1,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            intermediate_size=self.intermediate_size,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            max_seq_len=self.max_seq_len,
+        )
+
+
+class EagleDraft(nn.Module):
+    """The draft network. `forward(states [B, T, dim], next_tokens [B, T], start_pos, cache)` returns its
+    predicted next states [B, T, dim]; `draft_logits(states)` projects them onto the draft vocabulary
+    [..., draft_vocab_size]. `attach(target)` must be called before either (it lends the embedding and
+    output layer)."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.dim, config.dim, bias=True)
+        self.block = DecoderBlock(config.block_config())
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.register_buffer("vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
+        self._embed: Tensor | None = None
+        self._head_rows = torch.empty(0)
+        self.__dict__["_head"] = None
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+
+    def attach(self, target: Transformer, pack: bool = False) -> None:
+        """Borrow `target`'s (frozen) embedding and the rows of its output layer for `vocab_ids`."""
+        c, d = target.config, self.config
+        if (c.dim, c.vocab_size, c.n_layers) != (d.dim, d.target_vocab_size, d.target_n_layers):
+            raise EagleError(
+                f"draft was trained for a target with dim {d.dim}, vocabulary {d.target_vocab_size} and "
+                f"{d.target_n_layers} layers; this target has {c.dim}, {c.vocab_size} and {c.n_layers}"
+            )
+        # Plain tensors and a module kept out of the registry: they belong to the target, so they are
+        # neither trained nor saved with the draft.
+        self._embed = target.embed.weight.detach()
+        full = target.embed.weight if target.lm_head is None else target.lm_head.weight
+        rows = full.detach()[self.vocab_ids.to(full.device)].contiguous()
+        self.__dict__["_head"] = PackedLinear(rows, None) if pack and can_pack(rows.dtype, rows.device) else None
+        self._head_rows = rows
+
+    def pack(self) -> None:
+        """oneDNN-prepack the bf16 weights (inference only), as `Transformer.pack` does."""
+        dtype, device = self.fc.weight.dtype, self.fc.weight.device
+        if not can_pack(dtype, device):
+            return
+        self.fc = PackedLinear(self.fc.weight, self.fc.bias)  # type: ignore[assignment]
+        b = self.block
+        b.attn.wqkv = PackedLinear(b.attn.wqkv.weight, b.attn.wqkv.bias)  # type: ignore[assignment]
+        b.attn.wo = PackedLinear(b.attn.wo.weight, None)  # type: ignore[assignment]
+        b.w13 = PackedLinear(b.w13.weight, None)  # type: ignore[assignment]
+        b.w2 = PackedLinear(b.w2.weight, None)  # type: ignore[assignment]
+
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return KVCache(self.config.block_config(), capacity, 1, dtype, device)
+
+    def _rope(self, start: int, end: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        if end > self._rope_len or self._cos.dtype != dtype or self._cos.device != device:
+            n = max(end, 4096)
+            self._cos, self._sin = rope_tables(self.config.block_config(), n, dtype, device)
+            self._rope_len = n
+        return self._cos[start:end], self._sin[start:end]
+
+    def forward(self, states: Tensor, next_tokens: Tensor, start_pos: int = 0, cache: KVCache | None = None) -> Tensor:
+        if self._embed is None:
+            raise RuntimeError("attach(target) first")
+        t = states.shape[1]
+        x = self.fc(torch.cat([F.embedding(next_tokens, self._embed).to(states.dtype), states], dim=-1))
+        cos, sin = self._rope(start_pos, start_pos + t, x.dtype, x.device)
+        mask = None
+        if cache is not None and t > 1:
+            keys = torch.arange(start_pos + t, device=x.device)
+            mask = keys[None, :] <= (start_pos + torch.arange(t, device=x.device))[:, None]
+        x = self.block(x, cos, sin, 0, cache, start_pos, mask)
+        if cache is not None:
+            cache.length = start_pos + t
+        return self.norm(x)
+
+    def draft_logits(self, states: Tensor) -> Tensor:
+        """Logits over the draft vocabulary [..., draft_vocab_size] for predicted states [..., dim]."""
+        head = self.__dict__["_head"]
+        return head(states) if head is not None else F.linear(states, self._head_rows)
+
+
+def save_draft(draft: EagleDraft, out_dir: Path) -> None:
+    """Write config.json and model.safetensors (float32 weights and the vocabulary ids) into `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"architecture": ARCHITECTURE, **asdict(draft.config)}
+    (out_dir / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+    state = {
+        k: v.detach().to(torch.float32 if v.is_floating_point() else torch.int64).contiguous()
+        for k, v in draft.state_dict().items()
+    }
+    save_file(state, str(out_dir / WEIGHTS_FILE))
+
+
+def is_eagle_dir(path: Path) -> bool:
+    """Whether `path` is a directory holding a feature draft."""
+    cfg = path / CONFIG_FILE
+    if not (path.is_dir() and cfg.is_file() and (path / WEIGHTS_FILE).is_file()):
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("architecture") == ARCHITECTURE
+    except (OSError, ValueError):
+        return False
+
+
+def load_draft(path: Path, target: Transformer) -> EagleDraft:
+    """The draft in `path`, attached to `target`, in its dtype and on its device, ready for inference."""
+    try:
+        cfg = json.loads((path / CONFIG_FILE).read_text())
+        cfg.pop("architecture", None)
+        config = EagleConfig(**cfg)
+        state = load_file(str(path / WEIGHTS_FILE))
+    except (OSError, ValueError, TypeError, SafetensorError) as exc:
+        raise EagleError(f"cannot read the draft in {path}: {exc}") from exc
+    draft = EagleDraft(config)
+    try:
+        draft.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise EagleError(f"draft weights in {path} do not match its config: {exc}") from exc
+    if int(draft.vocab_ids.max()) >= target.config.vocab_size:
+        raise EagleError("draft vocabulary ids exceed the target's vocabulary")
+    draft = draft.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    draft.attach(target, pack=True)
+    draft.pack()
+    return draft
+
+
+class _EagleSession:
+    """Per-request state: the draft's KV cache, and how many positions it holds with the target's true
+    states. The generation writes the target's state of every verified position into `features`."""
+
+    def __init__(self, drafter: EagleDrafter, capacity: int) -> None:
+        self._draft = drafter.draft
+        self._target_vocab = drafter.draft.config.target_vocab_size
+        dtype, device = drafter.target.dtype, drafter.target.device
+        self.features = torch.zeros(capacity, drafter.draft.config.dim, dtype=dtype, device=device)
+        self._cache = self._draft.new_cache(capacity, dtype, device)
+        self._true_len = 0  # draft positions computed from the target's states, never to be rolled back
+
+    def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
+        return self._run(token_ids, k, p_min, None, None)[0]
+
+    def propose_sampled(
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        p_min: float = 0.0,
+    ) -> tuple[list[int], Tensor | None]:
+        return self._run(token_ids, k, p_min, params, generator)
+
+    @torch.inference_mode()
+    def _run(
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        p_min: float,
+        params: SamplingParams | None,
+        generator: torch.Generator | None,
+    ) -> tuple[list[int], Tensor | None]:
+        n = len(token_ids)
+        # States are known for positions 0..n-2 (the newest token has not been through the target yet).
+        # Position p reads (state p, token p+1), so the draft catches up on positions true_len..n-2.
+        if k <= 0 or n < 2 or n + k > self._cache.capacity:
+            return [], None
+        draft = self._draft
+        # Re-feed at least the newest known position: its output is the first guess.
+        self._true_len = min(self._true_len, n - 2)
+        self._cache.truncate(self._true_len)
+        device = self.features.device
+        states = self.features[None, self._true_len : n - 1]
+        tokens = torch.tensor([token_ids[self._true_len + 1 : n]], dtype=torch.long, device=device)
+        pos = self._true_len
+        self._true_len = n - 1
+        out: list[int] = []
+        dists: list[Tensor] = []
+        for _ in range(k):
+            guess = draft(states, tokens, pos, self._cache)[:, -1:]  # [1, 1, dim]
+            pos += states.shape[1]
+            logits = draft.draft_logits(guess[0, 0]).float()
+            probs = torch.softmax(logits, -1)
+            if params is None or params.greedy:
+                idx = int(probs.argmax())
+                confidence = float(probs[idx])
+            else:
+                warped = warp(logits, params)
+                idx = int(sample(warped, generator))
+                confidence = float(probs.max())
+                full = torch.zeros(self._target_vocab, dtype=warped.dtype, device=device)
+                full[draft.vocab_ids] = warped
+                dists.append(full)
+            # Confidence cut-off (llama.cpp's --draft-p-min): an unsure guess is more likely rejected than
+            # accepted, and each further token costs a draft step.
+            if confidence < p_min:
+                if dists:
+                    dists.pop()
+                break
+            tok = int(draft.vocab_ids[idx])
+            out.append(tok)
+            states = guess
+            tokens = torch.tensor([[tok]], dtype=torch.long, device=device)
+        return out, torch.stack(dists) if dists else None
+
+
+class EagleDrafter:
+    """Proposer backed by a feature draft; its sessions need the target's states (`uses_features`)."""
+
+    uses_features = True
+
+    def __init__(self, name: str, draft: EagleDraft, target: LoadedModel) -> None:
+        self.name = name
+        self.draft = draft
+        self.target = target.model
+
+    def session(self, capacity: int) -> _EagleSession:
+        return _EagleSession(self, capacity)

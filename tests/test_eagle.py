@@ -1,0 +1,174 @@
+"""The feature draft: its network, its per-request session (catch-up and rollback), saving and loading,
+and generation with it (greedy output must equal the target's own, with any schedule and cut-off)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.engine.eagle import (
+    EagleConfig,
+    EagleDraft,
+    EagleDrafter,
+    EagleError,
+    is_eagle_dir,
+    load_draft,
+    save_draft,
+)
+from app.engine.generation import Engine, Generation, GenerationParams
+from app.engine.loading import LoadedModel
+from app.engine.reference import greedy_decode
+from app.engine.sampling import SamplingParams
+
+V = 64
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def target(make_tiny_model):
+    return make_tiny_model(seed=11, vocab_size=V)
+
+
+@pytest.fixture(scope="module")
+def tok(word_tokenizer):
+    return word_tokenizer(V)
+
+
+def _draft(target, vocab: list[int] | None = None, seed: int = 0) -> EagleDraft:
+    torch.manual_seed(seed)
+    ids = vocab if vocab is not None else list(range(V))
+    draft = EagleDraft(EagleConfig.for_target(target.config, len(ids), "tiny"))
+    draft.vocab_ids.copy_(torch.tensor(ids))
+    draft = draft.eval().requires_grad_(False)
+    draft.attach(target)
+    return draft
+
+
+def _drafter(target, tok, **kwargs) -> EagleDrafter:
+    return EagleDrafter("eagle", _draft(target, **kwargs), LoadedModel(target, tok, "t", 0.0))
+
+
+@torch.no_grad()
+def _states(target, ids: list[int]) -> torch.Tensor:
+    return target.hidden(torch.tensor([ids]))[0]
+
+
+@torch.no_grad()
+def _reference_proposal(draft: EagleDraft, target, ids: list[int], k: int) -> list[int]:
+    """What the session must propose, recomputed from scratch without any cache: true states for every
+    known position, then the draft's own guesses fed back."""
+    states = _states(target, ids)[:-1]  # the newest token has no state yet
+    tokens = list(ids[1:])
+    out = []
+    for _ in range(k):
+        guess = draft(states[None], torch.tensor([tokens]))[0, -1]
+        tok = int(draft.vocab_ids[draft.draft_logits(guess).argmax()])
+        out.append(tok)
+        states = torch.cat([states, guess[None]])
+        tokens.append(tok)
+    return out
+
+
+def test_session_proposals_match_a_recomputation_across_rollbacks(target, tok):
+    drafter = _drafter(target, tok)
+    session = drafter.session(capacity=64)
+    ids = list(PROMPT)
+    session.features[: len(ids)] = _states(target, ids)
+    for accepted in (2, 0, 3, 1):
+        got = session.propose(ids, 4)
+        assert got == _reference_proposal(drafter.draft, target, ids, 4)
+        # The target keeps `accepted` drafts and adds a different token of its own; states follow.
+        ids = [*ids, *got[:accepted], (got[accepted] + 1) % V if accepted < len(got) else 7]
+        session.features[: len(ids)] = _states(target, ids)
+    assert session.propose(ids, 0) == []
+
+
+def test_p_min_one_cuts_every_proposal_and_zero_none(target, tok):
+    drafter = _drafter(target, tok)
+    session = drafter.session(capacity=64)
+    session.features[: len(PROMPT)] = _states(target, PROMPT)
+    assert session.propose(PROMPT, 4, p_min=1.0) == []
+    assert len(session.propose(PROMPT, 4, p_min=0.0)) == 4
+
+
+def test_sampled_proposals_come_with_distributions_over_the_target_vocabulary(target, tok):
+    vocab = list(range(0, V, 2))  # the draft may propose even ids only
+    drafter = _drafter(target, tok, vocab=vocab)
+    session = drafter.session(capacity=64)
+    session.features[: len(PROMPT)] = _states(target, PROMPT)
+    gen = torch.Generator().manual_seed(0)
+    tokens, q = session.propose_sampled(PROMPT, 3, SamplingParams(1.0, 0, 1.0), gen)
+    assert len(tokens) == 3 and all(t % 2 == 0 for t in tokens)
+    assert q is not None and q.shape == (3, V)
+    assert torch.allclose(q.sum(-1), torch.ones(3), atol=1e-5)
+    assert float(q[:, 1::2].abs().sum()) == 0.0
+    assert all(float(q[i, t]) > 0 for i, t in enumerate(tokens))
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "heuristic", "adaptive"])
+@pytest.mark.parametrize("p_min", [0.0, 0.3])
+@pytest.mark.parametrize("width", [0, 8])
+def test_generation_with_a_feature_draft_equals_target_greedy(target, tok, schedule, p_min, width):
+    drafter = _drafter(target, tok, seed=3)
+    params = GenerationParams(
+        max_new_tokens=24, num_draft_tokens=4, ignore_eos=True, draft_schedule=schedule, draft_p_min=p_min
+    )
+    gen = Generation(target, tok, PROMPT, params, drafter, verify_width=width)
+    while not gen.finished:
+        gen.step()
+    assert gen.generated_ids == greedy_decode(target, PROMPT, 24)
+    s = gen.stats
+    assert s.drafted > 0 and s.draft_schedule == schedule and s.draft_p_min == p_min
+    assert sum(s.draft_lengths) >= s.verify_passes and s.p_min_stops <= sum(s.draft_lengths)
+    if p_min == 0:
+        assert s.p_min_stops == 0 and sum(s.draft_lengths) == s.verify_passes
+
+
+def test_the_generation_hands_the_draft_the_target_states_of_every_verified_position(target, tok):
+    drafter = _drafter(target, tok, seed=5)
+    params = GenerationParams(max_new_tokens=20, num_draft_tokens=3, ignore_eos=True)
+    gen = Generation(target, tok, PROMPT, params, drafter)
+    features = gen._draft.features
+    while not gen.finished:
+        gen.step()
+        known = len(gen.ids) - 1  # the newest token has not been through the target yet
+        assert torch.allclose(features[:known], _states(target, gen.ids)[:known], atol=1e-5)
+
+
+def test_save_and_load_round_trip(target, tmp_path):
+    draft = _draft(target, vocab=[0, 5, 7, 63], seed=4)
+    save_draft(draft, tmp_path / "d")
+    assert is_eagle_dir(tmp_path / "d") and not is_eagle_dir(tmp_path)
+    loaded = load_draft(tmp_path / "d", target)
+    assert loaded.vocab_ids.tolist() == [0, 5, 7, 63]
+    x = torch.randn(1, 3, target.config.dim)
+    t = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(loaded(x, t), draft(x, t))
+    # Only the draft's own weights are saved: not the target's embedding or output rows.
+    names = set(json.loads((tmp_path / "d" / "config.json").read_text()))
+    assert "architecture" in names
+    assert sum(p.numel() for p in loaded.parameters()) < target.embed.weight.numel() + 10 * target.config.dim**2
+
+
+def test_a_draft_for_another_target_is_refused(target, make_tiny_model, tmp_path):
+    save_draft(_draft(target), tmp_path / "d")
+    other = make_tiny_model(seed=1, vocab_size=V, dim=48)
+    with pytest.raises(EagleError, match="dim 32"):
+        load_draft(tmp_path / "d", other)
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(EagleError, match="cannot read"):
+        load_draft(tmp_path / "d", target)
+
+
+def test_engine_defaults_apply_and_requests_override_them(target, tok):
+    drafter = _drafter(target, tok)
+    engine = Engine(target, tok, {"eagle": drafter}, "eagle", 4, draft_schedule="heuristic", draft_p_min=0.2)
+    gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4, num_draft_tokens=4))
+    assert (gen.stats.draft_schedule, gen.stats.draft_p_min) == ("heuristic", 0.2)
+    gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4, draft_schedule="fixed", draft_p_min=0.0))
+    assert (gen.stats.draft_schedule, gen.stats.draft_p_min) == ("fixed", 0.0)
+    gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4), draft="none")
+    assert gen.stats.draft_schedule == "none"
