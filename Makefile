@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned to the CPU wheel on this machine's disk; unpinned pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,dev]'
+	$(PY) -m pip install -q -e '.[test,dev,bench]'
 	# TGI's client pins huggingface-hub<1.0, which transformers 5 cannot use; what it imports (requests,
 	# aiohttp, pydantic) is in the test extra, so it goes in without its pins.
 	$(PY) -m pip install -q --no-deps text-generation==0.7.0

@@ -2,9 +2,15 @@
 
 Every configuration runs on the same prompt before the next prompt starts (interleaved), so machine
 noise hits all of them alike. Configurations: transformers' own `generate` on the target (`hf`), our
-engine target-only (`none`), and our engine with each draft. Decoding is greedy unless a temperature > 0 is
-given; greedy outputs of every draft configuration are checked against our target-only output token for
-token. Sampled outputs are only equal in distribution, so that check is not made (reported as null).
+engine target-only (`none`), and our engine with each draft under each draft-length schedule
+(`DRAFT/SCHEDULE`). Decoding is greedy unless a temperature > 0 is given; greedy outputs of every draft
+configuration are checked against our target-only output token for token. Sampled outputs are only equal
+in distribution, so that check is not made (reported as null).
+
+Next to the realised speedup over target-only, each draft configuration gets the theoretical one that its
+measured acceptance a, mean draft length k and measured costs predict:
+(1 - a^(k+1)) / (1 - a) tokens per pass, over (k draft steps + one verification) in units of a
+target-only step. Their ratio shows what the loop loses outside the two models' forward passes.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import torch
 
+from app.engine.draft_length import expected_tokens
 from app.engine.generation import Engine, GenerationParams
 from app.engine.loading import LoadedModel
 from app.engine.model import PackedLinear, can_pack
@@ -32,6 +39,24 @@ class Prompt:
     question_id: Any
     category: str
     text: str
+
+
+@dataclass(frozen=True)
+class Config:
+    """One engine configuration: a draft (or `none`) and its draft-length schedule and cut-off."""
+
+    draft: str
+    schedule: str | None = None
+    p_min: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.draft == "none":
+            return "none"
+        parts = [self.draft, self.schedule or "default"]
+        if self.p_min is not None:
+            parts.append(f"p{self.p_min:g}")
+        return "/".join(parts)
 
 
 @dataclass
@@ -111,7 +136,7 @@ def run_bench(
     engine: Engine,
     loaded: LoadedModel,
     prompts: list[Prompt],
-    drafts: list[str],
+    configs: list[Config],
     max_new_tokens: int,
     num_draft_tokens: int,
     with_hf: bool,
@@ -131,28 +156,46 @@ def run_bench(
     tok = loaded.tokenizer
     runs: list[Run] = []
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-    params = GenerationParams(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, **sampling)
-    # Warm up every path once so first-call costs do not land on the first prompt.
-    warm = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello"}]))
-    warm_params = GenerationParams(max_new_tokens=8, num_draft_tokens=num_draft_tokens, **sampling)
-    for d in ["none", *drafts]:
-        for _ in engine.generate(warm, warm_params, d):
+    configs = [Config("none"), *[c for c in configs if c.draft != "none"]]
+
+    def params_of(c: Config, max_new: int) -> GenerationParams:
+        return GenerationParams(
+            max_new_tokens=max_new,
+            num_draft_tokens=num_draft_tokens,
+            draft_schedule=c.schedule,
+            draft_p_min=c.p_min,
+            **sampling,
+        )
+
+    # Warm up every path (and the adaptive schedules' cost measurements) so first-call costs do not land on
+    # the first prompt.
+    warm = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello, who are you?"}]))
+    for c in configs:
+        for _ in engine.generate(warm, params_of(c, 16), c.draft):
             pass
     if hf is not None:
-        hf.run(warm, 8, params)
+        hf.run(warm, 8, params_of(configs[0], 8))
     for p in tqdm(prompts, desc="bench", unit="prompt", file=sys.stderr):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]))
         if hf is not None:
-            out, secs = hf.run(ids, max_new_tokens, params)
+            out, secs = hf.run(ids, max_new_tokens, params_of(configs[0], max_new_tokens))
             runs.append(Run("hf", p.question_id, p.category, len(out), secs, out))
-        for d in ["none", *drafts]:
-            gen = engine.start(ids, params, d)
+        for c in configs:
+            gen = engine.start(ids, params_of(c, max_new_tokens), c.draft)
             t0 = time.perf_counter()
             while not gen.finished:
                 gen.step()
             secs = time.perf_counter() - t0
             runs.append(
-                Run(d, p.question_id, p.category, len(gen.generated_ids), secs, gen.generated_ids, gen.stats.to_dict())
+                Run(
+                    c.label,
+                    p.question_id,
+                    p.category,
+                    len(gen.generated_ids),
+                    secs,
+                    gen.generated_ids,
+                    gen.stats.to_dict(),
+                )
             )
     return runs
 
@@ -195,11 +238,26 @@ def summarize(runs: list[Run], num_draft_tokens: int, sampled: bool = False) -> 
                 entry["identical_to_target_only"] = (
                     None if sampled else sum(by_prompt[q][c].token_ids == by_prompt[q]["none"].token_ids for q in qids)
                 )
+                entry["mean_draft_length"] = drafted / verify if verify else 0.0
+                entry["_costs"] = {
+                    "draft": sum(r.stats["draft_seconds"] for r in rs) / drafted if drafted else 0.0,
+                    "verify": sum(r.stats["verify_seconds"] for r in rs) / verify if verify else 0.0,
+                    # Seconds per decoding step (the prefill excluded) of target-only decoding.
+                    "step": sum(r.stats["verify_seconds"] for r in rs) / max(1, passes - len(rs)),
+                }
             row[c] = entry
-        for entry in row.values():
+        step = row["none"]["_costs"]["step"]
+        for c, entry in row.items():
             if "hf" in row:
                 entry["speedup_vs_hf"] = entry["tokens_per_second"] / row["hf"]["tokens_per_second"]
             entry["speedup_vs_target_only"] = entry["tokens_per_second"] / row["none"]["tokens_per_second"]
+            costs = entry.pop("_costs", None)
+            if c not in ("hf", "none") and costs and step > 0 and entry["mean_draft_length"] > 0:
+                k = entry["mean_draft_length"]
+                per_pass = expected_tokens(min(entry["acceptance_rate"], 0.9999), k)
+                theory = per_pass * step / (k * costs["draft"] + costs["verify"])
+                entry["theoretical_speedup"] = theory
+                entry["realised_of_theoretical"] = entry["speedup_vs_target_only"] / theory
         summary[g] = row
     return summary
 
@@ -207,8 +265,9 @@ def summarize(runs: list[Run], num_draft_tokens: int, sampled: bool = False) -> 
 def markdown(summary: dict[str, Any]) -> str:
     """The summary as a markdown table, one row per (group, configuration)."""
     lines = [
-        "| group | config | prompts | tok/s | vs hf | vs target-only | acceptance | tokens/pass | same as ours |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| group | config | prompts | tok/s | vs hf | vs target-only | theoretical | acceptance | mean k | "
+        "tokens/pass | same as ours |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for g, row in summary.items():
         for c, e in row.items():
@@ -220,11 +279,53 @@ def markdown(summary: dict[str, Any]) -> str:
                 else "-"
             )
             vs_hf = f"{e['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in e else "-"
+            theory = f"{e['theoretical_speedup']:.2f}x" if "theoretical_speedup" in e else "-"
+            mean_k = f"{e['mean_draft_length']:.2f}" if e.get("mean_draft_length") else "-"
             lines.append(
                 f"| {g} | {c} | {e['prompts']} | {e['tokens_per_second']:.1f} | {vs_hf} | "
-                f"{e['speedup_vs_target_only']:.2f}x | {acc} | {tpp} | {same} |"
+                f"{e['speedup_vs_target_only']:.2f}x | {theory} | {acc} | {mean_k} | {tpp} | {same} |"
             )
     return "\n".join(lines)
+
+
+def plots(summary: dict[str, Any], out: Path) -> list[Path]:
+    """speedup.png (speedup over target-only per group and configuration) and acceptance_by_position.png
+    (overall), written into `out`; none when matplotlib is missing (`pip install specserve[bench]`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    groups = list(summary)
+    configs = [c for c in summary["overall"] if c != "none"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(groups)), 4))
+    width = 0.8 / max(1, len(configs))
+    for i, c in enumerate(configs):
+        xs = [g + (i - (len(configs) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [summary[g].get(c, {}).get("speedup_vs_target_only", 0.0) for g in groups], width, label=c)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), groups, rotation=20)
+    ax.set_ylabel("speedup over our target-only")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths = [out / "speedup.png", out / "acceptance_by_position.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for c in configs:
+        by_pos = summary["overall"][c].get("acceptance_by_position") or []
+        if by_pos:
+            ax.plot(range(1, len(by_pos) + 1), by_pos, marker="o", label=c)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of verifications accepting it")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return paths
 
 
 def per_prompt_medians(runs: list[Run]) -> dict[str, float]:

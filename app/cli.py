@@ -104,7 +104,13 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--draft", default="default", help="default | none | ngram | catalog NAME | PATH (default: default)"
     )
-    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="tokens drafted per step")
+    parser.add_argument(
+        "--num-draft-tokens", "-k", type=int, default=6, help="tokens drafted per step (the most, when adaptive)"
+    )
+    parser.add_argument(
+        "--schedule", default="adaptive", choices=["adaptive", "heuristic", "fixed"], help="draft length per step"
+    )
+    parser.add_argument("--p-min", type=float, default=0.0, help="confidence cut-off of a model draft (0: none)")
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -222,6 +228,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             stop=tuple(args.stop),
             num_draft_tokens=args.num_draft_tokens,
+            draft_schedule=args.schedule,
+            draft_p_min=args.p_min,
             **sampling,
         )
         stream = not args.json and len(prompts) == 1
@@ -295,8 +303,18 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts")
     parser.add_argument("--target", default=None, help="catalog name or path (default: smollm2-135m-instruct)")
-    parser.add_argument("--draft", action="append", default=None, help="draft to measure (repeatable; default: ngram)")
-    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument(
+        "--draft", action="append", default=None, help="draft to measure (repeatable; default: default and ngram)"
+    )
+    parser.add_argument(
+        "--schedule",
+        action="append",
+        choices=["adaptive", "heuristic", "fixed"],
+        default=None,
+        help="draft-length schedule of model drafts (repeatable: one configuration each; default: adaptive)",
+    )
+    parser.add_argument("--p-min", type=float, default=None, help="confidence cut-off of model drafts (default: 0)")
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=6, help="tokens drafted per step (the most)")
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
@@ -312,8 +330,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from app.bench import markdown, per_prompt_medians, read_prompts, run_bench, summarize
-    from app.engine.factory import DEFAULT_TARGET, build_engine
+    from app.bench import Config, markdown, per_prompt_medians, plots, read_prompts, run_bench, summarize
+    from app.engine.factory import DEFAULT_TARGET, build_engine, default_draft_name
 
     sampling = _sampling_kwargs(args)
     if args.kernels:
@@ -328,15 +346,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
     prompts = read_prompts(path, args.per_category, args.limit)
-    drafts = args.draft or ["ngram"]
-    model_drafts = [d for d in drafts if d not in ("ngram", "none")]
+    target = args.target or DEFAULT_TARGET
+    drafts = args.draft or ["default", "ngram"]
+    drafts = [default_draft_name(target) if d == "default" else d for d in drafts]
+    model_drafts = list(dict.fromkeys(d for d in drafts if d not in ("ngram", "none")))
     if len(model_drafts) > 1:
         raise CliError("one model draft per run (plus ngram)")
     engine, loaded = build_engine(
-        args.target or DEFAULT_TARGET, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype
+        target, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype
     )
+    schedules = args.schedule or ["adaptive"]
+    configs = [
+        Config(d, sched, args.p_min)
+        for d in dict.fromkeys(drafts)
+        for sched in (schedules if d != "ngram" else ["fixed"])
+    ]
     runs = run_bench(
-        engine, loaded, prompts, drafts, args.max_new_tokens, args.num_draft_tokens, not args.no_hf, **sampling
+        engine, loaded, prompts, configs, args.max_new_tokens, args.num_draft_tokens, not args.no_hf, **sampling
     )
     summary = summarize(runs, args.num_draft_tokens, sampled=args.temperature > 0)
     out = Path(args.out)
@@ -360,9 +386,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     table = markdown(summary)
     (out / "results.md").write_text(table + "\n")
+    pictures = plots(summary, out)
     print(json.dumps(meta))
     print(table)
     print("median tokens/s per prompt: " + ", ".join(f"{c} {v:.1f}" for c, v in medians.items()))
+    print("plots: " + (", ".join(map(str, pictures)) if pictures else "none (pip install 'specserve[bench]')"))
     return 0
 
 
@@ -372,7 +400,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 _SERVE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--target", "target", str, "target model: catalog name or path (default: smollm2-135m-instruct)"),
     ("--draft", "draft", str, "default | none | ngram | draft catalog NAME | PATH (default: default)"),
-    ("--num-draft-tokens", "num_draft_tokens", int, "tokens drafted per step unless a request says (default: 4)"),
+    ("--num-draft-tokens", "num_draft_tokens", int, "tokens drafted per step, the most when adaptive (default: 6)"),
+    ("--draft-schedule", "draft_schedule", str, "adaptive | heuristic | fixed draft length (default: adaptive)"),
+    ("--draft-p-min", "draft_p_min", float, "model drafts stop below this top probability (default: 0)"),
     ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (default: auto)"),
     ("--device", "device", str, "auto | cpu | cuda | cuda:N (default: auto)"),
     ("--host", "host", str, "address to listen on (default: 127.0.0.1)"),
@@ -461,7 +491,7 @@ def _add_train_draft_parser(subparsers: argparse._SubParsersAction) -> None:
         "--work", default=None, help="corpus and checkpoints (default: $SPECSERVE_CACHE/train-draft/NAME)"
     )
     parser.add_argument("--instructions", type=_positive_int, default=None, help="first-round instructions (3200)")
-    parser.add_argument("--text-tasks", type=_positive_int, default=None, help="second-round instructions (800)")
+    parser.add_argument("--text-tasks", type=_positive_int, default=None, help="second-round instructions (400)")
     parser.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (700)")
     parser.add_argument("--draft-vocab", type=_positive_int, default=None, help="tokens the draft proposes (8192)")
     parser.add_argument("--seed", type=int, default=None, help="seed of everything (0)")
@@ -500,6 +530,92 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- specserve loadtest -----------------------------------------------------------------------------------
+
+
+def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "loadtest",
+        help="N concurrent streaming clients against a running server: throughput, TTFT, ITL, errors",
+        description="For each draft (speculation on and off) and each client count, send streamed greedy requests "
+        "and report tokens/s, time to first token and inter-token latency (p50/p95/p99), errors by kind and 429s; "
+        "every response is checked for completeness and against the text its prompt got alone.",
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--input", default="../shared/bench/specbench-dev.jsonl", help="Spec-Bench-format JSONL")
+    parser.add_argument("--prompts", type=_positive_int, default=16, help="distinct prompts (first turns) to send")
+    parser.add_argument("--clients", default="1,2,4,8,16", help="comma-separated concurrency levels")
+    parser.add_argument("--requests", type=_positive_int, default=16, help="requests per level (at least the clients)")
+    parser.add_argument(
+        "--draft", action="append", default=None, help="speculative.draft values (default: default, none)"
+    )
+    parser.add_argument("--max-new-tokens", "-n", type=_positive_int, default=128)
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per level before clients stop")
+    parser.add_argument("--api", choices=["chat", "tgi"], default="chat", help="chat: OpenAI chat API (chat template)")
+    parser.add_argument("--api-key", default=None, help="bearer key, if the server requires one")
+    parser.add_argument("--out", default="bench_out", help="directory for loadtest.json and loadtest.md")
+    parser.set_defaults(func=_cmd_loadtest)
+
+
+def _cmd_loadtest(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    from pathlib import Path
+
+    import httpx
+
+    from app.bench import read_prompts
+    from app.loadtest import markdown, run_level, summarize_level
+
+    path = Path(args.input)
+    if not path.is_file():
+        raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
+    prompts = [p.text for p in read_prompts(path, None, None)][: args.prompts]
+    try:
+        levels = [int(x) for x in args.clients.split(",") if x.strip()]
+    except ValueError as exc:
+        raise CliError("--clients takes comma-separated integers, e.g. 1,2,4,8") from exc
+    if not levels or min(levels) < 1:
+        raise CliError("--clients needs at least one level >= 1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        model = httpx.get(f"{args.url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise CliError(f"no specserve answering at {args.url}: {exc}") from exc
+    rows = []
+    # Greedy text is the target's own whatever the draft: the first level's answers are every level's reference.
+    reference: dict[int, str] | None = None
+    for draft in args.draft or ["default", "none"]:
+        for clients in levels:
+            options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
+            if args.api == "tgi":
+                options.pop("model")
+            results, wall = asyncio.run(
+                run_level(
+                    args.url,
+                    prompts,
+                    clients,
+                    max(args.requests, clients),
+                    options,
+                    args.time_limit,
+                    args.api,
+                    args.api_key,
+                )
+            )
+            if reference is None:
+                reference = {r.prompt_index: r.text for r in results if r.ok}
+            row = {"speculative": draft, "clients": clients, **summarize_level(results, wall, reference, True)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loadtest.json").write_text(json.dumps(rows, indent=1))
+    table = markdown(rows)
+    (out / "loadtest.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
 # --- entry point --------------------------------------------------------------------------------------------
 
 
@@ -515,6 +631,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(subparsers)
     _add_serve_parser(subparsers)
     _add_train_draft_parser(subparsers)
+    _add_loadtest_parser(subparsers)
     return parser
 
 

@@ -130,8 +130,11 @@ class SpeculativeParameters(BaseModel):
         "or `fixed`; default: the server's",
     )
     p_min: float | None = Field(
-        None, ge=0, le=1, description="confidence cut-off: a model draft stops below this top probability; "
-        "0 turns it off; default: the server's"
+        None,
+        ge=0,
+        le=1,
+        description="confidence cut-off: a model draft stops below this top probability; "
+        "0 turns it off; default: the server's",
     )
 
 

@@ -369,7 +369,7 @@ def text_tasks(passages: list[str], n: int, seed: int = 0) -> list[str]:
     """`n` instructions that work on given text (summaries, translation, rewriting, answering from passages,
     extraction), built from `passages`: the target's own answers to the first round."""
     rng = random.Random(seed)
-    usable = [p.strip() for p in passages if 200 <= len(p.strip()) <= 2500]
+    usable = [p.strip() for p in passages if 200 <= len(p.strip()) <= 1500]
     if not usable:
         return []
     out: list[str] = []

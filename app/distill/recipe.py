@@ -36,7 +36,7 @@ class Recipe:
 
     seed: int = 0
     first_round: int = 3200
-    second_round: int = 800
+    second_round: int = 400
     batch_size: int = 48
     max_new_tokens: int = 160
     temperatures: tuple[float, ...] = (0.0, 0.7)
