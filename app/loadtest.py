@@ -132,6 +132,7 @@ async def run_level(
     time_limit: float,
     api: str = "chat",
     api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> tuple[list[Result], float]:
     """`requests` requests over `clients` concurrent clients (prompt i mod len(prompts)); returns the results
     and the wall time. Clients stop picking up new requests after `time_limit` seconds. `parameters`: TGI
@@ -143,7 +144,8 @@ async def run_level(
     results: list[Result] = []
     started = time.perf_counter()
     timeout = httpx.Timeout(connect=10.0, read=max(60.0, time_limit), write=10.0, pool=10.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=clients + 2)) as client:
+    limits = httpx.Limits(max_connections=clients + 2)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
 
         async def worker() -> None:
             while not queue.empty() and time.perf_counter() - started < time_limit:

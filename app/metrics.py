@@ -49,6 +49,12 @@ class Metrics:
             buckets=_TOKENS_PER_PASS_BUCKETS,
             registry=r,
         )
+        self.draft_length = Histogram(
+            p + "spec_decode_draft_length",
+            "Tokens the draft proposed per decoding step (after the adaptive length and the confidence cut-off).",
+            buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16),
+            registry=r,
+        )
         self.acceptance_rate = Histogram(
             p + "request_acceptance_rate",
             "Per finished request that drafted anything: accepted / drafted tokens.",
@@ -127,6 +133,7 @@ class Metrics:
         self.target_time.observe(target_seconds)
         if not prefill:
             self.draft_time.observe(draft_seconds)
+            self.draft_length.observe(drafted)
         if drafted:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(drafted)

@@ -308,7 +308,11 @@ class Generation:
 
 
 class Engine:
-    """A loaded target with its drafters: starts generations, knows nothing of HTTP."""
+    """A loaded target with its drafters: starts generations, knows nothing of HTTP.
+
+    `draft_schedule` and `draft_p_min` are the defaults of requests that do not say; the plain constructor
+    keeps a fixed length (deterministic, for tests and experiments), `build_engine` and the server default
+    to the adaptive schedule."""
 
     def __init__(
         self,
@@ -318,7 +322,7 @@ class Engine:
         default_draft: str = "none",
         num_draft_tokens: int = 4,
         verify_width: int | None = None,
-        draft_schedule: str = "adaptive",
+        draft_schedule: str = "fixed",
         draft_p_min: float = 0.0,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:

@@ -1,0 +1,59 @@
+"""The load generator against the app served in process: complete responses, equality checks, 429s."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from app.loadtest import markdown, run_level, summarize_level
+from app.server import create_app
+from app.settings import Settings
+
+pytestmark = pytest.mark.anyio
+
+PROMPTS = ["Name three colours.", "Count from one to five.", "What is the capital of Italy?"]
+
+
+async def _level(engine, clients: int, requests: int, api: str, **settings):
+    app = create_app(Settings(**settings), engine)
+    async with app.router.lifespan_context(app):
+        options = {"max_new_tokens": 8, "speculative": {"draft": "ngram"}, "model": "smollm2-135m-instruct"}
+        if api == "tgi":
+            options.pop("model")
+        return await run_level(
+            "http://testserver", PROMPTS, clients, requests, options, 120, api, None, httpx.ASGITransport(app=app)
+        )
+
+
+@pytest.mark.parametrize("api", ["chat", "tgi"])
+async def test_concurrent_clients_all_complete_with_the_text_sent_alone(api_engine, api):
+    alone, wall = await _level(api_engine, 1, 3, api)
+    assert all(r.ok for r in alone) and wall > 0
+    reference = {r.prompt_index: r.text for r in alone}
+    together, wall = await _level(api_engine, 3, 6, api)
+    row = summarize_level(together, wall, reference, greedy=True)
+    assert row["completed"] == row["requests"] == 6
+    assert row["differs_from_alone"] == 0 and row["errors"] == {}
+    assert row["tokens"] > 0 and row["tokens_per_second"] > 0
+    assert row["ttft_ms"]["p50"] is not None and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"]
+    table = markdown(
+        [
+            {"speculative": "ngram", "clients": 1, **summarize_level(alone, 1.0, None, True)},
+            {"speculative": "ngram", "clients": 3, **row},
+        ]
+    )
+    assert "| ngram | 3 | 6/6 |" in table
+
+
+async def test_a_full_server_is_counted_as_429s(api_engine):
+    results, wall = await _level(api_engine, 4, 4, "tgi", max_concurrent_requests=1, max_queue_size=0)
+    row = summarize_level(results, wall, None, greedy=True)
+    assert row["rejected_429"] >= 1 and row["completed"] >= 1
+    assert row["completed"] + row["rejected_429"] == 4
+
+
+def test_a_reference_mismatch_is_reported():
+    from app.loadtest import Result
+
+    r = Result(0, ok=True, text="other", tokens=2, start=0.0, token_times=[0.1, 0.2], end=0.3)
+    assert summarize_level([r], 1.0, {0: "expected"}, greedy=True)["differs_from_alone"] == 1
