@@ -492,7 +492,7 @@ def _add_train_draft_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--instructions", type=_positive_int, default=None, help="first-round instructions (3200)")
     parser.add_argument("--text-tasks", type=_positive_int, default=None, help="second-round instructions (400)")
-    parser.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (700)")
+    parser.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (1200)")
     parser.add_argument("--draft-vocab", type=_positive_int, default=None, help="tokens the draft proposes (8192)")
     parser.add_argument("--seed", type=int, default=None, help="seed of everything (0)")
     parser.set_defaults(func=_cmd_train_draft)

@@ -177,7 +177,15 @@ def test_bad_sampling_flags_are_one_error_line(capsys, flags, message):
 def test_bench_summary_reports_no_equality_when_sampling():
     from app.bench import Run, markdown, summarize
 
-    stats = {"drafted": 4, "accepted": 2, "target_passes": 3, "verify_passes": 2, "accepted_per_position": [1, 1]}
+    stats = {
+        "drafted": 4,
+        "accepted": 2,
+        "target_passes": 3,
+        "verify_passes": 2,
+        "accepted_per_position": [1, 1],
+        "draft_seconds": 0.02,
+        "verify_seconds": 0.2,
+    }
     runs = [
         Run(
             "none",
@@ -197,6 +205,12 @@ def test_bench_summary_reports_no_equality_when_sampling():
     assert sampled["overall"]["ngram"]["identical_to_target_only"] is None
     assert sampled["overall"]["ngram"]["acceptance_rate"] == 0.5
     assert markdown(sampled).splitlines()[-1].endswith("| - |")
+    # Theoretical: a = 0.5 and k = 2 give 1.75 tokens per pass; a target-only step costs 0.1 s (0.2 s over the
+    # 2 passes after the prefill), a draft token 0.005 s and a verification 0.1 s: 1.75 * 0.1 / (2 * 0.005 + 0.1).
+    entry = greedy["overall"]["ngram"]
+    assert entry["mean_draft_length"] == 2.0
+    assert abs(entry["theoretical_speedup"] - 1.75 * 0.1 / 0.11) < 1e-9
+    assert abs(entry["realised_of_theoretical"] - 2.0 / entry["theoretical_speedup"]) < 1e-9
 
 
 @pytest.mark.parametrize("limit", ["0", "-1", "x"])

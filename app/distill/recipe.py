@@ -41,7 +41,7 @@ class Recipe:
     max_new_tokens: int = 160
     temperatures: tuple[float, ...] = (0.0, 0.7)
     draft_vocab: int = 8192
-    steps: int = 700
+    steps: int = 1200
     lr: float = 1e-3
     seq_len: int = 512
     tokens_per_batch: int = 4096
