@@ -1,7 +1,9 @@
 """`specserve bench`: side-by-side speed and acceptance over Spec-Bench-format prompts.
 
 Every configuration runs on the same prompt before the next prompt starts (interleaved), so machine
-noise hits all of them alike. Configurations: transformers' own `generate` on the target (`hf`), our
+noise hits all of them alike. Configurations: transformers' own `generate` on the target (`hf`), with
+prompt-lookup assisted generation (`hf/ngram`, the same proposer as our n-gram draft) when `ngram` is
+measured, our
 engine target-only (`none`), and our engine with each draft under each draft-length schedule
 (`DRAFT/SCHEDULE`). Decoding is greedy unless a temperature > 0 is given; greedy outputs of every draft
 configuration are checked against our target-only output token for token. Sampled outputs are only equal
@@ -106,10 +108,18 @@ class _HFRunner:
 
     @torch.inference_mode()
     def run(
-        self, prompt_ids: list[int], max_new_tokens: int, params: GenerationParams | None = None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        params: GenerationParams | None = None,
+        prompt_lookup: int | None = None,
     ) -> tuple[list[int], float]:
+        """transformers' generate; with `prompt_lookup`, its assisted generation by prompt lookup (the same
+        proposer as our n-gram draft) drafting that many tokens."""
         ids = torch.tensor([prompt_ids])
         sampling: dict[str, Any] = {"do_sample": False}
+        if prompt_lookup:
+            sampling["prompt_lookup_num_tokens"] = prompt_lookup
         if params is not None and params.temperature > 0:
             # top_k=0 and top_p=1.0 switch transformers' warpers off, as they do ours.
             sampling = {
@@ -175,11 +185,15 @@ def run_bench(
             pass
     if hf is not None:
         hf.run(warm, 8, params_of(configs[0], 8))
+        hf.run(warm, 8, params_of(configs[0], 8), num_draft_tokens)
     for p in tqdm(prompts, desc="bench", unit="prompt", file=sys.stderr):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]))
         if hf is not None:
             out, secs = hf.run(ids, max_new_tokens, params_of(configs[0], max_new_tokens))
             runs.append(Run("hf", p.question_id, p.category, len(out), secs, out))
+            if any(c.draft == "ngram" for c in configs):
+                out, secs = hf.run(ids, max_new_tokens, params_of(configs[0], max_new_tokens), num_draft_tokens)
+                runs.append(Run("hf/ngram", p.question_id, p.category, len(out), secs, out))
         for c in configs:
             gen = engine.start(ids, params_of(c, max_new_tokens), c.draft)
             t0 = time.perf_counter()
@@ -222,7 +236,12 @@ def summarize(runs: list[Run], num_draft_tokens: int, sampled: bool = False) -> 
             tokens = sum(r.tokens for r in rs)
             secs = sum(r.seconds for r in rs)
             entry: dict[str, Any] = {"prompts": len(rs), "tokens": tokens, "tokens_per_second": tokens / secs}
-            if c != "hf":
+            if c.startswith("hf"):
+                # transformers' outputs are checked against ours too: the same weights, greedy.
+                entry["identical_to_target_only"] = (
+                    None if sampled else sum(by_prompt[q][c].token_ids == by_prompt[q]["none"].token_ids for q in qids)
+                )
+            else:
                 drafted = sum(r.stats["drafted"] for r in rs)
                 accepted = sum(r.stats["accepted"] for r in rs)
                 passes = sum(r.stats["target_passes"] for r in rs)
@@ -247,12 +266,12 @@ def summarize(runs: list[Run], num_draft_tokens: int, sampled: bool = False) -> 
                 }
             row[c] = entry
         step = row["none"]["_costs"]["step"]
-        for c, entry in row.items():
+        for entry in row.values():
             if "hf" in row:
                 entry["speedup_vs_hf"] = entry["tokens_per_second"] / row["hf"]["tokens_per_second"]
             entry["speedup_vs_target_only"] = entry["tokens_per_second"] / row["none"]["tokens_per_second"]
             costs = entry.pop("_costs", None)
-            if c not in ("hf", "none") and costs and step > 0 and entry["mean_draft_length"] > 0:
+            if costs and step > 0 and entry["mean_draft_length"] > 0:
                 k = entry["mean_draft_length"]
                 per_pass = expected_tokens(min(entry["acceptance_rate"], 0.9999), k)
                 theory = per_pass * step / (k * costs["draft"] + costs["verify"])
