@@ -110,7 +110,9 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--schedule", default="adaptive", choices=["adaptive", "heuristic", "fixed"], help="draft length per step"
     )
-    parser.add_argument("--p-min", type=float, default=0.0, help="confidence cut-off of a model draft (0: none)")
+    parser.add_argument(
+        "--p-min", type=float, default=0.05, help="confidence cut-off of a model draft (0: none; default 0.05)"
+    )
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -313,7 +315,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="draft-length schedule of model drafts (repeatable: one configuration each; default: adaptive)",
     )
-    parser.add_argument("--p-min", type=float, default=None, help="confidence cut-off of model drafts (default: 0)")
+    parser.add_argument(
+        "--p-min", type=float, default=None, help="confidence cut-off of model drafts (default: the engine's, 0.05)"
+    )
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=6, help="tokens drafted per step (the most)")
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -402,7 +406,7 @@ _SERVE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--draft", "draft", str, "default | none | ngram | draft catalog NAME | PATH (default: default)"),
     ("--num-draft-tokens", "num_draft_tokens", int, "tokens drafted per step, the most when adaptive (default: 6)"),
     ("--draft-schedule", "draft_schedule", str, "adaptive | heuristic | fixed draft length (default: adaptive)"),
-    ("--draft-p-min", "draft_p_min", float, "model drafts stop below this top probability (default: 0)"),
+    ("--draft-p-min", "draft_p_min", float, "model drafts stop below this top probability (default: 0.05)"),
     ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (default: auto)"),
     ("--device", "device", str, "auto | cpu | cuda | cuda:N (default: auto)"),
     ("--host", "host", str, "address to listen on (default: 127.0.0.1)"),

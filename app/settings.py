@@ -31,7 +31,7 @@ class Settings(BaseSettings):
         "(+2 after a full accept, -1 otherwise) or `fixed`",
     )
     draft_p_min: float = Field(
-        0.0, ge=0.0, le=1.0, description="a model draft stops proposing below this top probability (0: never)"
+        0.05, ge=0.0, le=1.0, description="a model draft stops proposing below this top probability (0: never)"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and activations")
     device: str = Field("auto", description="`auto`, `cpu`, `cuda` or `cuda:N`")

@@ -32,7 +32,7 @@ def build_engine(
     device: str = "auto",
     max_seq_len: int | None = None,
     draft_schedule: str = "adaptive",
-    draft_p_min: float = 0.0,
+    draft_p_min: float = 0.05,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
