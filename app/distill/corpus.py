@@ -9,8 +9,6 @@ tokens is the target's output layer applied to the stored state, computed while 
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,11 +162,3 @@ def build_corpus(
 def answers(samples: Sequence[Sample], loaded: LoadedModel) -> list[str]:
     """The decoded answers of `samples` (what the second round's text tasks work on)."""
     return [loaded.tokenizer.decode(s.tokens[s.prompt_len :].tolist()) for s in samples]
-
-
-def write_manifest(path: Path, info: dict) -> None:
-    path.write_text(json.dumps(info, indent=2) + "\n")
-
-
-def now() -> float:
-    return time.perf_counter()
