@@ -43,6 +43,23 @@ class Drafter(Protocol):
         ...
 
 
+def choose_draft_token(
+    logits: Tensor, params: SamplingParams | None, generator: torch.Generator | None, p_min: float
+) -> tuple[int, Tensor | None] | None:
+    """One drafted token from a draft's `logits` [V]: (index into V, None) greedily, or (index, warped
+    distribution [V]) drawn from it when sampling; None when the draft's top probability is below `p_min`
+    (the confidence cut-off, llama.cpp's --draft-p-min: an unsure guess is more likely rejected than
+    accepted, and each further token costs a draft step)."""
+    if params is None or params.greedy:
+        choice: tuple[int, Tensor | None] = (int(logits.argmax()), None)
+    else:
+        probs = warp(logits, params)
+        choice = (int(sample(probs, generator)), probs)
+    if p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < p_min:
+        return None
+    return choice
+
+
 class _ModelDraftSession:
     def __init__(self, drafter: ModelDrafter, capacity: int) -> None:
         self._model = drafter.model
@@ -94,18 +111,13 @@ class _ModelDraftSession:
         dists: list[Tensor] = []
         for i in range(k):
             hidden = self._model.hidden(feed, pos, self._cache)
-            logits = self._model.logits(hidden[0, -1])[: self._vocab]
-            if params is None or params.greedy:
-                nxt = int(logits.argmax())
-            else:
-                probs = warp(logits, params)
-                nxt = int(sample(probs, generator))
+            choice = choose_draft_token(self._model.logits(hidden[0, -1])[: self._vocab], params, generator, p_min)
+            if choice is None:
+                break
+            nxt, probs = choice
+            if probs is not None:
                 # q must cover the target's whole vocabulary: ids the draft cannot propose have q = 0.
                 dists.append(torch.nn.functional.pad(probs, (0, self._target_vocab - probs.shape[-1])))
-            if p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < p_min:
-                if dists:
-                    dists.pop()
-                break
             out.append(nxt)
             if i + 1 < k:
                 pos += feed.shape[1]

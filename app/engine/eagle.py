@@ -25,9 +25,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from app.engine.drafters import choose_draft_token
 from app.engine.loading import LoadedModel
 from app.engine.model import DecoderBlock, KVCache, ModelConfig, PackedLinear, Transformer, can_pack, rope_tables
-from app.engine.sampling import SamplingParams, sample, warp
+from app.engine.sampling import SamplingParams
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -264,24 +265,15 @@ class _EagleSession:
         for _ in range(k):
             guess = draft(states, tokens, pos, self._cache)[:, -1:]  # [1, 1, dim]
             pos += states.shape[1]
-            logits = draft.draft_logits(guess[0, 0]).float()
-            probs = torch.softmax(logits, -1)
-            if params is None or params.greedy:
-                idx = int(probs.argmax())
-                confidence = float(probs[idx])
-            else:
-                warped = warp(logits, params)
-                idx = int(sample(warped, generator))
-                confidence = float(probs.max())
+            choice = choose_draft_token(draft.draft_logits(guess[0, 0]).float(), params, generator, p_min)
+            if choice is None:
+                break
+            idx, warped = choice
+            if warped is not None:
+                # q over the target's whole vocabulary: ids outside the draft's have q = 0.
                 full = torch.zeros(self._target_vocab, dtype=warped.dtype, device=device)
                 full[draft.vocab_ids] = warped
                 dists.append(full)
-            # Confidence cut-off (llama.cpp's --draft-p-min): an unsure guess is more likely rejected than
-            # accepted, and each further token costs a draft step.
-            if confidence < p_min:
-                if dists:
-                    dists.pop()
-                break
             tok = int(draft.vocab_ids[idx])
             out.append(tok)
             states = guess
