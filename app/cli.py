@@ -335,7 +335,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from app.bench import Config, markdown, per_prompt_medians, plots, read_prompts, run_bench, summarize
-    from app.engine.factory import DEFAULT_TARGET, build_engine, default_draft_name
+    from app.engine.factory import DEFAULT_TARGET, HYBRID, build_engine, default_draft_name
 
     sampling = _sampling_kwargs(args)
     if args.kernels:
@@ -353,9 +353,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     target = args.target or DEFAULT_TARGET
     drafts = args.draft or ["default", "ngram"]
     drafts = [default_draft_name(target) if d == "default" else d for d in drafts]
-    model_drafts = list(dict.fromkeys(d for d in drafts if d not in ("ngram", "none")))
+    model_drafts = list(dict.fromkeys(d for d in drafts if d not in ("ngram", "none", HYBRID)))
     if len(model_drafts) > 1:
-        raise CliError("one model draft per run (plus ngram)")
+        raise CliError("one model draft per run (plus ngram and hybrid)")
+    if not model_drafts and HYBRID in drafts:
+        model_drafts = [default_draft_name(target)]
     engine, loaded = build_engine(
         target, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype
     )
@@ -557,8 +559,36 @@ def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per level before clients stop")
     parser.add_argument("--api", choices=["chat", "tgi"], default="chat", help="chat: OpenAI chat API (chat template)")
     parser.add_argument("--api-key", default=None, help="bearer key, if the server requires one")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="also run the one-client requests straight on an engine in this process (the server's models and "
+        "settings, read from /info), to measure what HTTP and streaming cost",
+    )
     parser.add_argument("--out", default="bench_out", help="directory for loadtest.json and loadtest.md")
     parser.set_defaults(func=_cmd_loadtest)
+
+
+def _loadtest_engine(url: str, headers: dict[str, str]):
+    """An engine with the models and draft settings the server at `url` reports in /info."""
+    import httpx
+
+    from app.engine.factory import build_engine
+
+    try:
+        info = httpx.get(f"{url}/info", headers=headers, timeout=10).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise CliError(f"no /info at {url}: {exc}") from exc
+    dtype = str(info["model_dtype"]).removeprefix("torch.")
+    engine, _ = build_engine(
+        info["model_id"],
+        info["draft"],
+        info["num_draft_tokens"],
+        dtype,
+        draft_schedule=info["draft_schedule"],
+        draft_p_min=info["draft_p_min"],
+    )
+    return engine
 
 
 def _cmd_loadtest(args: argparse.Namespace) -> int:
@@ -569,7 +599,7 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
     import httpx
 
     from app.bench import read_prompts
-    from app.loadtest import markdown, run_level, summarize_level
+    from app.loadtest import markdown, run_in_process, run_level, summarize_level
 
     path = Path(args.input)
     if not path.is_file():
@@ -586,10 +616,21 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
         model = httpx.get(f"{args.url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise CliError(f"no specserve answering at {args.url}: {exc}") from exc
+    engine = _loadtest_engine(args.url, headers) if args.in_process else None
     rows = []
     # Greedy text is the target's own whatever the draft: the first level's answers are every level's reference.
     reference: dict[int, str] | None = None
     for draft in args.draft or ["default", "none"]:
+        if engine is not None:  # the server is idle meanwhile: nothing else competes for the cores
+            results, wall = run_in_process(
+                engine, prompts, max(args.requests, 1), args.max_new_tokens, draft, args.api == "chat"
+            )
+            if reference is None:
+                reference = {r.prompt_index: r.text for r in results}
+            row = {"speculative": draft, "via": "in-process", "clients": 1}
+            row.update(summarize_level(results, wall, reference, True))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         for clients in levels:
             options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
             if args.api == "tgi":
@@ -608,7 +649,8 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
             )
             if reference is None:
                 reference = {r.prompt_index: r.text for r in results if r.ok}
-            row = {"speculative": draft, "clients": clients, **summarize_level(results, wall, reference, True)}
+            row = {"speculative": draft, "via": "http", "clients": clients}
+            row.update(summarize_level(results, wall, reference, True))
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = Path(args.out)

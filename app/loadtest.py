@@ -16,9 +16,12 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from app.engine.generation import Engine
 
 
 @dataclass
@@ -157,6 +160,36 @@ async def run_level(
     return results, time.perf_counter() - started
 
 
+def run_in_process(
+    engine: Engine, prompts: list[str], requests: int, max_new_tokens: int, draft: str, chat: bool
+) -> tuple[list[Result], float]:
+    """The one-client level without HTTP: the same requests, one after another, straight on `engine`,
+    timed as the clients time them (a step's tokens count as arriving when the step ends), so that what
+    serving costs over the engine can be read off beside the HTTP level."""
+    from app.engine.generation import GenerationParams
+
+    params = GenerationParams(max_new_tokens=max_new_tokens)
+    tok = engine.tokenizer
+    results: list[Result] = []
+    started = time.perf_counter()
+    for i in range(requests):
+        n = i % len(prompts)
+        result = Result(n, ok=False, start=time.perf_counter())
+        text = tok.apply_chat_template([{"role": "user", "content": prompts[n]}]) if chat else prompts[n]
+        gen = engine.start(tok.encode(text), params, draft)
+        while not gen.finished:
+            out = gen.step()
+            if out.text:
+                result.token_times.append(time.perf_counter())
+        result.end = time.perf_counter()
+        result.ok = True
+        result.text = gen.text
+        result.tokens = gen.stats.generated_tokens
+        result.speculative = {"drafted": gen.stats.drafted, "accepted": gen.stats.accepted}
+        results.append(result)
+    return results, time.perf_counter() - started
+
+
 def summarize_level(
     results: list[Result], wall: float, reference: dict[int, str] | None, greedy: bool
 ) -> dict[str, Any]:
@@ -190,18 +223,19 @@ def summarize_level(
 def markdown(rows: list[dict[str, Any]]) -> str:
     """One table row per (speculation, concurrency)."""
     lines = [
-        "| speculative | clients | requests | tok/s | x one client | TTFT p50/p95 ms | ITL p50/p95/p99 ms | "
+        "| speculative | via | clients | requests | tok/s | x one client | TTFT p50/p95 ms | ITL p50/p95/p99 ms | "
         "errors | 429 | differs from alone |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base: dict[str, float] = {}
     for r in rows:
-        if r["clients"] == 1:
+        via = r.get("via", "http")
+        if r["clients"] == 1 and via == "http":
             base[r["speculative"]] = r["tokens_per_second"]
         scale = r["tokens_per_second"] / base[r["speculative"]] if base.get(r["speculative"]) else float("nan")
         t, i = r["ttft_ms"], r["itl_ms"]
         lines.append(
-            f"| {r['speculative']} | {r['clients']} | {r['completed']}/{r['requests']} | "
+            f"| {r['speculative']} | {via} | {r['clients']} | {r['completed']}/{r['requests']} | "
             f"{r['tokens_per_second']:.1f} | "
             f"{scale:.2f}x | {t['p50']}/{t['p95']} | {i['p50']}/{i['p95']}/{i['p99']} | "
             f"{sum(r['errors'].values()) - r['rejected_429']} | {r['rejected_429']} | {r['differs_from_alone']} |"

@@ -42,7 +42,11 @@ class Metrics:
             ["position"],
             registry=r,
         )
-        self.target_passes = Counter(p + "target_passes", "Target forward passes, prefill included.", registry=r)
+        self.target_passes = Counter(
+            p + "target_passes",
+            "Target passes per request, prefill included (a batched forward counts once per request in it).",
+            registry=r,
+        )
         self.tokens_per_pass = Histogram(
             p + "spec_decode_tokens_per_target_pass",
             "Tokens one target pass produced (accepted drafts plus the target's own token).",
@@ -103,6 +107,12 @@ class Metrics:
             buckets=_STEP_BUCKETS,
             registry=r,
         )
+        self.batch_size = Histogram(
+            p + "batch_size",
+            "Requests whose rows one target forward ran together (1: a prefill or a request running alone).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=r,
+        )
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of generations started.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
         # Every series exists from the start, so that rate() has a zero to begin from.
@@ -140,6 +150,10 @@ class Metrics:
             self.num_accepted_tokens.inc(accepted)
             for position in range(accepted):
                 self.accepted_per_pos.labels(str(position)).inc()
+
+    def forward(self, batch_size: int) -> None:
+        """One target forward over `batch_size` requests' rows."""
+        self.batch_size.observe(batch_size)
 
     def tokens_delivered(self, gap_seconds: float, tokens: int, first: bool) -> None:
         """A step's tokens reached the request; `gap_seconds` since arrival (first) or the previous step."""

@@ -2,9 +2,10 @@
 
 Admission is bounded: at most ``max_running + max_waiting`` requests hold a place, and `Scheduler.submit`
 refuses the next one at once with :class:`Overloaded`. One worker thread owns the engine. Each turn it
-starts waiting requests while fewer than ``max_running`` run, then steps every running generation once,
-round-robin: a short request waits at most one step of each other request per turn instead of their whole
-length. Every step's tokens go back to the event loop with ``call_soon_threadsafe`` into the request's
+starts waiting requests while fewer than ``max_running`` run, then steps every running generation once:
+new ones prefill their prompts, and all the others draft and are verified together in one batched target
+forward (`Engine.step_batch`), so that serving N requests costs far less than N times serving one. Every
+step's tokens go back to the event loop with ``call_soon_threadsafe`` into the request's
 ``asyncio.Queue``. Cancelling (a client gone, a timeout) frees the place at once and is a flag the worker
 reads before each step; an exception in one generation ends that request alone.
 """
@@ -306,13 +307,30 @@ class Scheduler:
                     self._running.append(job)
             with self._lock:
                 self._publish_load()
-            for job in list(self._running):
-                if self._stopping:
-                    return
-                if not self._advance(job):
-                    self._running.remove(job)
+            if self._stopping:
+                return
+            self._step_running()
             with self._lock:
                 self._publish_load()
+
+    def _step_running(self) -> None:
+        """One step of every running request; those past their prefill share one target forward."""
+        live = [job for job in self._running if self._live(job)]
+        self._running = live
+        if not live:
+            return
+        gens = [job.gen for job in live if job.gen is not None]
+        firsts = [gen.needs_prefill for gen in gens]
+        outcomes = self.engine.step_batch(gens)
+        if self.metrics is not None:
+            together = len(firsts) - sum(firsts)
+            for _ in range(sum(firsts) + (1 if together == 1 else 0)):
+                self.metrics.forward(1)
+            if together > 1:
+                self.metrics.forward(together)
+        self._running = [
+            job for job, first, out in zip(live, firsts, outcomes, strict=True) if self._deliver(job, first, out)
+        ]
 
     def _begin(self, job: _Job) -> bool:
         if job.ended:
@@ -334,22 +352,29 @@ class Scheduler:
             self.metrics.request_started(now - job.arrived, len(job.prompt_ids))
         return True
 
-    def _advance(self, job: _Job) -> bool:
-        """Step `job` once; False when it is over."""
+    def _live(self, job: _Job) -> bool:
+        """Whether `job` still runs; one past its deadline is failed here."""
         if job.ended:
             return False
         if time.monotonic() >= job.deadline:
             log.warning("request %d: timed out after %g s", job.id, job.timeout, extra=job.log_extra)
             self._fail(job, "timeout", "timeout", _timeout_message(job))
             return False
+        return True
+
+    def _deliver(self, job: _Job, first: bool, out: StepOutput | Exception) -> bool:
+        """Send one step's tokens to `job`'s client; False when the request is over."""
         assert job.gen is not None and job.texts is not None
-        first = job.gen.stats.target_passes == 0
         try:
-            out: StepOutput = job.gen.step()
+            if isinstance(out, Exception):
+                raise out
             tokens = job.texts.split(out.token_ids, out.text)
         except Exception as exc:
-            log.exception("request %d: generation failed", job.id, extra=job.log_extra)
+            trace = (type(exc), exc, exc.__traceback__)
+            log.error("request %d: generation failed", job.id, exc_info=trace, extra=job.log_extra)
             self._fail(job, "error", "generation", f"generation failed: {type(exc).__name__}: {exc}")
+            return False
+        if job.ended:  # cancelled or timed out while its step ran: the client is gone
             return False
         now = time.monotonic()
         job.drafted += out.drafted

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.draft_length import DraftLength, StepCosts, expected_tokens
+from app.engine.draft_length import DraftLength, StepCosts, batch_draft_lengths, expected_tokens
 
 
 def _costs(draft_step: float, verify: dict[int, float]) -> StepCosts:
@@ -95,3 +95,30 @@ def test_costs_and_acceptance_are_shared_by_the_requests_of_a_drafter():
     assert costs.draft_step == pytest.approx(0.001) and costs.verify[5] == pytest.approx(0.03)
     second = DraftLength("adaptive", 7, costs)
     assert second.acceptance > 0.9  # starts from what the drafter has shown, not from a blank 0.5
+
+
+def _policy(schedule: str, acceptance_steps: int, accepted_fraction: float, draft_step: float) -> DraftLength:
+    policy = DraftLength(schedule, 6, _costs(draft_step, {8: 0.030}))
+    for _ in range(acceptance_steps):
+        policy.update(4, round(4 * accepted_fraction))
+    return policy
+
+
+def test_batch_lengths_follow_each_request_until_a_batch_was_measured():
+    policies = [_policy("adaptive", 10, 1.0, 0.001), _policy("fixed", 0, 0.0, 0.001)]
+    assert batch_draft_lengths(policies, [100, 100], StepCosts(), 2) == [p.next_k(100) for p in policies]
+
+
+def test_batch_lengths_draft_where_it_pays_and_not_where_it_does_not():
+    batch = _costs(0.0, {8: 0.060, 16: 0.070, 24: 0.080, 32: 0.090})
+    sure = _policy("adaptive", 10, 1.0, 0.001)
+    unsure = _policy("adaptive", 10, 0.0, 0.001)
+    fixed = _policy("fixed", 0, 0.0, 0.001)
+    ks = batch_draft_lengths([sure, unsure, fixed], [100, 100, 100], batch, 2)
+    assert ks[0] >= 4  # accepted nearly always and cheap: long drafts
+    assert ks[1] == 0  # never accepted: drafting only slows the whole batch
+    assert ks[2] == 6  # a fixed schedule keeps its length
+    assert batch_draft_lengths([sure], [2], batch, 2) == [2]  # never past what the request may still add
+    # The same request with a draft step as dear as a whole batched forward: not worth a single token.
+    dear = _policy("adaptive", 10, 0.6, 0.5)
+    assert batch_draft_lengths([dear, dear], [100, 100], batch, 2) == [0, 0]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.drafters import DraftError, ModelDrafter, NgramDrafter
+from app.engine.drafters import DraftError, HybridDrafter, ModelDrafter, NgramDrafter
 from app.engine.loading import LoadedModel
 from app.engine.reference import greedy_decode
+from app.engine.sampling import SamplingParams
 
 # --- n-gram (prompt lookup) -------------------------------------------------------------------------------
 
@@ -144,3 +145,42 @@ def test_a_draft_with_another_vocabulary_is_refused(make_tiny_model, word_tokeni
     other = LoadedModel(make_tiny_model(seed=2, vocab_size=257), byte_tokenizer(), "bytes", 0.0)
     with pytest.raises(DraftError, match="must use the target's tokenizer"):
         ModelDrafter("bytes", other, target)
+
+
+class _Recorder:
+    """A model draft stand-in that proposes fixed tokens and records each call."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, float]] = []
+        self.features = object()
+
+    def session(self, capacity: int) -> _Recorder:
+        return self
+
+    def propose(self, token_ids, k, p_min=0.0):
+        self.calls.append((len(token_ids), k, p_min))
+        return [7] * k
+
+
+def test_hybrid_uses_the_lookup_on_a_long_match_and_the_model_otherwise():
+    model = _Recorder()
+    session = HybridDrafter("hybrid", model, min_match=2).session(100)
+    assert session.features is model.features  # a feature draft's buffer is the generation's to fill
+    # "1 2 3" recurs: the lookup proposes what followed it, the model is not asked.
+    assert session.propose([1, 2, 3, 9, 8, 1, 2, 3], 3) == [9, 8, 1]
+    assert model.calls == []
+    # Only the last token recurs (a match of 1 < min_match): the model drafts, with the cut-off passed on.
+    assert session.propose([1, 2, 3, 9, 8, 5, 3], 2, p_min=0.1) == [7, 7]
+    assert model.calls == [(7, 2, 0.1)]
+    assert session.lookups == 1
+
+
+def test_hybrid_lookup_is_deterministic_under_sampling():
+    model = _Recorder()
+    session = HybridDrafter("hybrid", model).session(100)
+    tokens, q = session.propose_sampled([4, 5, 6, 4, 5], 2, SamplingParams(0.8), None)
+    assert (tokens, q) == ([6, 4], None)  # one-hot q, which rejection sampling takes as None
+    tokens, q = session.propose_sampled([4, 5, 6, 1], 2, SamplingParams(0.8), None)
+    assert (tokens, q) == ([7, 7], None)  # a model draft without sampling support proposes as under greedy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.loadtest import markdown, run_level, summarize_level
+from app.loadtest import markdown, run_in_process, run_level, summarize_level
 from app.server import create_app
 from app.settings import Settings
 
@@ -42,7 +42,16 @@ async def test_concurrent_clients_all_complete_with_the_text_sent_alone(api_engi
             {"speculative": "ngram", "clients": 3, **row},
         ]
     )
-    assert "| ngram | 3 | 6/6 |" in table
+    assert "| ngram | http | 3 | 6/6 |" in table
+
+
+async def test_in_process_requests_give_the_texts_served_over_http(api_engine):
+    """The in-process baseline runs the very requests the chat clients send: same template, same texts."""
+    served, _ = await _level(api_engine, 1, 3, "chat")
+    direct, wall = run_in_process(api_engine, PROMPTS, 3, 8, "ngram", chat=True)
+    assert [r.text for r in direct] == [r.text for r in served]
+    row = summarize_level(direct, wall, {r.prompt_index: r.text for r in served}, greedy=True)
+    assert row["completed"] == 3 and row["differs_from_alone"] == 0 and row["tokens_per_second"] > 0
 
 
 async def test_a_full_server_is_counted_as_429s(api_engine):

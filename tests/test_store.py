@@ -77,12 +77,8 @@ def _build_wheel(dest: Path) -> Path:
     files = {
         TINY_MEMBER: TINY_DATA,
         "specserve_tinymodel/__init__.py": b"",
-        f"{dist}.dist-info/METADATA": (
-            f"Metadata-Version: 2.1\nName: {TINY_PKG}\nVersion: {TINY_VER}\n".encode()
-        ),
-        f"{dist}.dist-info/WHEEL": (
-            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        ),
+        f"{dist}.dist-info/METADATA": (f"Metadata-Version: 2.1\nName: {TINY_PKG}\nVersion: {TINY_VER}\n".encode()),
+        f"{dist}.dist-info/WHEEL": (b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
     }
     record = []
     for name, data in files.items():

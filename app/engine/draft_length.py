@@ -14,6 +14,8 @@ choice is driven by the draft step's cost; in float32 it grows with k and longer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 SCHEDULES = ("adaptive", "heuristic", "fixed")
 
 _DECAY = 0.8  # weight of the past in the running figures (about the last five steps count)
@@ -30,10 +32,13 @@ class StepCosts:
         self.accepted = 0.0
         self.rejected = 0.0
 
-    def observe(self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float) -> None:
+    def observe(self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float | None) -> None:
+        """One step's measured times; `verify_seconds` None when the verification was not this request's alone."""
         if draft_steps > 0:
             per = draft_seconds / draft_steps
             self.draft_step = per if self.draft_step is None else 0.9 * self.draft_step + 0.1 * per
+        if verify_seconds is None:
+            return
         old = self.verify.get(rows)
         self.verify[rows] = verify_seconds if old is None else 0.9 * old + 0.1 * verify_seconds
 
@@ -122,3 +127,45 @@ class DraftLength:
         self.costs.observe_acceptance(accepted, rejected)
         if self.schedule == "heuristic":
             self._k = min(self.max_k, self._k + 2) if not rejected else max(1, self._k - 1)
+
+
+def batch_draft_lengths(
+    lengths: Sequence[DraftLength], limits: Sequence[int], verify: StepCosts, min_rows: int
+) -> list[int]:
+    """Draft lengths for requests whose drafts one target forward verifies together.
+
+    In a batch, every drafted token delays every request: it costs its drafter's step and widens the shared
+    forward (`verify`: measured seconds per number of rows in the whole forward; each request takes at least
+    `min_rows`). Requests on the adaptive schedule get tokens one at a time, each to the request whose next
+    token is likeliest accepted (a^(k+1) more expected tokens), while the batch's expected tokens per second
+    still grow; when drafting no longer pays (many requests, costly drafts, low acceptance) they draft
+    nothing. The other schedules keep their own choice. Until a batched forward was measured, each request
+    chooses as it would alone.
+    """
+    ks = [length.next_k(limit) for length, limit in zip(lengths, limits, strict=True)]
+    if not verify.verify or any(length.costs.draft_step is None for length in lengths):
+        return ks
+    free = [i for i, length in enumerate(lengths) if length.schedule == "adaptive"]
+    for i in free:
+        ks[i] = 0
+    accept = [min(length.acceptance, 0.995) for length in lengths]
+
+    def rate(ks: list[int]) -> float:
+        tokens = sum(expected_tokens(a, k) for a, k in zip(accept, ks, strict=True))
+        rows = sum(max(min_rows, k + 1) for k in ks)
+        draft = sum(k * (length.costs.draft_step or 0.0) for k, length in zip(ks, lengths, strict=True))
+        return tokens / max(draft + (verify.verify_cost(rows) or 0.0), 1e-9)
+
+    best = rate(ks)
+    while True:
+        choice = None
+        for i in free:
+            if ks[i] < min(lengths[i].max_k, limits[i]):
+                ks[i] += 1
+                r = rate(ks)
+                ks[i] -= 1
+                if r > best:
+                    best, choice = r, i
+        if choice is None:
+            return ks
+        ks[choice] += 1

@@ -183,3 +183,55 @@ class NgramDrafter:
 
     def session(self, capacity: int) -> DraftSession:
         return _NgramSession(self)
+
+
+class _HybridSession:
+    def __init__(self, drafter: HybridDrafter, capacity: int) -> None:
+        self._lookup = drafter.lookup.session(capacity)
+        self._model = drafter.model.session(capacity)
+        # A feature draft's buffer, which the generation fills; None for a draft that needs no states.
+        self.features: Tensor | None = getattr(self._model, "features", None)
+        self.lookups = 0  # steps the lookup proposed
+
+    def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
+        found = self._lookup.propose(token_ids, k)
+        if found:
+            self.lookups += 1
+            return found
+        return self._model.propose(token_ids, k, p_min)
+
+    def propose_sampled(
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        p_min: float = 0.0,
+    ) -> tuple[list[int], Tensor | None]:
+        found = self._lookup.propose(token_ids, k)
+        if found:  # a lookup is deterministic: q is one-hot, which rejection sampling takes as None
+            self.lookups += 1
+            return found, None
+        sampled = getattr(self._model, "propose_sampled", None)
+        if sampled is None:
+            return self._model.propose(token_ids, k, p_min), None
+        return sampled(token_ids, k, params, generator, p_min)
+
+
+class HybridDrafter:
+    """Prompt lookup where the text repeats itself, a model draft everywhere else.
+
+    Each step first looks for the last `min_match` or more tokens earlier in the sequence (a summary quoting
+    its document, code repeating its names, a rewrite): when found, what followed is proposed, at no cost
+    and often accepted many tokens at a time. Only without such a match does the model draft run. A short
+    match is not trusted (min_match 1 would fire on nearly every common token, crowding the model out).
+    """
+
+    def __init__(self, name: str, model: Drafter, min_match: int = 2, max_match: int = 4) -> None:
+        self.name = name
+        self.model = model
+        self.lookup = NgramDrafter(max_n=max_match, min_n=min_match)
+        self.uses_features = getattr(model, "uses_features", False)
+
+    def session(self, capacity: int) -> DraftSession:
+        return _HybridSession(self, capacity)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from app import store
-from app.engine.drafters import Drafter, DraftError, ModelDrafter, NgramDrafter
+from app.engine.drafters import Drafter, DraftError, HybridDrafter, ModelDrafter, NgramDrafter
 from app.engine.eagle import EagleDrafter, EagleError, is_eagle_dir, load_draft
 from app.engine.generation import Engine
 from app.engine.loading import LoadedModel, load_model
@@ -17,6 +17,8 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 # prompt lookup for a target without one.
 DEFAULT_DRAFT = "default"
 FALLBACK_DRAFT = "ngram"
+# Prompt lookup where the text repeats, the loaded model draft elsewhere (registered with any model draft).
+HYBRID = "hybrid"
 
 
 def default_draft_name(target: str) -> str:
@@ -54,6 +56,7 @@ def build_engine(
         else:
             draft_model = load_model(path, loaded.model.dtype, loaded.model.device, max_seq_len)
             drafters[default] = ModelDrafter(default, draft_model, loaded)
+        drafters[HYBRID] = HybridDrafter(HYBRID, drafters[default])
     engine = Engine(
         loaded.model,
         loaded.tokenizer,

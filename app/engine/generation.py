@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from app.engine.detokenizer import Detokenizer
-from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts
+from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts, batch_draft_lengths
 from app.engine.drafters import Drafter, DraftSession
 from app.engine.model import KVCache, Transformer
 from app.engine.sampling import SamplingParams, sample, warp
@@ -118,6 +118,19 @@ class StepOutput:
     finish_reason: str | None = None  # "eos", "stop" or "length" on the last step
 
 
+@dataclass
+class _Plan:
+    """One step's drafts and the rows the target will run, between drafting and verification."""
+
+    k: int  # the draft length asked for
+    drafts: list[int]
+    q: torch.Tensor | None  # the draft's distributions when sampling
+    start: int  # position of the first row (the last accepted token)
+    real: int  # 1 + len(drafts); rows after these are padding
+    feed: torch.Tensor  # long [rows]
+    draft_seconds: float
+
+
 class Generation:
     """The decoding state of one request. Not thread-safe: one worker steps it."""
 
@@ -208,35 +221,56 @@ class Generation:
         """Run one step: prefill and first token on the first call, then draft and verify."""
         if self.finished:
             raise RuntimeError("generation already finished")
-        if self._cache.length == 0:
+        if self.needs_prefill:
             return self._prefill()
+        plan = self._plan(self._width)
+        t0 = time.perf_counter()
+        hidden = self.target.hidden(plan.feed[None], plan.start, self._cache)[0]
+        return self._verify(plan, hidden, time.perf_counter() - t0, solo=True)
+
+    @property
+    def needs_prefill(self) -> bool:
+        """Whether the next step is the prompt's prefill (which runs alone, never in a batch)."""
+        return self._cache.length == 0
+
+    def _plan(self, width: int, k: int | None = None) -> _Plan:
+        """Draft this step's tokens and lay out the target's rows: [last token, drafts..., padding].
+
+        `width`: rows to pad to (0: none); `k`: the draft length when a batch chose it, else this request's
+        own schedule chooses."""
         remaining = self.params.max_new_tokens - self.stats.generated_tokens
-        # A step adds up to k+1 tokens; never draft what could not be kept.
-        k = self._length.next_k(remaining - 1) if self._k else 0
+        if k is None:
+            # A step adds up to k+1 tokens; never draft what could not be kept.
+            k = self._length.next_k(remaining - 1) if self._k else 0
         t0 = time.perf_counter()
         drafts, q = self._propose(k)
-        t1 = time.perf_counter()
+        draft_seconds = time.perf_counter() - t0
         start = len(self.ids) - 1
         real = 1 + len(drafts)
         # Padded to a fixed width, every decoding forward has one shape, so each real row is computed by the
         # same kernels whether it is a plain step or one row of a verification: in bfloat16, a 1-row and a
         # 5-row product differ in the last bits, enough to flip a near-tie and make "speculative == target
         # alone" false. Padding sits after the real rows, so causality keeps it from touching them.
-        pad = max(0, min(self._width, self._cache.capacity - start) - real)
-        feed = torch.tensor([[self.ids[-1], *drafts, *[0] * pad]], dtype=torch.long, device=self.target.device)
-        hidden = self.target.hidden(feed, start, self._cache)
+        pad = max(0, min(width, self._cache.capacity - start) - real)
+        feed = torch.tensor([self.ids[-1], *drafts, *[0] * pad], dtype=torch.long, device=self.target.device)
+        return _Plan(k, drafts, q, start, real, feed, draft_seconds)
+
+    def _verify(self, plan: _Plan, hidden: torch.Tensor, forward_seconds: float, solo: bool) -> StepOutput:
+        """Keep what the target agrees with, given its hidden states [rows, dim] over `plan.feed`."""
+        t0 = time.perf_counter()
+        start, real, drafts = plan.start, plan.real, plan.drafts
         # The head runs on every row, padding included, for the same reason the padding exists.
-        logits = self._checked(self.target.logits(hidden)[0, :real])
+        logits = self._checked(self.target.logits(hidden)[:real])
         if self._features is not None:
-            self._features[start : start + real] = hidden[0, :real]
+            self._features[start : start + real] = hidden[:real]
         draft_tensor = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         if self.sampling.greedy:
             accepted, nxt = greedy_verify(draft_tensor, logits)
         else:
-            accepted, nxt = rejection_sample(draft_tensor, q, warp(logits, self.sampling), self._rng)
+            accepted, nxt = rejection_sample(draft_tensor, plan.q, warp(logits, self.sampling), self._rng)
         # Keep the last accepted token and the accepted drafts; the rest of the cache is rolled back.
         self._cache.truncate(start + 1 + accepted)
-        t2 = time.perf_counter()
+        verify_seconds = forward_seconds + time.perf_counter() - t0
         self.stats.target_passes += 1
         if drafts:
             self.stats.verify_passes += 1
@@ -244,16 +278,18 @@ class Generation:
             self.stats.accepted += accepted
             for i in range(accepted):
                 self.stats.accepted_per_position[i] += 1
-        self.stats.draft_seconds += t1 - t0
-        self.stats.verify_seconds += t2 - t1
+        self.stats.draft_seconds += plan.draft_seconds
+        self.stats.verify_seconds += verify_seconds
+        k = plan.k
         if k > 0:
             self.stats.draft_lengths[k] += 1
             self.stats.p_min_stops += len(drafts) < k
             self._length.update(len(drafts), accepted)
-        # A draft that stopped for lack of confidence still ran one more step than it proposed.
+        # A draft that stopped for lack of confidence still ran one more step than it proposed. A batched
+        # verification's time is the whole batch's: it says nothing of what verifying this request alone costs.
         steps = min(k, len(drafts) + 1)
-        self._length.costs.observe(steps, t1 - t0, real, t2 - t1)
-        return self._emit([*drafts[:accepted], nxt], len(drafts), accepted, t1 - t0, t2 - t1)
+        self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds if solo else None)
+        return self._emit([*drafts[:accepted], nxt], len(drafts), accepted, plan.draft_seconds, verify_seconds)
 
     def _propose(self, k: int) -> tuple[list[int], torch.Tensor | None]:
         if self._draft is None or k <= 0:
@@ -338,6 +374,8 @@ class Engine:
         self.draft_p_min = draft_p_min
         # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length).
         self._costs: dict[int, StepCosts] = {}
+        # Measured seconds of batched target forwards by total rows (the draft lengths of a batch weigh them).
+        self._batch_costs = StepCosts()
         # None: pad decoding forwards to 8 rows in half precision, where row results depend on the row count
         # (see Generation.step), and not at all in float32, where they differ too little to flip a token
         # and padding would cost more than the products themselves.
@@ -366,6 +404,59 @@ class Engine:
         )
         costs = self._costs.setdefault(id(drafter), StepCosts()) if drafter is not None else None
         return Generation(self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs)
+
+    @torch.inference_mode()
+    def step_batch(self, gens: Sequence[Generation]) -> list[StepOutput | Exception]:
+        """One step of every generation in `gens`, the decoding ones verified in ONE target forward.
+
+        Each request drafts on its own (lengths chosen for the batch as a whole, see
+        `batch_draft_lengths`), then the target runs all their rows together, reading its weights once
+        instead of once per request, and each request verifies its own rows. Prompts are prefilled one by
+        one. Returns, per generation, its step's output or the exception that ended it: one request's
+        failure leaves the others untouched. Greedy tokens are the same as with `Generation.step`.
+        """
+        results: dict[int, StepOutput | Exception] = {}
+        batch = [i for i, gen in enumerate(gens) if not gen.needs_prefill and not gen.finished]
+        if len(batch) < 2:
+            batch = []
+        for i, gen in enumerate(gens):
+            if i not in batch:
+                try:
+                    results[i] = gen.step()
+                except Exception as exc:
+                    results[i] = exc
+        if batch:
+            results.update(zip(batch, self._step_together([gens[i] for i in batch]), strict=True))
+        return [results[i] for i in range(len(gens))]
+
+    def _step_together(self, gens: list[Generation]) -> list[StepOutput | Exception]:
+        results: list[StepOutput | Exception | None] = [None] * len(gens)
+        # In half precision each request's rows are padded to two: a single row takes another attention path,
+        # whose last bits differ from the solo step's.
+        min_rows = 2 if self.verify_width else 0
+        limits = [gen.params.max_new_tokens - gen.stats.generated_tokens - 1 for gen in gens]
+        ks = batch_draft_lengths([gen._length for gen in gens], limits, self._batch_costs, min_rows)
+        plans: list[tuple[int, _Plan]] = []
+        for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
+            try:
+                plans.append((j, gen._plan(min_rows, k if gen._k else 0)))
+            except Exception as exc:
+                results[j] = exc
+        if not plans:
+            return [r if r is not None else RuntimeError("no step ran") for r in results]
+        t0 = time.perf_counter()
+        try:
+            hidden = self.target.hidden_batch([(plan.feed, plan.start, gens[j]._cache) for j, plan in plans])
+        except Exception as exc:  # the shared forward failed: every request in it ends
+            return [exc if r is None else r for r in results]
+        seconds = time.perf_counter() - t0
+        self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds)
+        for (j, plan), h in zip(plans, hidden, strict=True):
+            try:
+                results[j] = gens[j]._verify(plan, h, seconds, solo=False)
+            except Exception as exc:
+                results[j] = exc
+        return [r if r is not None else RuntimeError("no step ran") for r in results]
 
     def generate(
         self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None

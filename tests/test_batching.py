@@ -1,0 +1,129 @@
+"""Batched decoding: several requests verified in one target forward (`Transformer.hidden_batch`,
+`Engine.step_batch`), with each request's tokens exactly those it gets alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from app.engine.drafters import ModelDrafter, NgramDrafter
+from app.engine.generation import Engine, Generation, GenerationParams
+from app.engine.loading import LoadedModel
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def packed_bf16(target_f32, target_bf16) -> LoadedModel:
+    """The target in bfloat16 with oneDNN-packed weights, as the server runs it on this CPU."""
+    model = copy.deepcopy(target_bf16.model)
+    assert model.pack()
+    return LoadedModel(model, target_f32.tokenizer, "bf16 packed", 0.0)
+
+
+@pytest.fixture(scope="module")
+def prompts(target_f32, specbench_first_turns) -> list[list[int]]:
+    tok = target_f32.tokenizer
+    turns = [*specbench_first_turns, "Write a haiku about rain.", "List three uses of copper."]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in turns]
+
+
+def _prefilled_cache(model, prompt: list[int], spare: int):
+    cache = model.new_cache(len(prompt) + spare)
+    cache.fixed_span = True
+    with torch.inference_mode():
+        model.hidden(torch.tensor([prompt]), 0, cache)
+    return cache
+
+
+def test_hidden_batch_rows_equal_each_sequence_alone(packed_bf16, prompts):
+    """Rows of different sequences, of different counts (1 to 8, 44 in all: more than one chunk of
+    products), come out bit-identical to each sequence's own forward, and every cache advances."""
+    model = packed_bf16.model
+    counts = [8, 1, 5, 2, 8, 3, 7, 4, 6]
+    seqs = [prompts[i % len(prompts)][: 40 + 9 * i] for i in range(len(counts))]
+    gen = torch.Generator().manual_seed(0)
+    feeds = [torch.randint(0, 40000, (n,), generator=gen) for n in counts]
+    with torch.inference_mode():
+        alone = []
+        for seq, feed in zip(seqs, feeds, strict=True):
+            cache = _prefilled_cache(model, seq, 16)
+            alone.append(model.hidden(feed[None], len(seq), cache)[0])
+        caches = [_prefilled_cache(model, seq, 16) for seq in seqs]
+        together = model.hidden_batch([(f, len(s), c) for f, s, c in zip(feeds, seqs, caches, strict=True)])
+    assert sum(counts) > 32
+    for a, b, n in zip(alone, together, counts, strict=True):
+        assert b.shape == (n, model.config.dim)
+        # A single row takes another attention path alone than with a row after it; the engine pads to two.
+        if n > 1:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    assert [c.length for c in caches] == [len(s) + n for s, n in zip(seqs, counts, strict=True)]
+
+
+def test_hidden_batch_refuses_a_gap_in_a_cache(packed_bf16, prompts):
+    model = packed_bf16.model
+    cache = _prefilled_cache(model, prompts[0], 8)
+    with pytest.raises(ValueError, match="leaves a gap"), torch.inference_mode():
+        model.hidden_batch([(torch.tensor([1, 2]), len(prompts[0]) + 1, cache)])
+
+
+def _run_alone(engine: Engine, prompt, params, draft) -> list[int]:
+    gen = engine.start(prompt, params, draft)
+    while not gen.finished:
+        gen.step()
+    return gen.generated_ids
+
+
+@pytest.mark.parametrize("schedule", ["adaptive", "fixed"])
+def test_step_batch_gives_every_request_its_tokens_alone(packed_bf16, target_f32, prompts, schedule):
+    """Greedy requests stepped together (target-only, a model draft, n-gram, side by side, starting at
+    different times) produce exactly the tokens each produces alone, in bfloat16."""
+    model = packed_bf16.model
+    drafters = {"f32": ModelDrafter("f32", target_f32, packed_bf16), "ngram": NgramDrafter()}
+    engine = Engine(model, packed_bf16.tokenizer, drafters, "f32", 4, draft_schedule=schedule)
+    params = GenerationParams(max_new_tokens=MAX_NEW)
+    jobs = [(p, d) for p, d in zip(prompts, ["f32", "ngram", "none", "f32", "ngram"], strict=True)]
+    alone = [_run_alone(engine, p, params, d) for p, d in jobs]
+    gens: list[Generation] = []
+    batched_forwards = 0
+    while len(gens) < len(jobs) or any(not g.finished for g in gens):
+        if len(gens) < len(jobs):  # one request joins per step, so prefills and batches mix
+            gens.append(engine.start(jobs[len(gens)][0], params, jobs[len(gens)][1]))
+        live = [g for g in gens if not g.finished]
+        batched_forwards += sum(not g.needs_prefill for g in live) > 1
+        outs = engine.step_batch(live)
+        assert not [o for o in outs if isinstance(o, Exception)]
+    assert [g.generated_ids for g in gens] == alone
+    assert batched_forwards >= MAX_NEW // 5
+    assert sum(g.stats.drafted for g in gens) > 0
+
+
+class _BrokenSession:
+    def propose(self, token_ids, k, p_min=0.0):
+        raise RuntimeError("the draft broke")
+
+
+class _BrokenDrafter:
+    name = "broken"
+
+    def session(self, capacity: int) -> _BrokenSession:
+        return _BrokenSession()
+
+
+def test_step_batch_keeps_a_failure_to_its_request(target_f32, prompts):
+    drafters = {"broken": _BrokenDrafter(), "ngram": NgramDrafter()}
+    engine = Engine(target_f32.model, target_f32.tokenizer, drafters, "ngram", 3)
+    params = GenerationParams(max_new_tokens=6)
+    expected = _run_alone(engine, prompts[0], params, "ngram")
+    gens = [engine.start(prompts[0], params, "ngram"), engine.start(prompts[1], params, "broken")]
+    engine.step_batch(gens)  # both prefill
+    outs = engine.step_batch(gens)
+    assert isinstance(outs[1], RuntimeError) and "the draft broke" in str(outs[1])
+    while not gens[0].finished:
+        (out,) = engine.step_batch([gens[0]])
+        assert not isinstance(out, Exception)
+    assert gens[0].generated_ids == expected
