@@ -127,3 +127,19 @@ def test_step_batch_keeps_a_failure_to_its_request(target_f32, prompts):
         (out,) = engine.step_batch([gens[0]])
         assert not isinstance(out, Exception)
     assert gens[0].generated_ids == expected
+
+
+def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts):
+    """The server's default engine (bfloat16, the trained feature draft drafting for several requests at
+    once, the hybrid): every request's greedy tokens are the ones it gets alone."""
+    from app.engine.factory import build_engine
+
+    engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu")
+    params = GenerationParams(max_new_tokens=MAX_NEW)
+    jobs = [(p, d) for p, d in zip(prompts, ["default", "hybrid", "default", "none", "hybrid"], strict=True)]
+    alone = [_run_alone(engine, p, params, d) for p, d in jobs]
+    gens = [engine.start(p, params, d) for p, d in jobs]
+    while any(not g.finished for g in gens):
+        outs = engine.step_batch([g for g in gens if not g.finished])
+        assert not [o for o in outs if isinstance(o, Exception)]
+    assert [g.generated_ids for g in gens] == alone

@@ -172,3 +172,23 @@ def test_engine_defaults_apply_and_requests_override_them(target, tok):
     assert (gen.stats.draft_schedule, gen.stats.draft_p_min) == ("fixed", 0.0)
     gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4), draft="none")
     assert gen.stats.draft_schedule == "none"
+
+
+def test_batched_proposals_match_each_session_alone(target, tok):
+    """`propose_batch` drafts for several requests, each draft step one forward over all of them, and gives
+    each what a recomputation from scratch gives, also on the next round after some tokens were kept."""
+    drafter = _drafter(target, tok, seed=7)
+    prefixes = [PROMPT, PROMPT[:5], PROMPT[2:]]
+    ks = [3, 1, 4]
+    sessions = [drafter.session(64) for _ in prefixes]
+    for session, ids in zip(sessions, prefixes, strict=True):
+        session.features[: len(ids)] = _states(target, ids)
+    out = drafter.propose_batch(sessions, prefixes, ks, [0.0, 0.0, 0.0])
+    assert out == [_reference_proposal(drafter.draft, target, ids, k) for ids, k in zip(prefixes, ks, strict=True)]
+    # The target kept the first proposed token of each and added one of its own; the sessions roll back.
+    longer = [[*ids, d[0], 2] for ids, d in zip(prefixes, out, strict=True)]
+    for session, ids in zip(sessions, longer, strict=True):
+        session.features[: len(ids)] = _states(target, ids)
+    again = drafter.propose_batch(sessions, longer, [2, 2, 0], [0.0, 0.0, 0.0])
+    assert again[:2] == [_reference_proposal(drafter.draft, target, ids, 2) for ids in longer[:2]]
+    assert again[2] == []

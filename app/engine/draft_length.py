@@ -130,20 +130,26 @@ class DraftLength:
 
 
 def batch_draft_lengths(
-    lengths: Sequence[DraftLength], limits: Sequence[int], verify: StepCosts, min_rows: int
+    lengths: Sequence[DraftLength],
+    limits: Sequence[int],
+    verify: StepCosts,
+    min_rows: int,
+    draft_steps: Sequence[float | None] | None = None,
 ) -> list[int]:
     """Draft lengths for requests whose drafts one target forward verifies together.
 
     In a batch, every drafted token delays every request: it costs its drafter's step and widens the shared
     forward (`verify`: measured seconds per number of rows in the whole forward; each request takes at least
-    `min_rows`). Requests on the adaptive schedule get tokens one at a time, each to the request whose next
-    token is likeliest accepted (a^(k+1) more expected tokens), while the batch's expected tokens per second
-    still grow; when drafting no longer pays (many requests, costly drafts, low acceptance) they draft
+    `min_rows`; `draft_steps`: seconds one more drafted token costs each request's drafter in a batch, by
+    default its solo draft step). Requests on the adaptive schedule get tokens one at a time, each to the
+    request whose next token is likeliest accepted (a^(k+1) more expected tokens), while the batch's expected
+    tokens per second still grow; when drafting no longer pays (many requests, costly drafts, low acceptance) they draft
     nothing. The other schedules keep their own choice. Until a batched forward was measured, each request
     chooses as it would alone.
     """
     ks = [length.next_k(limit) for length, limit in zip(lengths, limits, strict=True)]
-    if not verify.verify or any(length.costs.draft_step is None for length in lengths):
+    steps = list(draft_steps) if draft_steps is not None else [length.costs.draft_step for length in lengths]
+    if not verify.verify or any(step is None for step in steps):
         return ks
     free = [i for i, length in enumerate(lengths) if length.schedule == "adaptive"]
     for i in free:
@@ -153,7 +159,7 @@ def batch_draft_lengths(
     def rate(ks: list[int]) -> float:
         tokens = sum(expected_tokens(a, k) for a, k in zip(accept, ks, strict=True))
         rows = sum(max(min_rows, k + 1) for k in ks)
-        draft = sum(k * (length.costs.draft_step or 0.0) for k, length in zip(ks, lengths, strict=True))
+        draft = sum(k * (step or 0.0) for k, step in zip(ks, steps, strict=True))
         return tokens / max(draft + (verify.verify_cost(rows) or 0.0), 1e-9)
 
     best = rate(ks)

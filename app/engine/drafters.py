@@ -235,3 +235,30 @@ class HybridDrafter:
 
     def session(self, capacity: int) -> DraftSession:
         return _HybridSession(self, capacity)
+
+    def propose_batch(
+        self,
+        sessions: Sequence[_HybridSession],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        p_mins: Sequence[float],
+    ) -> list[list[int]]:
+        """Greedy drafts for several requests: lookups first, the model draft for the rest, batched when
+        it can be."""
+        out = [s._lookup.propose(ids, k) for s, ids, k in zip(sessions, token_ids, ks, strict=True)]
+        for session, found in zip(sessions, out, strict=True):
+            session.lookups += bool(found)
+        rest = [i for i, found in enumerate(out) if not found and ks[i] > 0]
+        batch = getattr(self.model, "propose_batch", None)
+        if batch is not None and len(rest) > 1:
+            drafts = batch(
+                [sessions[i]._model for i in rest],
+                [token_ids[i] for i in rest],
+                [ks[i] for i in rest],
+                [p_mins[i] for i in rest],
+            )
+        else:
+            drafts = [sessions[i]._model.propose(token_ids[i], ks[i], p_mins[i]) for i in rest]
+        for i, d in zip(rest, drafts, strict=True):
+            out[i] = d
+        return out

@@ -27,7 +27,16 @@ from torch import Tensor, nn
 
 from app.engine.drafters import choose_draft_token
 from app.engine.loading import LoadedModel
-from app.engine.model import DecoderBlock, KVCache, ModelConfig, PackedLinear, Transformer, can_pack, rope_tables
+from app.engine.model import (
+    DecoderBlock,
+    KVCache,
+    ModelConfig,
+    PackedLinear,
+    Transformer,
+    can_pack,
+    layout_rows,
+    rope_tables,
+)
 from app.engine.sampling import SamplingParams
 
 CONFIG_FILE = "config.json"
@@ -161,6 +170,25 @@ class EagleDraft(nn.Module):
             cache.length = start_pos + t
         return self.norm(x)
 
+    def forward_batch(self, items: Sequence[tuple[Tensor, Tensor, int, KVCache]]) -> list[Tensor]:
+        """`forward` for several sessions at once: (states [T_i, dim], next_tokens [T_i], start_pos_i,
+        cache_i) each; returns predicted states [T_i, dim] per session. The weights are read once for all."""
+        if self._embed is None:
+            raise RuntimeError("attach(target) first")
+        states = torch.cat([s for s, _, _, _ in items])[None]
+        tokens = torch.cat([t for _, t, _, _ in items])[None]
+        dtype, device = states.dtype, states.device
+        parts = layout_rows(
+            [(s.shape[0], start, cache) for s, _, start, cache in items],
+            lambda a, b: self._rope(a, b, dtype, device),
+        )
+        x = self.fc(torch.cat([F.embedding(tokens, self._embed).to(dtype), states], dim=-1))
+        x = self.block.forward_parts(x, parts, 0)
+        for p in parts:
+            p.cache.length = p.start_pos + p.rows
+        x = self.norm(x)[0]
+        return [x[p.offset : p.offset + p.rows] for p in parts]
+
     def draft_logits(self, states: Tensor) -> Tensor:
         """Logits over the draft vocabulary [..., draft_vocab_size] for predicted states [..., dim]."""
         head = self.__dict__["_head"]
@@ -237,6 +265,23 @@ class _EagleSession:
     ) -> tuple[list[int], Tensor | None]:
         return self._run(token_ids, k, p_min, params, generator)
 
+    def _catch_up(self, token_ids: Sequence[int], k: int) -> tuple[Tensor, Tensor, int] | None:
+        """The first draft forward's input: (states [T, dim], tokens [T], start position), or None when
+        nothing can be drafted. Rolls the cache back to the positions computed from the target's states."""
+        n = len(token_ids)
+        # States are known for positions 0..n-2 (the newest token has not been through the target yet).
+        # Position p reads (state p, token p+1), so the draft catches up on positions true_len..n-2.
+        if k <= 0 or n < 2 or n + k > self._cache.capacity:
+            return None
+        # Re-feed at least the newest known position: its output is the first guess.
+        self._true_len = min(self._true_len, n - 2)
+        self._cache.truncate(self._true_len)
+        states = self.features[self._true_len : n - 1]
+        tokens = torch.tensor(token_ids[self._true_len + 1 : n], dtype=torch.long, device=self.features.device)
+        pos = self._true_len
+        self._true_len = n - 1
+        return states, tokens, pos
+
     @torch.inference_mode()
     def _run(
         self,
@@ -246,20 +291,12 @@ class _EagleSession:
         params: SamplingParams | None,
         generator: torch.Generator | None,
     ) -> tuple[list[int], Tensor | None]:
-        n = len(token_ids)
-        # States are known for positions 0..n-2 (the newest token has not been through the target yet).
-        # Position p reads (state p, token p+1), so the draft catches up on positions true_len..n-2.
-        if k <= 0 or n < 2 or n + k > self._cache.capacity:
+        first = self._catch_up(token_ids, k)
+        if first is None:
             return [], None
         draft = self._draft
-        # Re-feed at least the newest known position: its output is the first guess.
-        self._true_len = min(self._true_len, n - 2)
-        self._cache.truncate(self._true_len)
         device = self.features.device
-        states = self.features[None, self._true_len : n - 1]
-        tokens = torch.tensor([token_ids[self._true_len + 1 : n]], dtype=torch.long, device=device)
-        pos = self._true_len
-        self._true_len = n - 1
+        states, tokens, pos = first[0][None], first[1][None], first[2]
         out: list[int] = []
         dists: list[Tensor] = []
         for _ in range(k):
@@ -293,3 +330,38 @@ class EagleDrafter:
 
     def session(self, capacity: int) -> _EagleSession:
         return _EagleSession(self, capacity)
+
+    @torch.inference_mode()
+    def propose_batch(
+        self,
+        sessions: Sequence[_EagleSession],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        p_mins: Sequence[float],
+    ) -> list[list[int]]:
+        """Greedy drafts for several requests, each draft step one forward over all of them (what
+        `propose` gives each alone, up to the last bits of the products)."""
+        draft = self.draft
+        out: list[list[int]] = [[] for _ in sessions]
+        # (request, states [T, dim], tokens [T], start position) of the sessions still drafting.
+        active = []
+        for i, (session, ids, k) in enumerate(zip(sessions, token_ids, ks, strict=True)):
+            first = session._catch_up(ids, k)
+            if first is not None:
+                active.append((i, *first))
+        while active:
+            guesses = draft.forward_batch([(s, t, pos, sessions[i]._cache) for i, s, t, pos in active])
+            last = torch.cat([g[-1:] for g in guesses])  # [n, dim]
+            logits = draft.draft_logits(last).float()
+            going = []
+            for row, ((i, states, _, pos), guess) in enumerate(zip(active, guesses, strict=True)):
+                choice = choose_draft_token(logits[row], None, None, p_mins[i])
+                if choice is None:
+                    continue
+                tok = int(draft.vocab_ids[choice[0]])
+                out[i].append(tok)
+                if len(out[i]) < ks[i]:
+                    feed = torch.tensor([tok], dtype=torch.long, device=last.device)
+                    going.append((i, guess[-1:], feed, pos + states.shape[0]))
+            active = going
+        return out

@@ -188,6 +188,7 @@ class Generation:
         capacity = min(limit, len(prompt_ids) + params.max_new_tokens + max(self._k + 1, verify_width))
         self._cache: KVCache = target.new_cache(capacity)
         self._cache.fixed_span = verify_width > 0
+        self.drafter = drafter
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
         # A feature-conditioned draft reads the target's final hidden state of every verified position.
         self._features: torch.Tensor | None = getattr(self._draft, "features", None)
@@ -233,18 +234,21 @@ class Generation:
         """Whether the next step is the prompt's prefill (which runs alone, never in a batch)."""
         return self._cache.length == 0
 
-    def _plan(self, width: int, k: int | None = None) -> _Plan:
+    def _plan(self, width: int, k: int | None = None, drafted: tuple[list[int], float] | None = None) -> _Plan:
         """Draft this step's tokens and lay out the target's rows: [last token, drafts..., padding].
 
         `width`: rows to pad to (0: none); `k`: the draft length when a batch chose it, else this request's
-        own schedule chooses."""
+        own schedule chooses; `drafted`: (tokens, seconds) when a batch drafted them (greedy) already."""
         remaining = self.params.max_new_tokens - self.stats.generated_tokens
         if k is None:
             # A step adds up to k+1 tokens; never draft what could not be kept.
             k = self._length.next_k(remaining - 1) if self._k else 0
-        t0 = time.perf_counter()
-        drafts, q = self._propose(k)
-        draft_seconds = time.perf_counter() - t0
+        if drafted is not None:
+            (drafts, draft_seconds), q = drafted, None
+        else:
+            t0 = time.perf_counter()
+            drafts, q = self._propose(k)
+            draft_seconds = time.perf_counter() - t0
         start = len(self.ids) - 1
         real = 1 + len(drafts)
         # Padded to a fixed width, every decoding forward has one shape, so each real row is computed by the
@@ -285,10 +289,11 @@ class Generation:
             self.stats.draft_lengths[k] += 1
             self.stats.p_min_stops += len(drafts) < k
             self._length.update(len(drafts), accepted)
-        # A draft that stopped for lack of confidence still ran one more step than it proposed. A batched
-        # verification's time is the whole batch's: it says nothing of what verifying this request alone costs.
+        # A draft that stopped for lack of confidence still ran one more step than it proposed. A batch's
+        # times are the whole batch's: they say nothing of what drafting or verifying this request alone costs.
         steps = min(k, len(drafts) + 1)
-        self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds if solo else None)
+        if solo:
+            self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
         return self._emit([*drafts[:accepted], nxt], len(drafts), accepted, plan.draft_seconds, verify_seconds)
 
     def _propose(self, k: int) -> tuple[list[int], torch.Tensor | None]:
@@ -376,6 +381,8 @@ class Engine:
         self._costs: dict[int, StepCosts] = {}
         # Measured seconds of batched target forwards by total rows (the draft lengths of a batch weigh them).
         self._batch_costs = StepCosts()
+        # Measured seconds per drafted token when a drafter drafts for several requests at once, per drafter.
+        self._batch_draft_step: dict[int, float] = {}
         # None: pad decoding forwards to 8 rows in half precision, where row results depend on the row count
         # (see Generation.step), and not at all in float32, where they differ too little to flip a token
         # and padding would cost more than the products themselves.
@@ -435,11 +442,17 @@ class Engine:
         # whose last bits differ from the solo step's.
         min_rows = 2 if self.verify_width else 0
         limits = [gen.params.max_new_tokens - gen.stats.generated_tokens - 1 for gen in gens]
-        ks = batch_draft_lengths([gen._length for gen in gens], limits, self._batch_costs, min_rows)
+        # What one more drafted token costs the batch: per drafter, measured on batched drafts when there were.
+        steps = [self._batch_draft_step.get(id(gen.drafter), gen._length.costs.draft_step) for gen in gens]
+        ks = batch_draft_lengths([gen._length for gen in gens], limits, self._batch_costs, min_rows, steps)
+        ks = [k if gen._k else 0 for gen, k in zip(gens, ks, strict=True)]
+        drafted = self._draft_together(gens, ks, results)
         plans: list[tuple[int, _Plan]] = []
         for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
+            if results[j] is not None:
+                continue
             try:
-                plans.append((j, gen._plan(min_rows, k if gen._k else 0)))
+                plans.append((j, gen._plan(min_rows, k, drafted.get(j))))
             except Exception as exc:
                 results[j] = exc
         if not plans:
@@ -457,6 +470,41 @@ class Engine:
             except Exception as exc:
                 results[j] = exc
         return [r if r is not None else RuntimeError("no step ran") for r in results]
+
+    def _draft_together(
+        self, gens: list[Generation], ks: list[int], results: list[StepOutput | Exception | None]
+    ) -> dict[int, tuple[list[int], float]]:
+        """Greedy drafts of the requests whose drafter drafts several at once, by request index: (tokens,
+        that request's share of the seconds). A failure ends the requests of that drafter's batch."""
+        groups: dict[int, list[int]] = {}
+        for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
+            if k > 0 and gen._draft is not None and gen.sampling.greedy and hasattr(gen.drafter, "propose_batch"):
+                groups.setdefault(id(gen.drafter), []).append(j)
+        drafted: dict[int, tuple[list[int], float]] = {}
+        for key, js in groups.items():
+            if len(js) < 2:
+                continue
+            drafter = gens[js[0]].drafter
+            t0 = time.perf_counter()
+            try:
+                out = drafter.propose_batch(  # type: ignore[union-attr]
+                    [gens[j]._draft for j in js],
+                    [gens[j].ids for j in js],
+                    [ks[j] for j in js],
+                    [gens[j]._p_min for j in js],
+                )
+            except Exception as exc:
+                for j in js:
+                    results[j] = exc
+                continue
+            seconds = time.perf_counter() - t0
+            # Seconds per drafted token in a batch: what batch_draft_lengths weighs one more token with.
+            per = seconds / max(1, sum(ks[j] for j in js))
+            old = self._batch_draft_step.get(key)
+            self._batch_draft_step[key] = per if old is None else 0.9 * old + 0.1 * per
+            for j, tokens in zip(js, out, strict=True):
+                drafted[j] = (tokens, seconds / len(js))
+        return drafted
 
     def generate(
         self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None

@@ -8,7 +8,7 @@ embeddings. Weights use the HuggingFace layout (rotate-half RoPE); loaders conve
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -137,7 +137,7 @@ class _Attention(nn.Module):
         y = self._attend(self.wqkv(x), cos, sin, layer, cache, start_pos, mask)
         return self.wo(y)
 
-    def forward_parts(self, x: Tensor, parts: Sequence[_Part], layer: int) -> Tensor:
+    def forward_parts(self, x: Tensor, parts: Sequence[SequenceRows], layer: int) -> Tensor:
         """Attention for several sequences whose rows lie one after another in `x` [1, N, dim].
 
         The projections run over all rows at once (in chunks, see `_rows`); attention runs per sequence,
@@ -195,8 +195,8 @@ def _rows(linear: nn.Module, x: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class _Part:
-    """One sequence's rows in a batched forward."""
+class SequenceRows:
+    """One sequence's rows in a batched forward (see `layout_rows`)."""
 
     offset: int  # first row in the batch
     rows: int
@@ -205,6 +205,26 @@ class _Part:
     cos: Tensor
     sin: Tensor
     mask: Tensor | None
+
+
+def layout_rows(
+    sequences: Sequence[tuple[int, int, KVCache]], rope: Callable[[int, int], tuple[Tensor, Tensor]]
+) -> list[SequenceRows]:
+    """Lay sequences of (rows T_i, start_pos_i, cache_i) one after another for a batched forward, with each
+    one's RoPE tables (`rope(start, end)`) and causal mask over its own cache."""
+    parts: list[SequenceRows] = []
+    offset = 0
+    for t, start, cache in sequences:
+        end = start + t
+        if start > cache.length:
+            raise ValueError(f"start_pos {start} leaves a gap after cache length {cache.length}")
+        if end > cache.capacity:
+            raise ValueError(f"position {end - 1} is beyond the cache capacity {cache.capacity}")
+        cos, sin = rope(start, end)
+        mask = Transformer._cache_mask(cache, start, t, None) if t > 1 or cache.fixed_span else None
+        parts.append(SequenceRows(offset, t, start, cache, cos, sin, mask))
+        offset += t
+    return parts
 
 
 class PackedLinear(nn.Module):
@@ -275,7 +295,7 @@ class DecoderBlock(nn.Module):
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
-    def forward_parts(self, x: Tensor, parts: Sequence[_Part], layer: int) -> Tensor:
+    def forward_parts(self, x: Tensor, parts: Sequence[SequenceRows], layer: int) -> Tensor:
         """The layer over several sequences' rows at once (see `_Attention.forward_parts`)."""
         x = x + self.attn.forward_parts(self.attn_norm(x), parts, layer)
         gate, up = _rows(self.w13, self.ffn_norm(x)).chunk(2, dim=-1)
@@ -382,19 +402,7 @@ class Transformer(nn.Module):
         as `hidden(input_ids[None], start_pos, cache)` would, and its rows come out bit-identical to that
         call as long as the products' row results do not depend on the row count (see `_MAX_ROWS`).
         """
-        parts: list[_Part] = []
-        offset = 0
-        for ids, start, cache in sequences:
-            t = ids.shape[0]
-            end = start + t
-            if start > cache.length:
-                raise ValueError(f"start_pos {start} leaves a gap after cache length {cache.length}")
-            if end > cache.capacity:
-                raise ValueError(f"position {end - 1} is beyond the cache capacity {cache.capacity}")
-            cos, sin = self._rope(start, end)
-            mask = self._cache_mask(cache, start, t, None) if t > 1 or cache.fixed_span else None
-            parts.append(_Part(offset, t, start, cache, cos, sin, mask))
-            offset += t
+        parts = layout_rows([(ids.shape[0], start, cache) for ids, start, cache in sequences], self._rope)
         x = self.embed(torch.cat([ids for ids, _, _ in sequences])[None])
         for i, layer in enumerate(self.layers):
             x = layer.forward_parts(x, parts, i)
