@@ -352,7 +352,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     prompts = read_prompts(path, args.per_category, args.limit)
     target = args.target or DEFAULT_TARGET
     drafts = args.draft or ["default", "ngram"]
-    drafts = [default_draft_name(target) if d == "default" else d for d in drafts]
+    fallback = default_draft_name(target)
+    drafts = [(HYBRID if fallback != "ngram" else "ngram") if d == "default" else d for d in drafts]
     model_drafts = list(dict.fromkeys(d for d in drafts if d not in ("ngram", "none", HYBRID)))
     if len(model_drafts) > 1:
         raise CliError("one model draft per run (plus ngram and hybrid)")

@@ -135,6 +135,7 @@ def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts):
     from app.engine.factory import build_engine
 
     engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu")
+    assert engine.default_draft == "hybrid" and "smollm2-135m-instruct-eagle" in engine.drafters
     params = GenerationParams(max_new_tokens=MAX_NEW)
     jobs = [(p, d) for p, d in zip(prompts, ["default", "hybrid", "default", "none", "hybrid"], strict=True)]
     alone = [_run_alone(engine, p, params, d) for p, d in jobs]

@@ -57,6 +57,10 @@ async def test_concurrent_requests_give_their_sequential_texts(scheduler, api_en
     )
     assert successes == 6
     assert registry.get_sample_value("specserve_requests_total", {"outcome": "cancelled", "finish_reason": "none"}) == 0
+    # Running together, their decoding steps shared target forwards.
+    forwards = registry.get_sample_value("specserve_batch_size_count")
+    alone = registry.get_sample_value("specserve_batch_size_bucket", {"le": "1.0"})
+    assert forwards > alone > 0
 
 
 async def _finished(ticket: Ticket):
