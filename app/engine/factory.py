@@ -43,6 +43,10 @@ def build_engine(
     was given and becomes the default. Raises store.ModelStoreError for a missing model and
     drafters.DraftError for a draft that does not fit the target.
     """
+    if draft == HYBRID:  # the hybrid is built on the target's catalog draft
+        if default_draft_name(target) == FALLBACK_DRAFT:
+            raise DraftError(f"no catalog draft for {target!r} to build the hybrid on; name a draft instead")
+        draft = "default"
     loaded = load_model(store.resolve(target), dtype, device, max_seq_len)
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
     default = default_draft_name(target) if draft == "default" else draft
