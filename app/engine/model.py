@@ -81,6 +81,13 @@ class KVCache:
         # of additions.) Set by callers that need bit-identical results across step shapes.
         self.fixed_span = False
 
+    def check_span(self, start: int, end: int) -> None:
+        """Raise ValueError unless positions start..end-1 can be written next (no gap, within capacity)."""
+        if start > self.length:
+            raise ValueError(f"start_pos {start} leaves a gap after cache length {self.length}")
+        if end > self.capacity:
+            raise ValueError(f"position {end - 1} is beyond the cache capacity {self.capacity}")
+
     def truncate(self, length: int) -> None:
         """Forget every position at or after `length` (rollback after a rejection)."""
         if not 0 <= length <= self.length:
@@ -216,10 +223,7 @@ def layout_rows(
     offset = 0
     for t, start, cache in sequences:
         end = start + t
-        if start > cache.length:
-            raise ValueError(f"start_pos {start} leaves a gap after cache length {cache.length}")
-        if end > cache.capacity:
-            raise ValueError(f"position {end - 1} is beyond the cache capacity {cache.capacity}")
+        cache.check_span(start, end)
         cos, sin = rope(start, end)
         mask = Transformer._cache_mask(cache, start, t, None) if t > 1 or cache.fixed_span else None
         parts.append(SequenceRows(offset, t, start, cache, cos, sin, mask))
@@ -377,10 +381,7 @@ class Transformer(nn.Module):
         t = input_ids.shape[1]
         end = start_pos + t
         if cache is not None:
-            if start_pos > cache.length:
-                raise ValueError(f"start_pos {start_pos} leaves a gap after cache length {cache.length}")
-            if end > cache.capacity:
-                raise ValueError(f"position {end - 1} is beyond the cache capacity {cache.capacity}")
+            cache.check_span(start_pos, end)
         elif start_pos != 0:
             raise ValueError("start_pos must be 0 without a cache")
         cos, sin = self._rope(start_pos, end)
