@@ -168,7 +168,8 @@ def run_in_process(
     serving costs over the engine can be read off beside the HTTP level."""
     from app.engine.generation import GenerationParams
 
-    params = GenerationParams(max_new_tokens=max_new_tokens)
+    # The server's defaults, as /info reported them: the engine was built with them.
+    params = GenerationParams(max_new_tokens=max_new_tokens, num_draft_tokens=engine.num_draft_tokens)
     tok = engine.tokenizer
     results: list[Result] = []
     started = time.perf_counter()

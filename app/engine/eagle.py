@@ -178,12 +178,13 @@ class EagleDraft(nn.Module):
         states = torch.cat([s for s, _, _, _ in items])[None]
         tokens = torch.cat([t for _, t, _, _ in items])[None]
         dtype, device = states.dtype, states.device
-        parts = layout_rows(
+        layout = layout_rows(
             [(s.shape[0], start, cache) for s, _, start, cache in items],
             lambda a, b: self._rope(a, b, dtype, device),
         )
         x = self.fc(torch.cat([F.embedding(tokens, self._embed).to(dtype), states], dim=-1))
-        x = self.block.forward_parts(x, parts, 0)
+        x = self.block.forward_parts(x, layout, 0)
+        parts = layout.parts
         for p in parts:
             p.cache.length = p.start_pos + p.rows
         x = self.norm(x)[0]

@@ -141,39 +141,42 @@ class _Attention(nn.Module):
         start_pos: int,
         mask: Tensor | None,
     ) -> Tensor:
-        y = self._attend(self.wqkv(x), cos, sin, layer, cache, start_pos, mask)
-        return self.wo(y)
+        q, k, v = self._project(self.wqkv(x), cos, sin)
+        return self.wo(self._attend(q, k, v, layer, cache, start_pos, mask))
 
-    def forward_parts(self, x: Tensor, parts: Sequence[SequenceRows], layer: int) -> Tensor:
+    def forward_parts(self, x: Tensor, layout: RowsLayout, layer: int) -> Tensor:
         """Attention for several sequences whose rows lie one after another in `x` [1, N, dim].
 
-        The projections run over all rows at once (in chunks, see `_rows`); attention runs per sequence,
-        on its own cache, with the very ops `forward` uses, so each row comes out as it would alone.
+        The projections and RoPE run over all rows at once (products in chunks, see `_rows`); attention
+        runs per sequence, on its own cache, with the very ops `forward` uses, so each row comes out as it
+        would alone.
         """
-        qkv = _rows(self.wqkv, x)
+        q, k, v = self._project(_rows(self.wqkv, x), layout.cos, layout.sin)
         ys = [
-            self._attend(qkv[:, p.offset : p.offset + p.rows], p.cos, p.sin, layer, p.cache, p.start_pos, p.mask)
-            for p in parts
+            self._attend(*(t[:, p.offset : p.offset + p.rows] for t in (q, k, v)), layer, p.cache, p.start_pos, p.mask)
+            for p in layout.parts
         ]
         return _rows(self.wo, torch.cat(ys, dim=1))
 
+    def _project(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # qkv [B, T, (H + 2 KV) * D] -> q [B, T, H, D], k and v [B, T, KV, D]; q and k rotated in one pass.
+        b, t, _ = qkv.shape
+        heads = qkv.view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        qk = _apply_rope(heads[:, :, : self.n_heads + self.n_kv_heads], cos, sin)
+        return qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], heads[:, :, self.n_heads + self.n_kv_heads :]
+
     def _attend(
         self,
-        qkv: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer: int,
         cache: KVCache | None,
         start_pos: int,
         mask: Tensor | None,
     ) -> Tensor:
-        b, t, _ = qkv.shape
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = _apply_rope(q, cos, sin)
-        k = _apply_rope(k, cos, sin)
+        b, t = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         causal = mask is None and t > 1
         if cache is not None:
             end = start_pos + t
@@ -209,26 +212,36 @@ class SequenceRows:
     rows: int
     start_pos: int
     cache: KVCache
+    mask: Tensor | None
+
+
+@dataclass(frozen=True)
+class RowsLayout:
+    """Several sequences' rows, one after another, for a batched forward: each sequence's place, cache and
+    mask, and the RoPE tables of every row ([N, 1, head_dim], see `rope_tables`)."""
+
+    parts: list[SequenceRows]
     cos: Tensor
     sin: Tensor
-    mask: Tensor | None
 
 
 def layout_rows(
     sequences: Sequence[tuple[int, int, KVCache]], rope: Callable[[int, int], tuple[Tensor, Tensor]]
-) -> list[SequenceRows]:
-    """Lay sequences of (rows T_i, start_pos_i, cache_i) one after another for a batched forward, with each
-    one's RoPE tables (`rope(start, end)`) and causal mask over its own cache."""
+) -> RowsLayout:
+    """Lay sequences of (rows T_i, start_pos_i, cache_i) one after another for a batched forward, with the
+    RoPE tables of their positions (`rope(start, end)` gives a sequence's) and each one's causal mask over
+    its own cache."""
     parts: list[SequenceRows] = []
+    tables: list[tuple[Tensor, Tensor]] = []
     offset = 0
     for t, start, cache in sequences:
         end = start + t
         cache.check_span(start, end)
-        cos, sin = rope(start, end)
+        tables.append(rope(start, end))
         mask = Transformer._cache_mask(cache, start, t, None) if t > 1 or cache.fixed_span else None
-        parts.append(SequenceRows(offset, t, start, cache, cos, sin, mask))
+        parts.append(SequenceRows(offset, t, start, cache, mask))
         offset += t
-    return parts
+    return RowsLayout(parts, torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables]))
 
 
 class PackedLinear(nn.Module):
@@ -259,19 +272,17 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def rope_tables(config: ModelConfig, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """RoPE cos and sin tables [n, head_dim] for positions 0..n-1 (rotate-half layout)."""
+    """RoPE tables [n, 1, head_dim] for positions 0..n-1 (rotate-half layout): cos, and sin with its first
+    half negated, so that rotating x [..., T, heads, head_dim] is `x * cos + x.roll(head_dim // 2, -1) * sin`
+    (one roll instead of splitting, negating and joining halves; the same bits, as negation is exact)."""
     freqs = torch.outer(torch.arange(n, dtype=torch.float32), _rope_inv_freq(config))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    return emb.cos().to(dtype).to(device)[:, None], sin.to(dtype).to(device)[:, None]
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class DecoderBlock(nn.Module):
@@ -299,9 +310,9 @@ class DecoderBlock(nn.Module):
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
-    def forward_parts(self, x: Tensor, parts: Sequence[SequenceRows], layer: int) -> Tensor:
+    def forward_parts(self, x: Tensor, layout: RowsLayout, layer: int) -> Tensor:
         """The layer over several sequences' rows at once (see `_Attention.forward_parts`)."""
-        x = x + self.attn.forward_parts(self.attn_norm(x), parts, layer)
+        x = x + self.attn.forward_parts(self.attn_norm(x), layout, layer)
         gate, up = _rows(self.w13, self.ffn_norm(x)).chunk(2, dim=-1)
         return x + _rows(self.w2, F.silu(gate) * up)
 
@@ -403,10 +414,11 @@ class Transformer(nn.Module):
         as `hidden(input_ids[None], start_pos, cache)` would, and its rows come out bit-identical to that
         call as long as the products' row results do not depend on the row count (see `_MAX_ROWS`).
         """
-        parts = layout_rows([(ids.shape[0], start, cache) for ids, start, cache in sequences], self._rope)
+        layout = layout_rows([(ids.shape[0], start, cache) for ids, start, cache in sequences], self._rope)
         x = self.embed(torch.cat([ids for ids, _, _ in sequences])[None])
         for i, layer in enumerate(self.layers):
-            x = layer.forward_parts(x, parts, i)
+            x = layer.forward_parts(x, layout, i)
+        parts = layout.parts
         for p in parts:
             p.cache.length = p.start_pos + p.rows
         x = self.norm(x)[0]
@@ -414,15 +426,18 @@ class Transformer(nn.Module):
 
     @staticmethod
     def _cache_mask(cache: KVCache, start: int, t: int, mask: Tensor | None) -> Tensor:
-        # Built once per forward, not per layer: bool [T, span], query i (position start+i) sees keys <= start+i.
+        # Built once per forward, not per layer: [T, span], query i (position start+i) sees keys <= start+i.
+        # Additive (0 or -inf, in the cache's dtype): attention converts a boolean mask on every call.
         span = cache.capacity if cache.fixed_span else start + t
         device = cache.k.device
         if mask is not None:  # the caller's mask over 0..start+T-1 replaces the causal one
             allowed = torch.zeros(*mask.shape[:-1], span, dtype=torch.bool, device=device)
             allowed[..., : mask.shape[-1]] = mask
             # A per-sequence mask [B, T, S] broadcasts over the heads.
-            return allowed[:, None] if allowed.dim() == 3 else allowed
-        return torch.arange(span, device=device)[None, :] <= (start + torch.arange(t, device=device))[:, None]
+            allowed = allowed[:, None] if allowed.dim() == 3 else allowed
+        else:
+            allowed = torch.arange(span, device=device)[None, :] <= (start + torch.arange(t, device=device))[:, None]
+        return torch.zeros(allowed.shape, dtype=cache.k.dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Project hidden states [..., dim] to vocabulary logits [..., vocab]."""
