@@ -196,7 +196,7 @@ class _Attention(nn.Module):
 _MAX_ROWS = 32
 
 
-def _rows(linear: nn.Module, x: Tensor) -> Tensor:
+def _rows(linear: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """`linear(x)` for x [1, N, in], computed in chunks of at most _MAX_ROWS rows."""
     n = x.shape[1]
     if n <= _MAX_ROWS:
@@ -440,11 +440,18 @@ class Transformer(nn.Module):
         return torch.zeros(allowed.shape, dtype=cache.k.dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Project hidden states [..., dim] to vocabulary logits [..., vocab]."""
+        """Project hidden states [..., dim] to vocabulary logits [..., vocab].
+
+        Rows [N, dim] are projected in chunks of at most `_MAX_ROWS`, so that a row's logits do not depend
+        on how many rows a batch asked for."""
         if self._packed_head is not None:
-            return self._packed_head(hidden)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+            head: Callable[[Tensor], Tensor] = self._packed_head
+        else:
+            weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            head = lambda h: F.linear(h, weight)  # noqa: E731
+        if hidden.dim() == 2 and hidden.shape[0] > _MAX_ROWS:
+            return _rows(head, hidden[None])[0]
+        return head(hidden)
 
     def forward(
         self,
