@@ -229,16 +229,21 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base: dict[str, float] = {}
+    in_process: dict[str, float] = {}
+    notes = []
     for r in rows:
-        via = r.get("via", "http")
-        if r["clients"] == 1 and via == "http":
-            base[r["speculative"]] = r["tokens_per_second"]
-        scale = r["tokens_per_second"] / base[r["speculative"]] if base.get(r["speculative"]) else float("nan")
+        via, spec, rate = r.get("via", "http"), r["speculative"], r["tokens_per_second"]
+        if via == "in-process":
+            in_process[spec] = rate
+        elif r["clients"] == 1:
+            base[spec] = rate
+            if in_process.get(spec):
+                notes.append(f"- {spec}: one client over HTTP streams {rate / in_process[spec]:.0%} of in-process tok/s")
+        scale = f"{rate / base[spec]:.2f}x" if via == "http" and base.get(spec) else "-"
         t, i = r["ttft_ms"], r["itl_ms"]
         lines.append(
-            f"| {r['speculative']} | {via} | {r['clients']} | {r['completed']}/{r['requests']} | "
-            f"{r['tokens_per_second']:.1f} | "
-            f"{scale:.2f}x | {t['p50']}/{t['p95']} | {i['p50']}/{i['p95']}/{i['p99']} | "
+            f"| {spec} | {via} | {r['clients']} | {r['completed']}/{r['requests']} | {rate:.1f} | "
+            f"{scale} | {t['p50']}/{t['p95']} | {i['p50']}/{i['p95']}/{i['p99']} | "
             f"{sum(r['errors'].values()) - r['rejected_429']} | {r['rejected_429']} | {r['differs_from_alone']} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + notes if notes else []))

@@ -52,6 +52,11 @@ async def test_in_process_requests_give_the_texts_served_over_http(api_engine):
     assert [r.text for r in direct] == [r.text for r in served]
     row = summarize_level(direct, wall, {r.prompt_index: r.text for r in served}, greedy=True)
     assert row["completed"] == 3 and row["differs_from_alone"] == 0 and row["tokens_per_second"] > 0
+    http = {**summarize_level(served, 2 * wall, None, True), "speculative": "ngram", "clients": 1}
+    table = markdown([{**row, "speculative": "ngram", "via": "in-process", "clients": 1}, http])
+    # HTTP took twice the in-process wall time for the same tokens: half the rate.
+    assert "| ngram | in-process | 1 | 3/3 |" in table and "nan" not in table
+    assert "ngram: one client over HTTP streams 50% of in-process tok/s" in table
 
 
 async def test_a_full_server_is_counted_as_429s(api_engine):
