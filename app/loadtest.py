@@ -238,7 +238,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         elif r["clients"] == 1:
             base[spec] = rate
             if in_process.get(spec):
-                notes.append(f"- {spec}: one client over HTTP streams {rate / in_process[spec]:.0%} of in-process tok/s")
+                share = rate / in_process[spec]
+                notes.append(f"- {spec}: one client over HTTP streams {share:.0%} of in-process tok/s")
         scale = f"{rate / base[spec]:.2f}x" if via == "http" and base.get(spec) else "-"
         t, i = r["ttft_ms"], r["itl_ms"]
         lines.append(
@@ -246,4 +247,4 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{scale} | {t['p50']}/{t['p95']} | {i['p50']}/{i['p95']}/{i['p99']} | "
             f"{sum(r['errors'].values()) - r['rejected_429']} | {r['rejected_429']} | {r['differs_from_alone']} |"
         )
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines + (["", *notes] if notes else []))

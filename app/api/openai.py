@@ -89,25 +89,26 @@ def _stream(
     include_usage: bool,
     first: CompletionResponse | None = None,
 ) -> StreamingResponse:
-    """SSE of one generation: `chunk(text, finish_reason)` per token that adds text, the last with the reason
-    and the speculative figures, then the usage when asked, then ``[DONE]``."""
+    """SSE of one generation: `chunk(text, finish_reason)` per step that adds text (a speculative step's
+    accepted tokens share one chunk, as vLLM sends them: one event to write and parse instead of one per
+    token), the last with the reason and the speculative figures, then the usage when asked, then ``[DONE]``."""
 
     async def events() -> AsyncIterator[str]:
         try:
             if first is not None:
                 yield jobs.sse(first)
             async for step in ticket.events():
-                for n, tok in enumerate(step.tokens, 1):
-                    if step.finished is not None and n == len(step.tokens):
-                        event = chunk(tok.text, _FINISH[step.finished.finish_reason])
-                        event.speculative = jobs.speculative_details(prepared, step.finished)
-                        yield jobs.sse(event)
-                        if include_usage:
-                            usage = chunk(None, None)
-                            usage.choices, usage.usage = [], _usage(step.finished)
-                            yield jobs.sse(usage)
-                    elif tok.text:
-                        yield jobs.sse(chunk(tok.text, None))
+                text = "".join(tok.text for tok in step.tokens)
+                if step.finished is not None:
+                    event = chunk(text, _FINISH[step.finished.finish_reason])
+                    event.speculative = jobs.speculative_details(prepared, step.finished)
+                    yield jobs.sse(event)
+                    if include_usage:
+                        usage = chunk(None, None)
+                        usage.choices, usage.usage = [], _usage(step.finished)
+                        yield jobs.sse(usage)
+                elif text:
+                    yield jobs.sse(chunk(text, None))
         except RequestFailed as exc:
             yield jobs.sse(error_body(exc.kind, exc.message, openai=True))
         finally:
