@@ -122,3 +122,24 @@ def test_batch_lengths_draft_where_it_pays_and_not_where_it_does_not():
     # The same request with a draft step as dear as a whole batched forward: not worth a single token.
     dear = _policy("adaptive", 10, 0.6, 0.5)
     assert batch_draft_lengths([dear, dear], [100, 100], batch, 2) == [0, 0]
+
+
+def test_a_request_the_batch_stopped_drafting_for_drifts_back_to_the_drafters_acceptance():
+    costs = StepCosts()
+    others = DraftLength("adaptive", 6, costs)
+    for _ in range(40):
+        others.update(4, 3)  # the drafter does well on other requests: acceptance about 0.75
+    unlucky = DraftLength("adaptive", 6, costs)
+    for _ in range(10):
+        unlucky.update(4, 0)
+    assert unlucky.acceptance < 0.2
+    batch = _costs(0.0, {8: 0.060, 16: 0.070, 24: 0.080, 32: 0.090})
+    for length in (unlucky, others):
+        length.costs.draft_step = 0.001
+    assert batch_draft_lengths([unlucky, others], [100, 100], batch, 2)[0] == 0
+    # Skipped step after step, it carries no new evidence: its estimate returns toward the drafter's,
+    # and the batch tries it again.
+    for _ in range(30):
+        unlucky.rest()
+    assert unlucky.acceptance == pytest.approx(unlucky.prior(), abs=0.02)
+    assert batch_draft_lengths([unlucky, others], [100, 100], batch, 2)[0] > 0

@@ -116,6 +116,15 @@ class DraftLength:
                 best_k, best_rate = k, rate
         return best_k
 
+    def rest(self) -> None:
+        """A step on which a batch gave this request nothing to draft: with no new evidence, the estimate
+        drifts back toward the drafter-wide acceptance, so that a request is not kept from drafting for the rest
+        of its life by the misses that once made the batch skip it."""
+        prior = self.prior()
+        weight = (1.0 - _DECAY) * _PRIOR_STEPS * 2
+        self._acc = _DECAY * self._acc + weight * prior
+        self._rej = _DECAY * self._rej + weight * (1.0 - prior)
+
     def update(self, drafted: int, accepted: int) -> None:
         """After a verification of `drafted` tokens of which the first `accepted` were kept."""
         if drafted == 0:

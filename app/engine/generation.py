@@ -293,6 +293,9 @@ class Generation:
             self.stats.draft_lengths[k] += 1
             self.stats.p_min_stops += len(drafts) < k
             self._length.update(len(drafts), accepted)
+        elif self._k and self.params.max_new_tokens - self.stats.generated_tokens > 1:
+            # A batch chose not to draft for this request (alone, k is 0 only for the very last token).
+            self._length.rest()
         # A draft that stopped for lack of confidence still ran one more step than it proposed. A batch's
         # times are the whole batch's: they say nothing of what drafting or verifying this request alone costs.
         steps = min(k, len(drafts) + 1)
