@@ -131,6 +131,10 @@ class _Plan:
     draft_seconds: float
 
 
+# Spare cache slots of every request: covers drafts of up to 16 tokens (the API's limit) with the same capacity.
+_SLACK = 17
+
+
 class Generation:
     """The decoding state of one request. Not thread-safe: one worker steps it."""
 
@@ -183,9 +187,12 @@ class Generation:
         self.stats.draft_p_min = p_min if self._k else 0.0
         self._p_min = p_min
         self._length = DraftLength(schedule, self._k, costs or StepCosts())
-        # One spare slot per draft position: verification writes k+1 entries before rolling back.
+        # Spare slots past the last token: a verification writes k+1 entries (at least the padded width) before
+        # rolling back. With a fixed span attention reduces over the whole capacity, and a different span
+        # changes the last bits, so the capacity must not depend on the draft: the same slack for every request.
         self._width = verify_width
-        capacity = min(limit, len(prompt_ids) + params.max_new_tokens + max(self._k + 1, verify_width))
+        slack = max(self._k + 1, verify_width, _SLACK)
+        capacity = min(limit, len(prompt_ids) + params.max_new_tokens + slack)
         self._cache: KVCache = target.new_cache(capacity)
         self._cache.fixed_span = verify_width > 0
         self.drafter = drafter
@@ -253,10 +260,10 @@ class Generation:
             draft_seconds = time.perf_counter() - t0
         start = len(self.ids) - 1
         real = 1 + len(drafts)
-        # Padded to a fixed width, every decoding forward has one shape, so each real row is computed by the
-        # same kernels whether it is a plain step or one row of a verification: in bfloat16, a 1-row and a
-        # 5-row product differ in the last bits, enough to flip a near-tie and make "speculative == target
-        # alone" false. Padding sits after the real rows, so causality keeps it from touching them.
+        # Padded to at least `width` rows, so each real row is computed by the same kernels whether it is a plain
+        # step or one row of a verification: in bfloat16 a 1-row forward takes another attention path, whose
+        # last bits differ, enough to flip a near-tie and make "speculative == target alone" false. Padding
+        # sits after the real rows, so causality keeps it from touching them.
         pad = max(0, min(width, self._cache.capacity - start) - real)
         feed = torch.tensor([self.ids[-1], *drafts, *[0] * pad], dtype=torch.long, device=self.target.device)
         return _Plan(k, drafts, q, start, real, feed, draft_seconds)
@@ -390,9 +397,9 @@ class Engine:
         self._batch_costs = StepCosts()
         # Measured seconds per drafted token when a drafter drafts for several requests at once, per drafter.
         self._batch_draft_step: dict[int, float] = {}
-        # None: pad decoding forwards to 8 rows in half precision, where row results depend on the row count
-        # (see Generation.step), and not at all in float32, where they differ too little to flip a token
-        # and padding would cost more than the products themselves.
+        # None: pad decoding forwards to 8 rows in half precision, where a 1-row forward's bits differ (see
+        # Generation._plan; on this CPU 2 rows would do, and measured no faster end to end), and not at all in
+        # float32, where results differ too little to flip a token and padding would cost.
         if verify_width is None:
             verify_width = 8 if target.dtype in (torch.bfloat16, torch.float16) else 0
         self.verify_width = verify_width
