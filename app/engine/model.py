@@ -126,7 +126,6 @@ class _Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size = config.n_heads * config.head_dim
         kv_size = config.n_kv_heads * config.head_dim
-        self.split = (q_size, kv_size, kv_size)
         # One fused projection: three small matmuls cost three dispatches on the hot path.
         self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(q_size, config.dim, bias=False)
