@@ -184,11 +184,8 @@ class EagleDraft(nn.Module):
         )
         x = self.fc(torch.cat([F.embedding(tokens, self._embed).to(dtype), states], dim=-1))
         x = self.block.forward_parts(x, layout, 0)
-        parts = layout.parts
-        for p in parts:
-            p.cache.length = p.start_pos + p.rows
-        x = self.norm(x)[0]
-        return [x[p.offset : p.offset + p.rows] for p in parts]
+        layout.advance()
+        return layout.split(self.norm(x)[0])
 
     def draft_logits(self, states: Tensor) -> Tensor:
         """Logits over the draft vocabulary [..., draft_vocab_size] for predicted states [..., dim]."""

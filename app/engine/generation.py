@@ -469,15 +469,24 @@ class Engine:
                 plans.append((j, gen._plan(min_rows, k, drafted.get(j))))
             except Exception as exc:
                 results[j] = exc
-        if not plans:
-            return [r if r is not None else RuntimeError("no step ran") for r in results]
+        if plans:
+            self._verify_together(gens, plans, results)
+        return [r if r is not None else RuntimeError("no step ran") for r in results]
+
+    def _verify_together(
+        self, gens: list[Generation], plans: list[tuple[int, _Plan]], results: list[StepOutput | Exception | None]
+    ) -> None:
+        """One target forward over every planned request's rows, then each request's own verification, into
+        `results` by request index. A failure of the shared forward ends every request in it."""
         t0 = time.perf_counter()
         try:
             hidden = self.target.hidden_batch([(plan.feed, plan.start, gens[j]._cache) for j, plan in plans])
             # One head product for every row of the batch: its weights (a fifth of the model) read once.
             logits = self.target.logits(torch.cat(hidden)).split([h.shape[0] for h in hidden])
-        except Exception as exc:  # the shared forward failed: every request in it ends
-            return [exc if r is None else r for r in results]
+        except Exception as exc:
+            for j, _ in plans:
+                results[j] = exc
+            return
         seconds = time.perf_counter() - t0
         self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds)
         for (j, plan), h, lg in zip(plans, hidden, logits, strict=True):
@@ -485,7 +494,6 @@ class Engine:
                 results[j] = gens[j]._verify(plan, h, lg, seconds, solo=False)
             except Exception as exc:
                 results[j] = exc
-        return [r if r is not None else RuntimeError("no step ran") for r in results]
 
     def _draft_together(
         self, gens: list[Generation], ks: list[int], results: list[StepOutput | Exception | None]

@@ -223,6 +223,15 @@ class RowsLayout:
     cos: Tensor
     sin: Tensor
 
+    def advance(self) -> None:
+        """After the forward: each cache now holds its sequence's rows."""
+        for p in self.parts:
+            p.cache.length = p.start_pos + p.rows
+
+    def split(self, x: Tensor) -> list[Tensor]:
+        """Rows [N, ...] of the whole batch -> one [T_i, ...] tensor per sequence."""
+        return [x[p.offset : p.offset + p.rows] for p in self.parts]
+
 
 def layout_rows(
     sequences: Sequence[tuple[int, int, KVCache]], rope: Callable[[int, int], tuple[Tensor, Tensor]]
@@ -417,11 +426,8 @@ class Transformer(nn.Module):
         x = self.embed(torch.cat([ids for ids, _, _ in sequences])[None])
         for i, layer in enumerate(self.layers):
             x = layer.forward_parts(x, layout, i)
-        parts = layout.parts
-        for p in parts:
-            p.cache.length = p.start_pos + p.rows
-        x = self.norm(x)[0]
-        return [x[p.offset : p.offset + p.rows] for p in parts]
+        layout.advance()
+        return layout.split(self.norm(x)[0])
 
     @staticmethod
     def _cache_mask(cache: KVCache, start: int, t: int, mask: Tensor | None) -> Tensor:
