@@ -1,0 +1,222 @@
+"""bfloat16 matrix products on Intel AMX tiles for the few rows a decoding step multiplies.
+
+oneDNN's bf16 products are built for big batches: for the 1-32 rows of a decoding step on this project's CPU
+they run far below memory bandwidth (the default target's 30 MLP up-projections, 1 row: 10 ms with oneDNN,
+6 ms here). This kernel streams each weight once per call and multiplies up to 16 rows per AMX tile, so a
+16-row verification costs what a 1-row step does. Its rows do not depend on how many rows a call has (each
+output is the same chain of tile products over K), and its bits equal oneDNN's up to 32 rows.
+
+The C source below is compiled with the system's gcc at first use into the model cache
+(``$SPECSERVE_CACHE/kernels``), linked against torch's own OpenMP runtime so that both share one thread
+pool. Without gcc, without AMX (checked in /proc/cpuinfo and by asking the kernel for tile state), or with
+``SPECSERVE_AMX=0``, `kernel()` is None and callers keep oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* Linux hands out AMX tile state only to a process that asks for it. */
+int amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+/* Tiles 0-3: four 16-column blocks of the output (rows x 16 f32); 4: the rows' next 32 inputs; 5-7: weights,
+   16 input pairs x 16 columns in the pair-interleaved layout the tile product reads. */
+static void configure(int rows) {
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 5; t++) { cfg.rows[t] = rows; cfg.colsb[t] = 64; }
+    for (int t = 5; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+static void store_rows(const float *acc, uint16_t *y, const float *bias, int rows, int n, int col0) {
+    for (int r = 0; r < rows; r++) {
+        for (int c = 0; c < 64; c += 16) {
+            __m512 a = _mm512_loadu_ps(acc + r * 64 + c);
+            if (bias) a = _mm512_add_ps(a, _mm512_loadu_ps(bias + col0 + c));
+            _mm256_storeu_si256((__m256i *)(y + (size_t)r * n + col0 + c), (__m256i)_mm512_cvtneps_pbh(a));
+        }
+    }
+}
+
+/* Column groups g0..g1-1 (64 columns each) of y [m, n] = x [m, k] @ w.T (+ bias). */
+static void groups(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
+                   int g0, int g1) {
+    float acc[16 * 64] __attribute__((aligned(64)));
+    const size_t pairs = k / 2, chunks = k / 32, block = pairs * 32;
+    int configured = -1;
+    /* Groups outer, row tiles inner: a group's weights stay in cache across the row tiles. */
+    for (int g = g0; g < g1; g++) {
+        const uint16_t *wg = w + (size_t)g * 4 * block;
+        for (int m0 = 0; m0 < m; m0 += 16) {
+            int rows = m - m0 < 16 ? m - m0 : 16;
+            if (rows != configured) { configure(rows); configured = rows; }
+            const uint16_t *xa = x + (size_t)m0 * k;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (size_t c = 0; c < chunks; c++) {
+                const uint16_t *b = wg + c * 16 * 32;
+                _tile_loadd(4, xa + c * 32, k * 2);
+                _tile_loadd(5, b, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, b + block, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, b + 2 * block, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, b + 3 * block, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, acc, 256);
+            _tile_stored(1, acc + 16, 256);
+            _tile_stored(2, acc + 32, 256);
+            _tile_stored(3, acc + 48, 256);
+            store_rows(acc, y + (size_t)m0 * n, bias, rows, n, g * 64);
+        }
+    }
+    _tile_release();
+}
+
+/* w: [n/16][k/2][16][2] bf16 (see pack_weight); x: [m, k] bf16; y: [m, n] bf16; bias: [n] f32 or NULL.
+   k % 32 == 0, n % 64 == 0. Columns are split between threads; each thread configures its own tiles. */
+void amx_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
+                int threads) {
+    int total = n / 64;
+    if (threads <= 1 || total < 2) { groups(w, x, y, bias, m, k, n, 0, total); return; }
+    #pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        groups(w, x, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt));
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f in flags.split() for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
+
+
+def _torch_lib_dir() -> Path:
+    return Path(torch.__file__).parent / "lib"
+
+
+def _build(target: Path) -> None:
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise OSError("no C compiler (gcc) on PATH")
+    lib_dir = _torch_lib_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "amx_linear.c"
+        src.write_text(_SOURCE)
+        out = Path(tmp) / target.name
+        # Link torch's own libgomp (same soname as the system's): one OpenMP runtime, one pool of threads.
+        cmd = [gcc, *_FLAGS, str(src), "-o", str(out), f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lgomp"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"gcc failed: {done.stderr.strip()[:500]}")
+        os.replace(out, target)  # atomic: a concurrent process sees the whole library or none
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The compiled AMX library, or None where it cannot run here (see the module's docstring)."""
+    if os.environ.get("SPECSERVE_AMX", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if not _cpu_has_amx():
+        return None
+    from app.store import cache_dir
+
+    key = hashlib.sha256(f"{_SOURCE}{_FLAGS}{_torch_lib_dir()}".encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"amx_linear_{key}.so"
+    try:
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("AMX kernel unavailable, using oneDNN: %s", exc)
+        return None
+    lib.amx_init.restype = ctypes.c_int
+    lib.amx_linear.restype = None
+    lib.amx_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    if not lib.amx_init():
+        log.warning("the OS refused AMX tile state; using oneDNN")
+        return None
+    log.info("bf16 products on AMX tiles (%s)", path)
+    return lib
+
+
+def fits(weight: Tensor) -> bool:
+    """Whether `weight` [N, K] can run on the kernel: bfloat16 on CPU, K a multiple of 32 (N is padded)."""
+    return (
+        weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 32 == 0
+    )
+
+
+class AmxLinear:
+    """`x @ weight.T + bias` for bf16 x [..., K] on AMX tiles; the weight is laid out for the tiles once."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None) -> None:
+        n, k = weight.shape
+        pad = -n % 64
+        if pad:  # zero columns, cut off again in __call__
+            weight = torch.cat([weight, weight.new_zeros(pad, k)])
+        # [N, K] -> [N/16, K/2, 16, 2]: for each 16-column block, input pairs of each column side by side.
+        self.weight = weight.reshape(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.cat([bias.float(), bias.new_zeros(pad, dtype=torch.float32)]).contiguous()
+        self.out_features, self.in_features, self._padded = n, k, n + pad
+        self._lib = lib
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x = x.contiguous()
+        rows = x.numel() // self.in_features
+        y = torch.empty(*x.shape[:-1], self._padded, dtype=torch.bfloat16)
+        if rows:
+            self._lib.amx_linear(
+                self.weight.data_ptr(),
+                x.data_ptr(),
+                y.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(),
+                rows,
+                self.in_features,
+                self._padded,
+                torch.get_num_threads(),
+            )
+        return y if self._padded == self.out_features else y[..., : self.out_features]

@@ -1,0 +1,70 @@
+"""The AMX bf16 product: right values, rows independent of the row count, same bits as oneDNN where the
+decoder relies on it, and a clean fallback when turned off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.engine import amx
+from app.engine.model import PackedLinear
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = amx.kernel()
+    if lib is None:
+        # A CPU with AMX and a compiler must get the kernel: failing to build it here is a bug, not a skip.
+        assert not amx._cpu_has_amx(), "this CPU has AMX but the kernel did not load (see the log for why)"
+        pytest.skip("this CPU has no AMX tiles; PackedLinear runs on oneDNN (tested elsewhere)")
+    return lib
+
+
+@pytest.mark.parametrize(("n", "k", "bias"), [(3072, 576, False), (960, 576, True), (100, 64, True)])
+def test_values_match_float32_product(lib, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(2, 5, k, generator=g).bfloat16()
+    y = amx.AmxLinear(lib, w, b)(x)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.shape == (2, 5, n) and y.dtype == torch.bfloat16
+    # bf16 output rounding: relative 2^-8 of the magnitude, plus the f32 accumulation's own error.
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=0.06 * ref.abs().max().item() / 8)
+
+
+def test_a_row_does_not_depend_on_the_row_count(lib) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    lin = amx.AmxLinear(lib, w, None)
+    x = torch.randn(40, 576, generator=g).bfloat16()
+    whole = lin(x)
+    for rows in (1, 2, 7, 16, 17, 33):
+        assert torch.equal(lin(x[:rows]), whole[:rows]), rows
+    assert torch.equal(lin(x[23:24]), whole[23:24])
+
+
+def test_same_bits_as_onednn_up_to_32_rows(lib) -> None:
+    # The decoder's fallback is oneDNN: the same tokens whichever runs (oneDNN's own kernels change at 40 rows).
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(576, 1536, generator=g).bfloat16()
+    x = torch.randn(32, 1536, generator=g).bfloat16()
+    onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+    assert torch.equal(amx.AmxLinear(lib, w, None)(x), onednn)
+
+
+def test_packed_linear_uses_it_and_can_be_turned_off(lib, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(128, 64).bfloat16()
+    assert PackedLinear(w, None)._amx is not None
+    monkeypatch.setenv("SPECSERVE_AMX", "0")
+    amx.kernel.cache_clear()
+    try:
+        off = PackedLinear(w, None)
+        assert off._amx is None and off.packed is not None
+        x = torch.randn(3, 64).bfloat16()
+        torch.testing.assert_close(off(x).float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=0.1)
+    finally:
+        monkeypatch.delenv("SPECSERVE_AMX")
+        amx.kernel.cache_clear()
+    assert amx.kernel() is not None
