@@ -183,9 +183,8 @@ def kernel() -> ctypes.CDLL | None:
 
 def fits(weight: Tensor) -> bool:
     """Whether `weight` [N, K] can run on the kernel: bfloat16 on CPU, K a multiple of 32 (N is padded)."""
-    return (
-        weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 32 == 0
-    )
+    on_cpu = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    return on_cpu and weight.dim() == 2 and weight.shape[1] % 32 == 0
 
 
 class AmxLinear:
