@@ -56,15 +56,40 @@ def test_same_bits_as_onednn_up_to_32_rows(lib) -> None:
 
 def test_packed_linear_uses_it_and_can_be_turned_off(lib, monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(128, 64).bfloat16()
-    assert PackedLinear(w, None)._amx is not None
+    assert PackedLinear(w, None).fused is not None
     monkeypatch.setenv("SPECSERVE_AMX", "0")
     amx.kernel.cache_clear()
     try:
         off = PackedLinear(w, None)
-        assert off._amx is None and off.packed is not None
+        assert off.fused is None and off.packed is not None
         x = torch.randn(3, 64).bfloat16()
         torch.testing.assert_close(off(x).float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=0.1)
     finally:
         monkeypatch.delenv("SPECSERVE_AMX")
         amx.kernel.cache_clear()
     assert amx.kernel() is not None
+
+
+def test_fused_norm_swiglu_and_residual_match_torch(lib) -> None:
+    # What DecoderBlock runs inside the product calls on AMX, against the torch ops it replaces.
+    g = torch.Generator().manual_seed(3)
+    k, n = 64, 128
+    w = (torch.randn(n, k, generator=g) / 8).bfloat16()
+    lin = amx.AmxLinear(lib, w, None)
+    x = torch.randn(1, 5, k, generator=g).bfloat16()
+    norm_w = (1 + torch.randn(k, generator=g) / 4).bfloat16()
+    residual = torch.randn(1, 5, n, generator=g).bfloat16()
+
+    normed = F.rms_norm(x.float(), (k,), norm_w.float(), 1e-5)
+    torch.testing.assert_close(lin(x, norm=norm_w, eps=1e-5).float(), F.linear(normed, w.float()), rtol=2e-2, atol=2e-2)
+
+    gate_up = torch.randn(1, 5, 2 * k, generator=g).bfloat16()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = F.linear(F.silu(gate) * up, w.float())
+    torch.testing.assert_close(lin(gate_up, swiglu=True).float(), expected, rtol=2e-2, atol=2e-2)
+
+    with_residual = lin(x, residual=residual).float()
+    torch.testing.assert_close(with_residual, lin(x).float() + residual.float(), rtol=1e-2, atol=1e-2)
+    # Each fused row is still independent of the others.
+    assert torch.equal(lin(gate_up[:, 2:3], swiglu=True), lin(gate_up, swiglu=True)[:, 2:3])
+    assert torch.equal(lin(x[:, :1], norm=norm_w, eps=1e-5), lin(x, norm=norm_w, eps=1e-5)[:, :1])

@@ -36,6 +36,7 @@ _SOURCE = r"""
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <math.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -106,17 +107,93 @@ static void groups(const uint16_t *w, const uint16_t *x, uint16_t *y, const floa
     _tile_release();
 }
 
-/* w: [n/16][k/2][16][2] bf16 (see pack_weight); x: [m, k] bf16; y: [m, n] bf16; bias: [n] f32 or NULL.
-   k % 32 == 0, n % 64 == 0. Columns are split between threads; each thread configures its own tiles. */
-void amx_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
-                int threads) {
-    int total = n / 64;
-    if (threads <= 1 || total < 2) { groups(w, x, y, bias, m, k, n, 0, total); return; }
-    #pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        groups(w, x, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt));
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* exp(x) for 16 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (~1 ulp). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+
+/* RMSNorm of each row of x [m, k] into out: x * rsqrt(mean(x^2) + eps) * w, in float32, rounded once. */
+static void rmsnorm_rows(const uint16_t *x, const uint16_t *w, float eps, uint16_t *out, int m, int k) {
+    for (int r = 0; r < m; r++) {
+        const uint16_t *xr = x + (size_t)r * k;
+        __m512 ss = _mm512_setzero_ps();
+        for (int c = 0; c < k; c += 16) { __m512 v = load16(xr + c); ss = _mm512_fmadd_ps(v, v, ss); }
+        float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / k + eps);
+        __m512 sv = _mm512_set1_ps(scale);
+        for (int c = 0; c < k; c += 16)
+            store16(out + (size_t)r * k + c, _mm512_mul_ps(_mm512_mul_ps(load16(xr + c), sv), load16(w + c)));
     }
+}
+
+/* SwiGLU of each row of x [m, 2k] = [gate | up] into out [m, k]: silu(gate) * up in float32. */
+static void swiglu_rows(const uint16_t *x, uint16_t *out, int m, int k) {
+    for (int r = 0; r < m; r++) {
+        const uint16_t *g = x + (size_t)r * 2 * k, *u = g + k;
+        for (int c = 0; c < k; c += 16) {
+            __m512 gv = load16(g + c);
+            __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+            __m512 silu = _mm512_div_ps(gv, denom);
+            store16(out + (size_t)r * k + c, _mm512_mul_ps(silu, load16(u + c)));
+        }
+    }
+}
+
+/* y [m, n] += residual [m, n] (float32 sum, rounded once), where residual is given. */
+static void add_rows(uint16_t *y, const uint16_t *residual, size_t count) {
+    size_t i = 0;
+    for (; i + 16 <= count; i += 16) store16(y + i, _mm512_add_ps(load16(y + i), load16(residual + i)));
+    for (; i < count; i++) {
+        float f = bf16_to_f32(y[i]) + bf16_to_f32(residual[i]);
+        __m512 v = _mm512_set1_ps(f);
+        uint16_t tmp[16];
+        store16(tmp, v);
+        y[i] = tmp[0];
+    }
+}
+
+/* w: [n/16][k/2][16][2] bf16 (see AmxLinear); x: [m, k] bf16, or with `op` 1 [m, k] to RMS-normalise with
+   norm_w and eps first, or with `op` 2 [m, 2k] = [gate | up] to turn into silu(gate) * up first; y: [m, n]
+   bf16, plus `residual` [m, n] where given; bias: [n] f32 or NULL. k % 32 == 0, n % 64 == 0. Columns are
+   split between threads; each thread configures its own tiles. */
+void amx_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
+                int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
+    if (op == 1) { rmsnorm_rows(x, norm_w, eps, scratch, m, k); x = scratch; }
+    else if (op == 2) { swiglu_rows(x, scratch, m, k); x = scratch; }
+    int total = n / 64;
+    if (threads <= 1 || total < 2) {
+        groups(w, x, y, bias, m, k, n, 0, total);
+    } else {
+        #pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            groups(w, x, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt));
+        }
+    }
+    if (residual) add_rows(y, residual, (size_t)m * n);
 }
 """
 
@@ -146,7 +223,7 @@ def _build(target: Path) -> None:
         src.write_text(_SOURCE)
         out = Path(tmp) / target.name
         # Link torch's own libgomp (same soname as the system's): one OpenMP runtime, one pool of threads.
-        cmd = [gcc, *_FLAGS, str(src), "-o", str(out), f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lgomp"]
+        cmd = [gcc, *_FLAGS, str(src), "-o", str(out), f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lgomp", "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise OSError(f"gcc failed: {done.stderr.strip()[:500]}")
@@ -173,7 +250,8 @@ def kernel() -> ctypes.CDLL | None:
         return None
     lib.amx_init.restype = ctypes.c_int
     lib.amx_linear.restype = None
-    lib.amx_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    lib.amx_linear.argtypes = [pointer] * 4 + [integer] * 5 + [pointer, ctypes.c_float, pointer, pointer]
     if not lib.amx_init():
         log.warning("the OS refused AMX tile state; using oneDNN")
         return None
@@ -203,10 +281,27 @@ class AmxLinear:
         self.out_features, self.in_features, self._padded = n, k, n + pad
         self._lib = lib
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(
+        self,
+        x: Tensor,
+        norm: Tensor | None = None,
+        eps: float = 0.0,
+        swiglu: bool = False,
+        residual: Tensor | None = None,
+    ) -> Tensor:
+        """x [..., K] -> [..., N]. Fused around the product, each row on its own:
+        `norm` [K]: RMS-normalise x with this weight and `eps` first; `swiglu`: x is [..., 2K] = [gate | up],
+        multiplied as silu(gate) * up; `residual` [..., N]: added to the result."""
         x = x.contiguous()
-        rows = x.numel() // self.in_features
+        k = self.in_features
+        rows = x.numel() // (2 * k if swiglu else k)
         y = torch.empty(*x.shape[:-1], self._padded, dtype=torch.bfloat16)
+        op, scratch = (1 if norm is not None else 2 if swiglu else 0), None
+        if op:
+            scratch = torch.empty(rows, k, dtype=torch.bfloat16)
+        if residual is not None:
+            assert self._padded == self.out_features and residual.shape == y.shape
+            residual = residual.contiguous()
         if rows:
             self._lib.amx_linear(
                 self.weight.data_ptr(),
@@ -214,8 +309,13 @@ class AmxLinear:
                 y.data_ptr(),
                 None if self.bias is None else self.bias.data_ptr(),
                 rows,
-                self.in_features,
+                k,
                 self._padded,
                 torch.get_num_threads(),
+                op,
+                None if norm is None else norm.data_ptr(),
+                eps,
+                None if residual is None else residual.data_ptr(),
+                None if scratch is None else scratch.data_ptr(),
             )
         return y if self._padded == self.out_features else y[..., : self.out_features]

@@ -153,11 +153,14 @@ class _Attention(nn.Module):
         would alone.
         """
         q, k, v = self._project(_rows(self.wqkv, x), layout.cos, layout.sin)
+        return _rows(self.wo, self._attend_parts(q, k, v, layout, layer))
+
+    def _attend_parts(self, q: Tensor, k: Tensor, v: Tensor, layout: RowsLayout, layer: int) -> Tensor:
         ys = [
             self._attend(*(t[:, p.offset : p.offset + p.rows] for t in (q, k, v)), layer, p.cache, p.start_pos, p.mask)
             for p in layout.parts
         ]
-        return _rows(self.wo, torch.cat(ys, dim=1))
+        return torch.cat(ys, dim=1)
 
     def _project(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # qkv [B, T, (H + 2 KV) * D] -> q [B, T, H, D], k and v [B, T, KV, D]; q and k rotated in one pass.
@@ -267,13 +270,14 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
         lib = amx.kernel()
-        self._amx = amx.AmxLinear(lib, weight, bias) if lib is not None and amx.fits(weight) else None
-        self.packed = None if self._amx is not None else torch.ops.mkldnn._reorder_linear_weight(weight)
+        # On AMX, with what can ride along with the product (norm before, residual after; see DecoderBlock).
+        self.fused = amx.AmxLinear(lib, weight, bias) if lib is not None and amx.fits(weight) else None
+        self.packed = None if self.fused is not None else torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = bias
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._amx is not None:
-            return self._amx(x)
+        if self.fused is not None:
+            return self.fused(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -322,15 +326,36 @@ class DecoderBlock(nn.Module):
         start_pos: int,
         mask: Tensor | None,
     ) -> Tensor:
+        if self._fusable():
+            a = self.attn
+            q, k, v = a._project(self._qkv(x), cos, sin)
+            return self._mlp(a.wo.fused(a._attend(q, k, v, layer, cache, start_pos, mask), residual=x))
         x = x + self.attn(self.attn_norm(x), cos, sin, layer, cache, start_pos, mask)
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
     def forward_parts(self, x: Tensor, layout: RowsLayout, layer: int) -> Tensor:
         """The layer over several sequences' rows at once (see `_Attention.forward_parts`)."""
+        if self._fusable():  # AMX rows do not depend on the row count: no chunking
+            a = self.attn
+            q, k, v = a._project(self._qkv(x), layout.cos, layout.sin)
+            return self._mlp(a.wo.fused(a._attend_parts(q, k, v, layout, layer), residual=x))
         x = x + self.attn.forward_parts(self.attn_norm(x), layout, layer)
         gate, up = _rows(self.w13, self.ffn_norm(x)).chunk(2, dim=-1)
         return x + _rows(self.w2, F.silu(gate) * up)
+
+    def _fusable(self) -> bool:
+        # Every product on AMX: the norms, SwiGLU and residual adds then run inside the product calls (about a
+        # third of a decoding step's time went to those small ops, each a dispatch of its own).
+        products = (self.attn.wqkv, self.attn.wo, self.w13, self.w2)
+        return all(isinstance(p, PackedLinear) and p.fused is not None for p in products)
+
+    def _qkv(self, x: Tensor) -> Tensor:
+        return self.attn.wqkv.fused(x, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        gate_up = self.w13.fused(x, norm=self.ffn_norm.weight, eps=self.ffn_norm.eps)
+        return self.w2.fused(gate_up, swiglu=True, residual=x)
 
 
 class Transformer(nn.Module):
