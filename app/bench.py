@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
+from app.engine import amx
 from app.engine.draft_length import expected_tokens
 from app.engine.generation import Engine, GenerationParams
 from app.engine.loading import LoadedModel
-from app.engine.model import PackedLinear, can_pack
+from app.engine.model import can_pack
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -154,10 +155,13 @@ def run_bench(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | None = None,
+    baselines: dict[str, Any] | None = None,
 ) -> list[Run]:
     """All configurations on every prompt, interleaved; returns one Run per (prompt, configuration).
 
-    Greedy by default; temperature > 0 samples every configuration (with `seed`, each run starts from it)."""
+    Greedy by default; temperature > 0 samples every configuration (with `seed`, each run starts from it).
+    `baselines`: other engines by name (greedy), each with `run(prompt_ids, max_new_tokens) -> (ids, seconds)`,
+    such as `llamacpp.LlamaCppRunner`."""
     from tqdm import tqdm
 
     hf = None
@@ -186,6 +190,9 @@ def run_bench(
     if hf is not None:
         hf.run(warm, 8, params_of(configs[0], 8))
         hf.run(warm, 8, params_of(configs[0], 8), num_draft_tokens)
+    baselines = baselines or {}
+    for runner in baselines.values():
+        runner.run(warm, 8)
     for p in tqdm(prompts, desc="bench", unit="prompt", file=sys.stderr):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]))
         if hf is not None:
@@ -194,6 +201,9 @@ def run_bench(
             if any(c.draft == "ngram" for c in configs):
                 out, secs = hf.run(ids, max_new_tokens, params_of(configs[0], max_new_tokens), num_draft_tokens)
                 runs.append(Run("hf/ngram", p.question_id, p.category, len(out), secs, out))
+        for name, runner in baselines.items():
+            out, secs = runner.run(ids, max_new_tokens)
+            runs.append(Run(name, p.question_id, p.category, len(out), secs, out))
         for c in configs:
             gen = engine.start(ids, params_of(c, max_new_tokens), c.draft)
             t0 = time.perf_counter()
@@ -236,8 +246,8 @@ def summarize(runs: list[Run], num_draft_tokens: int, sampled: bool = False) -> 
             tokens = sum(r.tokens for r in rs)
             secs = sum(r.seconds for r in rs)
             entry: dict[str, Any] = {"prompts": len(rs), "tokens": tokens, "tokens_per_second": tokens / secs}
-            if c.startswith("hf"):
-                # transformers' outputs are checked against ours too: the same weights, greedy.
+            if not any(by_prompt[q][c].stats for q in qids if c in by_prompt[q]):
+                # Other engines (transformers, llama.cpp) are checked against ours too: the same weights, greedy.
                 entry["identical_to_target_only"] = (
                     None if sampled else sum(by_prompt[q][c].token_ids == by_prompt[q]["none"].token_ids for q in qids)
                 )
@@ -358,7 +368,8 @@ def per_prompt_medians(runs: list[Run]) -> dict[str, float]:
 def kernel_table(rows: tuple[int, ...] = (1, 5, 16), repeats: int = 7) -> dict[str, dict[int, float]]:
     """Milliseconds for the default target's 30 layers of products (random weights of its shapes, each layer
     its own so that weights stream from memory as in a real step), per row count and weight format:
-    float32, bfloat16 as F.linear runs it, and bfloat16 packed for oneDNN as the decoder runs it."""
+    float32, bfloat16 as F.linear runs it, bfloat16 packed for oneDNN (the decoder's fallback) and bfloat16 on
+    this project's AMX kernel (what the decoder runs where it can)."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
@@ -370,7 +381,15 @@ def kernel_table(rows: tuple[int, ...] = (1, 5, 16), repeats: int = 7) -> dict[s
         "bfloat16": ([[(lambda x, w=w: F.linear(x, w)) for w in ws] for ws in halves], torch.bfloat16),
     }
     if can_pack(torch.bfloat16, torch.device("cpu")):
-        formats["bfloat16 packed"] = ([[PackedLinear(w, None) for w in ws] for ws in halves], torch.bfloat16)
+
+        def onednn(w: torch.Tensor) -> Any:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+        formats["bfloat16 packed"] = ([[onednn(w) for w in ws] for ws in halves], torch.bfloat16)
+    lib = amx.kernel()
+    if lib is not None:
+        formats["bfloat16 AMX"] = ([[amx.AmxLinear(lib, w, None) for w in ws] for ws in halves], torch.bfloat16)
     table: dict[str, dict[int, float]] = {}
     for name, (fns, dtype) in formats.items():
         table[name] = {}

@@ -323,6 +323,14 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     parser.add_argument(
+        "--llama-cpp",
+        action="append",
+        choices=["gguf", "f32", "bf16"],
+        default=None,
+        help="also run llama.cpp (pip install llama-cpp-python) on the target's GGUF as it is (gguf) or "
+        "dequantized to f32 / bf16 (repeatable; greedy only)",
+    )
+    parser.add_argument(
         "--kernels", action="store_true", help="only time the target's matrix products per dtype (no model needed)"
     )
     parser.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
@@ -368,8 +376,33 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for d in dict.fromkeys(drafts)
         for sched in (schedules if d != "ngram" else ["fixed"])
     ]
+    import torch
+
+    threads = torch.get_num_threads()
+    baselines = {}
+    if args.llama_cpp:
+        from app import llamacpp, store
+
+        if args.temperature > 0:
+            raise CliError("--llama-cpp runs greedy only")
+        if not Path(loaded.source).is_file() or Path(loaded.source).suffix != ".gguf":
+            raise CliError(f"--llama-cpp needs a GGUF target; {loaded.source} is not one")
+        try:
+            baselines = llamacpp.runners(
+                Path(loaded.source), list(dict.fromkeys(args.llama_cpp)), store.cache_dir() / "gguf", threads
+            )
+        except RuntimeError as exc:
+            raise CliError(str(exc)) from exc
     runs = run_bench(
-        engine, loaded, prompts, configs, args.max_new_tokens, args.num_draft_tokens, not args.no_hf, **sampling
+        engine,
+        loaded,
+        prompts,
+        configs,
+        args.max_new_tokens,
+        args.num_draft_tokens,
+        not args.no_hf,
+        **sampling,
+        baselines=baselines,
     )
     summary = summarize(runs, args.num_draft_tokens, sampled=args.temperature > 0)
     out = Path(args.out)
@@ -382,7 +415,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "decoding": "sampling" if args.temperature > 0 else "greedy",
         **sampling,
         "prompts": len(prompts),
-        "threads": __import__("torch").get_num_threads(),
+        "threads": threads,
     }
     medians = per_prompt_medians(runs)
     (out / "results.json").write_text(

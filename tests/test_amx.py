@@ -93,3 +93,46 @@ def test_fused_norm_swiglu_and_residual_match_torch(lib) -> None:
     # Each fused row is still independent of the others.
     assert torch.equal(lin(gate_up[:, 2:3], swiglu=True), lin(gate_up, swiglu=True)[:, 2:3])
     assert torch.equal(lin(x[:, :1], norm=norm_w, eps=1e-5), lin(x, norm=norm_w, eps=1e-5)[:, :1])
+
+
+def _sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    # float32 causal attention of q [1, T, H, D] over k, v [KV, S, D] for positions start.., [1, T, H * D].
+    _, t, h, d = q.shape
+    group = h // k.shape[0]
+    keys = start + t
+    kk = k[:, :keys].float().repeat_interleave(group, 0)
+    vv = v[:, :keys].float().repeat_interleave(group, 0)
+    allowed = torch.arange(keys)[None, :] <= (start + torch.arange(t))[:, None]
+    y = F.scaled_dot_product_attention(q[0].transpose(0, 1).float(), kk, vv, attn_mask=allowed)
+    return y.transpose(0, 1).reshape(1, t, h * d)
+
+
+@pytest.mark.parametrize(("t", "start", "heads", "kv"), [(1, 0, 9, 3), (8, 40, 9, 3), (17, 100, 4, 4), (3, 15, 8, 1)])
+def test_attention_matches_float32_sdpa(lib, t: int, start: int, heads: int, kv: int) -> None:
+    g = torch.Generator().manual_seed(t + start)
+    d, capacity = 64, start + t + 20
+    k = torch.randn(kv, capacity, d, generator=g).bfloat16()
+    v = torch.randn(kv, capacity, d, generator=g).bfloat16()
+    q = torch.randn(1, t, heads, d, generator=g).bfloat16()
+    got = amx.attention(lib, q, k, v, start)
+    torch.testing.assert_close(got.float(), _sdpa_reference(q, k, v, start), rtol=2e-2, atol=2e-2)
+
+
+def test_attention_rows_depend_only_on_themselves(lib) -> None:
+    # The property that lets decoding drop padding and a fixed key span: a row's bits are the same whatever
+    # rows share the call, however large the cache, whatever lies in its unwritten slots.
+    g = torch.Generator().manual_seed(7)
+    kv, heads, d, start, t = 3, 9, 64, 50, 12
+    k = torch.randn(kv, 200, d, generator=g).bfloat16()
+    v = torch.randn(kv, 200, d, generator=g).bfloat16()
+    q = torch.randn(1, t, heads, d, generator=g).bfloat16()
+    whole = amx.attention(lib, q, k, v, start)
+    for i in (0, 5, 11):
+        alone = amx.attention(lib, q[:, i : i + 1], k, v, start + i)
+        assert torch.equal(alone, whole[:, i : i + 1]), i
+    bigger_k = torch.cat([k, torch.randn(kv, 300, d, generator=g).bfloat16()], dim=1)
+    bigger_v = torch.cat([v, torch.randn(kv, 300, d, generator=g).bfloat16()], dim=1)
+    k[:, start + t :] = 7.0  # garbage past the last written key is never read
+    v[:, start + t :] = float("nan")
+    assert torch.equal(amx.attention(lib, q, bigger_k, bigger_v, start), whole)
+    assert torch.equal(amx.attention(lib, q, k, v, start), whole)

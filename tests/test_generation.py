@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.engine import amx
 from app.engine.drafters import DraftError, ModelDrafter, NgramDrafter
 from app.engine.generation import Engine, Generation, GenerationError, GenerationParams, StepOutput
 from app.engine.loading import LoadedModel
@@ -258,10 +259,18 @@ def test_stop_string_on_the_real_target(target_f32, bench_prompts, baseline, rea
     assert gen.generated_ids == base.generated_ids[:needed], "no tokens past the one completing the stop string"
 
 
-def test_half_precision_rows_depend_on_the_row_count(target_bf16):
-    """Why decoding forwards are padded to at least two rows in bf16: the same token at the same position gets
-    other logits as a 1-row step than as a row of a 5-row verification."""
-    model = target_bf16.model
+@pytest.fixture
+def without_amx(monkeypatch: pytest.MonkeyPatch):
+    """Models packed and caches made inside the test run on oneDNN and SDPA, as on a CPU without AMX."""
+    monkeypatch.setenv("SPECSERVE_AMX", "0")
+    amx.kernel.cache_clear()
+    yield
+    monkeypatch.delenv("SPECSERVE_AMX")
+    amx.kernel.cache_clear()
+
+
+def _one_row_steps_and_a_chunk(model) -> tuple[torch.Tensor, torch.Tensor]:
+    # The same 5 tokens at the same positions: as five 1-row steps, and as one 5-row verification.
     ids = torch.arange(100, 160).reshape(1, -1)
     with torch.inference_mode():
         one, five = model.new_cache(64), model.new_cache(64)
@@ -269,18 +278,44 @@ def test_half_precision_rows_depend_on_the_row_count(target_bf16):
         model(ids[:, :50], 0, five)
         rows = torch.stack([model(ids[:, 50 + i : 51 + i], 50 + i, one)[0, 0] for i in range(5)])
         chunk = model(ids[:, 50:55], 50, five)[0]
+    return rows, chunk
+
+
+def test_half_precision_rows_depend_on_the_row_count_without_amx(target_bf16, without_amx):
+    """Why decoding forwards are padded to at least two rows in bf16 on oneDNN and SDPA: the same token at the
+    same position gets other logits as a 1-row step than as a row of a 5-row verification."""
+    rows, chunk = _one_row_steps_and_a_chunk(target_bf16.model)
     assert not torch.equal(rows, chunk)
 
 
-def test_half_precision_speculative_equals_target_only(target_f32, target_bf16, bench_prompts):
-    """In bfloat16, with oneDNN-packed weights as `load_model` gives them, speculative greedy decoding with
-    many multi-token verifications equals target-only decoding token for token."""
+def test_amx_rows_do_not_depend_on_the_row_count(target_bf16):
+    """On the AMX kernels every row is computed on its own: no padding needed (the engine pads nothing)."""
+    if amx.kernel() is None:
+        assert not amx._cpu_has_amx(), "this CPU has AMX but the kernel did not load"
+        pytest.skip("no AMX on this CPU: the oneDNN path is tested by the test above")
+    model = copy.deepcopy(target_bf16.model)
+    assert model.pack() and model.rows_independent()
+    rows, chunk = _one_row_steps_and_a_chunk(model)
+    assert torch.equal(rows, chunk)
+    assert Engine(model, target_bf16.tokenizer, {}, "none").verify_width == 0
+
+
+@pytest.mark.parametrize("backend", ["amx", "onednn"])
+def test_half_precision_speculative_equals_target_only(target_f32, target_bf16, bench_prompts, backend, request):
+    """In bfloat16, with packed weights as `load_model` gives them (on AMX, or on oneDNN with SDPA where AMX is
+    missing), speculative greedy decoding with many multi-token verifications equals target-only decoding token
+    for token."""
+    if backend == "onednn":
+        request.getfixturevalue("without_amx")
+    elif amx.kernel() is None:
+        assert not amx._cpu_has_amx(), "this CPU has AMX but the kernel did not load"
+        pytest.skip("no AMX on this CPU")
     model = copy.deepcopy(target_bf16.model)
     assert model.pack()
     bf16 = LoadedModel(model, target_f32.tokenizer, "bf16 packed", 0.0)
     drafters = {"f32": ModelDrafter("f32", target_f32, bf16), "ngram": NgramDrafter()}
     engine = Engine(model, target_f32.tokenizer, drafters, "f32", 4)
-    assert engine.verify_width == 8
+    assert engine.verify_width == (0 if backend == "amx" else 8)
     params = GenerationParams(max_new_tokens=MAX_NEW)
     # Drafts wider than the padding: the cache's span (its capacity) must not depend on the draft length.
     long = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=12)

@@ -648,3 +648,33 @@ def test_gguf_unsupported_tokenizer_model(tmp_path):
     read_checkpoint(path)  # the weights are fine
     with pytest.raises(TokenizerError, match="tokenizer model 'llama' is not supported"):
         load_model(path)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_llama_cpp_baseline_copies_keep_the_weights(tmp_path, kind):
+    """`specserve bench --llama-cpp f32|bf16` runs llama.cpp on a dequantized copy of the target's GGUF: every
+    metadata field is kept (file type updated), vectors stay F32, and the weights read back as the source's,
+    exactly in f32 and to bf16's rounding in bf16."""
+    from app.llamacpp import convert_gguf
+
+    src = tmp_path / "tiny-Q4_1.gguf"
+    _write_gguf(src, "llama", _gguf_source_model("llama", True, 5).state_dict(), Q.Q4_1, True, 5)
+    dst = convert_gguf(src, tmp_path / f"tiny.{kind}.gguf", kind)
+
+    before, after = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(dst))
+    assert int(after.fields["general.file_type"].contents()) == {"f32": 0, "bf16": 32}[kind]
+    for name, field in before.fields.items():
+        if not name.startswith("GGUF.") and name != "general.file_type":
+            assert after.fields[name].contents() == field.contents(), name
+    types = {t.name: t.tensor_type for t in after.tensors}
+    assert {types[t.name] for t in after.tensors if len(t.shape) == 1} == {Q.F32}
+    assert {types[t.name] for t in after.tensors if len(t.shape) > 1} == {Q.F32 if kind == "f32" else Q.BF16}
+
+    want, got = read_checkpoint(src).state_dict, read_checkpoint(dst).state_dict
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        expected = tensor if kind == "f32" or tensor.dim() == 1 else tensor.bfloat16().float()
+        assert torch.equal(got[name], expected), name
+    assert convert_gguf(src, dst, kind) == dst  # an existing copy is reused
+    with pytest.raises(ValueError, match="unknown GGUF type"):
+        convert_gguf(src, tmp_path / "x.gguf", "q8")

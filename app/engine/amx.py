@@ -18,6 +18,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ _SOURCE = r"""
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <math.h>
+#include <stdlib.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -195,6 +197,130 @@ void amx_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *
     }
     if (residual) add_rows(y, residual, (size_t)m * n);
 }
+
+static void config_keys(int rows) {
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    cfg.rows[0] = rows; cfg.colsb[0] = 64;   /* C: keys x 16 queries f32 */
+    cfg.rows[1] = rows; cfg.colsb[1] = 64;   /* A: keys x 32 dims bf16 */
+    cfg.rows[2] = 16; cfg.colsb[2] = 64;     /* B: 16 dim pairs x 16 queries x 2 */
+    cfg.rows[3] = 16; cfg.colsb[3] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* One block of up to 16 query rows (all of one kv head), D % 32 == 0, D <= 256.
+   qpos[r]: position of query r (it sees keys 0..qpos[r]); n = max(qpos) + 1 keys are read. */
+static void block(const uint16_t *const *qrows, const int *qpos, int nq, const uint16_t *k, const uint16_t *v,
+                  int d, float scale, uint16_t *const *outs, float *s /* [n_pad][16] */) {
+    int n = 0;
+    for (int r = 0; r < nq; r++) if (qpos[r] + 1 > n) n = qpos[r] + 1;
+    /* Q^T packed for the tile product: [d/2 pairs][16 queries][2]. */
+    uint16_t qt[128 * 16 * 2] __attribute__((aligned(64)));
+    memset(qt, 0, sizeof(uint16_t) * (d / 2) * 32);
+    for (int r = 0; r < nq; r++)
+        for (int p = 0; p < d / 2; p++) {
+            qt[(p * 16 + r) * 2] = qrows[r][2 * p];
+            qt[(p * 16 + r) * 2 + 1] = qrows[r][2 * p + 1];
+        }
+    /* Scores S^T [keys][16 queries] = K Q^T, 16 keys per tile. */
+    int full = n / 16, rest = n % 16;
+    if (full) {
+        config_keys(16);
+        for (int b = 0; b < full; b++) {
+            _tile_zero(0);
+            for (int c = 0; c < d / 32; c++) {
+                _tile_loadd(1, k + (size_t)b * 16 * d + c * 32, d * 2);
+                _tile_loadd(2, qt + c * 16 * 32, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, s + b * 256, 64);
+        }
+    }
+    if (rest) {
+        config_keys(rest);
+        _tile_zero(0);
+        for (int c = 0; c < d / 32; c++) {
+            _tile_loadd(1, k + (size_t)full * 16 * d + c * 32, d * 2);
+            _tile_loadd(2, qt + c * 16 * 32, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, s + full * 256, 64);
+    }
+    _tile_release();
+    /* Softmax down each query's column, keys past its position masked; 16 queries per vector. */
+    __m512i pos = _mm512_set1_epi32(-1);
+    int qp[16];
+    for (int r = 0; r < 16; r++) qp[r] = r < nq ? qpos[r] : -1;
+    pos = _mm512_loadu_si512(qp);
+    __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx = ninf;
+    for (int j = 0; j < n; j++) {
+        __mmask16 live = _mm512_cmp_epi32_mask(_mm512_set1_epi32(j), pos, _MM_CMPINT_LE);
+        __m512 x = _mm512_mask_mov_ps(ninf, live, _mm512_mul_ps(_mm512_loadu_ps(s + j * 16), sc));
+        _mm512_storeu_ps(s + j * 16, x);
+        mx = _mm512_max_ps(mx, x);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j * 16), mx));
+        __mmask16 live = _mm512_cmp_epi32_mask(_mm512_set1_epi32(j), pos, _MM_CMPINT_LE);
+        e = _mm512_maskz_mov_ps(live, e);
+        _mm512_storeu_ps(s + j * 16, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float sums[16];
+    _mm512_storeu_ps(sums, sum);
+    /* O = P V in float32, keys in order: 4 query rows at a time, 64 dims per pass. */
+    for (int r0 = 0; r0 < nq; r0 += 4) {
+        int rr = nq - r0 < 4 ? nq - r0 : 4;
+        for (int d0 = 0; d0 < d; d0 += 64) {
+            __m512 acc[4][4];
+            for (int a = 0; a < 4; a++) for (int b = 0; b < 4; b++) acc[a][b] = _mm512_setzero_ps();
+            int nmax = 0;
+            for (int a = 0; a < rr; a++) if (qpos[r0 + a] + 1 > nmax) nmax = qpos[r0 + a] + 1;
+            for (int j = 0; j < nmax; j++) {
+                const uint16_t *vj = v + (size_t)j * d + d0;
+                __m512 v0 = load16(vj), v1 = load16(vj + 16), v2 = load16(vj + 32), v3 = load16(vj + 48);
+                for (int a = 0; a < rr; a++) {
+                    __m512 p = _mm512_set1_ps(s[j * 16 + r0 + a]);
+                    acc[a][0] = _mm512_fmadd_ps(p, v0, acc[a][0]);
+                    acc[a][1] = _mm512_fmadd_ps(p, v1, acc[a][1]);
+                    acc[a][2] = _mm512_fmadd_ps(p, v2, acc[a][2]);
+                    acc[a][3] = _mm512_fmadd_ps(p, v3, acc[a][3]);
+                }
+            }
+            for (int a = 0; a < rr; a++) {
+                __m512 inv = _mm512_set1_ps(1.0f / sums[r0 + a]);
+                for (int b = 0; b < 4; b++) store16(outs[r0 + a] + d0 + 16 * b, _mm512_mul_ps(acc[a][b], inv));
+            }
+        }
+    }
+}
+
+/* q: row t, head h at q + t * q_stride + h * d; kc, vc: [kv][cap][d] (one layer of one sequence's cache, keys
+   0..start+t-1 written); out: [t][h * d]. Query row (t, h) attends keys 0..start+t with kv head h / (h / kv). */
+void amx_attention(const uint16_t *q, int q_stride, const uint16_t *kc, const uint16_t *vc, int cap, int t, int h,
+                   int kv, int d, int start, float scale, uint16_t *out, int threads) {
+    int group = h / kv, rows = t * group, blocks = (rows + 15) / 16, items = kv * blocks;
+    int n_pad = (start + t + 15) / 16 * 16;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items > 1)
+    for (int it = 0; it < items; it++) {
+        int g = it / blocks, b0 = (it % blocks) * 16, nq = rows - b0 < 16 ? rows - b0 : 16;
+        const uint16_t *qrows[16];
+        uint16_t *outs[16];
+        int qpos[16];
+        for (int r = 0; r < nq; r++) {
+            int row = b0 + r, tt = row / group, hh = g * group + row % group;
+            qrows[r] = q + (size_t)tt * q_stride + (size_t)hh * d;
+            outs[r] = out + (size_t)tt * h * d + (size_t)hh * d;
+            qpos[r] = start + tt;
+        }
+        float *s = aligned_alloc(64, (size_t)n_pad * 16 * sizeof(float));
+        block(qrows, qpos, nq, kc + (size_t)g * cap * d, vc + (size_t)g * cap * d, d, scale, outs, s);
+        free(s);
+    }
+}
 """
 
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
@@ -252,6 +378,8 @@ def kernel() -> ctypes.CDLL | None:
     lib.amx_linear.restype = None
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     lib.amx_linear.argtypes = [pointer] * 4 + [integer] * 5 + [pointer, ctypes.c_float, pointer, pointer]
+    lib.amx_attention.restype = None
+    lib.amx_attention.argtypes = [pointer, integer, pointer, pointer, *[integer] * 6, ctypes.c_float, pointer, integer]
     if not lib.amx_init():
         log.warning("the OS refused AMX tile state; using oneDNN")
         return None
@@ -319,3 +447,34 @@ class AmxLinear:
                 None if scratch is None else scratch.data_ptr(),
             )
         return y if self._padded == self.out_features else y[..., : self.out_features]
+
+
+def attention(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int) -> Tensor:
+    """Causal attention of q [1, T, H, D] (heads contiguous, rows any stride) at positions start..start+T-1
+    over one sequence's cache k_cache, v_cache [KV, capacity, D] (bf16, keys up to start+T-1 written).
+    Returns [1, T, H * D] bf16.
+
+    Unlike SDPA, a row's result depends on nothing but its query and the keys it sees: not on how many rows
+    the call has, nor on the cache's capacity (scores on AMX tiles, softmax and the weighted sum of values in
+    float32, keys always in order). Decoding forwards then need neither padding nor a fixed key span."""
+    _, t, h, d = q.shape
+    kv, capacity, _ = k_cache.shape
+    if q.stride(3) != 1 or q.stride(2) != d:
+        raise ValueError("attention needs each query row's heads side by side")
+    out = torch.empty(1, t, h * d, dtype=torch.bfloat16)
+    lib.amx_attention(
+        q.data_ptr(),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        capacity,
+        t,
+        h,
+        kv,
+        d,
+        start,
+        1.0 / math.sqrt(d),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

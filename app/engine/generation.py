@@ -322,6 +322,9 @@ class Generation:
 
     @staticmethod
     def _checked(logits: torch.Tensor) -> torch.Tensor:
+        # In float32 (an exact conversion): bfloat16's argmax and isfinite over a 49k vocabulary take 200-250 us
+        # each on this CPU, the float32 ones a few.
+        logits = logits.float()
         if not bool(torch.isfinite(logits).all()):
             raise NumericalError("the target produced non-finite logits")
         return logits
@@ -399,9 +402,11 @@ class Engine:
         self._batch_draft_step: dict[int, float] = {}
         # None: pad decoding forwards to 8 rows in half precision, where a 1-row forward's bits differ (see
         # Generation._plan; on this CPU 2 rows would do, and measured no faster end to end), and not at all in
-        # float32, where results differ too little to flip a token and padding would cost.
+        # float32, where results differ too little to flip a token and padding would cost, nor on the AMX
+        # kernels, whose rows depend on nothing but themselves.
         if verify_width is None:
-            verify_width = 8 if target.dtype in (torch.bfloat16, torch.float16) else 0
+            half = target.dtype in (torch.bfloat16, torch.float16)
+            verify_width = 8 if half and not target.rows_independent() else 0
         self.verify_width = verify_width
 
     def drafter(self, name: str | None) -> Drafter | None:

@@ -77,6 +77,16 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0
+        # Attention over this cache runs on the AMX kernel (`amx.attention`), whose rows depend on nothing but
+        # themselves: no causal mask to build, no padding or fixed span needed for bit-exact results.
+        self.amx = (
+            batch == 1
+            and dtype == torch.bfloat16
+            and torch.device(device).type == "cpu"
+            and config.head_dim % 32 == 0
+            and config.head_dim <= 256
+            and amx.kernel() is not None
+        )
         # Attend over the whole capacity (masked) instead of the valid length: every forward then reduces over
         # the same number of keys, so a token's attention does not depend on how many tokens were fed with it.
         # (Softmax and attention kernels vectorise over the key axis, and a different length changes the order
@@ -180,6 +190,11 @@ class _Attention(nn.Module):
         mask: Tensor | None,
     ) -> Tensor:
         b, t = q.shape[:2]
+        if cache is not None and cache.amx and mask is None:
+            end = start_pos + t
+            cache.k[layer, 0, :, start_pos:end] = k[0].transpose(0, 1)
+            cache.v[layer, 0, :, start_pos:end] = v[0].transpose(0, 1)
+            return amx.attention(amx.kernel(), q, cache.k[layer, 0], cache.v[layer, 0], start_pos)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         causal = mask is None and t > 1
         if cache is not None:
@@ -251,7 +266,7 @@ def layout_rows(
         end = start + t
         cache.check_span(start, end)
         tables.append(rope(start, end))
-        mask = Transformer._cache_mask(cache, start, t, None) if t > 1 or cache.fixed_span else None
+        mask = Transformer._cache_mask(cache, start, t, None) if (t > 1 or cache.fixed_span) and not cache.amx else None
         parts.append(SequenceRows(offset, t, start, cache, mask))
         offset += t
     return RowsLayout(parts, torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables]))
@@ -403,6 +418,12 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    def rows_independent(self) -> bool:
+        """Whether every op of a decoding forward computes each row on its own, so that a token's bits do not
+        depend on how many rows were fed with it (true on the AMX kernels: products and attention)."""
+        head = self._packed_head is not None and self._packed_head.fused is not None
+        return head and self.new_cache(1).amx and all(block._fusable() for block in self.layers)
+
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """A KV cache for `batch` sequences of up to `capacity` positions, in this model's dtype."""
         if capacity > self.config.max_seq_len:
@@ -437,7 +458,7 @@ class Transformer(nn.Module):
         elif start_pos != 0:
             raise ValueError("start_pos must be 0 without a cache")
         cos, sin = self._rope(start_pos, end)
-        if cache is not None and (mask is not None or t > 1 or cache.fixed_span):
+        if cache is not None and (mask is not None or ((t > 1 or cache.fixed_span) and not cache.amx)):
             mask = self._cache_mask(cache, start_pos, t, mask)
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):

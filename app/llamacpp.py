@@ -1,0 +1,94 @@
+"""llama.cpp as a baseline for `specserve bench`: what a CPU user would run instead, on the same GGUF.
+
+llama.cpp runs through its Python binding (`pip install llama-cpp-python`, which builds llama.cpp from
+source for this CPU); it is not a dependency of specserve. Besides the catalog GGUF's own weights (Q4_1 for
+the default target) it runs F32 and BF16 copies of them, written here by `convert_gguf`: the weights our
+engine dequantizes at load, so llama.cpp computes with the same numbers we do.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# GGUF `general.file_type` values (llama.cpp's llama_ftype) of the copies this module writes.
+_FILE_TYPES = {"f32": 0, "bf16": 32}
+
+
+def convert_gguf(src: Path, dst: Path, kind: str) -> Path:
+    """Write `src`'s tensors dequantized to `kind` (`f32` or `bf16`) into `dst`, every metadata field copied.
+
+    Vectors (norm weights) stay float32, as llama.cpp expects them. Returns `dst`; an existing `dst` is
+    kept (the conversion depends on nothing but `src`)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    if kind not in _FILE_TYPES:
+        raise ValueError(f"unknown GGUF type {kind!r}; choose {', '.join(_FILE_TYPES)}")
+    if dst.exists():
+        return dst
+    reader = gguf.GGUFReader(str(src))
+    arch = str(reader.fields["general.architecture"].contents())
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue  # the writer's own, and the type written below
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), vtype, sub_type=sub)
+    writer.add_key_value("general.file_type", _FILE_TYPES[kind], gguf.GGUFValueType.UINT32)
+    for t in reader.tensors:
+        data = dequantize(t.data, t.tensor_type).astype(np.float32)
+        if kind == "bf16" and data.ndim > 1:
+            bf16 = gguf.GGMLQuantizationType.BF16
+            writer.add_tensor(t.name, quantize(data, bf16), raw_dtype=bf16)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(dst)
+    return dst
+
+
+class LlamaCppRunner:
+    """Greedy decoding by llama.cpp (2 threads by default, like torch here) on one GGUF file."""
+
+    def __init__(self, path: Path, threads: int, context: int = 4096) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError as exc:
+            raise RuntimeError(
+                "llama.cpp baselines need its Python binding: pip install llama-cpp-python (builds llama.cpp)"
+            ) from exc
+        self.model = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
+        self.eos = self.model.token_eos()
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+        """Generated token ids and the seconds they took (prefill included), greedy, stopping at EOS."""
+        out: list[int] = []
+        self.model.reset()
+        t0 = time.perf_counter()
+        for tok in self.model.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            out.append(int(tok))
+            if tok == self.eos or len(out) >= max_new_tokens:
+                break
+        return out, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.model.close() if hasattr(self.model, "close") else None
+
+
+def runners(source: Path, kinds: list[str], cache: Path, threads: int) -> dict[str, Any]:
+    """`llama.cpp/KIND` runners for `source`: KIND `gguf` is the file itself, `f32`/`bf16` converted copies."""
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        path = source if kind == "gguf" else convert_gguf(source, cache / f"{source.stem}.{kind}.gguf", kind)
+        out[f"llama.cpp/{kind}"] = LlamaCppRunner(path, threads)
+    return out
