@@ -209,6 +209,17 @@ static void config_keys(int rows) {
     _tile_loadconfig(&cfg);
 }
 
+/* Scores of key tile b (keys 16b.., as many rows as configured) against the packed queries qt, into s. */
+static inline void score_tile(const uint16_t *k, const uint16_t *qt, int d, int b, float *s) {
+    _tile_zero(0);
+    for (int c = 0; c < d / 32; c++) {
+        _tile_loadd(1, k + (size_t)b * 16 * d + c * 32, d * 2);
+        _tile_loadd(2, qt + c * 16 * 32, 64);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, s + b * 256, 64);
+}
+
 /* One block of up to 16 query rows (all of one kv head), D % 32 == 0, D <= 256.
    qpos[r]: position of query r (it sees keys 0..qpos[r]); n = max(qpos) + 1 keys are read. */
 static void block(const uint16_t *const *qrows, const int *qpos, int nq, const uint16_t *k, const uint16_t *v,
@@ -223,29 +234,15 @@ static void block(const uint16_t *const *qrows, const int *qpos, int nq, const u
             qt[(p * 16 + r) * 2] = qrows[r][2 * p];
             qt[(p * 16 + r) * 2 + 1] = qrows[r][2 * p + 1];
         }
-    /* Scores S^T [keys][16 queries] = K Q^T, 16 keys per tile. */
+    /* Scores S^T [keys][16 queries] = K Q^T, 16 keys per tile (the last tile as many as are left). */
     int full = n / 16, rest = n % 16;
     if (full) {
         config_keys(16);
-        for (int b = 0; b < full; b++) {
-            _tile_zero(0);
-            for (int c = 0; c < d / 32; c++) {
-                _tile_loadd(1, k + (size_t)b * 16 * d + c * 32, d * 2);
-                _tile_loadd(2, qt + c * 16 * 32, 64);
-                _tile_dpbf16ps(0, 1, 2);
-            }
-            _tile_stored(0, s + b * 256, 64);
-        }
+        for (int b = 0; b < full; b++) score_tile(k, qt, d, b, s);
     }
     if (rest) {
         config_keys(rest);
-        _tile_zero(0);
-        for (int c = 0; c < d / 32; c++) {
-            _tile_loadd(1, k + (size_t)full * 16 * d + c * 32, d * 2);
-            _tile_loadd(2, qt + c * 16 * 32, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, s + full * 256, 64);
+        score_tile(k, qt, d, full, s);
     }
     _tile_release();
     /* Softmax down each query's column, keys past its position masked; 16 queries per vector. */
