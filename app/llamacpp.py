@@ -81,9 +81,6 @@ class LlamaCppRunner:
                 break
         return out, time.perf_counter() - t0
 
-    def close(self) -> None:
-        self.model.close() if hasattr(self.model, "close") else None
-
 
 def runners(source: Path, kinds: list[str], cache: Path, threads: int) -> dict[str, Any]:
     """`llama.cpp/KIND` runners for `source`: KIND `gguf` is the file itself, `f32`/`bf16` converted copies."""

@@ -79,14 +79,7 @@ class KVCache:
         self.length = 0
         # Attention over this cache runs on the AMX kernel (`amx.attention`), whose rows depend on nothing but
         # themselves: no causal mask to build, no padding or fixed span needed for bit-exact results.
-        self.amx = (
-            batch == 1
-            and dtype == torch.bfloat16
-            and torch.device(device).type == "cpu"
-            and config.head_dim % 32 == 0
-            and config.head_dim <= 256
-            and amx.kernel() is not None
-        )
+        self.amx = batch == 1 and _amx_attention(config, dtype, torch.device(device))
         # Attend over the whole capacity (masked) instead of the valid length: every forward then reduces over
         # the same number of keys, so a token's attention does not depend on how many tokens were fed with it.
         # (Softmax and attention kernels vectorise over the key axis, and a different length changes the order
@@ -105,6 +98,12 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
+
+
+def _amx_attention(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether attention over this model's caches can run on `amx.attention`."""
+    fits = dtype == torch.bfloat16 and device.type == "cpu" and config.head_dim % 32 == 0 and config.head_dim <= 256
+    return fits and amx.kernel() is not None
 
 
 def _rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -422,7 +421,8 @@ class Transformer(nn.Module):
         """Whether every op of a decoding forward computes each row on its own, so that a token's bits do not
         depend on how many rows were fed with it (true on the AMX kernels: products and attention)."""
         head = self._packed_head is not None and self._packed_head.fused is not None
-        return head and self.new_cache(1).amx and all(block._fusable() for block in self.layers)
+        attention = _amx_attention(self.config, self.dtype, self.device)
+        return head and attention and all(block._fusable() for block in self.layers)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """A KV cache for `batch` sequences of up to `capacity` positions, in this model's dtype."""
