@@ -21,7 +21,14 @@ from hypothesis import strategies as st
 
 from app.engine import amx
 from app.engine.drafters import DraftError, ModelDrafter, NgramDrafter
-from app.engine.generation import Engine, Generation, GenerationError, GenerationParams, StepOutput
+from app.engine.generation import (
+    Engine,
+    Generation,
+    GenerationError,
+    GenerationParams,
+    NumericalError,
+    StepOutput,
+)
 from app.engine.loading import LoadedModel
 from app.engine.reference import greedy_decode
 
@@ -588,3 +595,14 @@ def test_property_stop_strings(seed, max_new, k, make_tiny_model, word_tokenizer
     assert gen.finish_reason == "stop"
     assert gen.text == full[:first] and stop not in gen.text
     assert gen.generated_ids == greedy[:needed]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_are_an_error_not_a_token(make_tiny_model, word_tokenizer, bad):
+    model = make_tiny_model(seed=0)
+    with torch.no_grad():
+        model.norm.weight[3] = bad  # every position's hidden state, and so its logits, turn non-finite
+    tok = word_tokenizer(model.config.vocab_size)
+    gen = Generation(model, tok, [1, 2, 3], GenerationParams(max_new_tokens=4), None)
+    with pytest.raises(NumericalError, match="non-finite logits"):
+        gen.step()

@@ -322,10 +322,11 @@ class Generation:
 
     @staticmethod
     def _checked(logits: torch.Tensor) -> torch.Tensor:
-        # In float32 (an exact conversion): bfloat16's argmax and isfinite over a 49k vocabulary take 200-250 us
-        # each on this CPU, the float32 ones a few.
+        # In float32 (an exact conversion): bfloat16's argmax over a 49k vocabulary takes twice float32's. One
+        # sum finds any NaN or infinity (both propagate; inf - inf is NaN) at a twentieth of isfinite().all()'s
+        # cost (18 vs 343 us for 3 rows here); finite logits cannot add up to an overflow.
         logits = logits.float()
-        if not bool(torch.isfinite(logits).all()):
+        if not bool(torch.isfinite(logits.sum())):
             raise NumericalError("the target produced non-finite logits")
         return logits
 
