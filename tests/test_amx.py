@@ -107,6 +107,13 @@ def _sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return y.transpose(0, 1).reshape(1, t, h * d)
 
 
+def _attend(lib, q, k, v, start):
+    # q [1, T, H, D] at positions start.. over caches k, v [KV, S, D] whose keys start.. are q's rows' own.
+    t = q.shape[1]
+    new_k, new_v = (c[:, start : start + t].transpose(0, 1)[None].contiguous() for c in (k, v))
+    return amx.attention(lib, q, new_k, new_v, [(0, t, k, v, start)])
+
+
 @pytest.mark.parametrize(("t", "start", "heads", "kv"), [(1, 0, 9, 3), (8, 40, 9, 3), (17, 100, 4, 4), (3, 15, 8, 1)])
 def test_attention_matches_float32_sdpa(lib, t: int, start: int, heads: int, kv: int) -> None:
     g = torch.Generator().manual_seed(t + start)
@@ -114,7 +121,7 @@ def test_attention_matches_float32_sdpa(lib, t: int, start: int, heads: int, kv:
     k = torch.randn(kv, capacity, d, generator=g).bfloat16()
     v = torch.randn(kv, capacity, d, generator=g).bfloat16()
     q = torch.randn(1, t, heads, d, generator=g).bfloat16()
-    got = amx.attention(lib, q, k, v, start)
+    got = _attend(lib, q, k.clone(), v.clone(), start)
     torch.testing.assert_close(got.float(), _sdpa_reference(q, k, v, start), rtol=2e-2, atol=2e-2)
 
 
@@ -126,13 +133,38 @@ def test_attention_rows_depend_only_on_themselves(lib) -> None:
     k = torch.randn(kv, 200, d, generator=g).bfloat16()
     v = torch.randn(kv, 200, d, generator=g).bfloat16()
     q = torch.randn(1, t, heads, d, generator=g).bfloat16()
-    whole = amx.attention(lib, q, k, v, start)
+    whole = _attend(lib, q, k, v, start)
     for i in (0, 5, 11):
-        alone = amx.attention(lib, q[:, i : i + 1], k, v, start + i)
+        alone = _attend(lib, q[:, i : i + 1], k, v, start + i)
         assert torch.equal(alone, whole[:, i : i + 1]), i
     bigger_k = torch.cat([k, torch.randn(kv, 300, d, generator=g).bfloat16()], dim=1)
     bigger_v = torch.cat([v, torch.randn(kv, 300, d, generator=g).bfloat16()], dim=1)
+    assert torch.equal(_attend(lib, q, bigger_k, bigger_v, start), whole)
     k[:, start + t :] = 7.0  # garbage past the last written key is never read
     v[:, start + t :] = float("nan")
-    assert torch.equal(amx.attention(lib, q, bigger_k, bigger_v, start), whole)
-    assert torch.equal(amx.attention(lib, q, k, v, start), whole)
+    assert torch.equal(_attend(lib, q, k, v, start), whole)
+
+
+def test_attention_of_several_sequences_in_one_call(lib) -> None:
+    # A batch's call writes each sequence's new keys into its own cache and gives each the bits it gets alone.
+    g = torch.Generator().manual_seed(8)
+    kv, heads, d = 3, 9, 64
+    shapes = [(1, 30), (5, 12), (17, 0), (3, 99)]  # (rows, start)
+    caches = [(torch.randn(kv, 130, d, generator=g).bfloat16(), torch.randn(kv, 130, d, generator=g).bfloat16())]
+    caches += [
+        (torch.randn(kv, 130, d, generator=g).bfloat16(), torch.randn(kv, 130, d, generator=g).bfloat16())
+        for _ in shapes[1:]
+    ]
+    n = sum(t for t, _ in shapes)
+    qkv = torch.randn(1, n, heads + 2 * kv, d, generator=g).bfloat16()  # as the decoder lays rows out
+    q, k, v = qkv[:, :, :heads], qkv[:, :, heads : heads + kv], qkv[:, :, heads + kv :]
+    alone, parts, offset = [], [], 0
+    for (t, start), (kc, vc) in zip(shapes, caches, strict=True):
+        rows = slice(offset, offset + t)
+        kc1, vc1 = kc.clone(), vc.clone()
+        alone.append(amx.attention(lib, q[:, rows], k[:, rows], v[:, rows], [(0, t, kc1, vc1, start)]))
+        assert torch.equal(kc1[:, start : start + t], k[0, rows].transpose(0, 1))  # written into the cache
+        parts.append((offset, t, kc, vc, start))
+        offset += t
+    together = amx.attention(lib, q, k, v, parts)
+    assert torch.equal(together, torch.cat(alone, dim=1))

@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -295,26 +296,52 @@ static void block(const uint16_t *const *qrows, const int *qpos, int nq, const u
     }
 }
 
-/* q: row t, head h at q + t * q_stride + h * d; kc, vc: [kv][cap][d] (one layer of one sequence's cache, keys
-   0..start+t-1 written); out: [t][h * d]. Query row (t, h) attends keys 0..start+t with kv head h / (h / kv). */
-void amx_attention(const uint16_t *q, int q_stride, const uint16_t *kc, const uint16_t *vc, int cap, int t, int h,
-                   int kv, int d, int start, float scale, uint16_t *out, int threads) {
-    int group = h / kv, rows = t * group, blocks = (rows + 15) / 16, items = kv * blocks;
-    int n_pad = (start + t + 15) / 16 * 16;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items > 1)
-    for (int it = 0; it < items; it++) {
-        int g = it / blocks, b0 = (it % blocks) * 16, nq = rows - b0 < 16 ? rows - b0 : 16;
+/* One sequence of an attention call: its query rows (q_stride apart, heads d apart), its new keys and values
+   (k_stride / v_stride apart, kv heads d apart), one layer of its cache ([kv][cap][d]) and its output rows
+   ([t][h * d]). */
+typedef struct {
+    const uint16_t *q, *k, *v;
+    uint16_t *kc, *vc, *out;
+    int64_t cap, t, start;
+} part_t;
+
+/* Causal attention for several sequences in one call: each part's new keys and values are written into its
+   cache at start..start+t-1, then query row (t, h) of a part attends its keys 0..start+t with kv head
+   h / (h / kv). Work items (part, kv head, 16 query rows) are shared among the threads. */
+void amx_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
+                   float scale, int threads) {
+    int group = h / kv, total = 0, first[n_parts + 1];
+    for (int p = 0; p < n_parts; p++) {
+        const part_t *pt = &parts[p];
+        for (int tt = 0; tt < pt->t; tt++)
+            for (int g = 0; g < kv; g++) {
+                size_t slot = ((size_t)g * pt->cap + pt->start + tt) * d;
+                memcpy(pt->kc + slot, pt->k + (size_t)tt * k_stride + (size_t)g * d, (size_t)d * 2);
+                memcpy(pt->vc + slot, pt->v + (size_t)tt * v_stride + (size_t)g * d, (size_t)d * 2);
+            }
+        first[p] = total;
+        total += kv * (int)((pt->t * group + 15) / 16);
+    }
+    first[n_parts] = total;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic) if (threads > 1 && total > 1)
+    for (int it = 0; it < total; it++) {
+        int p = 0;
+        while (first[p + 1] <= it) p++;
+        const part_t *pt = &parts[p];
+        int rows = (int)pt->t * group, blocks = (rows + 15) / 16, local = it - first[p];
+        int g = local / blocks, b0 = (local % blocks) * 16, nq = rows - b0 < 16 ? rows - b0 : 16;
         const uint16_t *qrows[16];
         uint16_t *outs[16];
         int qpos[16];
         for (int r = 0; r < nq; r++) {
             int row = b0 + r, tt = row / group, hh = g * group + row % group;
-            qrows[r] = q + (size_t)tt * q_stride + (size_t)hh * d;
-            outs[r] = out + (size_t)tt * h * d + (size_t)hh * d;
-            qpos[r] = start + tt;
+            qrows[r] = pt->q + (size_t)tt * q_stride + (size_t)hh * d;
+            outs[r] = pt->out + (size_t)tt * h * d + (size_t)hh * d;
+            qpos[r] = (int)pt->start + tt;
         }
-        float *s = aligned_alloc(64, (size_t)n_pad * 16 * sizeof(float));
-        block(qrows, qpos, nq, kc + (size_t)g * cap * d, vc + (size_t)g * cap * d, d, scale, outs, s);
+        size_t n_pad = (size_t)(pt->start + pt->t + 15) / 16 * 16;
+        float *s = aligned_alloc(64, n_pad * 16 * sizeof(float));
+        block(qrows, qpos, nq, pt->kc + (size_t)g * pt->cap * d, pt->vc + (size_t)g * pt->cap * d, d, scale, outs, s);
         free(s);
     }
 }
@@ -376,7 +403,7 @@ def kernel() -> ctypes.CDLL | None:
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     lib.amx_linear.argtypes = [pointer] * 4 + [integer] * 5 + [pointer, ctypes.c_float, pointer, pointer]
     lib.amx_attention.restype = None
-    lib.amx_attention.argtypes = [pointer, integer, pointer, pointer, *[integer] * 6, ctypes.c_float, pointer, integer]
+    lib.amx_attention.argtypes = [pointer, *[integer] * 7, ctypes.c_float, integer]
     if not lib.amx_init():
         log.warning("the OS refused AMX tile state; using oneDNN")
         return None
@@ -446,32 +473,47 @@ class AmxLinear:
         return y if self._padded == self.out_features else y[..., : self.out_features]
 
 
-def attention(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int) -> Tensor:
-    """Causal attention of q [1, T, H, D] (heads contiguous, rows any stride) at positions start..start+T-1
-    over one sequence's cache k_cache, v_cache [KV, capacity, D] (bf16, keys up to start+T-1 written).
-    Returns [1, T, H * D] bf16.
+class _Part(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "k", "v", "kc", "vc", "out")] + [
+        (name, ctypes.c_int64) for name in ("cap", "t", "start")
+    ]
+
+
+def attention(
+    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, parts: Sequence[tuple[int, int, Tensor, Tensor, int]]
+) -> Tensor:
+    """Causal attention for several sequences whose rows lie one after another, in one call.
+
+    q [1, N, H, D], k and v [1, N, KV, D]: the rows' queries and new keys and values (bf16; heads contiguous,
+    rows any stride). `parts`: per sequence (first row, rows T_i, k_cache, v_cache [KV, capacity, D], start
+    position); its new keys and values are written into its cache at start..start+T_i-1 and its rows attend
+    its keys 0..their own position. Returns [1, N, H * D] bf16.
 
     Unlike SDPA, a row's result depends on nothing but its query and the keys it sees: not on how many rows
-    the call has, nor on the cache's capacity (scores on AMX tiles, softmax and the weighted sum of values in
-    float32, keys always in order). Decoding forwards then need neither padding nor a fixed key span."""
-    _, t, h, d = q.shape
-    kv, capacity, _ = k_cache.shape
-    if q.stride(3) != 1 or q.stride(2) != d:
-        raise ValueError("attention needs each query row's heads side by side")
-    out = torch.empty(1, t, h * d, dtype=torch.bfloat16)
+    or sequences the call has, nor on the cache's capacity (scores on AMX tiles, softmax and the weighted sum
+    of values in float32, keys always in order). Decoding forwards then need neither padding nor a fixed key
+    span, and a batch of requests gets the bits each would alone."""
+    _, n, h, d = q.shape
+    kv = k.shape[2]
+    for t in (q, k, v):
+        if t.stride(3) != 1 or (t.shape[2] > 1 and t.stride(2) != d):
+            raise ValueError("attention needs each row's heads side by side")
+    out = torch.empty(1, n, h * d, dtype=torch.bfloat16)
+    row = 2  # bytes per element
+    table = (_Part * len(parts))()
+    for i, (offset, rows, k_cache, v_cache, start) in enumerate(parts):
+        table[i] = _Part(
+            q.data_ptr() + offset * q.stride(1) * row,
+            k.data_ptr() + offset * k.stride(1) * row,
+            v.data_ptr() + offset * v.stride(1) * row,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr() + offset * h * d * row,
+            k_cache.shape[1],
+            rows,
+            start,
+        )
     lib.amx_attention(
-        q.data_ptr(),
-        q.stride(1),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        capacity,
-        t,
-        h,
-        kv,
-        d,
-        start,
-        1.0 / math.sqrt(d),
-        out.data_ptr(),
-        torch.get_num_threads(),
+        table, len(parts), q.stride(1), k.stride(1), v.stride(1), h, kv, d, 1.0 / math.sqrt(d), torch.get_num_threads()
     )
     return out

@@ -165,6 +165,9 @@ class _Attention(nn.Module):
         return _rows(self.wo, self._attend_parts(q, k, v, layout, layer))
 
     def _attend_parts(self, q: Tensor, k: Tensor, v: Tensor, layout: RowsLayout, layer: int) -> Tensor:
+        if all(p.cache.amx and p.mask is None for p in layout.parts):  # one call for every sequence
+            parts = [(p.offset, p.rows, p.cache.k[layer, 0], p.cache.v[layer, 0], p.start_pos) for p in layout.parts]
+            return amx.attention(amx.kernel(), q, k, v, parts)
         ys = [
             self._attend(*(t[:, p.offset : p.offset + p.rows] for t in (q, k, v)), layer, p.cache, p.start_pos, p.mask)
             for p in layout.parts
@@ -190,10 +193,7 @@ class _Attention(nn.Module):
     ) -> Tensor:
         b, t = q.shape[:2]
         if cache is not None and cache.amx and mask is None:
-            end = start_pos + t
-            cache.k[layer, 0, :, start_pos:end] = k[0].transpose(0, 1)
-            cache.v[layer, 0, :, start_pos:end] = v[0].transpose(0, 1)
-            return amx.attention(amx.kernel(), q, cache.k[layer, 0], cache.v[layer, 0], start_pos)
+            return amx.attention(amx.kernel(), q, k, v, [(0, t, cache.k[layer, 0], cache.v[layer, 0], start_pos)])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         causal = mask is None and t > 1
         if cache is not None:
