@@ -1,10 +1,12 @@
-"""bfloat16 matrix products on Intel AMX tiles for the few rows a decoding step multiplies.
+"""bfloat16 products and cached attention on Intel AMX tiles, for the few rows a decoding step has.
 
 oneDNN's bf16 products are built for big batches: for the 1-32 rows of a decoding step on this project's CPU
 they run far below memory bandwidth (the default target's 30 MLP up-projections, 1 row: 10 ms with oneDNN,
-6 ms here). This kernel streams each weight once per call and multiplies up to 16 rows per AMX tile, so a
-16-row verification costs what a 1-row step does. Its rows do not depend on how many rows a call has (each
-output is the same chain of tile products over K), and its bits equal oneDNN's up to 32 rows.
+6 ms here). `AmxLinear` streams each weight once per call and multiplies up to 16 rows per AMX tile, so a
+16-row verification costs what a 1-row step does; RMSNorm, SwiGLU and residual adds run inside the same call.
+`attention` attends a step's query rows over each sequence's KV cache, every sequence of a batch in one call.
+Neither result depends on how many rows a call has (each output is the same chain of operations whatever
+else is computed beside it), and the products' bits equal oneDNN's up to 32 rows.
 
 The C source below is compiled with the system's gcc at first use into the model cache
 (``$SPECSERVE_CACHE/kernels``), linked against torch's own OpenMP runtime so that both share one thread
