@@ -360,22 +360,33 @@ def _cpu_has_amx() -> bool:
     return all(f in flags.split() for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
 
 
-def _torch_lib_dir() -> Path:
-    return Path(torch.__file__).parent / "lib"
+def _torch_gomp() -> Path | None:
+    """The OpenMP runtime torch loaded (torch/lib/libgomp.so.1, or torch.libs/libgomp-<hash>.so.1 in other
+    wheels): the kernel must link that very file, or the process gets two runtimes and two thread pools."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1]
+        if "/libgomp" in path:
+            return Path(path)
+    return None
 
 
 def _build(target: Path) -> None:
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
         raise OSError("no C compiler (gcc) on PATH")
-    lib_dir = _torch_lib_dir()
+    gomp = _torch_gomp()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "amx_linear.c"
         src.write_text(_SOURCE)
         out = Path(tmp) / target.name
-        # Link torch's own libgomp (same soname as the system's): one OpenMP runtime, one pool of threads.
-        cmd = [gcc, *_FLAGS, str(src), "-o", str(out), f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lgomp", "-lm"]
+        # Link the libgomp torch loaded, by path: one OpenMP runtime, one pool of threads.
+        openmp = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else ["-lgomp"]
+        cmd = [gcc, *_FLAGS, str(src), "-o", str(out), *openmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise OSError(f"gcc failed: {done.stderr.strip()[:500]}")
@@ -391,7 +402,7 @@ def kernel() -> ctypes.CDLL | None:
         return None
     from app.store import cache_dir
 
-    key = hashlib.sha256(f"{_SOURCE}{_FLAGS}{_torch_lib_dir()}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{_SOURCE}{_FLAGS}{_torch_gomp()}".encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"amx_linear_{key}.so"
     try:
         if not path.exists():
