@@ -66,12 +66,18 @@ static void configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
+static inline __m512 load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+
 static void store_rows(const float *acc, uint16_t *y, const float *bias, int rows, int n, int col0) {
     for (int r = 0; r < rows; r++) {
         for (int c = 0; c < 64; c += 16) {
             __m512 a = _mm512_loadu_ps(acc + r * 64 + c);
             if (bias) a = _mm512_add_ps(a, _mm512_loadu_ps(bias + col0 + c));
-            _mm256_storeu_si256((__m256i *)(y + (size_t)r * n + col0 + c), (__m256i)_mm512_cvtneps_pbh(a));
+            store16(y + (size_t)r * n + col0 + c, a);
         }
     }
 }
@@ -112,13 +118,6 @@ static void groups(const uint16_t *w, const uint16_t *x, uint16_t *y, const floa
     _tile_release();
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* exp(x) for 16 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (~1 ulp). */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
@@ -134,12 +133,6 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
-
-static inline __m512 load16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline void store16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 
 /* RMSNorm of each row of x [m, k] into out: x * rsqrt(mean(x^2) + eps) * w, in float32, rounded once. */
 static void rmsnorm_rows(const uint16_t *x, const uint16_t *w, float eps, uint16_t *out, int m, int k) {
@@ -167,17 +160,9 @@ static void swiglu_rows(const uint16_t *x, uint16_t *out, int m, int k) {
     }
 }
 
-/* y [m, n] += residual [m, n] (float32 sum, rounded once), where residual is given. */
+/* y [m, n] += residual [m, n] (float32 sum, rounded once); count = m * n is a multiple of 64, as n is. */
 static void add_rows(uint16_t *y, const uint16_t *residual, size_t count) {
-    size_t i = 0;
-    for (; i + 16 <= count; i += 16) store16(y + i, _mm512_add_ps(load16(y + i), load16(residual + i)));
-    for (; i < count; i++) {
-        float f = bf16_to_f32(y[i]) + bf16_to_f32(residual[i]);
-        __m512 v = _mm512_set1_ps(f);
-        uint16_t tmp[16];
-        store16(tmp, v);
-        y[i] = tmp[0];
-    }
+    for (size_t i = 0; i < count; i += 16) store16(y + i, _mm512_add_ps(load16(y + i), load16(residual + i)));
 }
 
 /* w: [n/16][k/2][16][2] bf16 (see AmxLinear); x: [m, k] bf16, or with `op` 1 [m, k] to RMS-normalise with

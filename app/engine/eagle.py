@@ -162,7 +162,7 @@ class EagleDraft(nn.Module):
         x = self.fc(torch.cat([F.embedding(next_tokens, self._embed).to(states.dtype), states], dim=-1))
         cos, sin = self._rope(start_pos, start_pos + t, x.dtype, x.device)
         mask = None
-        if cache is not None and t > 1 and not cache.amx:  # the AMX attention is causal by itself
+        if cache is not None and cache.needs_mask(t):
             keys = torch.arange(start_pos + t, device=x.device)
             mask = keys[None, :] <= (start_pos + torch.arange(t, device=x.device))[:, None]
         x = self.block(x, cos, sin, 0, cache, start_pos, mask)

@@ -86,6 +86,11 @@ class KVCache:
         # of additions.) Set by callers that need bit-identical results across step shapes.
         self.fixed_span = False
 
+    def needs_mask(self, t: int) -> bool:
+        """Whether a forward of `t` rows over this cache needs an explicit causal mask: not on the AMX attention
+        (causal by itself); elsewhere for several rows, or for any with a fixed span."""
+        return not self.amx and (t > 1 or self.fixed_span)
+
     def check_span(self, start: int, end: int) -> None:
         """Raise ValueError unless positions start..end-1 can be written next (no gap, within capacity)."""
         if start > self.length:
@@ -265,7 +270,7 @@ def layout_rows(
         end = start + t
         cache.check_span(start, end)
         tables.append(rope(start, end))
-        mask = Transformer._cache_mask(cache, start, t, None) if (t > 1 or cache.fixed_span) and not cache.amx else None
+        mask = Transformer._cache_mask(cache, start, t, None) if cache.needs_mask(t) else None
         parts.append(SequenceRows(offset, t, start, cache, mask))
         offset += t
     return RowsLayout(parts, torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables]))
@@ -458,7 +463,7 @@ class Transformer(nn.Module):
         elif start_pos != 0:
             raise ValueError("start_pos must be 0 without a cache")
         cos, sin = self._rope(start_pos, end)
-        if cache is not None and (mask is not None or ((t > 1 or cache.fixed_span) and not cache.amx)):
+        if cache is not None and (mask is not None or cache.needs_mask(t)):
             mask = self._cache_mask(cache, start_pos, t, mask)
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
