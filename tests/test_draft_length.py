@@ -143,3 +143,34 @@ def test_a_request_the_batch_stopped_drafting_for_drifts_back_to_the_drafters_ac
         unlucky.rest()
     assert unlucky.acceptance == pytest.approx(unlucky.prior(), abs=0.02)
     assert batch_draft_lengths([unlucky, others], [100, 100], batch, 2)[0] > 0
+
+
+def _half_accepted(max_k: int = 6) -> DraftLength:
+    policy = DraftLength("adaptive", max_k, _costs(0.005, {8: 0.030}))
+    for _ in range(20):
+        policy.update(2, 1)  # one of two accepted: about 0.5 per token
+    return policy
+
+
+def test_a_shared_draft_forward_is_priced_once_per_position_for_all_its_requests():
+    # Verifying 16 rows costs about what 8 do (one 16-row tile); a draft step costs 5 ms alone or for all 8.
+    batch = _costs(0.0, {8: 0.020, 16: 0.021})
+    policies = [_half_accepted() for _ in range(8)]
+    limits = [100] * 8
+    # Drafting alone, each token costs its own 5 ms step: 8 of them would double the step. Nothing pays.
+    assert batch_draft_lengths(policies, limits, batch, 0, [0.005] * 8) == [0] * 8
+    # Drafted together, one 5 ms forward drafts a token for each of the 8 (4 tokens expected for 25 % more
+    # time), though one token for one request alone would not pay (0.5 token for 25 %).
+    assert batch_draft_lengths(policies, limits, batch, 0, [0.005] * 8, ["eagle"] * 8) == [1] * 8
+    # A request that is never accepted is left out of the shared draft even so.
+    hopeless = DraftLength("adaptive", 6, _costs(0.005, {8: 0.030}))
+    for _ in range(20):
+        hopeless.update(2, 0)
+    ks = batch_draft_lengths([*policies[:7], hopeless], limits, batch, 0, [0.005] * 8, ["eagle"] * 8)
+    assert ks == [1] * 7 + [0]
+    # Each drafter's forward is priced on its own: at 2.5 ms a step, two forwards for four requests each pay,
+    # eight forwards for one each do not.
+    ks = batch_draft_lengths(policies, limits, batch, 0, [0.0025] * 8, ["a"] * 4 + ["b"] * 4)
+    assert ks == [1] * 8
+    ks = batch_draft_lengths(policies, limits, batch, 0, [0.0025] * 8, list("abcdefgh"))
+    assert ks == [0] * 8

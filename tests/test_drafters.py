@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -184,3 +186,29 @@ def test_hybrid_lookup_is_deterministic_under_sampling():
     assert (tokens, q) == ([6, 4], None)  # one-hot q, which rejection sampling takes as None
     tokens, q = session.propose_sampled([4, 5, 6, 1], 2, SamplingParams(0.8), None)
     assert (tokens, q) == ([7, 7], None)  # a model draft without sampling support proposes as under greedy
+
+
+def _scan(ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup by scanning the whole sequence: the definition the indexed session must match."""
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        tail = ids[len(ids) - n :]
+        starts = [s for s in range(len(ids) - n) if ids[s : s + n] == tail]
+        if starts:
+            return ids[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+def test_ngram_session_index_follows_a_growing_sequence_and_a_replaced_one():
+    rng = random.Random(3)
+    for max_n, min_n in ((3, 1), (4, 2), (2, 2)):
+        session = NgramDrafter(max_n=max_n, min_n=min_n).session(capacity=500)
+        ids = [rng.randrange(5) for _ in range(3)]
+        for step in range(150):
+            k = rng.randrange(0, 5)
+            expected = _scan(ids, k, max_n, min_n) if k > 0 and len(ids) >= 2 else []
+            assert session.propose(ids, k) == expected
+            if step % 37 == 36:  # the same session asked about another sequence: its index starts over
+                ids = [rng.randrange(5) for _ in range(rng.randrange(1, 20))]
+            else:
+                ids = ids + [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+        assert session.propose(tuple(ids), 2) == _scan(ids, 2, max_n, min_n)  # any sequence type

@@ -14,7 +14,7 @@ choice is driven by the draft step's cost; in float32 it grows with k and longer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 SCHEDULES = ("adaptive", "heuristic", "fixed")
 
@@ -144,23 +144,28 @@ def batch_draft_lengths(
     verify: StepCosts,
     min_rows: int,
     draft_steps: Sequence[float | None] | None = None,
+    groups: Sequence[Hashable | None] | None = None,
 ) -> list[int]:
     """Draft lengths for requests whose drafts one target forward verifies together.
 
-    In a batch, every drafted token delays every request: it costs its drafter's step and widens the shared
-    forward (`verify`: measured seconds per number of rows in the whole forward; each request takes at least
-    `min_rows`; `draft_steps`: seconds one more drafted token costs each request's drafter in a batch, by
-    default its solo draft step). Requests on the adaptive schedule get tokens one at a time, each to the
-    request whose next token is likeliest accepted (a^(k+1) more expected tokens), while the batch's expected
-    tokens per second still grow; when drafting no longer pays (many requests, costly drafts, low acceptance) they draft
-    nothing. The other schedules keep their own choice. Until a batched forward was measured, each request
-    chooses as it would alone.
+    In a batch, every drafted token delays every request: it widens the shared forward (`verify`: measured
+    seconds per number of rows in the whole forward; each request takes at least `min_rows`) and costs draft
+    steps. `draft_steps`: seconds of one draft step of each request (default: its solo draft step).
+    `groups`: requests with the same key draft together, one draft forward per position for all of them, so
+    their drafts cost that key's step times the longest draft among them; None drafts alone (its k steps).
+    Requests on the adaptive schedule get tokens while the batch's expected tokens per second still grow:
+    one more token to the request that gains most, or one more to every such request at once (the move that
+    pays when a shared draft forward is dear for one row but cheap for all). When drafting no longer pays
+    (many requests, costly drafts, low acceptance) they draft nothing. The other schedules keep their own
+    choice. Until a batched forward was measured, each request chooses as it would alone.
     """
     ks = [length.next_k(limit) for length, limit in zip(lengths, limits, strict=True)]
     steps = list(draft_steps) if draft_steps is not None else [length.costs.draft_step for length in lengths]
+    keys = list(groups) if groups is not None else [None] * len(lengths)
     if not verify.verify or any(step is None for step in steps):
         return ks
-    free = [i for i, length in enumerate(lengths) if length.schedule == "adaptive"]
+    caps = [min(length.max_k, limit) for length, limit in zip(lengths, limits, strict=True)]
+    free = [i for i, length in enumerate(lengths) if length.schedule == "adaptive" and caps[i] > 0]
     for i in free:
         ks[i] = 0
     accept = [min(length.acceptance, 0.995) for length in lengths]
@@ -168,19 +173,41 @@ def batch_draft_lengths(
     def rate(ks: list[int]) -> float:
         tokens = sum(expected_tokens(a, k) for a, k in zip(accept, ks, strict=True))
         rows = sum(max(min_rows, k + 1) for k in ks)
-        draft = sum(k * (step or 0.0) for k, step in zip(ks, steps, strict=True))
+        draft = 0.0
+        depth: dict[Hashable, tuple[int, float]] = {}
+        for k, step, key in zip(ks, steps, keys, strict=True):
+            if key is None:
+                draft += k * (step or 0.0)
+            elif k > depth.get(key, (0, 0.0))[0]:
+                depth[key] = (k, step or 0.0)
+        draft += sum(k * step for k, step in depth.values())
         return tokens / max(draft + (verify.verify_cost(rows) or 0.0), 1e-9)
 
     best = rate(ks)
     while True:
+        moves = [[i] for i in free if ks[i] < caps[i]]
+        if len(moves) > 1:
+            moves.append([i for [i] in moves])
         choice = None
-        for i in free:
-            if ks[i] < min(lengths[i].max_k, limits[i]):
+        for move in moves:
+            for i in move:
                 ks[i] += 1
-                r = rate(ks)
+            r = rate(ks)
+            for i in move:
                 ks[i] -= 1
-                if r > best:
-                    best, choice = r, i
+            if r > best:
+                best, choice = r, move
         if choice is None:
-            return ks
-        ks[choice] += 1
+            break
+        for i in choice:
+            ks[i] += 1
+    # A move of all at once may have given tokens to requests that cost the batch more than they bring.
+    for i in free:
+        while ks[i] > 0:
+            ks[i] -= 1
+            r = rate(ks)
+            if r <= best:
+                ks[i] += 1
+                break
+            best = r
+    return ks

@@ -19,7 +19,7 @@ from app.engine.detokenizer import Detokenizer
 from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts, batch_draft_lengths
 from app.engine.drafters import Drafter, DraftSession
 from app.engine.model import KVCache, Transformer
-from app.engine.sampling import SamplingParams, sample, warp
+from app.engine.sampling import SamplingParams, argmax, sample, warp
 from app.engine.tokenizer import Tokenizer
 from app.engine.verification import greedy_verify, rejection_sample
 
@@ -338,7 +338,7 @@ class Generation:
             self._features[: hidden.shape[1]] = hidden[0]
         # Only the last position's logits are needed: a 49k-wide projection of every prompt token is not.
         logits = self._checked(self.target.logits(hidden[0, -1]))
-        nxt = int(logits.argmax()) if self.sampling.greedy else int(sample(warp(logits, self.sampling), self._rng))
+        nxt = int(argmax(logits)) if self.sampling.greedy else int(sample(warp(logits, self.sampling), self._rng))
         t1 = time.perf_counter()
         self.stats.target_passes += 1
         self.stats.prefill_seconds = t1 - t0
@@ -462,9 +462,16 @@ class Engine:
         # whose last bits differ from the solo step's.
         min_rows = 2 if self.verify_width else 0
         limits = [gen.params.max_new_tokens - gen.stats.generated_tokens - 1 for gen in gens]
-        # What one more drafted token costs the batch: per drafter, measured on batched drafts when there were.
-        steps = [self._batch_draft_step.get(id(gen.drafter), gen._length.costs.draft_step) for gen in gens]
-        ks = batch_draft_lengths([gen._length for gen in gens], limits, self._batch_costs, min_rows, steps)
+        # Greedy requests of a drafter that drafts several at once share one draft forward per position: its
+        # seconds measured on batched drafts when there were, else one solo step.
+        groups = [id(gen.drafter) if self._drafts_together(gen) else None for gen in gens]
+        steps = [
+            self._batch_draft_step.get(key, gen._length.costs.draft_step)
+            if key is not None
+            else gen._length.costs.draft_step
+            for gen, key in zip(gens, groups, strict=True)
+        ]
+        ks = batch_draft_lengths([gen._length for gen in gens], limits, self._batch_costs, min_rows, steps, groups)
         ks = [k if gen._k else 0 for gen, k in zip(gens, ks, strict=True)]
         drafted = self._draft_together(gens, ks, results)
         plans: list[tuple[int, _Plan]] = []
@@ -508,7 +515,7 @@ class Engine:
         that request's share of the seconds). A failure ends the requests of that drafter's batch."""
         groups: dict[int, list[int]] = {}
         for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
-            if k > 0 and gen._draft is not None and gen.sampling.greedy and hasattr(gen.drafter, "propose_batch"):
+            if k > 0 and gen._draft is not None and self._drafts_together(gen):
                 groups.setdefault(id(gen.drafter), []).append(j)
         drafted: dict[int, tuple[list[int], float]] = {}
         for key, js in groups.items():
@@ -528,13 +535,18 @@ class Engine:
                     results[j] = exc
                 continue
             seconds = time.perf_counter() - t0
-            # Seconds per drafted token in a batch: what batch_draft_lengths weighs one more token with.
-            per = seconds / max(1, sum(ks[j] for j in js))
+            # Seconds per draft position (one batched draft forward): what batch_draft_lengths prices with.
+            per = seconds / max(ks[j] for j in js)
             old = self._batch_draft_step.get(key)
             self._batch_draft_step[key] = per if old is None else 0.9 * old + 0.1 * per
             for j, tokens in zip(js, out, strict=True):
                 drafted[j] = (tokens, seconds / len(js))
         return drafted
+
+    @staticmethod
+    def _drafts_together(gen: Generation) -> bool:
+        """Whether `gen` drafts in its drafter's batched forward when a batch has several such requests."""
+        return gen.sampling.greedy and hasattr(gen.drafter, "propose_batch")
 
     def generate(
         self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None

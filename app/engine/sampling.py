@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,6 +38,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """`logits.argmax(-1)`: long [...] for logits [..., V], the first index on ties.
+
+    On CPU in float32 numpy's vectorised argmax does it: torch's is not vectorised there (95 vs 8 us over
+    49k logits, 945 vs 140 us for 16 rows, on this machine), and the target's head emits a row per
+    verified token."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
+    return logits.argmax(-1)
 
 
 def warp(logits: Tensor, params: SamplingParams) -> Tensor:

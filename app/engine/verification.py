@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from app.engine.sampling import argmax
+
 
 def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, int]:
     """Exact-match verification of k drafted tokens.
@@ -14,7 +16,7 @@ def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, int
     drafted tokens accepted, in order up to the first mismatch, and the target's own choice at that
     point: the correction of the first rejected token, or the bonus token when all k were accepted.
     """
-    choices = target_logits.argmax(dim=-1)
+    choices = argmax(target_logits)
     k = draft_tokens.shape[0]
     if k == 0:
         return 0, int(choices[0])
