@@ -168,3 +168,14 @@ def test_attention_of_several_sequences_in_one_call(lib) -> None:
         offset += t
     together = amx.attention(lib, q, k, v, parts)
     assert torch.equal(together, torch.cat(alone, dim=1))
+
+
+def test_auto_dtype_is_bfloat16_wherever_the_kernel_runs_without_a_timing_probe(monkeypatch):
+    from app.engine import loading
+
+    def no_timing() -> float:
+        raise AssertionError("timed a probe although AMX decides")
+
+    monkeypatch.setattr(amx, "kernel", lambda: object())
+    monkeypatch.setattr(loading.time, "perf_counter", no_timing)
+    assert loading._bf16_is_faster_on_cpu.__wrapped__() is True

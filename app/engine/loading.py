@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from app.engine import amx
 from app.engine.model import ModelConfig, PackedLinear, Transformer, can_pack
 from app.engine.tokenizer import Tokenizer
 from app.engine.weights import read_checkpoint
@@ -42,9 +43,15 @@ def resolve_device(device: str) -> torch.device:
 
 @functools.cache
 def _bf16_is_faster_on_cpu() -> bool:
-    # Time what decoding runs: the default target's MLP weight (576x1536) times 1 row (a plain step) and
+    # With AMX the bf16 products run on its tiles (`amx.AmxLinear`): faster than float32 by construction,
+    # and a timing probe on a busy machine (another process, a profiler pausing this one) could say otherwise.
+    if amx.kernel() is not None:
+        log.info("dtype probe: AMX tiles, bfloat16")
+        return True
+    # Else time what decoding runs: the default target's MLP weight (576x1536) times 1 row (a plain step) and
     # 8 rows (a verification), in float32 and in bfloat16 as the decoder would run it (packed where oneDNN
-    # allows). Where bf16 is emulated instead of done by AMX or AVX512-BF16, float32 wins.
+    # allows); the best of five rounds, so that a moment of noise does not decide. Where bf16 is emulated
+    # instead of done by AVX512-BF16, float32 wins.
     weight = torch.randn(1536, 576)
     cases = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -57,11 +64,14 @@ def _bf16_is_faster_on_cpu() -> bool:
         xs = [torch.randn(rows, 576, dtype=dtype) for rows in (1, 8)]
         for x in xs:
             product(x)
-        t0 = time.perf_counter()
-        for _ in range(30):
-            for x in xs:
-                product(x)
-        cases[dtype] = time.perf_counter() - t0
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                for x in xs:
+                    product(x)
+            rounds.append(time.perf_counter() - t0)
+        cases[dtype] = min(rounds)
     log.info("dtype probe: float32 %.2f ms, bfloat16 %.2f ms", cases[torch.float32] * 1e3, cases[torch.bfloat16] * 1e3)
     return cases[torch.bfloat16] < cases[torch.float32]
 
