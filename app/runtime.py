@@ -83,6 +83,7 @@ class Runtime:
             settings.device,
             draft_schedule=settings.draft_schedule,
             draft_p_min=settings.draft_p_min,
+            prefill_chunk=settings.prefill_chunk_tokens,
         )
         return cls.from_engine(engine, settings, metrics)
 

@@ -39,6 +39,13 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
     model_name: str | None = Field(None, description="the model id the OpenAI API reports (default: the target's name)")
     max_concurrent_requests: int = Field(4, ge=1, le=256, description="generations interleaved at once by the worker")
+    prefill_chunk_tokens: int = Field(
+        256,
+        ge=0,
+        le=65_536,
+        description="prompt tokens prefilled per step beside the running requests (0: a prompt whole, before "
+        "them); only on kernels whose rows do not depend on the batch (AMX), where it changes no token",
+    )
     max_queue_size: int = Field(
         16, ge=0, le=10_000, description="requests waiting for a place; beyond this the answer is 429"
     )

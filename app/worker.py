@@ -321,12 +321,12 @@ class Scheduler:
             return
         gens = [job.gen for job in live if job.gen is not None]
         firsts = [gen.needs_prefill for gen in gens]
+        together = len(self.engine.together(gens))
         outcomes = self.engine.step_batch(gens)
         if self.metrics is not None:
-            together = len(firsts) - sum(firsts)
-            for _ in range(sum(firsts) + (1 if together == 1 else 0)):
+            for _ in range(len(gens) - together):
                 self.metrics.forward(1)
-            if together > 1:
+            if together:
                 self.metrics.forward(together)
         self._running = [
             job for job, first, out in zip(live, firsts, outcomes, strict=True) if self._deliver(job, first, out)
@@ -365,6 +365,8 @@ class Scheduler:
     def _deliver(self, job: _Job, first: bool, out: StepOutput | Exception) -> bool:
         """Send one step's tokens to `job`'s client; False when the request is over."""
         assert job.gen is not None and job.texts is not None
+        if not isinstance(out, Exception) and not out.token_ids and out.finish_reason is None:
+            return not job.ended  # a step that prefilled part of the prompt: nothing to send yet
         try:
             if isinstance(out, Exception):
                 raise out

@@ -144,3 +144,37 @@ def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts):
         outs = engine.step_batch([g for g in gens if not g.finished])
         assert not [o for o in outs if isinstance(o, Exception)]
     assert [g.generated_ids for g in gens] == alone
+
+
+def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts):
+    """With AMX kernels (rows independent of the batch), a prompt joining running requests is prefilled a
+    chunk per step inside their forward: they keep getting tokens meanwhile, it gets none until its last
+    chunk, and everyone's tokens are those it gets alone. Elsewhere prompts stay whole."""
+    from app.engine.factory import build_engine
+
+    engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu", prefill_chunk=64)
+    chunked = engine.target.rows_independent()
+    assert engine.prefill_chunk == (64 if chunked else 0)
+    long_prompt = [t for p in prompts for t in p][:300]
+    params = GenerationParams(max_new_tokens=MAX_NEW)
+    jobs = [(prompts[0], "hybrid"), (prompts[1], "none"), (long_prompt, "hybrid")]
+    alone = [_run_alone(engine, p, params, d) for p, d in jobs]
+    gens = [engine.start(p, params, d) for p, d in jobs[:2]]
+    while any(g.needs_prefill for g in gens):
+        engine.step_batch(gens)
+    late = engine.start(long_prompt, params, "hybrid")
+    gens.append(late)
+    steps = 0
+    while late.needs_prefill:
+        live = [g for g in gens if not g.finished]
+        outs = dict(zip(map(id, live), engine.step_batch(live), strict=True))
+        steps += 1
+        if chunked and late.needs_prefill:
+            assert outs[id(late)].token_ids == [] and late.generated_ids == []
+            assert all(outs[id(g)].token_ids for g in gens[:2] if g in live)  # not held up by the prompt
+    assert steps == (-(-len(long_prompt) // 64) if chunked else 1)
+    assert len(late.generated_ids) == 1
+    while any(not g.finished for g in gens):
+        outs = engine.step_batch([g for g in gens if not g.finished])
+        assert not [o for o in outs if isinstance(o, Exception)]
+    assert [g.generated_ids for g in gens] == alone

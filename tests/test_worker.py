@@ -146,3 +146,42 @@ async def test_engine_refusal_and_shutdown_fail_the_request_only(scheduler, api_
     with pytest.raises(RequestFailed) as stopped:
         await _collect(pending)
     assert stopped.value.kind == "unavailable"
+
+
+async def test_a_prompt_prefilled_in_chunks_streams_no_empty_event(target_bf16) -> None:
+    """A long prompt prefilled a few tokens per step (on AMX) beside a running request: the steps that only
+    prefilled send nothing, the first event carries the first token, and both texts equal their solo texts."""
+    import copy
+
+    from app.engine.generation import Engine
+
+    model = copy.deepcopy(target_bf16.model)
+    assert model.pack()
+    engine = Engine(model, target_bf16.tokenizer, {}, "none", 0, prefill_chunk=16)
+    s = Scheduler(engine, max_running=4, max_waiting=4, metrics=Metrics())
+    s.start()
+    try:
+        params = GenerationParams(max_new_tokens=12)
+        long_ids = _ids(engine, " ".join(PROMPTS * 6))
+        short_ids = _ids(engine, PROMPTS[0])
+        alone = [await _collect(s.submit(ids, params, None, 60)) for ids in (short_ids, long_ids)]
+        events: list[list[int]] = []
+
+        async def collect(ticket: Ticket) -> tuple[str, list[int]]:
+            ids: list[int] = []
+            async for event in ticket.events():
+                events.append([t.id for t in event.tokens])
+                ids.extend(events[-1])
+                if event.finished is not None:
+                    return event.finished.text, ids
+            raise AssertionError("no finished event")
+
+        short = s.submit(short_ids, GenerationParams(max_new_tokens=40), None, 60)
+        await asyncio.sleep(0.05)  # running before the long prompt arrives
+        together = await asyncio.gather(collect(short), collect(s.submit(long_ids, params, None, 60)))
+    finally:
+        s.stop()
+    assert len(long_ids) > 3 * 16
+    assert together[1] == alone[1][:2]
+    assert together[0][1][:12] == alone[0][1]
+    assert all(events)  # no event without a token

@@ -35,6 +35,7 @@ def build_engine(
     max_seq_len: int | None = None,
     draft_schedule: str = "adaptive",
     draft_p_min: float = 0.05,
+    prefill_chunk: int = 256,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
@@ -73,5 +74,6 @@ def build_engine(
         num_draft_tokens,
         draft_schedule=draft_schedule,
         draft_p_min=draft_p_min,
+        prefill_chunk=prefill_chunk,
     )
     return engine, loaded

@@ -240,8 +240,14 @@ class Generation:
 
     @property
     def needs_prefill(self) -> bool:
-        """Whether the next step is the prompt's prefill (which runs alone, never in a batch)."""
-        return self._cache.length == 0
+        """Whether the prompt is not yet (all) in the cache: the next step prefills (the rest of) it."""
+        return self._cache.length < self.prompt_len
+
+    def _prefill_chunk(self, budget: int) -> tuple[torch.Tensor, int]:
+        """The next at most `budget` prompt tokens to prefill in a batch: (ids long [n], start position)."""
+        start = self._cache.length
+        end = min(self.prompt_len, start + budget)
+        return torch.tensor(self.ids[start:end], dtype=torch.long, device=self.target.device), start
 
     def _plan(self, width: int, k: int | None = None, drafted: tuple[list[int], float] | None = None) -> _Plan:
         """Draft this step's tokens and lay out the target's rows: [last token, drafts..., padding].
@@ -331,18 +337,30 @@ class Generation:
         return logits
 
     def _prefill(self) -> StepOutput:
+        """The prompt (what a batch left of it) in one forward, then the first token."""
         t0 = time.perf_counter()
-        prompt = torch.tensor([self.ids], dtype=torch.long, device=self.target.device)
-        hidden = self.target.hidden(prompt, 0, self._cache)
-        if self._features is not None:
-            self._features[: hidden.shape[1]] = hidden[0]
+        start = self._cache.length
+        prompt = torch.tensor([self.ids[start : self.prompt_len]], dtype=torch.long, device=self.target.device)
+        hidden = self.target.hidden(prompt, start, self._cache)[0]
         # Only the last position's logits are needed: a 49k-wide projection of every prompt token is not.
-        logits = self._checked(self.target.logits(hidden[0, -1]))
+        logits = self.target.logits(hidden[-1])
+        return self._prefilled(start, hidden, logits, time.perf_counter() - t0)
+
+    def _prefilled(self, start: int, hidden: torch.Tensor, logits: torch.Tensor | None, seconds: float) -> StepOutput:
+        """After prompt rows start.. were run (`hidden` [n, dim]): their states for a feature draft, and with the
+        prompt's last row's `logits` [vocab] (None while the prompt is not all in) the first token."""
+        t0 = time.perf_counter()
+        if self._features is not None:
+            self._features[start : start + hidden.shape[0]] = hidden
+        if logits is None:
+            self.stats.prefill_seconds += seconds + time.perf_counter() - t0
+            return StepOutput([], "", 0, 0, 0.0, 0.0)
+        logits = self._checked(logits)
         nxt = int(argmax(logits)) if self.sampling.greedy else int(sample(warp(logits, self.sampling), self._rng))
-        t1 = time.perf_counter()
+        seconds += time.perf_counter() - t0
         self.stats.target_passes += 1
-        self.stats.prefill_seconds = t1 - t0
-        return self._emit([nxt], 0, 0, 0.0, t1 - t0)
+        self.stats.prefill_seconds += seconds
+        return self._emit([nxt], 0, 0, 0.0, seconds)
 
     def _emit(self, new: list[int], drafted: int, accepted: int, draft_s: float, verify_s: float) -> StepOutput:
         finish = None
@@ -371,7 +389,10 @@ class Engine:
 
     `draft_schedule` and `draft_p_min` are the defaults of requests that do not say; the plain constructor
     keeps a fixed length (deterministic, for tests and experiments), `build_engine` and the server default
-    to the adaptive schedule."""
+    to the adaptive schedule. `prefill_chunk`: in a batch, prompts are prefilled at most this many tokens per
+    step, in the same forward as the other requests' rows (0: each prompt whole, alone, before the batch);
+    only where a row's bits do not depend on the rows beside it (`Transformer.rows_independent`), so a chunked
+    prompt gets the very cache a whole one does."""
 
     def __init__(
         self,
@@ -383,9 +404,13 @@ class Engine:
         verify_width: int | None = None,
         draft_schedule: str = "fixed",
         draft_p_min: float = 0.0,
+        prefill_chunk: int = 0,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:
             raise GenerationError(f"default draft {default_draft!r} is not loaded")
+        if prefill_chunk < 0:
+            raise GenerationError("prefill_chunk must be 0 or more")
+        self.prefill_chunk = prefill_chunk if target.rows_independent() else 0
         self.target = target
         self.tokenizer = tokenizer
         self.drafters = drafters
@@ -443,9 +468,7 @@ class Engine:
         failure leaves the others untouched. Greedy tokens are the same as with `Generation.step`.
         """
         results: dict[int, StepOutput | Exception] = {}
-        batch = [i for i, gen in enumerate(gens) if not gen.needs_prefill and not gen.finished]
-        if len(batch) < 2:
-            batch = []
+        batch = self.together(gens)
         for i, gen in enumerate(gens):
             if i not in batch:
                 try:
@@ -456,8 +479,41 @@ class Engine:
             results.update(zip(batch, self._step_together([gens[i] for i in batch]), strict=True))
         return [results[i] for i in range(len(gens))]
 
+    def together(self, gens: Sequence[Generation]) -> list[int]:
+        """Indices of `gens` that `step_batch` runs in one target forward: the decoding ones, and with
+        `prefill_chunk` the prefilling ones too; none when fewer than two (a lone request steps alone)."""
+        batch = [i for i, gen in enumerate(gens) if not gen.finished and (self.prefill_chunk or not gen.needs_prefill)]
+        return batch if len(batch) > 1 else []
+
     def _step_together(self, gens: list[Generation]) -> list[StepOutput | Exception]:
         results: list[StepOutput | Exception | None] = [None] * len(gens)
+        # Prompts being prefilled share this step's budget of prompt tokens, the earliest request first; one
+        # left without any waits for the next step.
+        chunks: list[tuple[int, torch.Tensor, int]] = []
+        budget = self.prefill_chunk
+        for j, gen in enumerate(gens):
+            if gen.needs_prefill:
+                if budget > 0:
+                    feed, start = gen._prefill_chunk(budget)
+                    chunks.append((j, feed, start))
+                    budget -= feed.shape[0]
+                else:
+                    results[j] = StepOutput([], "", 0, 0, 0.0, 0.0)
+        decoding = [j for j, gen in enumerate(gens) if not gen.needs_prefill]
+        planned = self._plan_together([gens[j] for j in decoding])
+        plans: list[tuple[int, _Plan]] = []
+        for j, plan in zip(decoding, planned, strict=True):
+            if isinstance(plan, _Plan):
+                plans.append((j, plan))
+            else:
+                results[j] = plan
+        if plans or chunks:
+            self._verify_together(gens, plans, chunks, results)
+        return [r if r is not None else RuntimeError("no step ran") for r in results]
+
+    def _plan_together(self, gens: list[Generation]) -> list[_Plan | Exception]:
+        """Draft lengths chosen for the batch as a whole, the drafts (batched where a drafter can), and each
+        request's rows; an exception in place of a request whose drafting failed."""
         # In half precision each request's rows are padded to two: a single row takes another attention path,
         # whose last bits differ from the solo step's.
         min_rows = 2 if self.verify_width else 0
@@ -473,38 +529,58 @@ class Engine:
         ]
         ks = batch_draft_lengths([gen._length for gen in gens], limits, self._batch_costs, min_rows, steps, groups)
         ks = [k if gen._k else 0 for gen, k in zip(gens, ks, strict=True)]
-        drafted = self._draft_together(gens, ks, results)
-        plans: list[tuple[int, _Plan]] = []
+        failed: list[StepOutput | Exception | None] = [None] * len(gens)
+        drafted = self._draft_together(gens, ks, failed)
+        plans: list[_Plan | Exception] = []
         for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
-            if results[j] is not None:
+            problem = failed[j]
+            if isinstance(problem, Exception):
+                plans.append(problem)
                 continue
             try:
-                plans.append((j, gen._plan(min_rows, k, drafted.get(j))))
+                plans.append(gen._plan(min_rows, k, drafted.get(j)))
             except Exception as exc:
-                results[j] = exc
-        if plans:
-            self._verify_together(gens, plans, results)
-        return [r if r is not None else RuntimeError("no step ran") for r in results]
+                plans.append(exc)
+        return plans
 
     def _verify_together(
-        self, gens: list[Generation], plans: list[tuple[int, _Plan]], results: list[StepOutput | Exception | None]
+        self,
+        gens: list[Generation],
+        plans: list[tuple[int, _Plan]],
+        chunks: list[tuple[int, torch.Tensor, int]],
+        results: list[StepOutput | Exception | None],
     ) -> None:
-        """One target forward over every planned request's rows, then each request's own verification, into
-        `results` by request index. A failure of the shared forward ends every request in it."""
+        """One target forward over every planned request's rows and every prompt chunk, then each request's
+        own verification (or prefill), into `results` by request index. A failure of the shared forward ends
+        every request in it."""
         t0 = time.perf_counter()
+        members = [j for j, _ in plans] + [j for j, _, _ in chunks]
         try:
-            hidden = self.target.hidden_batch([(plan.feed, plan.start, gens[j]._cache) for j, plan in plans])
+            hidden = self.target.hidden_batch(
+                [(plan.feed, plan.start, gens[j]._cache) for j, plan in plans]
+                + [(feed, start, gens[j]._cache) for j, feed, start in chunks]
+            )
+            # The head runs on every verified row, and on a prompt's last row once the prompt is all in.
+            done = [start + feed.shape[0] == gens[j].prompt_len for j, feed, start in chunks]
+            heads = hidden[: len(plans)] + [h[-1:] for h, last in zip(hidden[len(plans) :], done, strict=True) if last]
             # One head product for every row of the batch: its weights (a fifth of the model) read once.
-            logits = self.target.logits(torch.cat(hidden)).split([h.shape[0] for h in hidden])
+            logits = list(self.target.logits(torch.cat(heads)).split([h.shape[0] for h in heads])) if heads else []
         except Exception as exc:
-            for j, _ in plans:
+            for j in members:
                 results[j] = exc
             return
         seconds = time.perf_counter() - t0
-        self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds)
-        for (j, plan), h, lg in zip(plans, hidden, logits, strict=True):
+        if not chunks:  # what the draft lengths weigh: forwards of verified rows alone
+            self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds)
+        for (j, plan), h, lg in zip(plans, hidden[: len(plans)], logits[: len(plans)], strict=True):
             try:
                 results[j] = gens[j]._verify(plan, h, lg, seconds, solo=False)
+            except Exception as exc:
+                results[j] = exc
+        last_logits = iter(logits[len(plans) :])
+        for (j, _, start), h, last in zip(chunks, hidden[len(plans) :], done, strict=True):
+            try:
+                results[j] = gens[j]._prefilled(start, h, next(last_logits)[0] if last else None, seconds)
             except Exception as exc:
                 results[j] = exc
 
