@@ -450,7 +450,7 @@ _SERVE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--model-name", "model_name", str, "model id the OpenAI API reports (default: the target)"),
     ("--max-concurrent-requests", "max_concurrent_requests", int, "generations interleaved at once (default: 4)"),
     ("--max-queue-size", "max_queue_size", int, "requests waiting beyond those; then 429 (default: 16)"),
-    ("--prefill-chunk-tokens", "prefill_chunk_tokens", int, "prompt tokens prefilled per batched step (default: 128)"),
+    ("--prefill-chunk-tokens", "prefill_chunk_tokens", int, "prompt tokens per step in a batch (default: 0, whole)"),
     ("--request-timeout", "request_timeout", float, "seconds before a request is abandoned (default: 300)"),
     ("--max-input-tokens", "max_input_tokens", int, "longest prompt in tokens (default: context - 1)"),
     ("--max-new-tokens", "max_new_tokens", int, "largest max_new_tokens a request may ask (default: 2048)"),

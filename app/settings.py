@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     model_name: str | None = Field(None, description="the model id the OpenAI API reports (default: the target's name)")
     max_concurrent_requests: int = Field(4, ge=1, le=256, description="generations interleaved at once by the worker")
     prefill_chunk_tokens: int = Field(
-        128,
+        0,
         ge=0,
         le=65_536,
         description="prompt tokens prefilled per step beside the running requests (0: a prompt whole, before "

@@ -35,7 +35,7 @@ def build_engine(
     max_seq_len: int | None = None,
     draft_schedule: str = "adaptive",
     draft_p_min: float = 0.05,
-    prefill_chunk: int = 128,
+    prefill_chunk: int = 0,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
