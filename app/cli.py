@@ -585,7 +585,14 @@ def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--input", default="../shared/bench/specbench-dev.jsonl", help="Spec-Bench-format JSONL")
     parser.add_argument("--prompts", type=_positive_int, default=16, help="distinct prompts (first turns) to send")
-    parser.add_argument("--clients", default="1,2,4,8,16", help="comma-separated concurrency levels")
+    parser.add_argument(
+        "--clients", default=None, help="comma-separated concurrency levels (default: 1,2,4,8,16; 1 with --rates)"
+    )
+    parser.add_argument(
+        "--rates",
+        default=None,
+        help="comma-separated request rates per second: open-loop levels, Poisson arrivals (after the client levels)",
+    )
     parser.add_argument("--requests", type=_positive_int, default=16, help="requests per level (at least the clients)")
     parser.add_argument(
         "--draft", action="append", default=None, help="speculative.draft values (default: default, none)"
@@ -634,14 +641,21 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
     import httpx
 
     from app.bench import read_prompts
-    from app.loadtest import markdown, run_in_process, run_level, summarize_level
+    from app.loadtest import markdown, run_in_process, run_level, run_rate, summarize_level
 
     path = Path(args.input)
     if not path.is_file():
         raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
     prompts = [p.text for p in read_prompts(path, None, None)][: args.prompts]
     try:
-        levels = [int(x) for x in args.clients.split(",") if x.strip()]
+        rates = [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else []
+    except ValueError as exc:
+        raise CliError("--rates takes comma-separated numbers, e.g. 0.5,1,2") from exc
+    if args.rates is not None and (not rates or min(rates) <= 0):
+        raise CliError("--rates needs at least one rate > 0")
+    clients = args.clients if args.clients is not None else ("1" if rates else "1,2,4,8,16")
+    try:
+        levels = [int(x) for x in clients.split(",") if x.strip()]
     except ValueError as exc:
         raise CliError("--clients takes comma-separated integers, e.g. 1,2,4,8") from exc
     if not levels or min(levels) < 1:
@@ -666,10 +680,10 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
             row.update(summarize_level(results, wall, reference, True))
             rows.append(row)
             print(json.dumps(row), flush=True)
+        options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
+        if args.api == "tgi":
+            options.pop("model")
         for clients in levels:
-            options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
-            if args.api == "tgi":
-                options.pop("model")
             results, wall = asyncio.run(
                 run_level(
                     args.url,
@@ -685,6 +699,14 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
             if reference is None:
                 reference = {r.prompt_index: r.text for r in results if r.ok}
             row = {"speculative": draft, "via": "http", "clients": clients}
+            row.update(summarize_level(results, wall, reference, True))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        for rate in rates:
+            results, wall = asyncio.run(
+                run_rate(args.url, prompts, rate, args.requests, options, args.time_limit, args.api, args.api_key)
+            )
+            row = {"speculative": draft, "via": "http", "clients": None, "rate": rate}
             row.update(summarize_level(results, wall, reference, True))
             rows.append(row)
             print(json.dumps(row), flush=True)

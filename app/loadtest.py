@@ -1,17 +1,20 @@
 """`specserve loadtest`: N concurrent streaming clients against a running server.
 
 Each client sends prompts one after another, streamed (OpenAI chat completions, or TGI's /generate_stream),
-until the requests are done or the time limit passes. For every request it records when each event
-arrived, so the figures are what a streaming user sees: time to first token (TTFT), the gaps between
-events (inter-token latency, ITL), total throughput in tokens/s, errors by kind and 429s. Every response
-is checked: it must end with a final event (complete) whose text equals the events' texts, and greedy
-responses must equal the text the same prompt got when sent alone (the pass at concurrency 1).
+until the requests are done or the time limit passes (a closed loop); or, at a request rate, requests arrive
+as a Poisson process whatever is in flight (an open loop, as vLLM's serving benchmark sends them). For every
+request it records when each event arrived, so the figures are what a streaming user sees: time to first
+token (TTFT), the gaps between events (inter-token latency, ITL), total throughput in tokens/s, errors by
+kind and 429s. Every response is checked: it must end with a final event (complete) whose text equals the
+events' texts, and greedy responses must equal the text the same prompt got when sent alone (the pass at
+concurrency 1).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import time
 from collections import Counter
@@ -160,6 +163,40 @@ async def run_level(
     return results, time.perf_counter() - started
 
 
+async def run_rate(
+    url: str,
+    prompts: list[str],
+    rate: float,
+    requests: int,
+    parameters: dict[str, Any],
+    time_limit: float,
+    api: str = "chat",
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    seed: int = 0,
+) -> tuple[list[Result], float]:
+    """`requests` requests arriving at `rate` per second on average (exponential gaps drawn from `seed`, so
+    every run offers the same schedule), each sent when it arrives whatever is still in flight; returns the
+    results and the wall time until the last one ended. None is sent after `time_limit` seconds."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    gaps = random.Random(seed)
+    tasks: list[asyncio.Task[Result]] = []
+    started = time.perf_counter()
+    timeout = httpx.Timeout(connect=10.0, read=max(60.0, time_limit), write=10.0, pool=max(60.0, time_limit))
+    limits = httpx.Limits(max_connections=requests + 2)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+        due = 0.0
+        for i in range(requests):
+            due += gaps.expovariate(rate)
+            if due >= time_limit:
+                break
+            await asyncio.sleep(max(0.0, started + due - time.perf_counter()))
+            n = i % len(prompts)
+            tasks.append(asyncio.create_task(_one(client, url, n, prompts[n], parameters, headers, api)))
+        results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - started
+
+
 def run_in_process(
     engine: Engine, prompts: list[str], requests: int, max_new_tokens: int, draft: str, chat: bool
 ) -> tuple[list[Result], float]:
@@ -222,10 +259,10 @@ def summarize_level(
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """One table row per (speculation, concurrency)."""
+    """One table row per (speculation, concurrency or request rate)."""
     lines = [
-        "| speculative | via | clients | requests | tok/s | x one client | TTFT p50/p95 ms | ITL p50/p95/p99 ms | "
-        "errors | 429 | differs from alone |",
+        "| speculative | via | clients or rate | requests | tok/s | x one client | TTFT p50/p95 ms | "
+        "ITL p50/p95/p99 ms | errors | 429 | differs from alone |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base: dict[str, float] = {}
@@ -240,10 +277,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             if in_process.get(spec):
                 share = rate / in_process[spec]
                 notes.append(f"- {spec}: one client over HTTP streams {share:.0%} of in-process tok/s")
-        scale = f"{rate / base[spec]:.2f}x" if via == "http" and base.get(spec) else "-"
+        closed = r.get("rate") is None
+        scale = f"{rate / base[spec]:.2f}x" if via == "http" and closed and base.get(spec) else "-"
+        load = r["clients"] if closed else f"{r['rate']:g}/s"
         t, i = r["ttft_ms"], r["itl_ms"]
         lines.append(
-            f"| {spec} | {via} | {r['clients']} | {r['completed']}/{r['requests']} | {rate:.1f} | "
+            f"| {spec} | {via} | {load} | {r['completed']}/{r['requests']} | {rate:.1f} | "
             f"{scale} | {t['p50']}/{t['p95']} | {i['p50']}/{i['p95']}/{i['p99']} | "
             f"{sum(r['errors'].values()) - r['rejected_429']} | {r['rejected_429']} | {r['differs_from_alone']} |"
         )

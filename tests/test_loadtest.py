@@ -71,3 +71,24 @@ def test_a_reference_mismatch_is_reported():
 
     r = Result(0, ok=True, text="other", tokens=2, start=0.0, token_times=[0.1, 0.2], end=0.3)
     assert summarize_level([r], 1.0, {0: "expected"}, greedy=True)["differs_from_alone"] == 1
+
+
+async def test_an_open_loop_level_sends_every_request_at_its_arrival_time(api_engine):
+    """At a request rate, requests arrive on a seeded Poisson schedule whatever is in flight (so they overlap),
+    and each still completes with the text its prompt gets alone."""
+    from app.loadtest import run_rate
+
+    alone, _ = await _level(api_engine, 1, 3, "chat")
+    reference = {r.prompt_index: r.text for r in alone}
+    app = create_app(Settings(), api_engine)
+    async with app.router.lifespan_context(app):
+        options = {"max_new_tokens": 8, "speculative": {"draft": "ngram"}, "model": "smollm2-135m-instruct"}
+        transport = httpx.ASGITransport(app=app)
+        results, wall = await run_rate("http://testserver", PROMPTS, 50.0, 6, options, 120, "chat", None, transport)
+    starts = sorted(r.start for r in results)
+    ends = sorted(r.end for r in results)
+    assert len(results) == 6 and starts[1] < ends[0]  # the second arrived before the first was done
+    row = summarize_level(results, wall, reference, greedy=True)
+    assert row["completed"] == 6 and row["differs_from_alone"] == 0 and row["errors"] == {}
+    table = markdown([{"speculative": "ngram", "clients": None, "rate": 50.0, **row}])
+    assert "| ngram | http | 50/s | 6/6 |" in table
