@@ -641,7 +641,7 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
     import httpx
 
     from app.bench import read_prompts
-    from app.loadtest import markdown, run_in_process, run_level, run_rate, summarize_level
+    from app.loadtest import auth_headers, markdown, run_in_process, run_level, run_rate, summarize_level
 
     path = Path(args.input)
     if not path.is_file():
@@ -660,7 +660,7 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
         raise CliError("--clients takes comma-separated integers, e.g. 1,2,4,8") from exc
     if not levels or min(levels) < 1:
         raise CliError("--clients needs at least one level >= 1")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args.api_key)
     try:
         model = httpx.get(f"{args.url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:

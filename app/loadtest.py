@@ -129,6 +129,18 @@ async def _one(
     return result
 
 
+def _client(time_limit: float, connections: int, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+    """The load generator's HTTP client: reads may take the whole level, `connections` at once (never fewer
+    than are in flight, so none waits for a connection)."""
+    timeout = httpx.Timeout(connect=10.0, read=max(60.0, time_limit), write=10.0, pool=10.0)
+    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=connections), transport=transport)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer header a server with an API key wants (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def run_level(
     url: str,
     prompts: list[str],
@@ -143,15 +155,13 @@ async def run_level(
     """`requests` requests over `clients` concurrent clients (prompt i mod len(prompts)); returns the results
     and the wall time. Clients stop picking up new requests after `time_limit` seconds. `parameters`: TGI
     parameters (max_new_tokens, speculative, ...) plus `model` for the chat API."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
     results: list[Result] = []
     started = time.perf_counter()
-    timeout = httpx.Timeout(connect=10.0, read=max(60.0, time_limit), write=10.0, pool=10.0)
-    limits = httpx.Limits(max_connections=clients + 2)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+    async with _client(time_limit, clients + 2, transport) as client:
 
         async def worker() -> None:
             while not queue.empty() and time.perf_counter() - started < time_limit:
@@ -178,13 +188,11 @@ async def run_rate(
     """`requests` requests arriving at `rate` per second on average (exponential gaps drawn from `seed`, so
     every run offers the same schedule), each sent when it arrives whatever is still in flight; returns the
     results and the wall time until the last one ended. None is sent after `time_limit` seconds."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     gaps = random.Random(seed)
     tasks: list[asyncio.Task[Result]] = []
     started = time.perf_counter()
-    timeout = httpx.Timeout(connect=10.0, read=max(60.0, time_limit), write=10.0, pool=max(60.0, time_limit))
-    limits = httpx.Limits(max_connections=requests + 2)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+    async with _client(time_limit, requests + 2, transport) as client:
         due = 0.0
         for i in range(requests):
             due += gaps.expovariate(rate)
