@@ -457,6 +457,13 @@ _SERVE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--default-max-new-tokens", "default_max_new_tokens", int, "when a request does not say (default: 256)"),
     ("--max-stop-sequences", "max_stop_sequences", int, "most stop strings per request (default: 4)"),
     ("--max-body-bytes", "max_body_bytes", int, "largest request body (default: 1048576)"),
+    ("--body-read-timeout", "body_read_timeout", float, "seconds to send a request body, then 408 (default: 30)"),
+    (
+        "--shutdown-grace-period",
+        "shutdown_grace_period",
+        float,
+        "on SIGTERM, seconds requests in flight get to finish (default: 25)",
+    ),
     ("--log-format", "log_format", str, "text | json (default: text)"),
     ("--log-level", "log_level", str, "debug | info | warning | error (default: info)"),
     ("--api-key", "api_key", str, "require Authorization: Bearer KEY (prefer SPECSERVE_API_KEY: flags show in ps)"),
@@ -482,12 +489,11 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
 
     from app import store
     from app.logs import configure_logging
-    from app.server import create_app
+    from app.server import serve
     from app.settings import Settings
 
     overrides = {field: getattr(args, field) for _, field, _, _ in _SERVE_FLAGS if getattr(args, field) is not None}
@@ -504,14 +510,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if settings.draft not in ("default", "none", "ngram"):
         store.resolve(settings.draft)
     configure_logging(settings.log_format, settings.log_level)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        timeout_graceful_shutdown=5,
-    )
-    return 0
+    # 3 is uvicorn's own status for a server that did not start (the port taken, say).
+    return 0 if serve(settings) else 3
 
 
 # --- specserve train-draft --------------------------------------------------------------------------------

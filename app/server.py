@@ -3,18 +3,27 @@
 Loading takes seconds, so the lifespan starts it in a thread and the server answers at once: /health is
 503 until the models are loaded, then 200. Tests hand `create_app` an engine they loaded once; then the
 app is ready as soon as it starts.
+
+`serve` runs the app under uvicorn and drains it on SIGTERM (`drain`): uvicorn's own shutdown closes the
+listening socket and, after a timeout, the connections, so that a stream in flight would end mid-body
+without its last event; draining first keeps the socket open (/health answers 503 ``draining``, a new
+request 503), lets the requests in flight finish, ends the rest with an error event, and only then hands
+over to uvicorn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
@@ -191,13 +200,16 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.runtime = None
     app.state.load_error = None
     app.state.closing = False
+    app.state.draining = False
     install_error_handlers(app)
     app.include_router(native.router)
     app.include_router(openai.router)
     app.include_router(ops.router)
     # The last added runs first: request id, CORS (a preflight carries no key), API key, then the body guard
     # (so that a client without the key never gets to send a body).
-    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        BodyGuard, max_bytes=settings.max_body_bytes, read_timeout=settings.body_read_timeout, metrics=metrics
+    )
     if settings.api_key is not None:
         app.add_middleware(
             APIKeyGuard, api_key=settings.api_key.get_secret_value(), open_paths=open_paths(settings), metrics=metrics
@@ -213,3 +225,87 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.add_middleware(RequestID)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+# What uvicorn's own shutdown gives the connections still open after a drain (a client slow to read its last
+# events) before it cancels them: the drain has ended every request, so this is seconds, not the grace period.
+_CLOSE_SECONDS = 3
+
+
+async def drain(app: FastAPI, grace: float, hurry: asyncio.Event | None = None) -> None:
+    """Get `app` ready to stop: admit nothing more (new requests 503, /health 503 ``draining``), give the
+    requests held up to `grace` seconds to finish (less once `hurry` is set), then end the rest with an error,
+    which a stream sends as its last event (and ``[DONE]`` on the OpenAI routes)."""
+    app.state.draining = True
+    runtime: Runtime | None = app.state.runtime
+    if runtime is None:
+        return
+    scheduler = runtime.scheduler
+    scheduler.drain()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    if scheduler.holding:
+        log.info("draining: %d requests in flight get up to %g s to finish", scheduler.holding, grace)
+    while scheduler.holding and loop.time() < deadline and not (hurry is not None and hurry.is_set()):
+        await asyncio.sleep(0.05)
+    if scheduler.holding:
+        log.warning("ending %d requests unfinished at shutdown", scheduler.holding)
+    message = "the server is shutting down"
+    if hurry is None or not hurry.is_set():
+        message += f": the request did not finish within the shutdown grace period of {grace:g} s"
+    # Not waiting for the worker: it may be in the middle of a long step, and the requests have heard already.
+    scheduler.stop(timeout=0, message=message)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM or SIGINT drains the app (`drain`) before uvicorn shuts down; a
+    second one ends what is still running at once, a third is uvicorn's own (a second Ctrl-C: exit now)."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._grace = grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hurry: asyncio.Event | None = None
+        self._drainer: asyncio.Task[None] | None = None
+        self._signals = 0
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._hurry = asyncio.Event()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler, run between two bytecodes of the event loop: it only schedules.
+        self._signals += 1
+        if self._loop is None or self._signals > 2 or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self._loop.call_soon_threadsafe(self._on_signal)
+
+    def _on_signal(self) -> None:
+        assert self._loop is not None and self._hurry is not None
+        if self._drainer is None:
+            self._drainer = self._loop.create_task(self._drain())
+        else:
+            self._hurry.set()
+
+    async def _drain(self) -> None:
+        try:
+            await drain(self._app, self._grace, self._hurry)
+        finally:
+            self.should_exit = True  # uvicorn's shutdown from here
+
+
+def serve(settings: Settings) -> bool:
+    """Serve the models `settings` name over HTTP until SIGTERM or SIGINT, then drain (`drain`) and stop.
+
+    False when the server could not start (the port taken, say)."""
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=None, timeout_graceful_shutdown=_CLOSE_SECONDS
+    )
+    server = _DrainingServer(config, app, settings.shutdown_grace_period)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the signal again after a forced exit
+        server.run()
+    return server.started

@@ -61,6 +61,16 @@ class Settings(BaseSettings):
     )
     max_stop_sequences: int = Field(4, ge=0, le=64, description="most stop strings one request may give")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body in bytes; larger is 413")
+    body_read_timeout: float = Field(
+        30.0, gt=0, description="seconds a client has to send the whole request body; slower is 408"
+    )
+    shutdown_grace_period: float = Field(
+        25.0,
+        ge=0,
+        description="on SIGTERM, seconds the requests in flight get to finish before they end with an error; "
+        "keep it some seconds under the orchestrator's own (Kubernetes terminationGracePeriodSeconds, compose "
+        "stop_grace_period: 30 s in docker/)",
+    )
     log_format: Literal["text", "json"] = Field("text", description="`text` lines or one JSON object per line")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="lowest level logged")
     api_key: SecretStr | None = Field(

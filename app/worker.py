@@ -8,18 +8,25 @@ forward (`Engine.step_batch`), so that serving N requests costs far less than N 
 step's tokens go back to the event loop with ``call_soon_threadsafe`` into the request's
 ``asyncio.Queue``. Cancelling (a client gone, a timeout) frees the place at once and is a flag the worker
 reads before each step; an exception in one generation ends that request alone.
+
+A step that fails as a whole (the batch's shared planning or bookkeeping, the delivery of its tokens) ends
+that step's requests with a 424 and the worker goes on with the next; should the thread end anyway,
+`Scheduler.failure` says why, every request it held gets a 503 at once, and so does every later one. A
+request whose context was long leaves its memory to the allocator's free lists; the worker hands it back to
+the system (glibc's ``malloc_trim``) after such a request ends, so that RSS falls back to its idle level.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,8 +205,23 @@ def _timeout_message(job: _Job) -> str:
     return f"the request did not finish within the timeout of {job.timeout:g} s"
 
 
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
 class Scheduler:
-    """Admission, queueing and the worker thread that steps every generation."""
+    """Admission, queueing and the worker thread that steps every generation.
+
+    `trim_after_tokens`: once a request whose prompt plus max_new_tokens reached this many tokens has ended,
+    the worker returns the heap's free memory to the system (0: never).
+    """
 
     def __init__(
         self,
@@ -208,6 +230,7 @@ class Scheduler:
         max_waiting: int,
         metrics: Metrics | None = None,
         retry_after: int = 1,
+        trim_after_tokens: int = 2048,
     ) -> None:
         if max_running < 1 or max_waiting < 0:
             raise ValueError("need max_running >= 1 and max_waiting >= 0")
@@ -216,18 +239,35 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.retry_after = retry_after
+        self.trim_after_tokens = trim_after_tokens
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._waiting: deque[_Job] = deque()
         self._running: list[_Job] = []  # only the worker thread changes it
-        self._holding = 0  # requests holding a place: admitted and not ended
+        # Every request holding a place (admitted, not ended), wherever it is: the worker moves a request from
+        # `_waiting` to `_running` outside the lock, and `stop` must find it in between too.
+        self._held: set[_Job] = set()
+        self._draining = False
         self._stopping = False
+        self._failure: str | None = None  # why the worker thread ended, when it ended while serving
         self._thread: threading.Thread | None = None
+        self._trim = _malloc_trim() if trim_after_tokens else None
+        self._trim_due = False  # a large request ended since the last trim
 
     @property
     def holding(self) -> int:
         """Requests holding a place (running or waiting)."""
-        return self._holding
+        return len(self._held)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the worker thread is gone; None while it serves (and before `start`, and after `stop`)."""
+        if self._failure is not None:
+            return self._failure
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopping:
+            return "the worker thread ended"
+        return None
 
     def start(self) -> None:
         """Start the worker thread."""
@@ -236,32 +276,49 @@ class Scheduler:
         self._thread = threading.Thread(target=self._work, name="specserve-worker", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Fail every request still held and stop the worker (after its current step)."""
+    def drain(self) -> None:
+        """Admit nothing more (`submit` raises RequestFailed ``unavailable``); the requests held run on."""
+        with self._lock:
+            self._draining = True
+
+    def stop(self, timeout: float = 10.0, message: str = "the server is shutting down") -> None:
+        """Fail every request still held with `message` at once, and stop the worker after its current step,
+        waiting up to `timeout` seconds for it (0: not at all)."""
         with self._lock:
             self._stopping = True
             self._wake.notify_all()
-        if self._thread is not None:
+            held = list(self._held)
+        # Failed before the join: a step can take seconds (a long prefill), and the clients hear now. The worker
+        # sends nothing more to a request that has ended.
+        for job in held:
+            self._fail(job, "error", "unavailable", message)
+        if self._thread is not None and timeout > 0:
             self._thread.join(timeout)
-        for job in [*self._waiting, *self._running]:
-            self._fail(job, "error", "unavailable", "the server is shutting down")
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None, timeout: float) -> Ticket:
-        """Admit a request, or raise Overloaded at once. Call from the event loop that will read its events."""
+        """Admit a request, or raise Overloaded at once. Call from the event loop that will read its events.
+
+        Raises RequestFailed (``unavailable``) at once while the server drains or stops, or when the worker
+        is gone."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         job = _Job(list(prompt_ids), params, draft, loop, deadline=now + timeout, timeout=timeout, arrived=now)
         with self._lock:
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise RequestFailed("unavailable", "the server is shutting down")
-            if self._holding >= self.max_running + self.max_waiting:
+            failure = self.failure
+            if failure is not None:
+                if self.metrics is not None:
+                    self.metrics.request_ended("error")
+                raise RequestFailed("unavailable", f"{failure}; the server needs a restart")
+            if len(self._held) >= self.max_running + self.max_waiting:
                 if self.metrics is not None:
                     self.metrics.request_ended("overloaded")
                 raise Overloaded(
                     f"the server is at capacity ({self.max_running} running, {self.max_waiting} queued); retry later",
                     self.retry_after,
                 )
-            self._holding += 1
+            self._held.add(job)
             self._waiting.append(job)
             self._wake.notify()
             self._publish_load()
@@ -275,7 +332,7 @@ class Scheduler:
             if job.ended:
                 return False
             job.ended = True
-            self._holding -= 1
+            self._held.discard(job)
         if self.metrics is not None:
             self.metrics.request_ended(outcome, finish_reason)
             self.metrics.generation_ended(time.monotonic() - job.arrived, job.drafted, job.accepted)
@@ -293,6 +350,12 @@ class Scheduler:
     # --- the worker thread --------------------------------------------------------------------------
 
     def _work(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # whatever ended the thread, the requests it held must hear of it
+            self._died(exc)
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while not self._stopping and not self._waiting and not self._running:
@@ -302,24 +365,63 @@ class Scheduler:
                 admitted = []
                 while self._waiting and len(self._running) + len(admitted) < self.max_running:
                     admitted.append(self._waiting.popleft())
-            for job in admitted:
-                if self._begin(job):
-                    self._running.append(job)
-            with self._lock:
-                self._publish_load()
-            if self._stopping:
-                return
-            self._step_running()
+            try:
+                for job in admitted:
+                    if self._begin(job):
+                        self._running.append(job)
+                with self._lock:
+                    self._publish_load()
+                if self._stopping:
+                    return
+                self._step_running()
+            except Exception as exc:
+                self._step_failed(exc, admitted)
+            self._release_memory()
             with self._lock:
                 self._publish_load()
 
+    def _step_failed(self, exc: Exception, admitted: list[_Job]) -> None:
+        """A step failed outside any one request's part of it: fail the requests it held, go on with the next."""
+        jobs = [job for job in dict.fromkeys([*self._running, *admitted]) if not job.ended]
+        self._running = []
+        log.error(
+            "a step of %d requests failed; they end with an error and the worker goes on", len(jobs), exc_info=exc
+        )
+        message = f"generation failed: {type(exc).__name__}: {exc}"
+        for job in jobs:
+            log.warning("request %d: ended by the failed step", job.id, extra=job.log_extra)
+            self._fail(job, "error", "generation", message)
+            self._release(job)
+
+    def _died(self, exc: BaseException) -> None:
+        """The thread is ending on `exc`: every request held, and every later one, gets a 503 at once."""
+        reason = f"the worker stopped ({type(exc).__name__}: {exc})"
+        log.critical("%s; every request is refused until the server restarts", reason, exc_info=exc)
+        with self._lock:
+            self._failure = reason
+            held = list(self._held)
+            self._waiting.clear()
+            self._running = []
+            with contextlib.suppress(Exception):  # the gauges read 0 before anyone hears
+                self._publish_load()
+        for job in held:
+            self._fail(job, "error", "unavailable", f"{reason}; the server needs a restart")
+
     def _step_running(self) -> None:
         """One step of every running request; those past their prefill share one target forward."""
-        live = [job for job in self._running if self._live(job)]
+        live = []
+        for job in self._running:
+            if self._live(job):
+                live.append(job)
+            else:
+                self._release(job)
         self._running = live
         if not live:
             return
-        gens = [job.gen for job in live if job.gen is not None]
+        gens: list[Generation] = []
+        for job in live:
+            assert job.gen is not None  # every running request has started
+            gens.append(job.gen)
         firsts = [gen.needs_prefill for gen in gens]
         together = len(self.engine.together(gens))
         outcomes = self.engine.step_batch(gens)
@@ -328,9 +430,38 @@ class Scheduler:
                 self.metrics.forward(1)
             if together:
                 self.metrics.forward(together)
-        self._running = [
-            job for job, first, out in zip(live, firsts, outcomes, strict=True) if self._deliver(job, first, out)
-        ]
+        running = []
+        for job, first, out in zip(live, firsts, outcomes, strict=True):
+            try:
+                goes_on = self._deliver(job, first, out)
+            except Exception as exc:
+                trace = (type(exc), exc, exc.__traceback__)
+                log.error("request %d: generation failed", job.id, exc_info=trace, extra=job.log_extra)
+                self._fail(job, "error", "generation", f"generation failed: {type(exc).__name__}: {exc}")
+                goes_on = False
+            if goes_on:
+                running.append(job)
+            else:
+                self._release(job)
+        self._running = running
+
+    def _release(self, job: _Job) -> None:
+        """Drop `job`'s generation (its KV cache) as it leaves the worker, rather than when its route lets the
+        ticket go; after a large one the heap is trimmed once the step is over."""
+        if job.gen is None:
+            return
+        job.gen = None
+        job.texts = None
+        if self.trim_after_tokens and len(job.prompt_ids) + job.params.max_new_tokens >= self.trim_after_tokens:
+            self._trim_due = True
+
+    def _release_memory(self) -> None:
+        # After long prompts RSS stayed hundreds of MB up: glibc keeps what a prefill's activations and a cache
+        # freed in its arenas for the next allocation. malloc_trim(0) hands the free pages back to the system.
+        if self._trim_due:
+            self._trim_due = False
+            if self._trim is not None:
+                self._trim(0)
 
     def _begin(self, job: _Job) -> bool:
         if job.ended:
@@ -363,19 +494,14 @@ class Scheduler:
         return True
 
     def _deliver(self, job: _Job, first: bool, out: StepOutput | Exception) -> bool:
-        """Send one step's tokens to `job`'s client; False when the request is over."""
+        """Send one step's tokens to `job`'s client; False when the request is over. Raises what ended it when
+        the step failed for this request (`out` is an exception) or its delivery did."""
         assert job.gen is not None and job.texts is not None
-        if not isinstance(out, Exception) and not out.token_ids and out.finish_reason is None:
+        if isinstance(out, Exception):
+            raise out
+        if not out.token_ids and out.finish_reason is None:
             return not job.ended  # a step that prefilled part of the prompt: nothing to send yet
-        try:
-            if isinstance(out, Exception):
-                raise out
-            tokens = job.texts.split(out.token_ids, out.text)
-        except Exception as exc:
-            trace = (type(exc), exc, exc.__traceback__)
-            log.error("request %d: generation failed", job.id, exc_info=trace, extra=job.log_extra)
-            self._fail(job, "error", "generation", f"generation failed: {type(exc).__name__}: {exc}")
-            return False
+        tokens = job.texts.split(out.token_ids, out.text)
         if job.ended:  # cancelled or timed out while its step ran: the client is gone
             return False
         now = time.monotonic()

@@ -10,7 +10,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,16 +31,39 @@ def specserve_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
 
 
+@dataclass(frozen=True)
+class ServerProcess:
+    """A started server: its base URL, its process and its log."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
 @contextlib.contextmanager
 def running_server(
     log: Path, *args: str, env: Mapping[str, str] | None = None, ready_within: float = 180
 ) -> Iterator[str]:
     """`specserve serve --host 127.0.0.1 --port <free> *args`, its output in `log`; yields its base URL once
     /health is 200, and stops it afterwards. Fails the test, with the log's end, if it exits or is not ready."""
+    with server_process(log, *args, env=env, ready_within=ready_within) as server:
+        yield server.url
+
+
+@contextlib.contextmanager
+def server_process(
+    log: Path,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    ready_within: float = 180,
+    command: Sequence[str] | None = None,
+) -> Iterator[ServerProcess]:
+    """As `running_server`, yielding the process too (for a test that signals it); `command` replaces the
+    `specserve` command (a wrapper taking the same arguments)."""
     port = free_port()
-    command = [*specserve_command(), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    argv = [*(command or specserve_command()), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_within
@@ -54,7 +78,7 @@ def running_server(
             if time.monotonic() > deadline:
                 pytest.fail(f"specserve serve was not ready in {ready_within:g} s:\n{log.read_text()[-3000:]}")
             time.sleep(0.25)
-        yield url
+        yield ServerProcess(url, proc, log)
     finally:
         proc.terminate()
         try:

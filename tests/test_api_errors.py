@@ -20,6 +20,8 @@ pytestmark = pytest.mark.anyio
 
 P = {"max_new_tokens": 4}
 LONG_PROMPT = "hello " * 7000  # about 7000 tokens: fits the context of 8192, not with 2048 more
+HUGE = b"9" * 5000  # past the 4,300 digits Python converts to an int
+LONG_INT = b"9" * 4300  # the longest it converts
 
 
 def _native(parameters: dict, inputs: object = "Hi") -> dict:
@@ -76,6 +78,27 @@ NATIVE_CASES = {
     "escaped lone surrogate": (b'{"inputs": "a\\ud800b"}', 422, ["lone UTF-16 surrogate", "\\ud800"]),
     "nested too deeply": (b'{"inputs": "\\u00e9", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 422, ["nested"]),
     "no body": (b"", 422, ["body is missing"]),
+    "integer of 5000 digits": (
+        b'{"inputs": "Hi", "parameters": {"max_new_tokens": ' + HUGE + b"}}",
+        422,
+        ["parameters.max_new_tokens: an integer of 5000 digits is out of range"],
+    ),
+    "integer of 5000 digits in a list": (
+        b'{"inputs": "Hi", "parameters": {"stop": ["a", ' + HUGE + b"]}}",
+        422,
+        ["parameters.stop.1: an integer of 5000 digits"],
+    ),
+    "integer of 4300 digits": (
+        b'{"inputs": "Hi", "parameters": {"max_new_tokens": ' + LONG_INT + b"}}",
+        422,
+        ["parameters.max_new_tokens must be at most 2048, got 9999", "(an integer of 4300 digits)"],
+    ),
+    "seed of 4300 digits": (
+        b'{"inputs": "Hi", "parameters": {"do_sample": true, "seed": ' + LONG_INT + b"}}",
+        422,
+        ["parameters.seed", "(an integer of 4300 digits)"],
+    ),
+    "long unknown draft": (_native({**P, "speculative": {"draft": "x" * 5000}}), 422, ["(5002 characters)"]),
 }
 
 OPENAI_CASES = {
@@ -121,6 +144,13 @@ OPENAI_CASES = {
         400,
         ["lone UTF-16 surrogate"],
     ),
+    "token id of 5000 digits": ("/v1/completions", b'{"prompt": [1, ' + HUGE + b"]}", 400, ["prompt.1: an integer"]),
+    "max_tokens of 4300 digits": (
+        "/v1/completions",
+        b'{"prompt": "Hi", "max_tokens": ' + LONG_INT + b"}",
+        400,
+        ["max_tokens must be at most 2048", "(an integer of 4300 digits)"],
+    ),
 }
 
 
@@ -139,6 +169,7 @@ async def test_native_bad_input(api_client) -> None:
             assert err["error_type"] == "validation", name
             for word in words:
                 assert word in err["error"], (name, err["error"])
+            assert len(err["error"]) < 200, (name, "a value quoted whole")
         # The streaming route validates before it streams: the same 422, not an event.
         r = await _post(client, "/generate_stream", _native({"max_new_tokens": 0}))
         assert r.status_code == 422 and r.headers["content-type"] == "application/json"
@@ -155,6 +186,7 @@ async def test_openai_bad_input(api_client) -> None:
             assert err["type"] == "invalid_request_error", name
             for word in words:
                 assert word in err["message"], (name, err["message"])
+            assert len(err["message"]) < 200, (name, "a value quoted whole")
 
 
 async def test_prompt_over_max_input_tokens_names_the_limit(api_client) -> None:
@@ -183,6 +215,32 @@ async def test_body_limits_and_content_type(api_client) -> None:
     assert pair.status_code == 200, pair.text
     assert missing.status_code == 404 and missing.json()["error_type"] == "not_found"
     assert wrong_method.status_code == 405 and "GET" in wrong_method.json()["error"]
+
+
+async def test_a_body_that_never_ends_is_408(api_client) -> None:
+    """A client that stops sending mid-body is answered 408 once the read timeout is over, and the connection
+    is to close (the rest of the body would otherwise be read as the next request)."""
+
+    async def stalled():
+        yield b'{"inputs": "Hi", '
+        await asyncio.sleep(30)
+        yield b"}"
+
+    async with api_client(body_read_timeout=0.5) as client:
+        t0 = time.monotonic()
+        native = await client.post("/generate", content=stalled(), headers={"content-type": "application/json"})
+        oai = await client.post("/v1/completions", content=stalled(), headers={"content-type": "application/json"})
+        waited = time.monotonic() - t0
+        metrics = (await client.get("/metrics")).text
+    assert native.status_code == 408 and oai.status_code == 408
+    assert native.json() == {
+        "error": "the request body did not arrive within 0.5 s (17 bytes came)",
+        "error_type": "request_timeout",
+    }
+    assert oai.json()["error"]["code"] == "request_timeout"
+    assert native.headers["connection"] == "close"
+    assert waited < 5
+    assert 'specserve_requests_total{finish_reason="none",outcome="invalid"} 2.0' in metrics
 
 
 class _ExplodingDraft:

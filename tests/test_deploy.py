@@ -448,6 +448,22 @@ def test_k8s_deployment_and_service() -> None:
     assert annotations["prometheus.io/port"] == str(ports["http"])
 
 
+def test_shutdown_grace_fits_in_what_the_orchestrators_give() -> None:
+    """The server's drain (requests in flight finish, the rest end with an error event) ends 5 s or more
+    before Kubernetes or Docker send SIGKILL, and matches in both."""
+    [container] = k8s_objects()["Deployment"]["spec"]["template"]["spec"]["containers"]
+    k8s_grace = float({e["name"]: e.get("value") for e in container["env"]}["SPECSERVE_SHUTDOWN_GRACE_PERIOD"])
+    k8s_kill = k8s_objects()["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert k8s_grace + 5 <= k8s_kill
+    for name in SPECSERVE_SERVICES:
+        service = SERVICES[name]
+        compose_grace = float(service["environment"]["SPECSERVE_SHUTDOWN_GRACE_PERIOD"])
+        compose_kill = service["stop_grace_period"]
+        assert compose_kill.endswith("s") and compose_grace + 5 <= float(compose_kill[:-1])
+        assert compose_grace == k8s_grace
+    assert Settings().shutdown_grace_period == k8s_grace  # the default is what the manifests say
+
+
 def test_k8s_autoscaler_follows_an_exported_queue_metric(exported: set[str]) -> None:
     objects = k8s_objects()
     hpa = objects["HorizontalPodAutoscaler"]

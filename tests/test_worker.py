@@ -5,6 +5,7 @@ request."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -185,3 +186,139 @@ async def test_a_prompt_prefilled_in_chunks_streams_no_empty_event(target_bf16) 
     assert together[1] == alone[1][:2]
     assert together[0][1][:12] == alone[0][1]
     assert all(events)  # no event without a token
+
+
+class _ThreadKiller(BaseException):
+    """Past the worker's `except Exception`: what ends the thread."""
+
+
+def _fault_once(monkeypatch, engine, exc: BaseException) -> list[str]:
+    """Make `engine.step_batch` raise `exc` on its next call; returns the names of the threads it was raised in."""
+    raised_in: list[str] = []
+    real = engine.step_batch
+
+    def step_batch(gens):
+        if not raised_in:
+            raised_in.append(threading.current_thread().name)
+            raise exc
+        return real(gens)
+
+    monkeypatch.setattr(engine, "step_batch", step_batch)
+    return raised_in
+
+
+async def test_a_failed_step_fails_its_requests_and_the_worker_goes_on(api_engine, monkeypatch) -> None:
+    s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=Metrics())
+    ids = _ids(api_engine, PROMPTS[0])
+    # Submitted before the worker starts, so that both are in its first step.
+    tickets = [s.submit(ids, GenerationParams(max_new_tokens=8), None, 60) for _ in range(2)]
+    raised_in = _fault_once(monkeypatch, api_engine, RuntimeError("injected fault"))
+    s.start()
+    try:
+        t0 = time.monotonic()
+        for ticket in tickets:
+            with pytest.raises(RequestFailed) as failed:
+                await _collect(ticket)
+            assert failed.value.kind == "generation"
+            assert failed.value.message == "generation failed: RuntimeError: injected fault"
+        assert time.monotonic() - t0 < 30, "failed at once, not at the timeout"
+        assert raised_in == ["specserve-worker"]
+        text, _, _ = await _collect(s.submit(ids, GenerationParams(max_new_tokens=4), None, 60))
+        assert text
+        assert s.failure is None and s.holding == 0
+        registry = s.metrics.registry
+        deadline = time.monotonic() + 5
+        while registry.get_sample_value("specserve_num_requests_running") != 0:
+            assert time.monotonic() < deadline, "the running gauge stayed up"
+            await asyncio.sleep(0.01)
+        assert registry.get_sample_value("specserve_requests_total", {"outcome": "error", "finish_reason": "none"}) == 2
+    finally:
+        s.stop()
+
+
+async def test_a_failed_delivery_fails_that_request_alone(api_engine, monkeypatch) -> None:
+    s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=Metrics())
+    params = GenerationParams(max_new_tokens=6)
+    tickets = [s.submit(_ids(api_engine, p), params, None, 60) for p in PROMPTS[:2]]
+    real = s.metrics.tokens_delivered
+    calls: list[int] = []
+
+    def tokens_delivered(*args) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("injected metrics fault")
+        real(*args)
+
+    monkeypatch.setattr(s.metrics, "tokens_delivered", tokens_delivered)
+    s.start()
+    try:
+        outcomes = await asyncio.gather(*(_collect(t) for t in tickets), return_exceptions=True)
+        alone = await _collect(s.submit(_ids(api_engine, PROMPTS[1]), params, None, 60))
+    finally:
+        s.stop()
+    assert isinstance(outcomes[0], RequestFailed)
+    assert outcomes[0].message == "generation failed: ValueError: injected metrics fault"
+    assert outcomes[1][:2] == alone[:2]
+
+
+async def test_a_dead_worker_fails_everything_at_once(api_engine, monkeypatch) -> None:
+    s = Scheduler(api_engine, max_running=1, max_waiting=4, metrics=Metrics())
+    ids = _ids(api_engine, PROMPTS[0])
+    running = s.submit(ids, GenerationParams(max_new_tokens=500, ignore_eos=True), "none", 60)
+    waiting = s.submit(ids, GenerationParams(max_new_tokens=4), None, 60)
+    raised_in = _fault_once(monkeypatch, api_engine, _ThreadKiller("injected"))
+    assert s.failure is None
+    s.start()
+    try:
+        t0 = time.monotonic()
+        for ticket in (running, waiting):
+            with pytest.raises(RequestFailed) as failed:
+                await _collect(ticket)
+            assert failed.value.kind == "unavailable"
+            assert failed.value.message == "the worker stopped (_ThreadKiller: injected); the server needs a restart"
+        assert time.monotonic() - t0 < 30
+        assert raised_in == ["specserve-worker"]
+        assert s.failure == "the worker stopped (_ThreadKiller: injected)"
+        with pytest.raises(RequestFailed) as refused:
+            s.submit(ids, GenerationParams(max_new_tokens=4), None, 60)
+        assert refused.value.kind == "unavailable" and "restart" in refused.value.message
+        registry = s.metrics.registry
+        assert registry.get_sample_value("specserve_num_requests_running") == 0
+        assert registry.get_sample_value("specserve_num_requests_waiting") == 0
+    finally:
+        s.stop()
+
+
+async def test_drain_refuses_new_requests_and_lets_the_held_ones_finish(scheduler, api_engine) -> None:
+    ids = _ids(api_engine, PROMPTS[0])
+    held = scheduler.submit(ids, GenerationParams(max_new_tokens=6), None, 60)
+    scheduler.drain()
+    with pytest.raises(RequestFailed) as refused:
+        scheduler.submit(ids, GenerationParams(max_new_tokens=6), None, 60)
+    assert refused.value.kind == "unavailable" and "shutting down" in refused.value.message
+    text, tokens, _ = await _collect(held)
+    assert text and len(tokens) == 6
+    assert scheduler.failure is None
+
+
+async def test_a_long_request_leaves_no_cache_behind(api_engine, monkeypatch) -> None:
+    """The worker drops a generation as soon as it is over (not when the route lets the ticket go), and after
+    one whose context reached `trim_after_tokens` hands the heap's free memory back."""
+    s = Scheduler(api_engine, max_running=4, max_waiting=4, trim_after_tokens=20)
+    trims: list[int] = []
+    monkeypatch.setattr(s, "_trim", trims.append)
+    ids = _ids(api_engine, PROMPTS[0])
+    try:
+        s.start()
+        small = s.submit(ids, GenerationParams(max_new_tokens=2), None, 60)
+        await _collect(small)
+        large = s.submit(ids, GenerationParams(max_new_tokens=20 - len(ids)), None, 60)
+        await _collect(large)
+        deadline = time.monotonic() + 5
+        while not trims:
+            assert time.monotonic() < deadline, "no trim after the large request"
+            await asyncio.sleep(0.01)
+    finally:
+        s.stop()
+    assert trims == [0], "once, for the large request only"
+    assert small._job.gen is None and large._job.gen is None, "the tickets are still held; the caches are not"

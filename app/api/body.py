@@ -1,16 +1,22 @@
-"""A guard in front of every route that takes a body: size limit, JSON content type, UTF-8, JSON depth.
+"""A guard in front of every route that takes a body: size limit, read timeout, JSON content type, UTF-8,
+JSON depth, integers Python cannot read.
 
-It reads the whole body first (at most the limit), so that a body too large is refused with 413 before any
-of it is parsed, and bytes that are not UTF-8, JSON nested past the parser's recursion limit and escaped lone
-surrogates (which the tokenizer cannot take) are refused with a message that says so rather than a parse
-error or a crash. The body is then handed on unchanged; after it, the app receives the client's own messages, so that a
-disconnect still reaches the routes.
+It reads the whole body first (at most the limit, within the read timeout), so that a body too large is
+refused with 413 before any of it is parsed, and one that does not arrive in time (a client that stops
+sending, a chunked body never ended) with 408 instead of holding the connection for ever. Bytes that are not
+UTF-8, JSON nested past the parser's recursion limit, escaped lone surrogates (which the tokenizer cannot
+take) and integers longer than Python converts (4,300 digits) are refused with a message that says so, and
+names the field, rather than a parse error or a crash. The body is then handed on unchanged; after it, the
+app receives the client's own messages, so that a disconnect still reaches the routes.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from typing import Any
 
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import error_response
@@ -43,12 +49,44 @@ def _lone_surrogate(value: object) -> str | None:
     return None
 
 
-class BodyGuard:
-    """ASGI middleware: refuse bodies over `max_bytes`, not JSON, or not UTF-8, in the API's error shape."""
+class _HugeInt:
+    """An integer literal of the body too long for `int` (Python refuses to convert past 4,300 digits)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, metrics: Metrics | None = None) -> None:
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _parse_int(literal: str) -> int | _HugeInt:
+    digits = len(literal.lstrip("-"))
+    limit = sys.get_int_max_str_digits()
+    return _HugeInt(digits) if limit and digits > limit else int(literal)
+
+
+def _huge_int(value: object) -> tuple[str, _HugeInt] | None:
+    """Where in parsed JSON an integer too long to convert is (a dotted path, as validation errors name
+    fields), and the integer, if any."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, _HugeInt):
+            return path, item
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{key}" if path else str(key), v) for key, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(item))))
+    return None
+
+
+class BodyGuard:
+    """ASGI middleware: refuse bodies over `max_bytes`, slower than `read_timeout` seconds, not JSON, or not
+    UTF-8, in the API's error shape."""
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, read_timeout: float = 30.0, metrics: Metrics | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -58,14 +96,16 @@ class BodyGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
 
-        async def refuse(kind: str, message: str) -> None:
+        async def refuse(kind: str, message: str, headers: dict[str, str] | None = None) -> None:
             if self.metrics is not None:
                 self.metrics.request_ended("invalid")
-            await error_response(path, kind, message)(scope, receive, send)
+            await error_response(path, kind, message, headers)(scope, receive, send)
 
         declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await refuse("too_large", f"the request body is {declared} bytes, over the limit of {self.max_bytes}")
+        # Compared by length first: int() refuses a string of more than 4,300 digits.
+        if declared is not None and declared.isdigit() and (len(declared) > 18 or int(declared) > self.max_bytes):
+            size_text = declared if len(declared) <= 18 else f"{len(declared)} digits of"
+            await refuse("too_large", f"the request body is {size_text} bytes, over the limit of {self.max_bytes}")
             return
         content_type = headers.get("content-type")
         if content_type is not None and not _is_json(content_type):
@@ -76,8 +116,21 @@ class BodyGuard:
 
         chunks: list[bytes] = []
         size = 0
+        # One deadline for the whole body, not one per read: a client sending a byte now and then would
+        # otherwise hold the connection as long as it likes.
+        deadline = anyio.current_time() + self.read_timeout
         while True:
-            message = await receive()
+            message: Message | None = None
+            with anyio.move_on_after(deadline - anyio.current_time()):
+                message = await receive()
+            if message is None:
+                await refuse(
+                    "request_timeout",
+                    f"the request body did not arrive within {self.read_timeout:g} s ({size} bytes came)",
+                    # The rest of the body may still come: it would be read as the next request.
+                    {"Connection": "close"},
+                )
+                return
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
@@ -98,12 +151,16 @@ class BodyGuard:
             )
             return
         try:
-            value = json.loads(text)
+            value = json.loads(text, parse_int=_parse_int)
         except RecursionError:
             await refuse("validation", "the JSON body is nested too deeply")
             return
         except ValueError:
             value = None  # not JSON: the route's own parser says where
+        if (huge := _huge_int(value)) is not None:
+            field, number = huge
+            await refuse("validation", f"{field or 'the body'}: an integer of {number.digits} digits is out of range")
+            return
         if "\\u" in text and (surrogate := _lone_surrogate(value)) is not None:
             await refuse(
                 "validation",

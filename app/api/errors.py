@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ _KINDS: dict[str, tuple[int, int, str]] = {
     "unauthorized": (401, 401, "invalid_request_error"),
     "not_found": (404, 404, "not_found_error"),
     "method_not_allowed": (405, 405, "invalid_request_error"),
+    "request_timeout": (408, 408, "timeout"),
     "too_large": (413, 413, "invalid_request_error"),
     "unsupported_media_type": (415, 415, "invalid_request_error"),
     "overloaded": (429, 429, "rate_limit_exceeded"),
@@ -74,6 +76,21 @@ def error_response(path: str, kind: str, message: str, headers: dict[str, str] |
     return JSONResponse(error_body(kind, message, openai), status_code=status_of(kind, openai), headers=headers)
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """`value` as an error message quotes it (``repr``), cut to about `limit` characters: a request may send
+    a number of thousands of digits, or a string of a megabyte, and the message must stay a line."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's limit on converting one to text
+        return f"(an integer of more than {sys.get_int_max_str_digits()} digits)"
+    if len(text) <= limit:
+        return text
+    if isinstance(value, int):
+        digits = len(text.lstrip("-"))
+        return f"{text[: limit // 2]}... (an integer of {digits} digits)"
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 # Union members show up in pydantic's error locations as type tags ("str", "list[ContentPart]"): not fields.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|function-\w+)\[.*\]|constrained-\w+|[A-Z][A-Za-z0-9]*)$")
 
@@ -103,8 +120,8 @@ def describe_validation_errors(errors: list[dict[str, Any]] | Any) -> str:
             if msg not in by_field.setdefault(field, []):
                 by_field[field].append(msg)
             given = err.get("input")
-            if isinstance(given, str | int | float | bool) and len(repr(given)) <= 40:
-                given_of[field] = f" (got {given!r})"
+            if isinstance(given, str | int | float | bool):
+                given_of[field] = f" (got {shown(given)})"
     parts = general + [
         f"{f}: {' or '.join([msgs[0], *(m.removeprefix('Input should be ') for m in msgs[1:])])}{given_of.get(f, '')}"
         for f, msgs in by_field.items()
@@ -170,6 +187,7 @@ def documented_errors(model: type, validation_status: int) -> dict[int | str, di
     its own error body `model` and the status it gives invalid requests (TGI 422, OpenAI 400)."""
     described = {
         validation_status: "invalid request (the message names the field and the limit)",
+        408: "the body did not arrive within body_read_timeout",
         413: "body over the size limit",
         415: "body not JSON",
         424: "the generation failed",

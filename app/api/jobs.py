@@ -17,7 +17,7 @@ import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
-from app.api.errors import APIError
+from app.api.errors import APIError, shown
 from app.api.schemas import GREEDY, Sampling, SpeculativeDetails, SpeculativeParameters
 from app.engine.generation import GenerationParams
 from app.engine.sampling import SamplingParams
@@ -115,14 +115,14 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
 def check_max_new_tokens(value: int | None, field: str, settings: Settings) -> None:
     """Refuse a request for more new tokens than the server allows (`field` names it in the message)."""
     if value is not None and value > settings.max_new_tokens:
-        raise _invalid(f"{field} must be at most {settings.max_new_tokens}, got {value}")
+        raise _invalid(f"{field} must be at most {settings.max_new_tokens}, got {shown(value)}")
 
 
 def _speculation(runtime: Runtime, spec: SpeculativeParameters | None) -> tuple[str, int]:
     info = runtime.info
     draft = spec.draft if spec is not None and spec.draft is not None else "default"
     if draft not in info.drafts:
-        raise _invalid(f"unknown speculative.draft {draft!r}; available: {', '.join(info.drafts)}")
+        raise _invalid(f"unknown speculative.draft {shown(draft)}; available: {', '.join(info.drafts)}")
     if draft == "default":
         draft = info.default_draft
     k = spec.num_draft_tokens if spec is not None and spec.num_draft_tokens is not None else info.num_draft_tokens

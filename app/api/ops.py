@@ -19,13 +19,25 @@ router = APIRouter(tags=["operations"])
 @router.get(
     "/health",
     response_model=Health,
-    responses={503: {"model": Health, "description": "the model is loading, or failed to load"}},
-    summary="Readiness",
+    responses={
+        503: {
+            "model": Health,
+            "description": "the model is loading or failed to load, the worker is gone (restart the server), or "
+            "the server is draining for a shutdown",
+        }
+    },
+    summary="Readiness and liveness",
 )
 async def health(request: Request) -> JSONResponse:
-    """200 once the models are loaded and the worker runs; 503 before (and if loading failed)."""
+    """200 once the models are loaded and the worker runs; 503 before, if loading failed, if the worker is
+    gone, and while the server drains for a shutdown."""
     state = request.app.state
+    if state.draining:
+        return JSONResponse(Health(status="draining").model_dump(), status_code=503)
     if state.runtime is not None:
+        failure = state.runtime.scheduler.failure
+        if failure is not None:
+            return JSONResponse(Health(status="failed", error=failure).model_dump(), status_code=503)
         return JSONResponse(Health(status="ok").model_dump())
     if state.load_error:
         return JSONResponse(Health(status="failed", error=state.load_error).model_dump(), status_code=503)

@@ -498,8 +498,8 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "failed"]
-    error: str | None = Field(None, description="why loading failed")
+    status: Literal["ok", "loading", "failed", "draining"]
+    error: str | None = Field(None, description="why loading failed, or why the worker is gone")
 
 
 class Info(BaseModel):
