@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from _server import metric, running_server
 PROMPT = "The capital of France is"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy counts on for hundreds of tokens
 MAX_RUNNING, MAX_WAITING = 2, 1
+BODY_READ_TIMEOUT = 2
 
 # TGI's client still calls pydantic's deprecated .dict().
 pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated:DeprecationWarning")
@@ -35,6 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, target_path: Path) -> Itera
         "--dtype", "float32",
         "--max-concurrent-requests", str(MAX_RUNNING),
         "--max-queue-size", str(MAX_WAITING),
+        "--body-read-timeout", str(BODY_READ_TIMEOUT),
         "--log-level", "warning",
     ]  # fmt: skip
     with running_server(log, *args) as url:
@@ -198,6 +201,33 @@ def test_bad_requests_over_the_wire(server: str) -> None:
         "/info",
         "/metrics",
     }
+
+
+@pytest.mark.parametrize(
+    ("framing", "sent"),
+    [
+        ("Content-Length: 100", b'{"inputs": '),  # 11 of the 100 bytes announced
+        ("Transfer-Encoding: chunked", b'b\r\n{"inputs": \r\n'),  # one chunk, never the last (empty) one
+    ],
+)
+def test_a_body_that_never_ends_is_408(server: str, framing: str, sent: bytes) -> None:
+    port = int(server.rsplit(":", 1)[1])
+    head = f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + sent)
+        t0 = time.monotonic()
+        answer = b""
+        while chunk := sock.recv(65536):  # to the end: the server closes the connection
+            answer += chunk
+        waited = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"connection: close" in answer.lower()
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert body == {
+        "error": f"the request body did not arrive within {BODY_READ_TIMEOUT} s (11 bytes came)",
+        "error_type": "request_timeout",
+    }
+    assert BODY_READ_TIMEOUT - 0.5 < waited < BODY_READ_TIMEOUT + 10
 
 
 def test_metrics_pass_promtool(server: str) -> None:
