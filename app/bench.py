@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from app.engine import amx
+from app.engine import kernels
 from app.engine.draft_length import expected_tokens
 from app.engine.generation import Engine, GenerationParams
 from app.engine.loading import LoadedModel
@@ -387,9 +387,12 @@ def kernel_table(rows: tuple[int, ...] = (1, 5, 16), repeats: int = 7) -> dict[s
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
         formats["bfloat16 packed"] = ([[onednn(w) for w in ws] for ws in halves], torch.bfloat16)
-    lib = amx.kernel()
-    if lib is not None:
-        formats["bfloat16 AMX"] = ([[amx.AmxLinear(lib, w, None) for w in ws] for ws in halves], torch.bfloat16)
+    for name in kernels.available():
+        try:
+            kernel = kernels.load(name)
+        except kernels.KernelUnavailable:
+            continue
+        formats[f"bfloat16 {name}"] = ([[kernel.linear(w, None) for w in ws] for ws in halves], torch.bfloat16)
     table: dict[str, dict[int, float]] = {}
     for name, (fns, dtype) in formats.items():
         table[name] = {}

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from app import store
+from app.engine import kernels
 from app.engine.loading import LoadedModel, load_model
 from app.engine.model import ModelConfig, Transformer
 from app.engine.tokenizer import Tokenizer
@@ -46,6 +48,45 @@ def target_path() -> Path:
 @pytest.fixture(scope="session")
 def target_f32(target_path: Path) -> LoadedModel:
     return load_model(target_path, "float32", "cpu")
+
+
+# --- CPU kernels -------------------------------------------------------------------------------------------
+
+# Every kernel this CPU runs, best first, then torch's oneDNN/SDPA path: the exactness promises are tested on
+# each (an AMX machine runs them all; elsewhere the ones below its best).
+KERNELS = [*kernels.available(), "torch"]
+
+
+@contextmanager
+def use_kernel(name: str) -> Iterator[None]:
+    """Models packed (and engines built) inside run on kernel `name`, as with SPECSERVE_KERNEL=name."""
+    old = os.environ.get("SPECSERVE_KERNEL")
+    os.environ["SPECSERVE_KERNEL"] = name
+    kernels.kernel.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SPECSERVE_KERNEL", None)
+        else:
+            os.environ["SPECSERVE_KERNEL"] = old
+        kernels.kernel.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def packed_target(target_f32: LoadedModel, target_bf16: LoadedModel) -> Callable[[str], LoadedModel]:
+    """The target in bfloat16 packed for a given kernel, as the server runs it there (one copy per kernel)."""
+    made: dict[str, LoadedModel] = {}
+
+    def get(name: str) -> LoadedModel:
+        if name not in made:
+            model = copy.deepcopy(target_bf16.model)
+            with use_kernel(name):
+                model.pack()
+            made[name] = LoadedModel(model, target_f32.tokenizer, f"bf16 on {name}", 0.0)
+        return made[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -3,24 +3,15 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
+from app.engine import kernels
 from app.engine.drafters import ModelDrafter, NgramDrafter
 from app.engine.generation import Engine, Generation, GenerationParams
-from app.engine.loading import LoadedModel
+from tests.conftest import KERNELS, use_kernel
 
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def packed_bf16(target_f32, target_bf16) -> LoadedModel:
-    """The target in bfloat16 with oneDNN-packed weights, as the server runs it on this CPU."""
-    model = copy.deepcopy(target_bf16.model)
-    assert model.pack()
-    return LoadedModel(model, target_f32.tokenizer, "bf16 packed", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +29,12 @@ def _prefilled_cache(model, prompt: list[int], spare: int):
     return cache
 
 
-def test_hidden_batch_rows_equal_each_sequence_alone(packed_bf16, prompts):
-    """Rows of different sequences, of different counts (1 to 8, 44 in all: more than one chunk of
-    products), come out bit-identical to each sequence's own forward, and every cache advances."""
-    model = packed_bf16.model
+@pytest.mark.parametrize("kernel", kernels.available())
+def test_hidden_batch_rows_equal_each_sequence_alone(packed_target, prompts, kernel):
+    """On every CPU kernel, rows of different sequences, of different counts (1 to 8, 44 in all), come out
+    bit-identical to each sequence's own forward, single rows included, and every cache advances."""
+    model = packed_target(kernel).model
+    assert model.rows_independent()
     counts = [8, 1, 5, 2, 8, 3, 7, 4, 6]
     seqs = [prompts[i % len(prompts)][: 40 + 9 * i] for i in range(len(counts))]
     gen = torch.Generator().manual_seed(0)
@@ -56,16 +49,12 @@ def test_hidden_batch_rows_equal_each_sequence_alone(packed_bf16, prompts):
     assert sum(counts) > 32
     for a, b, n in zip(alone, together, counts, strict=True):
         assert b.shape == (n, model.config.dim)
-        # A single row takes another attention path alone than with a row after it; the engine pads to two.
-        if n > 1:
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+        assert torch.equal(a, b)
     assert [c.length for c in caches] == [len(s) + n for s, n in zip(seqs, counts, strict=True)]
 
 
-def test_hidden_batch_refuses_a_gap_in_a_cache(packed_bf16, prompts):
-    model = packed_bf16.model
+def test_hidden_batch_refuses_a_gap_in_a_cache(packed_target, prompts):
+    model = packed_target(KERNELS[0]).model
     cache = _prefilled_cache(model, prompts[0], 8)
     with pytest.raises(ValueError, match="leaves a gap"), torch.inference_mode():
         model.hidden_batch([(torch.tensor([1, 2]), len(prompts[0]) + 1, cache)])
@@ -78,13 +67,17 @@ def _run_alone(engine: Engine, prompt, params, draft) -> list[int]:
     return gen.generated_ids
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("schedule", ["adaptive", "fixed"])
-def test_step_batch_gives_every_request_its_tokens_alone(packed_bf16, target_f32, prompts, schedule):
+def test_step_batch_gives_every_request_its_tokens_alone(packed_target, target_f32, prompts, schedule, kernel):
     """Greedy requests stepped together (target-only, a model draft, n-gram, side by side, starting at
-    different times) produce exactly the tokens each produces alone, in bfloat16."""
-    model = packed_bf16.model
-    drafters = {"f32": ModelDrafter("f32", target_f32, packed_bf16), "ngram": NgramDrafter()}
-    engine = Engine(model, packed_bf16.tokenizer, drafters, "f32", 4, draft_schedule=schedule)
+    different times) produce exactly the tokens each produces alone, in bfloat16, on every kernel: in one
+    forward on the CPU kernels, one at a time on torch's path (whose rows depend on the batch)."""
+    packed = packed_target(kernel)
+    model = packed.model
+    drafters = {"f32": ModelDrafter("f32", target_f32, packed), "ngram": NgramDrafter()}
+    engine = Engine(model, packed.tokenizer, drafters, "f32", 4, draft_schedule=schedule)
+    assert engine.batching == (kernel != "torch")
     params = GenerationParams(max_new_tokens=MAX_NEW)
     jobs = [(p, d) for p, d in zip(prompts, ["f32", "ngram", "none", "f32", "ngram"], strict=True)]
     alone = [_run_alone(engine, p, params, d) for p, d in jobs]
@@ -114,9 +107,10 @@ class _BrokenDrafter:
         return _BrokenSession()
 
 
-def test_step_batch_keeps_a_failure_to_its_request(target_f32, prompts):
+def test_step_batch_keeps_a_failure_to_its_request(packed_target, prompts):
     drafters = {"broken": _BrokenDrafter(), "ngram": NgramDrafter()}
-    engine = Engine(target_f32.model, target_f32.tokenizer, drafters, "ngram", 3)
+    packed = packed_target(KERNELS[0])
+    engine = Engine(packed.model, packed.tokenizer, drafters, "ngram", 3)
     params = GenerationParams(max_new_tokens=6)
     expected = _run_alone(engine, prompts[0], params, "ngram")
     gens = [engine.start(prompts[0], params, "ngram"), engine.start(prompts[1], params, "broken")]
@@ -129,12 +123,15 @@ def test_step_batch_keeps_a_failure_to_its_request(target_f32, prompts):
     assert gens[0].generated_ids == expected
 
 
-def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts, kernel):
     """The server's default engine (bfloat16, the trained feature draft drafting for several requests at
-    once, the hybrid): every request's greedy tokens are the ones it gets alone."""
+    once, the hybrid), on every kernel: every request's greedy tokens are the ones it gets alone."""
     from app.engine.factory import build_engine
 
-    engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu")
+    with use_kernel(kernel):
+        engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu")
+    assert engine.kernel == kernel
     assert engine.default_draft == "hybrid" and "smollm2-135m-instruct-eagle" in engine.drafters
     params = GenerationParams(max_new_tokens=MAX_NEW)
     jobs = [(p, d) for p, d in zip(prompts, ["default", "hybrid", "default", "none", "hybrid"], strict=True)]
@@ -146,14 +143,17 @@ def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts):
     assert [g.generated_ids for g in gens] == alone
 
 
-def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts):
-    """With AMX kernels (rows independent of the batch), a prompt joining running requests is prefilled a
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kernel):
+    """On the CPU kernels (rows independent of the batch), a prompt joining running requests is prefilled a
     chunk per step inside their forward: they keep getting tokens meanwhile, it gets none until its last
-    chunk, and everyone's tokens are those it gets alone. Elsewhere prompts stay whole."""
+    chunk, and everyone's tokens are those it gets alone. On torch's path prompts stay whole."""
     from app.engine.factory import build_engine
 
-    engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu", prefill_chunk=64)
+    with use_kernel(kernel):
+        engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu", prefill_chunk=64)
     chunked = engine.target.rows_independent()
+    assert chunked == (kernel != "torch")
     assert engine.prefill_chunk == (64 if chunked else 0)
     long_prompt = [t for p in prompts for t in p][:300]
     params = GenerationParams(max_new_tokens=MAX_NEW)

@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from app.engine import kernels
 from app.engine.drafters import choose_draft_token
 from app.engine.loading import LoadedModel
 from app.engine.model import (
@@ -116,6 +117,7 @@ class EagleDraft(nn.Module):
         self.__dict__["_head"] = None
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
+        self.__dict__["_kernel"] = None  # the CPU kernel pack() laid the block out for (its caches attend on it)
 
     def attach(self, target: Transformer, pack: bool = False) -> None:
         """Borrow `target`'s (frozen) embedding and the rows of its output layer for `vocab_ids`."""
@@ -134,10 +136,11 @@ class EagleDraft(nn.Module):
         self._head_rows = rows
 
     def pack(self) -> None:
-        """oneDNN-prepack the bf16 weights (inference only), as `Transformer.pack` does."""
+        """Lay the bf16 weights out for the CPU kernel or oneDNN (inference only), as `Transformer.pack` does."""
         dtype, device = self.fc.weight.dtype, self.fc.weight.device
         if not can_pack(dtype, device):
             return
+        self.__dict__["_kernel"] = kernels.kernel()
         self.fc = PackedLinear(self.fc.weight, self.fc.bias)  # type: ignore[assignment]
         b = self.block
         b.attn.wqkv = PackedLinear(b.attn.wqkv.weight, b.attn.wqkv.bias)  # type: ignore[assignment]
@@ -146,7 +149,7 @@ class EagleDraft(nn.Module):
         b.w2 = PackedLinear(b.w2.weight, None)  # type: ignore[assignment]
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        return KVCache(self.config.block_config(), capacity, 1, dtype, device)
+        return KVCache(self.config.block_config(), capacity, 1, dtype, device, self.__dict__["_kernel"])
 
     def _rope(self, start: int, end: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
         if end > self._rope_len or self._cos.dtype != dtype or self._cos.device != device:

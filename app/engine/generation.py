@@ -8,6 +8,7 @@ the rejected positions by moving a length. Greedy output is token for token the 
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from app.engine import kernels
 from app.engine.detokenizer import Detokenizer
 from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts, batch_draft_lengths
 from app.engine.drafters import Drafter, DraftSession
@@ -22,6 +24,8 @@ from app.engine.model import KVCache, Transformer
 from app.engine.sampling import SamplingParams, argmax, sample, warp
 from app.engine.tokenizer import Tokenizer
 from app.engine.verification import greedy_verify, rejection_sample
+
+log = logging.getLogger(__name__)
 
 
 class GenerationError(ValueError):
@@ -410,7 +414,19 @@ class Engine:
             raise GenerationError(f"default draft {default_draft!r} is not loaded")
         if prefill_chunk < 0:
             raise GenerationError("prefill_chunk must be 0 or more")
-        self.prefill_chunk = prefill_chunk if target.rows_independent() else 0
+        # On the CPU kernels a row's bits depend on nothing but itself, so requests can share a forward (and a
+        # prompt can be prefilled in chunks beside them) and still get the tokens they get alone. Elsewhere
+        # (SPECSERVE_KERNEL=torch, CUDA, float32) that promise holds only request by request: no batching.
+        self.batching = target.rows_independent()
+        self.kernel = kernels.name() if target.device.type == "cpu" else target.device.type
+        self.prefill_chunk = prefill_chunk if self.batching else 0
+        if not self.batching:
+            log.warning(
+                "rows are not independent on %s %s: requests step one at a time, so that a request's tokens do "
+                "not depend on what runs beside it (no batched decoding)",
+                self.kernel,
+                str(target.dtype).removeprefix("torch."),
+            )
         self.target = target
         self.tokenizer = tokenizer
         self.drafters = drafters
@@ -482,6 +498,8 @@ class Engine:
     def together(self, gens: Sequence[Generation]) -> list[int]:
         """Indices of `gens` that `step_batch` runs in one target forward: the decoding ones, and with
         `prefill_chunk` the prefilling ones too; none when fewer than two (a lone request steps alone)."""
+        if not self.batching:
+            return []
         batch = [i for i, gen in enumerate(gens) if not gen.finished and (self.prefill_chunk or not gen.needs_prefill)]
         return batch if len(batch) > 1 else []
 

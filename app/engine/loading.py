@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from app.engine import amx
+from app.engine import kernels
 from app.engine.model import ModelConfig, PackedLinear, Transformer, can_pack
 from app.engine.tokenizer import Tokenizer
 from app.engine.weights import read_checkpoint
@@ -43,10 +43,10 @@ def resolve_device(device: str) -> torch.device:
 
 @functools.cache
 def _bf16_is_faster_on_cpu() -> bool:
-    # With AMX the bf16 products run on its tiles (`amx.AmxLinear`): faster than float32 by construction,
-    # and a timing probe on a busy machine (another process, a profiler pausing this one) could say otherwise.
-    if amx.kernel() is not None:
-        log.info("dtype probe: AMX tiles, bfloat16")
+    # On a CPU kernel bf16 products read half the bytes of float32 and decoding is memory-bound; a timing
+    # probe on a busy machine (another process, a profiler pausing this one) could say otherwise.
+    if kernels.kernel() is not None:
+        log.info("dtype: bfloat16 on the %s kernel", kernels.name())
         return True
     # Else time what decoding runs: the default target's MLP weight (576x1536) times 1 row (a plain step) and
     # 8 rows (a verification), in float32 and in bfloat16 as the decoder would run it (packed where oneDNN

@@ -7,6 +7,7 @@ embeddings. Weights use the HuggingFace layout (rotate-half RoPE); loaders conve
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.engine import amx
+from app.engine import kernels
+from app.engine.kernels import Kernel
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,19 @@ class KVCache:
         batch: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kernel: Kernel | None = None,
     ) -> None:
         shape = (config.n_layers, batch, config.n_kv_heads, capacity, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0
-        # Attention over this cache runs on the AMX kernel (`amx.attention`), whose rows depend on nothing but
+        # Attention over this cache runs on a CPU kernel (`Kernel.attention`), whose rows depend on nothing but
         # themselves: no causal mask to build, no padding or fixed span needed for bit-exact results.
-        self.amx = batch == 1 and _amx_attention(config, dtype, torch.device(device))
+        # `kernel`: the one the model's products were packed for (see `Transformer.pack`), None for SDPA.
+        self.kernel = (
+            kernel if batch == 1 and kernels.attention_fits(config.head_dim, dtype, torch.device(device)) else None
+        )
         # Attend over the whole capacity (masked) instead of the valid length: every forward then reduces over
         # the same number of keys, so a token's attention does not depend on how many tokens were fed with it.
         # (Softmax and attention kernels vectorise over the key axis, and a different length changes the order
@@ -87,9 +93,9 @@ class KVCache:
         self.fixed_span = False
 
     def needs_mask(self, t: int) -> bool:
-        """Whether a forward of `t` rows over this cache needs an explicit causal mask: not on the AMX attention
-        (causal by itself); elsewhere for several rows, or for any with a fixed span."""
-        return not self.amx and (t > 1 or self.fixed_span)
+        """Whether a forward of `t` rows over this cache needs an explicit causal mask: not on a kernel's
+        attention (causal by itself); elsewhere for several rows, or for any with a fixed span."""
+        return self.kernel is None and (t > 1 or self.fixed_span)
 
     def check_span(self, start: int, end: int) -> None:
         """Raise ValueError unless positions start..end-1 can be written next (no gap, within capacity)."""
@@ -103,12 +109,6 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
-
-
-def _amx_attention(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether attention over this model's caches can run on `amx.attention`."""
-    fits = dtype == torch.bfloat16 and device.type == "cpu" and config.head_dim % 32 == 0 and config.head_dim <= 256
-    return fits and amx.kernel() is not None
 
 
 def _rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -170,9 +170,11 @@ class _Attention(nn.Module):
         return _rows(self.wo, self._attend_parts(q, k, v, layout, layer))
 
     def _attend_parts(self, q: Tensor, k: Tensor, v: Tensor, layout: RowsLayout, layer: int) -> Tensor:
-        if all(p.cache.amx and p.mask is None for p in layout.parts):  # one call for every sequence
+        kernel = layout.parts[0].cache.kernel
+        if kernel is not None and all(p.cache.kernel is kernel and p.mask is None for p in layout.parts):
+            # One call for every sequence.
             parts = [(p.offset, p.rows, p.cache.k[layer, 0], p.cache.v[layer, 0], p.start_pos) for p in layout.parts]
-            return amx.attention(amx.kernel(), q, k, v, parts)
+            return kernel.attention(q, k, v, parts)
         ys = [
             self._attend(*(t[:, p.offset : p.offset + p.rows] for t in (q, k, v)), layer, p.cache, p.start_pos, p.mask)
             for p in layout.parts
@@ -197,8 +199,8 @@ class _Attention(nn.Module):
         mask: Tensor | None,
     ) -> Tensor:
         b, t = q.shape[:2]
-        if cache is not None and cache.amx and mask is None:
-            return amx.attention(amx.kernel(), q, k, v, [(0, t, cache.k[layer, 0], cache.v[layer, 0], start_pos)])
+        if cache is not None and cache.kernel is not None and mask is None:
+            return cache.kernel.attention(q, k, v, [(0, t, cache.k[layer, 0], cache.v[layer, 0], start_pos)])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         causal = mask is None and t > 1
         if cache is not None:
@@ -279,35 +281,53 @@ def layout_rows(
 class PackedLinear(nn.Module):
     """A bfloat16 linear layer whose weight was laid out once, at load, for the CPU kernel that runs it.
 
-    On a CPU with AMX the product runs on `amx.AmxLinear` (measured, the default target's 30 MLP
-    up-projections at 1-8 rows: 6 ms against oneDNN's 10; same bits up to 32 rows, and a row's result never
-    depends on how many rows a call has). Elsewhere oneDNN runs it on a weight reordered once: unpacked,
-    oneDNN reorders a bf16 weight on every call, which costs more than the product itself for the few rows a
-    decoding step multiplies (30 layers, 1 row: 33 ms plain, 24 ms packed; bit-identical to F.linear).
+    Where a CPU kernel runs (`kernels.kernel()`), the product runs on it (`KernelLinear`): weights streamed
+    once per call for all rows, and a row's result never depends on how many rows a call has. Elsewhere
+    (`SPECSERVE_KERNEL=torch`, or no compiler) oneDNN runs it on a weight reordered once: unpacked, oneDNN
+    reorders a bf16 weight on every call, which costs more than the product itself for the few rows of a
+    decoding step (bit-identical to F.linear).
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
-        lib = amx.kernel()
-        # On AMX, with what can ride along with the product (norm before, residual after; see DecoderBlock).
-        self.fused = amx.AmxLinear(lib, weight, bias) if lib is not None and amx.fits(weight) else None
-        self.packed = None if self.fused is not None else torch.ops.mkldnn._reorder_linear_weight(weight)
+        kernel = kernels.kernel()
+        # On a kernel, with what can ride along with the product (norm before, residual after; DecoderBlock).
+        self.fused = kernel.linear(weight, bias) if kernel is not None and kernels.fits(weight) else None
+        self.packed = None
+        self.weight: Tensor | None = None
+        if self.fused is None:
+            if _onednn_packs():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            else:
+                self.weight = weight
         self.bias = bias
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is not None:
             return self.fused(x)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `Transformer.pack()` speeds up this dtype and device (bfloat16 on a CPU with oneDNN)."""
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    """Whether `Transformer.pack()` does anything for this dtype and device: bfloat16 on a CPU where a kernel
+    runs or oneDNN can reorder bf16 weights."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    return kernels.kernel() is not None or _onednn_packs()
+
+
+@functools.cache
+def _onednn_packs() -> bool:
+    # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU raises).
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
 
 
 def rope_tables(config: ModelConfig, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -355,7 +375,7 @@ class DecoderBlock(nn.Module):
 
     def forward_parts(self, x: Tensor, layout: RowsLayout, layer: int) -> Tensor:
         """The layer over several sequences' rows at once (see `_Attention.forward_parts`)."""
-        if self._fusable():  # AMX rows do not depend on the row count: no chunking
+        if self._fusable():  # a kernel's rows do not depend on the row count: no chunking
             a = self.attn
             q, k, v = a._project(self._qkv(x), layout.cos, layout.sin)
             return self._mlp(a.wo.fused(a._attend_parts(q, k, v, layout, layer), residual=x))
@@ -364,7 +384,7 @@ class DecoderBlock(nn.Module):
         return x + _rows(self.w2, F.silu(gate) * up)
 
     def _fusable(self) -> bool:
-        # Every product on AMX: the norms, SwiGLU and residual adds then run inside the product calls (about a
+        # Every product on a kernel: the norms, SwiGLU and residual adds then run inside the product calls (about a
         # third of a decoding step's time went to those small ops, each a dispatch of its own).
         products = (self.attn.wqkv, self.attn.wo, self.w13, self.w2)
         return all(isinstance(p, PackedLinear) and p.fused is not None for p in products)
@@ -397,6 +417,7 @@ class Transformer(nn.Module):
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
         self._packed_head: PackedLinear | None = None
+        self.kernel: Kernel | None = None  # what pack() laid the products out for; its caches attend on it too
 
     def pack(self) -> bool:
         """Reorder every bf16 weight for oneDNN once (see `PackedLinear`); inference only, irreversible.
@@ -405,6 +426,7 @@ class Transformer(nn.Module):
         """
         if not can_pack(self.dtype, self.device):
             return False
+        self.kernel = kernels.kernel()
         for block in self.layers:
             for owner, name in ((block.attn, "wqkv"), (block.attn, "wo"), (block, "w13"), (block, "w2")):
                 lin = getattr(owner, name)
@@ -424,16 +446,16 @@ class Transformer(nn.Module):
 
     def rows_independent(self) -> bool:
         """Whether every op of a decoding forward computes each row on its own, so that a token's bits do not
-        depend on how many rows were fed with it (true on the AMX kernels: products and attention)."""
+        depend on how many rows were fed with it (true on the CPU kernels: products and attention)."""
         head = self._packed_head is not None and self._packed_head.fused is not None
-        attention = _amx_attention(self.config, self.dtype, self.device)
+        attention = self.kernel is not None and kernels.attention_fits(self.config.head_dim, self.dtype, self.device)
         return head and attention and all(block._fusable() for block in self.layers)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """A KV cache for `batch` sequences of up to `capacity` positions, in this model's dtype."""
         if capacity > self.config.max_seq_len:
             raise ValueError(f"{capacity} positions exceed the model's context of {self.config.max_seq_len}")
-        return KVCache(self.config, capacity, batch, self.dtype, self.device)
+        return KVCache(self.config, capacity, batch, self.dtype, self.device, self.kernel)
 
     def _rope(self, start: int, end: int) -> tuple[Tensor, Tensor]:
         if end > self._rope_len or self._cos.dtype != self.dtype or self._cos.device != self.device:

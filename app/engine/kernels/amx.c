@@ -1,39 +1,7 @@
-"""bfloat16 products and cached attention on Intel AMX tiles, for the few rows a decoding step has.
-
-oneDNN's bf16 products are built for big batches: for the 1-32 rows of a decoding step on this project's CPU
-they run far below memory bandwidth (the default target's 30 MLP up-projections, 1 row: 10 ms with oneDNN,
-6 ms here). `AmxLinear` streams each weight once per call and multiplies up to 16 rows per AMX tile, so a
-16-row verification costs what a 1-row step does; RMSNorm, SwiGLU and residual adds run inside the same call.
-`attention` attends a step's query rows over each sequence's KV cache, every sequence of a batch in one call.
-Neither result depends on how many rows a call has (each output is the same chain of operations whatever
-else is computed beside it), and the products' bits equal oneDNN's up to 32 rows.
-
-The C source below is compiled with the system's gcc at first use into the model cache
-(``$SPECSERVE_CACHE/kernels``), linked against torch's own OpenMP runtime so that both share one thread
-pool. Without gcc, without AMX (checked in /proc/cpuinfo and by asking the kernel for tile state), or with
-``SPECSERVE_AMX=0``, `kernel()` is None and callers keep oneDNN.
-"""
-
-from __future__ import annotations
-
-import ctypes
-import functools
-import hashlib
-import logging
-import math
-import os
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Sequence
-from pathlib import Path
-
-import torch
-from torch import Tensor
-
-log = logging.getLogger(__name__)
-
-_SOURCE = r"""
+/* Intel AMX (Sapphire Rapids and later): bf16 products on tiles, 16 rows per tile product, and cached attention
+   with scores on tiles. Each output row is the same chain of operations whatever else the call computes, but
+   the tile product's own order of additions differs from the portable kernels' (a stated bound, not the same
+   bits; see tests/test_kernels.py). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -42,6 +10,7 @@ _SOURCE = r"""
 #include <unistd.h>
 #include <math.h>
 #include <stdlib.h>
+#include "common.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -53,7 +22,7 @@ typedef struct {
 } tilecfg_t;
 
 /* Linux hands out AMX tile state only to a process that asks for it. */
-int amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+int sk_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
 /* Tiles 0-3: four 16-column blocks of the output (rows x 16 f32); 4: the rows' next 32 inputs; 5-7: weights,
    16 input pairs x 16 columns in the pair-interleaved layout the tile product reads. */
@@ -169,7 +138,7 @@ static void add_rows(uint16_t *y, const uint16_t *residual, size_t count) {
    norm_w and eps first, or with `op` 2 [m, 2k] = [gate | up] to turn into silu(gate) * up first; y: [m, n]
    bf16, plus `residual` [m, n] where given; bias: [n] f32 or NULL. k % 32 == 0, n % 64 == 0. Columns are
    split between threads; each thread configures its own tiles. */
-void amx_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
+void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
                 int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
     if (op == 1) { rmsnorm_rows(x, norm_w, eps, scratch, m, k); x = scratch; }
     else if (op == 2) { swiglu_rows(x, scratch, m, k); x = scratch; }
@@ -283,19 +252,11 @@ static void block(const uint16_t *const *qrows, const int *qpos, int nq, const u
     }
 }
 
-/* One sequence of an attention call: its query rows (q_stride apart, heads d apart), its new keys and values
-   (k_stride / v_stride apart, kv heads d apart), one layer of its cache ([kv][cap][d]) and its output rows
-   ([t][h * d]). */
-typedef struct {
-    const uint16_t *q, *k, *v;
-    uint16_t *kc, *vc, *out;
-    int64_t cap, t, start;
-} part_t;
 
 /* Causal attention for several sequences in one call: each part's new keys and values are written into its
    cache at start..start+t-1, then query row (t, h) of a part attends its keys 0..start+t with kv head
    h / (h / kv). Work items (part, kv head, 16 query rows) are shared among the threads. */
-void amx_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
+void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                    float scale, int threads) {
     int group = h / kv, total = 0, first[n_parts + 1];
     for (int p = 0; p < n_parts; p++) {
@@ -332,186 +293,3 @@ void amx_attention(const part_t *parts, int n_parts, int q_stride, int k_stride,
         free(s);
     }
 }
-"""
-
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
-
-
-def _cpu_has_amx() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f in flags.split() for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
-
-
-def _torch_gomp() -> Path | None:
-    """The OpenMP runtime torch loaded (torch/lib/libgomp.so.1, or torch.libs/libgomp-<hash>.so.1 in other
-    wheels): the kernel must link that very file, or the process gets two runtimes and two thread pools."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        path = line.split()[-1]
-        if "/libgomp" in path:
-            return Path(path)
-    return None
-
-
-def _build(target: Path) -> None:
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        raise OSError("no C compiler (gcc) on PATH")
-    gomp = _torch_gomp()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "amx_linear.c"
-        src.write_text(_SOURCE)
-        out = Path(tmp) / target.name
-        # Link the libgomp torch loaded, by path: one OpenMP runtime, one pool of threads.
-        openmp = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else ["-lgomp"]
-        cmd = [gcc, *_FLAGS, str(src), "-o", str(out), *openmp, "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise OSError(f"gcc failed: {done.stderr.strip()[:500]}")
-        os.replace(out, target)  # atomic: a concurrent process sees the whole library or none
-
-
-@functools.cache
-def kernel() -> ctypes.CDLL | None:
-    """The compiled AMX library, or None where it cannot run here (see the module's docstring)."""
-    if os.environ.get("SPECSERVE_AMX", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    if not _cpu_has_amx():
-        return None
-    from app.store import cache_dir
-
-    key = hashlib.sha256(f"{_SOURCE}{_FLAGS}{_torch_gomp()}".encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"amx_linear_{key}.so"
-    try:
-        if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("AMX kernel unavailable, using oneDNN: %s", exc)
-        return None
-    lib.amx_init.restype = ctypes.c_int
-    lib.amx_linear.restype = None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
-    lib.amx_linear.argtypes = [pointer] * 4 + [integer] * 5 + [pointer, ctypes.c_float, pointer, pointer]
-    lib.amx_attention.restype = None
-    lib.amx_attention.argtypes = [pointer, *[integer] * 7, ctypes.c_float, integer]
-    if not lib.amx_init():
-        log.warning("the OS refused AMX tile state; using oneDNN")
-        return None
-    log.info("bf16 products on AMX tiles (%s)", path)
-    return lib
-
-
-def fits(weight: Tensor) -> bool:
-    """Whether `weight` [N, K] can run on the kernel: bfloat16 on CPU, K a multiple of 32 (N is padded)."""
-    on_cpu = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-    return on_cpu and weight.dim() == 2 and weight.shape[1] % 32 == 0
-
-
-class AmxLinear:
-    """`x @ weight.T + bias` for bf16 x [..., K] on AMX tiles; the weight is laid out for the tiles once."""
-
-    def __init__(self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None) -> None:
-        n, k = weight.shape
-        pad = -n % 64
-        if pad:  # zero columns, cut off again in __call__
-            weight = torch.cat([weight, weight.new_zeros(pad, k)])
-        # [N, K] -> [N/16, K/2, 16, 2]: for each 16-column block, input pairs of each column side by side.
-        self.weight = weight.reshape(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-        self.bias = None
-        if bias is not None:
-            self.bias = torch.cat([bias.float(), bias.new_zeros(pad, dtype=torch.float32)]).contiguous()
-        self.out_features, self.in_features, self._padded = n, k, n + pad
-        self._lib = lib
-
-    def __call__(
-        self,
-        x: Tensor,
-        norm: Tensor | None = None,
-        eps: float = 0.0,
-        swiglu: bool = False,
-        residual: Tensor | None = None,
-    ) -> Tensor:
-        """x [..., K] -> [..., N]. Fused around the product, each row on its own:
-        `norm` [K]: RMS-normalise x with this weight and `eps` first; `swiglu`: x is [..., 2K] = [gate | up],
-        multiplied as silu(gate) * up; `residual` [..., N]: added to the result."""
-        x = x.contiguous()
-        k = self.in_features
-        rows = x.numel() // (2 * k if swiglu else k)
-        y = torch.empty(*x.shape[:-1], self._padded, dtype=torch.bfloat16)
-        op, scratch = (1 if norm is not None else 2 if swiglu else 0), None
-        if op:
-            scratch = torch.empty(rows, k, dtype=torch.bfloat16)
-        if residual is not None:
-            assert self._padded == self.out_features and residual.shape == y.shape
-            residual = residual.contiguous()
-        if rows:
-            self._lib.amx_linear(
-                self.weight.data_ptr(),
-                x.data_ptr(),
-                y.data_ptr(),
-                None if self.bias is None else self.bias.data_ptr(),
-                rows,
-                k,
-                self._padded,
-                torch.get_num_threads(),
-                op,
-                None if norm is None else norm.data_ptr(),
-                eps,
-                None if residual is None else residual.data_ptr(),
-                None if scratch is None else scratch.data_ptr(),
-            )
-        return y if self._padded == self.out_features else y[..., : self.out_features]
-
-
-class _Part(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "k", "v", "kc", "vc", "out")] + [
-        (name, ctypes.c_int64) for name in ("cap", "t", "start")
-    ]
-
-
-def attention(
-    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, parts: Sequence[tuple[int, int, Tensor, Tensor, int]]
-) -> Tensor:
-    """Causal attention for several sequences whose rows lie one after another, in one call.
-
-    q [1, N, H, D], k and v [1, N, KV, D]: the rows' queries and new keys and values (bf16; heads contiguous,
-    rows any stride). `parts`: per sequence (first row, rows T_i, k_cache, v_cache [KV, capacity, D], start
-    position); its new keys and values are written into its cache at start..start+T_i-1 and its rows attend
-    its keys 0..their own position. Returns [1, N, H * D] bf16.
-
-    Unlike SDPA, a row's result depends on nothing but its query and the keys it sees: not on how many rows
-    or sequences the call has, nor on the cache's capacity (scores on AMX tiles, softmax and the weighted sum
-    of values in float32, keys always in order). Decoding forwards then need neither padding nor a fixed key
-    span, and a batch of requests gets the bits each would alone."""
-    _, n, h, d = q.shape
-    kv = k.shape[2]
-    for t in (q, k, v):
-        if t.stride(3) != 1 or (t.shape[2] > 1 and t.stride(2) != d):
-            raise ValueError("attention needs each row's heads side by side")
-    out = torch.empty(1, n, h * d, dtype=torch.bfloat16)
-    row = 2  # bytes per element
-    table = (_Part * len(parts))()
-    for i, (offset, rows, k_cache, v_cache, start) in enumerate(parts):
-        table[i] = _Part(
-            q.data_ptr() + offset * q.stride(1) * row,
-            k.data_ptr() + offset * k.stride(1) * row,
-            v.data_ptr() + offset * v.stride(1) * row,
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            out.data_ptr() + offset * h * d * row,
-            k_cache.shape[1],
-            rows,
-            start,
-        )
-    lib.amx_attention(
-        table, len(parts), q.stride(1), k.stride(1), v.stride(1), h, kv, d, 1.0 / math.sqrt(d), torch.get_num_threads()
-    )
-    return out

@@ -1,0 +1,353 @@
+"""CPU kernels for the decoder's bfloat16 products and cached attention, one C library per instruction set.
+
+Every kernel computes each output row as the same chain of operations whatever else the call holds: a row's
+bits depend on nothing but its own inputs (not the row count, the other sequences of a batch, the thread count
+or the cache's capacity). Batched decoding then equals decoding alone, and a verification of k+1 rows gives
+the bits of k+1 single steps, without padding or a fixed key span.
+
+Kernels, best first: ``amx`` (Intel AMX tiles), ``avx512`` (AVX-512F), ``avx2`` (AVX2 + FMA), ``generic``
+(plain C, any gcc target). The portable three compute the same bits (the arithmetic is fixed in
+``common.h``); ``amx`` sums in its tiles' order. The sources (``*.c`` beside this file) are compiled with the
+system's gcc at first use into ``$SPECSERVE_CACHE/kernels``, keyed by source, flags, compiler, CPU and
+OpenMP runtime, and each library's digest is checked before it is loaded. ``SPECSERVE_KERNEL`` picks one:
+``auto`` (default: the best this CPU runs and gcc builds), a kernel's name (an error where it cannot run),
+or ``torch`` (oneDNN and SDPA; rows are not independent there, see `Engine`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("amx", "avx512", "avx2", "generic")
+CHOICES = ("auto", *KERNELS, "torch")
+
+_HERE = Path(__file__).parent
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# CPU flags (as /proc/cpuinfo names them) each kernel needs.
+_NEEDS = {
+    "amx": {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"},
+    "avx512": {"avx512f", "avx2", "fma"},
+    "avx2": {"avx2", "fma"},
+    "generic": set(),
+}
+# -ffp-contract=off: the portable kernels' bits are defined by explicit fused multiply-adds only.
+_FLAGS = {
+    "amx": ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+    "avx512": ["-mavx512f", "-mavx2", "-mfma", "-ffp-contract=off"],
+    "avx2": ["-mavx2", "-mfma", "-ffp-contract=off"],
+    "generic": ["-ffp-contract=off"],
+}
+_COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel that was asked for cannot run here (CPU, compiler or operating system)."""
+
+
+def setting() -> str:
+    """The `SPECSERVE_KERNEL` choice (validated)."""
+    choice = os.environ.get("SPECSERVE_KERNEL", "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"SPECSERVE_KERNEL={choice!r}: choose one of {', '.join(CHOICES)}")
+    return choice
+
+
+@functools.cache
+def _cpu() -> tuple[str, frozenset[str]]:
+    """(model name, flags) from /proc/cpuinfo; empty where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor(), frozenset()
+    model, flags = "", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model", "cpu part") and not model:
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = frozenset(value.split())
+    return model, flags
+
+
+def runs_here(name: str) -> bool:
+    """Whether this CPU has the instructions kernel `name` needs (the compiler is checked by `load`)."""
+    if name == "generic":
+        return True
+    return _X86 and _NEEDS[name] <= _cpu()[1]
+
+
+def available() -> list[str]:
+    """The kernels this CPU can run, best first (whether gcc builds them is found out by `load`)."""
+    return [name for name in KERNELS if runs_here(name)]
+
+
+def _torch_gomp() -> Path | None:
+    """The OpenMP runtime torch loaded: a kernel must link that very file, or the process gets two runtimes
+    and two thread pools."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1]
+        if "/libgomp" in path:
+            return Path(path)
+    return None
+
+
+def _compiler() -> tuple[str, str]:
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise KernelUnavailable("no C compiler (gcc) on PATH")
+    version = subprocess.run([gcc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    return gcc, version
+
+
+def _flags(name: str, gcc: str) -> list[str]:
+    flags = list(_FLAGS[name])
+    if name == "generic" and _accepts(gcc, "-march=native"):
+        flags.append("-march=native")  # lets gcc vectorise the plain loops; the bits stay IEEE's
+    return flags
+
+
+@functools.cache
+def _accepts(gcc: str, flag: str) -> bool:
+    cmd = [gcc, flag, "-x", "c", "-E", "-", "-o", os.devnull]
+    done = subprocess.run(cmd, input="", capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _build(name: str, gcc: str, flags: list[str], target: Path) -> None:
+    gomp = _torch_gomp()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        # Link the libgomp torch loaded, by path: one OpenMP runtime, one pool of threads.
+        openmp = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else ["-lgomp"]
+        cmd = [gcc, *_COMMON, *flags, f"-I{_HERE}", str(_HERE / f"{name}.c"), "-o", str(out), *openmp, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"gcc failed to build the {name} kernel: {done.stderr.strip()[:500]}")
+        Path(f"{out}.sha256").write_text(_digest(out))
+        # Library first, digest second, each atomically: a reader sees a digest only beside its whole library.
+        os.replace(out, target)
+        os.replace(f"{out}.sha256", f"{target}.sha256")
+
+
+def _cache_dir() -> Path:
+    from app.store import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+class Kernel:
+    """One loaded kernel library: `linear` lays a weight out for it, `attention` runs cached attention."""
+
+    def __init__(self, name: str, lib: ctypes.CDLL, path: Path) -> None:
+        self.name = name
+        self.path = path
+        self._lib = lib
+        pointer, integer = ctypes.c_void_p, ctypes.c_int
+        lib.sk_linear.restype = None
+        lib.sk_linear.argtypes = [pointer] * 4 + [integer] * 5 + [pointer, ctypes.c_float, pointer, pointer]
+        lib.sk_attention.restype = None
+        lib.sk_attention.argtypes = [pointer, *[integer] * 7, ctypes.c_float, integer]
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r})"
+
+    def linear(self, weight: Tensor, bias: Tensor | None) -> KernelLinear:
+        """`weight` [N, K] (bf16, K % 32 == 0; see `fits`) laid out once for this kernel's products."""
+        return KernelLinear(self, weight, bias)
+
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, parts: Sequence[tuple[int, int, Tensor, Tensor, int]]
+    ) -> Tensor:
+        """Causal attention for several sequences whose rows lie one after another, in one call.
+
+        q [1, N, H, D], k and v [1, N, KV, D]: the rows' queries and new keys and values (bf16; heads
+        contiguous, rows any stride; D % 32 == 0). `parts`: per sequence (first row, rows T_i, k_cache,
+        v_cache [KV, capacity, D], start position); its new keys and values are written into its cache at
+        start..start+T_i-1 and its rows attend its keys 0..their own position. Returns [1, N, H * D] bf16,
+        each row depending on nothing but its query and the keys it sees."""
+        _, n, h, d = q.shape
+        kv = k.shape[2]
+        for t in (q, k, v):
+            if t.stride(3) != 1 or (t.shape[2] > 1 and t.stride(2) != d):
+                raise ValueError("attention needs each row's heads side by side")
+        out = torch.empty(1, n, h * d, dtype=torch.bfloat16)
+        size = 2  # bytes per element
+        table = (_Part * len(parts))()
+        for i, (offset, rows, k_cache, v_cache, start) in enumerate(parts):
+            table[i] = _Part(
+                q.data_ptr() + offset * q.stride(1) * size,
+                k.data_ptr() + offset * k.stride(1) * size,
+                v.data_ptr() + offset * v.stride(1) * size,
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                out.data_ptr() + offset * h * d * size,
+                k_cache.shape[1],
+                rows,
+                start,
+            )
+        threads = torch.get_num_threads()
+        scale = 1.0 / math.sqrt(d)
+        self._lib.sk_attention(table, len(parts), q.stride(1), k.stride(1), v.stride(1), h, kv, d, scale, threads)
+        return out
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "k", "v", "kc", "vc", "out")] + [
+        (name, ctypes.c_int64) for name in ("cap", "t", "start")
+    ]
+
+
+def fits(weight: Tensor) -> bool:
+    """Whether `weight` [N, K] can run on a kernel: bfloat16 on CPU, K a multiple of 32 (N is padded)."""
+    on_cpu = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    return on_cpu and weight.dim() == 2 and weight.shape[1] % 32 == 0
+
+
+def attention_fits(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model's cached attention can run on a kernel (bf16 on CPU, head_dim % 32 == 0, <= 256)."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0 and head_dim <= 256
+
+
+class KernelLinear:
+    """`x @ weight.T + bias` for bf16 x [..., K] on a kernel; the weight is laid out for it once."""
+
+    def __init__(self, kernel: Kernel, weight: Tensor, bias: Tensor | None) -> None:
+        n, k = weight.shape
+        pad = -n % 64
+        if pad:  # zero columns, cut off again in __call__
+            weight = torch.cat([weight, weight.new_zeros(pad, k)])
+        if kernel.name == "amx":
+            # [N, K] -> [N/16, K/2, 16, 2]: for each 16-column block, input pairs of each column side by side.
+            self.weight = weight.reshape(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            # [N, K] -> [N/4, K/32, 4, 32]: a block of 4 columns read as one stream, 32 inputs at a time.
+            self.weight = weight.reshape(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.cat([bias.float(), bias.new_zeros(pad, dtype=torch.float32)]).contiguous()
+        self.out_features, self.in_features, self._padded = n, k, n + pad
+        self.kernel = kernel
+
+    def __call__(
+        self,
+        x: Tensor,
+        norm: Tensor | None = None,
+        eps: float = 0.0,
+        swiglu: bool = False,
+        residual: Tensor | None = None,
+    ) -> Tensor:
+        """x [..., K] -> [..., N]. Fused around the product, each row on its own: `norm` [K]: RMS-normalise x
+        with this weight and `eps` first; `swiglu`: x is [..., 2K] = [gate | up], multiplied as
+        silu(gate) * up; `residual` [..., N]: added to the result."""
+        x = x.contiguous()
+        k = self.in_features
+        rows = x.numel() // (2 * k if swiglu else k)
+        y = torch.empty(*x.shape[:-1], self._padded, dtype=torch.bfloat16)
+        op, scratch = (1 if norm is not None else 2 if swiglu else 0), None
+        if op:
+            scratch = torch.empty(rows, k, dtype=torch.bfloat16)
+        if residual is not None:
+            assert self._padded == self.out_features and residual.shape == y.shape
+            residual = residual.contiguous()
+        if rows:
+            self.kernel._lib.sk_linear(
+                self.weight.data_ptr(),
+                x.data_ptr(),
+                y.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(),
+                rows,
+                k,
+                self._padded,
+                torch.get_num_threads(),
+                op,
+                None if norm is None else norm.contiguous().data_ptr(),
+                eps,
+                None if residual is None else residual.data_ptr(),
+                None if scratch is None else scratch.data_ptr(),
+            )
+        return y if self._padded == self.out_features else y[..., : self.out_features]
+
+
+@functools.cache
+def load(name: str) -> Kernel:
+    """Kernel `name`, built at first use and cached; raises KernelUnavailable where it cannot run here."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; kernels: {', '.join(KERNELS)}")
+    if not runs_here(name):
+        need = " ".join(sorted(_NEEDS[name])) if _X86 else "an x86-64 CPU"
+        cpu = _cpu()[0] or platform.machine()
+        raise KernelUnavailable(f"the {name} kernel needs {need}; this CPU ({cpu}) lacks it")
+    gcc, version = _compiler()
+    flags = _flags(name, gcc)
+    sources = "".join((_HERE / f).read_text() for f in ("common.h", f"{name}.c"))
+    key_text = f"{sources}{_COMMON}{flags}{version}{_cpu()}{_torch_gomp()}"
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{name}_{key}.so"
+    stamp = Path(f"{path}.sha256")
+    try:
+        if not (path.exists() and stamp.exists() and stamp.read_text().strip() == _digest(path)):
+            if path.exists():
+                log.warning("cached %s kernel %s does not match its digest; rebuilding", name, path)
+            _build(name, gcc, flags, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"the {name} kernel could not be built or loaded: {exc}") from exc
+    lib.sk_init.restype = ctypes.c_int
+    if not lib.sk_init():
+        raise KernelUnavailable(f"the operating system refused the {name} kernel's register state")
+    return Kernel(name, lib, path)
+
+
+@functools.cache
+def kernel() -> Kernel | None:
+    """The kernel `SPECSERVE_KERNEL` selects (None: torch's oneDNN and SDPA); logged once."""
+    choice = setting()
+    if choice == "torch":
+        log.info("CPU kernel: torch (oneDNN products, SDPA attention), as SPECSERVE_KERNEL asks")
+        return None
+    if choice != "auto":
+        chosen = load(choice)
+        log.info("CPU kernel: %s (SPECSERVE_KERNEL), %s", chosen.name, chosen.path)
+        return chosen
+    for name in available():
+        try:
+            chosen = load(name)
+        except KernelUnavailable as exc:
+            log.warning("CPU kernel %s unavailable: %s", name, exc)
+            continue
+        log.info("CPU kernel: %s (the best this CPU runs), %s", chosen.name, chosen.path)
+        return chosen
+    log.warning("no CPU kernel could be built; bfloat16 runs on oneDNN and SDPA, without row independence")
+    return None
+
+
+def name() -> str:
+    """The selected kernel's name, `torch` where none runs."""
+    chosen = kernel()
+    return "torch" if chosen is None else chosen.name

@@ -1,0 +1,220 @@
+/* AVX2 + FMA: any x86-64 server of the last decade. bf16 is widened to float32 in registers (no bf16
+   arithmetic on these CPUs); the 16 canonical lanes of common.h are two 8-lane registers, so every result
+   equals the generic kernel's bit for bit. Products stream each weight once per call for all rows. */
+#include <immintrin.h>
+#include "common.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+int sk_init(void) { return 1; }
+
+INLINE __m256 odd8(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
+INLINE __m256 even8(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+INLINE __m256i load16bf(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE __m256 widen8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* The lane tree of two 8-lane halves (lanes 0-7, 8-15). */
+INLINE float tree(__m256 lo, __m256 hi) {
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* 8 floats -> 8 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16. */
+INLINE void store8(uint16_t *p, __m256 f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+/* sk_exp on 8 floats. */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(SK_EXP_LO)), _mm256_set1_ps(SK_EXP_HI));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(SK_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(SK_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(SK_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static float sum_squares(const uint16_t *x, int k) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int j = 0; j < k; j += 16) {
+        __m256 a = widen8(x + j), b = widen8(x + j + 8);
+        lo = _mm256_fmadd_ps(a, a, lo);
+        hi = _mm256_fmadd_ps(b, b, hi);
+    }
+    return tree(lo, hi);
+}
+
+/* R rows x C columns of the product, columns col..col+C-1 of one packed block of 4 (C = 4, or C = 1 at
+   offset col % 4). ro/re: the rows' split inputs, `half` floats apart. */
+INLINE void tile(int R, int C, const uint16_t *w, const float *ro, const float *re, int half, int k, int col,
+                 float *sums /* [R][C] */) {
+    __m256 acc[4][4][2];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+    const uint16_t *wc = sk_column_chunks(w, k, col);
+    for (int c = 0; c < k / 32; c++) {
+        const uint16_t *b = wc + (size_t)c * 128;
+        for (int j = 0; j < C; j++) {
+            __m256i vlo = load16bf(b + 32 * j), vhi = load16bf(b + 32 * j + 16);
+            __m256 olo = odd8(vlo), elo = even8(vlo), ohi = odd8(vhi), ehi = even8(vhi);
+            for (int r = 0; r < R; r++) {
+                const float *xo = ro + (size_t)r * half + 16 * c, *xe = re + (size_t)r * half + 16 * c;
+                acc[r][j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xo), olo, acc[r][j][0]);
+                acc[r][j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xe), elo, acc[r][j][0]);
+                acc[r][j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xo + 8), ohi, acc[r][j][1]);
+                acc[r][j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xe + 8), ehi, acc[r][j][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) sums[r * C + j] = tree(acc[r][j][0], acc[r][j][1]);
+}
+
+static void columns(const uint16_t *w, const float *xo, const float *xe, uint16_t *y, const float *bias, int m, int k,
+                    int n, int b0, int b1, const uint16_t *residual) {
+    const int half = k / 2;
+    /* Rows in blocks whose split inputs stay in L2 while every column block passes over them. */
+    int rb = (256 * 1024) / (k * 8);
+    rb = rb < 4 ? 4 : rb / 4 * 4;
+    float sums[16];
+    for (int r0 = 0; r0 < m; r0 += rb) {
+        int r1 = r0 + rb < m ? r0 + rb : m;
+        for (int blk = b0; blk < b1; blk++) {
+            int r = r0;
+            for (; r + 4 <= r1; r += 4)
+                for (int j = 0; j < 4; j++) {
+                    int col = 4 * blk + j;
+                    tile(4, 1, w, xo + (size_t)r * half, xe + (size_t)r * half, half, k, col, sums);
+                    for (int a = 0; a < 4; a++) {
+                        size_t at = (size_t)(r + a) * n + col;
+                        y[at] = sk_finish(sums[a], bias, col, residual ? residual + at : NULL);
+                    }
+                }
+            for (; r < r1; r++) {
+                tile(1, 4, w, xo + (size_t)r * half, xe + (size_t)r * half, half, k, 4 * blk, sums);
+                for (int j = 0; j < 4; j++) {
+                    size_t at = (size_t)r * n + 4 * blk + j;
+                    y[at] = sk_finish(sums[j], bias, 4 * blk + j, residual ? residual + at : NULL);
+                }
+            }
+        }
+    }
+}
+
+void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
+               int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
+    x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
+    const int half = k / 2;
+    float *xo = aligned_alloc(64, ((sizeof(float) * ((size_t)m * half * 2 + 16)) + 63) / 64 * 64), *xe = xo + (size_t)m * half;
+    for (int r = 0; r < m; r++) sk_split_row(x + (size_t)r * k, k, xo + (size_t)r * half, xe + (size_t)r * half);
+    int blocks = n / 4;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        columns(w, xo, xe, y, bias, m, k, n, (int)((long)blocks * t / nt), (int)((long)blocks * (t + 1) / nt), residual);
+    }
+    free(xo);
+}
+
+/* Weighted sum of values for dims d0..d0+W-1 (W = 64 or 32), keys 0..n-1 in order. */
+INLINE void values(int W, const float *s, int n, const uint16_t *vc, int d, int d0, float inv, uint16_t *out) {
+    __m256 acc[8];
+    for (int b = 0; b < W / 8; b++) acc[b] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        __m256 p = _mm256_set1_ps(s[j]);
+        const uint16_t *vj = vc + (size_t)j * d + d0;
+        for (int b = 0; b < W / 8; b++) acc[b] = _mm256_fmadd_ps(p, widen8(vj + 8 * b), acc[b]);
+    }
+    __m256 iv = _mm256_set1_ps(inv);
+    for (int b = 0; b < W / 8; b++) store8(out + d0 + 8 * b, _mm256_mul_ps(acc[b], iv));
+}
+
+static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d, float scale,
+                       uint16_t *out, float *s, float *qo, float *qe) {
+    int n = qpos + 1;
+    sk_split_row(q, d, qo, qe);
+    float mx = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        const uint16_t *kj = kc + (size_t)j * d;
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (int c = 0; c < d / 32; c++) {
+            __m256i vlo = load16bf(kj + 32 * c), vhi = load16bf(kj + 32 * c + 16);
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(qo + 16 * c), odd8(vlo), lo);
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 16 * c), even8(vlo), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(qo + 16 * c + 8), odd8(vhi), hi);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 16 * c + 8), even8(vhi), hi);
+        }
+        s[j] = tree(lo, hi) * scale;
+        mx = fmaxf(mx, s[j]);
+    }
+    __m256 m8 = _mm256_set1_ps(mx), lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m256 a = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8)), b = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), m8));
+        _mm256_storeu_ps(s + j, a);
+        _mm256_storeu_ps(s + j + 8, b);
+        lo = _mm256_add_ps(lo, a);
+        hi = _mm256_add_ps(hi, b);
+    }
+    float lanes[16];
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+    for (; j < n; j++) {
+        s[j] = sk_exp(s[j] - mx);
+        lanes[j % 16] += s[j];
+    }
+    float inv = 1.0f / sk_tree16(lanes);
+    int d0 = 0;
+    for (; d0 + 64 <= d; d0 += 64) values(64, s, n, vc, d, d0, inv, out);
+    if (d0 < d) values(32, s, n, vc, d, d0, inv, out);
+}
+
+void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
+                  float scale, int threads) {
+    int group = h / kv;
+    long total = 0;
+    long *first = malloc(sizeof(long) * (n_parts + 1));
+    int64_t longest = 16;
+    for (int p = 0; p < n_parts; p++) {
+        sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
+        first[p] = total;
+        total += parts[p].t * h;
+        if (parts[p].start + parts[p].t > longest) longest = parts[p].start + parts[p].t;
+    }
+    first[n_parts] = total;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
+    {
+        float qo[128] __attribute__((aligned(32))), qe[128] __attribute__((aligned(32)));
+        float *s = aligned_alloc(64, (sizeof(float) * (size_t)(longest + 16) + 63) / 64 * 64);
+        #pragma omp for schedule(dynamic, 4)
+        for (long it = 0; it < total; it++) {
+            int p = 0;
+            while (first[p + 1] <= it) p++;
+            const part_t *pt = &parts[p];
+            long local = it - first[p];
+            int tt = (int)(local / h), hh = (int)(local % h), g = hh / group;
+            attend_row(pt->q + (size_t)tt * q_stride + (size_t)hh * d, (int)(pt->start + tt),
+                       pt->kc + (size_t)g * pt->cap * d, pt->vc + (size_t)g * pt->cap * d, d, scale,
+                       pt->out + (size_t)tt * h * d + (size_t)hh * d, s, qo, qe);
+        }
+        free(s);
+    }
+    free(first);
+}

@@ -1,0 +1,113 @@
+/* The portable kernel: plain C that any gcc target compiles (ARM64 included), and the definition the SIMD
+   kernels are tested against bit for bit (see common.h for the arithmetic). */
+#include "common.h"
+
+int sk_init(void) { return 1; }
+
+static float sum_squares(const uint16_t *x, int k) { return sk_sum_squares_ref(x, k); }
+
+static void columns(const uint16_t *w, const float *xo, const float *xe, uint16_t *y, const float *bias, int m, int k,
+                    int n, int c0, int c1, const uint16_t *residual) {
+    const int half = k / 2;
+    for (int col = c0; col < c1; col++) {
+        const uint16_t *wc = sk_column_chunks(w, k, col);
+        for (int r = 0; r < m; r++) {
+            const float *ro = xo + (size_t)r * half, *re = xe + (size_t)r * half;
+            float l[16] = {0};
+            for (int c = 0; c < k / 32; c++) {
+                const uint16_t *b = wc + (size_t)c * 128;
+                for (int i = 0; i < 16; i++) {
+                    l[i] = fmaf(ro[16 * c + i], sk_bf16_to_f32(b[2 * i + 1]), l[i]);
+                    l[i] = fmaf(re[16 * c + i], sk_bf16_to_f32(b[2 * i]), l[i]);
+                }
+            }
+            size_t at = (size_t)r * n + col;
+            y[at] = sk_finish(sk_tree16(l), bias, col, residual ? residual + at : NULL);
+        }
+    }
+}
+
+void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
+               int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
+    x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
+    const int half = k / 2;
+    float *xo = malloc(sizeof(float) * (size_t)m * half * 2), *xe = xo + (size_t)m * half;
+    for (int r = 0; r < m; r++) sk_split_row(x + (size_t)r * k, k, xo + (size_t)r * half, xe + (size_t)r * half);
+    int blocks = n / 4;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int b0 = (int)((long)blocks * t / nt), b1 = (int)((long)blocks * (t + 1) / nt);
+        columns(w, xo, xe, y, bias, m, k, n, 4 * b0, 4 * b1, residual);
+    }
+    free(xo);
+}
+
+/* One query row: attends keys 0..qpos of one kv head's cache (kc, vc: [cap][d]). */
+static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d, float scale,
+                       uint16_t *out, float *s, float *qo, float *qe) {
+    int n = qpos + 1;
+    sk_split_row(q, d, qo, qe);
+    float mx = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        const uint16_t *kj = kc + (size_t)j * d;
+        float l[16] = {0};
+        for (int c = 0; c < d / 32; c++)
+            for (int i = 0; i < 16; i++) {
+                l[i] = fmaf(qo[16 * c + i], sk_bf16_to_f32(kj[32 * c + 2 * i + 1]), l[i]);
+                l[i] = fmaf(qe[16 * c + i], sk_bf16_to_f32(kj[32 * c + 2 * i]), l[i]);
+            }
+        s[j] = sk_tree16(l) * scale;
+        mx = fmaxf(mx, s[j]);
+    }
+    float lanes[16] = {0};
+    for (int j = 0; j < n; j++) {
+        s[j] = sk_exp(s[j] - mx);
+        lanes[j % 16] += s[j];
+    }
+    float inv = 1.0f / sk_tree16(lanes);
+    float acc[256];
+    for (int i = 0; i < d; i++) acc[i] = 0.0f;
+    for (int j = 0; j < n; j++) {
+        const uint16_t *vj = vc + (size_t)j * d;
+        for (int i = 0; i < d; i++) acc[i] = fmaf(s[j], sk_bf16_to_f32(vj[i]), acc[i]);
+    }
+    for (int i = 0; i < d; i++) out[i] = sk_f32_to_bf16(acc[i] * inv);
+}
+
+/* Causal attention for several sequences in one call (see common.h's part_t): each part's new keys and values
+   are written into its cache, then its query row (t, head hh) attends keys 0..start+t of kv head
+   hh / (h / kv). Work items (part, query row) are shared among the threads. */
+void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
+                  float scale, int threads) {
+    int group = h / kv;
+    long total = 0;
+    long *first = malloc(sizeof(long) * (n_parts + 1));
+    for (int p = 0; p < n_parts; p++) {
+        sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
+        first[p] = total;
+        total += parts[p].t * h;
+    }
+    first[n_parts] = total;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
+    {
+        float qo[128], qe[128];
+        int64_t longest = 0;
+        for (int p = 0; p < n_parts; p++)
+            if (parts[p].start + parts[p].t > longest) longest = parts[p].start + parts[p].t;
+        float *s = malloc(sizeof(float) * (size_t)longest);
+        #pragma omp for schedule(dynamic, 4)
+        for (long it = 0; it < total; it++) {
+            int p = 0;
+            while (first[p + 1] <= it) p++;
+            const part_t *pt = &parts[p];
+            long local = it - first[p];
+            int tt = (int)(local / h), hh = (int)(local % h), g = hh / group;
+            attend_row(pt->q + (size_t)tt * q_stride + (size_t)hh * d, (int)(pt->start + tt),
+                       pt->kc + (size_t)g * pt->cap * d, pt->vc + (size_t)g * pt->cap * d, d, scale,
+                       pt->out + (size_t)tt * h * d + (size_t)hh * d, s, qo, qe);
+        }
+        free(s);
+    }
+    free(first);
+}
