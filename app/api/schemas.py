@@ -92,7 +92,7 @@ class ErrorResponse(BaseModel):
     error: str = Field(description="what is wrong, in one line")
     error_type: str = Field(
         description="validation, overloaded, generation, timeout, unavailable, not_found, too_large, "
-        "unsupported_media_type, method_not_allowed or internal"
+        "unsupported_media_type, method_not_allowed, request_timeout (the body came too slowly) or internal"
     )
 
 
