@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.engine import amx
+from app.engine import kernels
 from app.engine.drafters import DraftError, ModelDrafter, NgramDrafter
 from app.engine.generation import (
     Engine,
@@ -31,6 +31,7 @@ from app.engine.generation import (
 )
 from app.engine.loading import LoadedModel
 from app.engine.reference import greedy_decode
+from tests.conftest import KERNELS
 
 MAX_NEW = 32
 
@@ -266,16 +267,6 @@ def test_stop_string_on_the_real_target(target_f32, bench_prompts, baseline, rea
     assert gen.generated_ids == base.generated_ids[:needed], "no tokens past the one completing the stop string"
 
 
-@pytest.fixture
-def without_amx(monkeypatch: pytest.MonkeyPatch):
-    """Models packed and caches made inside the test run on oneDNN and SDPA, as on a CPU without AMX."""
-    monkeypatch.setenv("SPECSERVE_AMX", "0")
-    amx.kernel.cache_clear()
-    yield
-    monkeypatch.delenv("SPECSERVE_AMX")
-    amx.kernel.cache_clear()
-
-
 def _one_row_steps_and_a_chunk(model) -> tuple[torch.Tensor, torch.Tensor]:
     # The same 5 tokens at the same positions: as five 1-row steps, and as one 5-row verification.
     ids = torch.arange(100, 160).reshape(1, -1)
@@ -288,41 +279,34 @@ def _one_row_steps_and_a_chunk(model) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, chunk
 
 
-def test_half_precision_rows_depend_on_the_row_count_without_amx(target_bf16, without_amx):
-    """Why decoding forwards are padded to at least two rows in bf16 on oneDNN and SDPA: the same token at the
-    same position gets other logits as a 1-row step than as a row of a 5-row verification."""
+def test_half_precision_rows_depend_on_the_row_count_on_torch(target_bf16):
+    """Why decoding forwards are padded in bf16 on torch's path (oneDNN or plain products, SDPA): the same
+    token at the same position gets other logits as a 1-row step than as a row of a 5-row verification."""
     rows, chunk = _one_row_steps_and_a_chunk(target_bf16.model)
     assert not torch.equal(rows, chunk)
 
 
-def test_amx_rows_do_not_depend_on_the_row_count(target_bf16):
-    """On the AMX kernels every row is computed on its own: no padding needed (the engine pads nothing)."""
-    if amx.kernel() is None:
-        assert not amx._cpu_has_amx(), "this CPU has AMX but the kernel did not load"
-        pytest.skip("no AMX on this CPU: the oneDNN path is tested by the test above")
-    model = copy.deepcopy(target_bf16.model)
-    assert model.pack() and model.rows_independent()
+@pytest.mark.parametrize("kernel", kernels.available())
+def test_kernel_rows_do_not_depend_on_the_row_count(packed_target, kernel):
+    """On every CPU kernel each row is computed on its own: no padding needed (the engine pads nothing)."""
+    packed = packed_target(kernel)
+    model = packed.model
+    assert model.rows_independent() and model.kernel is not None and model.kernel.name == kernel
     rows, chunk = _one_row_steps_and_a_chunk(model)
     assert torch.equal(rows, chunk)
-    assert Engine(model, target_bf16.tokenizer, {}, "none").verify_width == 0
+    assert Engine(model, packed.tokenizer, {}, "none").verify_width == 0
 
 
-@pytest.mark.parametrize("backend", ["amx", "onednn"])
-def test_half_precision_speculative_equals_target_only(target_f32, target_bf16, bench_prompts, backend, request):
-    """In bfloat16, with packed weights as `load_model` gives them (on AMX, or on oneDNN with SDPA where AMX is
-    missing), speculative greedy decoding with many multi-token verifications equals target-only decoding token
-    for token."""
-    if backend == "onednn":
-        request.getfixturevalue("without_amx")
-    elif amx.kernel() is None:
-        assert not amx._cpu_has_amx(), "this CPU has AMX but the kernel did not load"
-        pytest.skip("no AMX on this CPU")
-    model = copy.deepcopy(target_bf16.model)
-    assert model.pack()
-    bf16 = LoadedModel(model, target_f32.tokenizer, "bf16 packed", 0.0)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_half_precision_speculative_equals_target_only(target_f32, packed_target, bench_prompts, kernel):
+    """In bfloat16, with weights packed as `load_model` packs them on each kernel (torch's path included,
+    where the engine pads verifications), speculative greedy decoding with many multi-token verifications
+    equals target-only decoding token for token."""
+    bf16 = packed_target(kernel)
+    model = bf16.model
     drafters = {"f32": ModelDrafter("f32", target_f32, bf16), "ngram": NgramDrafter()}
     engine = Engine(model, target_f32.tokenizer, drafters, "f32", 4)
-    assert engine.verify_width == (0 if backend == "amx" else 8)
+    assert engine.verify_width == (8 if kernel == "torch" else 0)
     params = GenerationParams(max_new_tokens=MAX_NEW)
     # Drafts wider than the padding: the cache's span (its capacity) must not depend on the draft length.
     long = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=12)

@@ -1,0 +1,262 @@
+"""The CPU kernels (app/engine/kernels): right values, each row independent of everything else in the call,
+the portable kernels bit-identical to the generic one, and the selection, build cache and fallback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.engine import kernels
+from app.engine.model import PackedLinear
+from tests.conftest import use_kernel
+
+HERE = kernels.available()
+PORTABLE = [name for name in HERE if name != "amx"]
+
+
+@pytest.fixture(params=HERE)
+def kern(request) -> kernels.Kernel:
+    # Every kernel this CPU runs must load: failing to build one here is a bug, not a skip.
+    return kernels.load(request.param)
+
+
+def test_this_cpu_runs_at_least_the_generic_kernel() -> None:
+    assert "generic" in HERE and sorted(HERE, key=kernels.KERNELS.index) == HERE
+
+
+@pytest.mark.parametrize(("n", "k", "bias"), [(3072, 576, False), (960, 576, True), (100, 64, True)])
+def test_values_match_float32_product(kern, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(2, 5, k, generator=g).bfloat16()
+    y = kern.linear(w, b)(x)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.shape == (2, 5, n) and y.dtype == torch.bfloat16
+    # bf16 output rounding: relative 2^-8 of the magnitude, plus the f32 accumulation's own error.
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=0.06 * ref.abs().max().item() / 8)
+
+
+def test_a_row_does_not_depend_on_the_row_count_or_threads(kern) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    lin = kern.linear(w, None)
+    x = torch.randn(40, 576, generator=g).bfloat16()
+    whole = lin(x)
+    for rows in (1, 2, 3, 4, 5, 7, 16, 17, 33):
+        assert torch.equal(lin(x[:rows]), whole[:rows]), rows
+    assert torch.equal(lin(x[23:24]), whole[23:24])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(lin(x), whole)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(lin(x), whole)  # and again: the same bits every run
+
+
+def test_fused_norm_swiglu_and_residual_match_torch(kern) -> None:
+    # What DecoderBlock runs inside the product calls on a kernel, against the torch ops it replaces.
+    g = torch.Generator().manual_seed(3)
+    k, n = 64, 128
+    w = (torch.randn(n, k, generator=g) / 8).bfloat16()
+    lin = kern.linear(w, None)
+    x = torch.randn(1, 5, k, generator=g).bfloat16()
+    norm_w = (1 + torch.randn(k, generator=g) / 4).bfloat16()
+    residual = torch.randn(1, 5, n, generator=g).bfloat16()
+
+    normed = F.rms_norm(x.float(), (k,), norm_w.float(), 1e-5)
+    torch.testing.assert_close(lin(x, norm=norm_w, eps=1e-5).float(), F.linear(normed, w.float()), rtol=2e-2, atol=2e-2)
+
+    gate_up = torch.randn(1, 5, 2 * k, generator=g).bfloat16()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = F.linear(F.silu(gate) * up, w.float())
+    torch.testing.assert_close(lin(gate_up, swiglu=True).float(), expected, rtol=2e-2, atol=2e-2)
+
+    with_residual = lin(x, residual=residual).float()
+    torch.testing.assert_close(with_residual, lin(x).float() + residual.float(), rtol=1e-2, atol=1e-2)
+    # Each fused row is still independent of the others.
+    assert torch.equal(lin(gate_up[:, 2:3], swiglu=True), lin(gate_up, swiglu=True)[:, 2:3])
+    assert torch.equal(lin(x[:, :1], norm=norm_w, eps=1e-5), lin(x, norm=norm_w, eps=1e-5)[:, :1])
+
+
+def _sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    # float32 causal attention of q [1, T, H, D] over k, v [KV, S, D] for positions start.., [1, T, H * D].
+    _, t, h, d = q.shape
+    group = h // k.shape[0]
+    keys = start + t
+    kk = k[:, :keys].float().repeat_interleave(group, 0)
+    vv = v[:, :keys].float().repeat_interleave(group, 0)
+    allowed = torch.arange(keys)[None, :] <= (start + torch.arange(t))[:, None]
+    y = F.scaled_dot_product_attention(q[0].transpose(0, 1).float(), kk, vv, attn_mask=allowed)
+    return y.transpose(0, 1).reshape(1, t, h * d)
+
+
+def _attend(kern, q, k, v, start):
+    # q [1, T, H, D] at positions start.. over caches k, v [KV, S, D] whose keys start.. are q's rows' own.
+    t = q.shape[1]
+    new_k, new_v = (c[:, start : start + t].transpose(0, 1)[None].contiguous() for c in (k, v))
+    return kern.attention(q, new_k, new_v, [(0, t, k, v, start)])
+
+
+@pytest.mark.parametrize(
+    ("t", "start", "heads", "kv", "d"), [(1, 0, 9, 3, 64), (8, 40, 9, 3, 64), (17, 100, 4, 4, 96), (3, 15, 8, 1, 128)]
+)
+def test_attention_matches_float32_sdpa(kern, t: int, start: int, heads: int, kv: int, d: int) -> None:
+    g = torch.Generator().manual_seed(t + start)
+    capacity = start + t + 20
+    k = torch.randn(kv, capacity, d, generator=g).bfloat16()
+    v = torch.randn(kv, capacity, d, generator=g).bfloat16()
+    q = torch.randn(1, t, heads, d, generator=g).bfloat16()
+    got = _attend(kern, q, k.clone(), v.clone(), start)
+    torch.testing.assert_close(got.float(), _sdpa_reference(q, k, v, start), rtol=2e-2, atol=2e-2)
+
+
+def test_attention_rows_depend_only_on_themselves(kern) -> None:
+    # The property that lets decoding drop padding and a fixed key span: a row's bits are the same whatever
+    # rows share the call, however large the cache, whatever lies in its unwritten slots.
+    g = torch.Generator().manual_seed(7)
+    kv, heads, d, start, t = 3, 9, 64, 50, 12
+    k = torch.randn(kv, 200, d, generator=g).bfloat16()
+    v = torch.randn(kv, 200, d, generator=g).bfloat16()
+    q = torch.randn(1, t, heads, d, generator=g).bfloat16()
+    whole = _attend(kern, q, k, v, start)
+    for i in (0, 5, 11):
+        alone = _attend(kern, q[:, i : i + 1], k, v, start + i)
+        assert torch.equal(alone, whole[:, i : i + 1]), i
+    bigger_k = torch.cat([k, torch.randn(kv, 300, d, generator=g).bfloat16()], dim=1)
+    bigger_v = torch.cat([v, torch.randn(kv, 300, d, generator=g).bfloat16()], dim=1)
+    assert torch.equal(_attend(kern, q, bigger_k, bigger_v, start), whole)
+    k[:, start + t :] = 7.0  # garbage past the last written key is never read
+    v[:, start + t :] = float("nan")
+    assert torch.equal(_attend(kern, q, k, v, start), whole)
+
+
+def test_attention_of_several_sequences_in_one_call(kern) -> None:
+    # A batch's call writes each sequence's new keys into its own cache and gives each the bits it gets alone.
+    g = torch.Generator().manual_seed(8)
+    kv, heads, d = 3, 9, 64
+    shapes = [(1, 30), (5, 12), (17, 0), (3, 99)]  # (rows, start)
+    caches = [
+        (torch.randn(kv, 130, d, generator=g).bfloat16(), torch.randn(kv, 130, d, generator=g).bfloat16())
+        for _ in shapes
+    ]
+    n = sum(t for t, _ in shapes)
+    qkv = torch.randn(1, n, heads + 2 * kv, d, generator=g).bfloat16()  # as the decoder lays rows out
+    q, k, v = qkv[:, :, :heads], qkv[:, :, heads : heads + kv], qkv[:, :, heads + kv :]
+    alone, parts, offset = [], [], 0
+    for (t, start), (kc, vc) in zip(shapes, caches, strict=True):
+        rows = slice(offset, offset + t)
+        kc1, vc1 = kc.clone(), vc.clone()
+        alone.append(kern.attention(q[:, rows], k[:, rows], v[:, rows], [(0, t, kc1, vc1, start)]))
+        assert torch.equal(kc1[:, start : start + t], k[0, rows].transpose(0, 1))  # written into the cache
+        parts.append((offset, t, kc, vc, start))
+        offset += t
+    together = kern.attention(q, k, v, parts)
+    assert torch.equal(together, torch.cat(alone, dim=1))
+
+
+def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
+    """One of each kernel call on fixed inputs: products (with bias, norm, SwiGLU, residual) and attention."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(1000, 576, generator=g).bfloat16()
+    b = torch.randn(1000, generator=g).bfloat16()
+    x = torch.randn(21, 576, generator=g).bfloat16()
+    norm_w = (1 + torch.randn(576, generator=g) / 4).bfloat16()
+    w2 = (torch.randn(576, 1536, generator=g) / 16).bfloat16()
+    gate_up = torch.randn(9, 3072, generator=g).bfloat16()
+    residual = torch.randn(9, 576, generator=g).bfloat16()
+    q = torch.randn(1, 6, 9, 64, generator=g).bfloat16()
+    kc = torch.randn(3, 300, 64, generator=g).bfloat16()
+    vc = torch.randn(3, 300, 64, generator=g).bfloat16()
+    return [
+        kern.linear(w, b)(x),
+        kern.linear(w, None)(x, norm=norm_w, eps=1e-5),
+        kern.linear(w2, None)(gate_up, swiglu=True, residual=residual),
+        _attend(kern, q, kc, vc, 250),
+        _attend(kern, q[:, :1], kc, vc, 3),
+    ]
+
+
+@pytest.mark.parametrize("name", PORTABLE)
+def test_portable_kernels_give_the_generic_kernels_bits(name: str) -> None:
+    """avx512 and avx2 compute common.h's arithmetic in wider registers: the same bits as plain C."""
+    for got, want in zip(_everything(kernels.load(name)), _everything(kernels.load("generic")), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_amx_stays_within_a_stated_bound_of_the_generic_kernel() -> None:
+    """AMX tiles add in their own order: within bf16 rounding of the generic kernel, not the same bits."""
+    if "amx" not in HERE:
+        assert not kernels.runs_here("amx")
+        return  # nothing of AMX's to compare on this CPU (its source still compiles: see below)
+    for got, want in zip(_everything(kernels.load("amx")), _everything(kernels.load("generic")), strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=0.02 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", kernels.KERNELS)
+def test_every_kernel_source_compiles(name: str, tmp_path: Path) -> None:
+    """Kernels this CPU cannot run are still compiled, so that a change that breaks one shows here too."""
+    gcc = shutil.which("gcc")
+    assert gcc is not None, "the kernels need gcc (the Makefile and the Docker image install it)"
+    here = Path(kernels.__file__).parent
+    cmd = [gcc, *kernels._COMMON, *kernels._FLAGS[name], f"-I{here}", str(here / f"{name}.c")]
+    done = subprocess.run([*cmd, "-o", str(tmp_path / "k.so"), "-Wall", "-Werror"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_setting_selects_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    with use_kernel("auto"):
+        assert kernels.name() == HERE[0]
+    for name in HERE:
+        with use_kernel(name):
+            assert kernels.name() == name
+            assert PackedLinear(torch.randn(128, 64).bfloat16(), None).fused.kernel.name == name
+    with use_kernel("torch"):
+        assert kernels.kernel() is None and kernels.name() == "torch"
+        w = torch.randn(128, 64).bfloat16()
+        off = PackedLinear(w, None)
+        assert off.fused is None
+        x = torch.randn(3, 64).bfloat16()
+        torch.testing.assert_close(off(x).float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=0.1)
+    with use_kernel("sse9"), pytest.raises(ValueError, match="SPECSERVE_KERNEL='sse9': choose one of auto, amx"):
+        kernels.kernel()
+
+
+def test_a_kernel_this_cpu_cannot_run_is_refused_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_cpu", lambda: ("an old CPU", frozenset({"sse2"})))
+    kernels.load.cache_clear()
+    try:
+        assert kernels.available() == ["generic"]
+        with use_kernel("avx2"), pytest.raises(kernels.KernelUnavailable, match=r"avx2 kernel needs avx2 fma"):
+            kernels.kernel()
+        with use_kernel("auto"):
+            assert kernels.name() == "generic"
+    finally:
+        kernels.load.cache_clear()
+
+
+def test_a_damaged_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(kernels, "_cache_dir", lambda: tmp_path)
+    kernels.load.cache_clear()
+    try:
+        first = kernels.load("generic")
+        stamp = Path(f"{first.path}.sha256")
+        assert first.path.parent == tmp_path and stamp.read_text() == kernels._digest(first.path)
+        # A library cut short (a crash mid-copy, a full disk) must never be loaded: dlopen of it could crash.
+        # (Written beside it and moved over it: the loaded library's own pages stay mapped and whole.)
+        cut = tmp_path / "cut"
+        cut.write_bytes(first.path.read_bytes()[:1000])
+        os.replace(cut, first.path)
+        kernels.load.cache_clear()
+        again = kernels.load("generic")
+        assert again.path == first.path and stamp.read_text() == kernels._digest(again.path)
+        assert os.path.getsize(again.path) > 1000
+    finally:
+        kernels.load.cache_clear()
