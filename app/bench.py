@@ -18,6 +18,7 @@ target-only step. Their ratio shows what the loop loses outside the two models' 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -32,7 +33,6 @@ from app.engine import kernels
 from app.engine.draft_length import expected_tokens
 from app.engine.generation import Engine, GenerationParams
 from app.engine.loading import LoadedModel
-from app.engine.model import can_pack
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -365,50 +365,48 @@ def per_prompt_medians(runs: list[Run]) -> dict[str, float]:
     return {c: statistics.median(v) for c, v in by_config.items()}
 
 
-def kernel_table(rows: tuple[int, ...] = (1, 5, 16), repeats: int = 7) -> dict[str, dict[int, float]]:
-    """Milliseconds for the default target's 30 layers of products (random weights of its shapes, each layer
-    its own so that weights stream from memory as in a real step), per row count and weight format:
-    float32, bfloat16 as F.linear runs it, bfloat16 packed for oneDNN (the decoder's fallback) and bfloat16 on
-    this project's AMX kernel (what the decoder runs where it can)."""
-    import torch.nn.functional as F
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second this machine reads with torch's threads (best of `repeats` sums over a buffer far
+    larger than any cache): what bounds a decoding step, which reads every weight once."""
+    buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    buf.sum()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best
 
-    torch.manual_seed(0)
-    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-    layers = [[torch.randn(o, i) * 0.05 for o, i in shapes] for _ in range(30)]
-    halves = [[w.bfloat16() for w in ws] for ws in layers]
-    formats: dict[str, tuple[list[list[Any]], torch.dtype]] = {
-        "float32": ([[(lambda x, w=w: F.linear(x, w)) for w in ws] for ws in layers], torch.float32),
-        "bfloat16": ([[(lambda x, w=w: F.linear(x, w)) for w in ws] for ws in halves], torch.bfloat16),
-    }
-    if can_pack(torch.bfloat16, torch.device("cpu")):
 
-        def onednn(w: torch.Tensor) -> Any:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w)
-            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def kernel_steps(
+    target: str | Path, rows: tuple[int, ...] = (1, 8, 16), context: int = 128, repeats: int = 7
+) -> tuple[float, int, dict[str, dict[int, float]]]:
+    """Milliseconds of one cached target forward (the real model, bfloat16, `context` tokens already in the
+    cache) per kernel this CPU runs, torch's path included, and per row count: a plain step is 1 row, a
+    verification k+1. Returns (read bandwidth in bytes/s, bytes of weights a step reads, {kernel: {rows: ms}})
+    (median of `repeats`)."""
+    from app.engine.loading import load_model
 
-        formats["bfloat16 packed"] = ([[onednn(w) for w in ws] for ws in halves], torch.bfloat16)
-    for name in kernels.available():
-        try:
-            kernel = kernels.load(name)
-        except kernels.KernelUnavailable:
-            continue
-        formats[f"bfloat16 {name}"] = ([[kernel.linear(w, None) for w in ws] for ws in halves], torch.bfloat16)
+    bandwidth = read_bandwidth()
     table: dict[str, dict[int, float]] = {}
-    for name, (fns, dtype) in formats.items():
+    weight_bytes = 0
+    for name in [*kernels.available(), "torch"]:
+        with kernels.selected(name):
+            model = load_model(target, "bfloat16", "cpu").model
+        # Every weight is read once per step; the tied embedding once, as the output layer.
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        ids = torch.randint(0, model.config.vocab_size, (1, context + max(rows)), generator=torch.Generator())
         table[name] = {}
-        for m in rows:
-            xs = {i: torch.randn(m, i, dtype=dtype) for _, i in shapes}
-
-            def step(fns: list[list[Any]] = fns, xs: dict[int, torch.Tensor] = xs) -> None:
-                for layer in fns:
-                    for (_, i), f in zip(shapes, layer, strict=True):
-                        f(xs[i])
-
-            step()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            table[name][m] = min(times) * 1e3
-    return table
+        with torch.inference_mode():
+            cache = model.new_cache(context + max(rows))
+            model(ids[:, :context], 0, cache)
+            for m in rows:
+                times = []
+                for _ in range(repeats):
+                    cache.truncate(context)
+                    t0 = time.perf_counter()
+                    model(ids[:, context : context + m], context, cache)
+                    times.append(time.perf_counter() - t0)
+                table[name][m] = statistics.median(times) * 1e3
+        del model
+    return bandwidth, weight_bytes, table

@@ -331,7 +331,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "dequantized to f32 / bf16 (repeatable; greedy only)",
     )
     parser.add_argument(
-        "--kernels", action="store_true", help="only time the target's matrix products per dtype (no model needed)"
+        "--kernels",
+        action="store_true",
+        help="only time one target step per CPU kernel (1, 8 and 16 rows) against the memory-bandwidth limit",
     )
     parser.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     _add_sampling_arguments(parser)
@@ -347,12 +349,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     sampling = _sampling_kwargs(args)
     if args.kernels:
-        from app.bench import kernel_table
+        from app import store
+        from app.bench import kernel_steps
 
-        table = kernel_table()
-        print("rows | " + " | ".join(table))
-        for m in next(iter(table.values())):
-            print(f"{m} | " + " | ".join(f"{table[name][m]:.1f} ms" for name in table))
+        bandwidth, weight_bytes, table = kernel_steps(store.resolve(args.target or DEFAULT_TARGET))
+        floor = weight_bytes / bandwidth * 1e3
+        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; a step reads {weight_bytes / 1e6:.0f} MB of weights, ")
+        print(f"so it cannot take less than {floor:.2f} ms ({1e3 / floor:.0f} tokens/s at 1 row)")
+        print("| kernel | " + " | ".join(f"{m} rows" for m in next(iter(table.values()))) + " | 1 row: of the limit |")
+        print("|---" * (len(next(iter(table.values()))) + 2) + "|")
+        for name, times in table.items():
+            cells = " | ".join(f"{ms:.1f} ms" for ms in times.values())
+            print(f"| {name} | {cells} | {floor / times[min(times)]:.2f} |")
         return 0
     path = Path(args.input)
     if not path.is_file():

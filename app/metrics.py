@@ -8,7 +8,7 @@ that several apps (tests) can live in one process.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -112,6 +112,9 @@ class Metrics:
             "Requests whose rows one target forward ran together (1: a prefill or a request running alone).",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
             registry=r,
+        )
+        self.engine_info = Info(
+            p + "engine", "How the target runs: CPU kernel (or device), dtype, batched decoding.", registry=r
         )
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of generations started.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)

@@ -33,6 +33,8 @@ class ModelInfo:
     draft_p_min: float
     max_input_tokens: int
     has_chat_template: bool
+    kernel: str  # the CPU kernel the products and attention run on ("torch": oneDNN/SDPA), or the device type
+    batched_decoding: bool  # requests share target forwards (only where rows are independent of the batch)
     version: str = __version__
 
 
@@ -65,7 +67,12 @@ class Runtime:
             draft_p_min=engine.draft_p_min,
             max_input_tokens=max_input,
             has_chat_template=engine.tokenizer.chat_template is not None,
+            kernel=engine.kernel,
+            batched_decoding=engine.batching,
         )
+        if metrics is not None:
+            batched = "true" if engine.batching else "false"
+            metrics.engine_info.info({"kernel": info.kernel, "dtype": info.dtype, "batched_decoding": batched})
         scheduler = Scheduler(engine, settings.max_concurrent_requests, settings.max_queue_size, metrics)
         scheduler.start()
         return cls(scheduler, engine.tokenizer, info)

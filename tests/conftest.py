@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -57,20 +57,9 @@ def target_f32(target_path: Path) -> LoadedModel:
 KERNELS = [*kernels.available(), "torch"]
 
 
-@contextmanager
-def use_kernel(name: str) -> Iterator[None]:
+def use_kernel(name: str) -> AbstractContextManager[None]:
     """Models packed (and engines built) inside run on kernel `name`, as with SPECSERVE_KERNEL=name."""
-    old = os.environ.get("SPECSERVE_KERNEL")
-    os.environ["SPECSERVE_KERNEL"] = name
-    kernels.kernel.cache_clear()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SPECSERVE_KERNEL", None)
-        else:
-            os.environ["SPECSERVE_KERNEL"] = old
-        kernels.kernel.cache_clear()
+    return kernels.selected(name)
 
 
 @pytest.fixture(scope="session")

@@ -260,3 +260,14 @@ def test_a_damaged_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tm
         assert os.path.getsize(again.path) > 1000
     finally:
         kernels.load.cache_clear()
+
+
+def test_bench_times_a_target_step_on_every_kernel(target_path: Path) -> None:
+    """`specserve bench --kernels`: one real target step per kernel and row count, and what bounds it."""
+    from app.bench import kernel_steps
+
+    bandwidth, weight_bytes, table = kernel_steps(target_path, rows=(1, 3), context=8, repeats=1)
+    assert list(table) == [*HERE, "torch"]
+    assert all(set(times) == {1, 3} and min(times.values()) > 0 for times in table.values())
+    # The default target's weights in bf16: 134.5 M parameters (the tied embedding counted once).
+    assert 250e6 < weight_bytes < 290e6 and bandwidth > 1e9

@@ -60,6 +60,8 @@ async def info(
         served_model_name=i.served_model_name,
         model_dtype=i.dtype,
         model_device_type=i.device,
+        cpu_kernel=i.kernel,
+        batched_decoding=i.batched_decoding,
         draft=i.default_draft,
         available_drafts=list(i.drafts),
         num_draft_tokens=i.num_draft_tokens,

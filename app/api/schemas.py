@@ -509,6 +509,13 @@ class Info(BaseModel):
     served_model_name: str
     model_dtype: str
     model_device_type: str
+    cpu_kernel: str = Field(
+        description="what runs the target's products and attention: amx, avx512, avx2 or generic (specserve's "
+        "kernels, each row independent of the batch), torch (oneDNN and SDPA), or the device type off the CPU"
+    )
+    batched_decoding: bool = Field(
+        description="whether requests share target forwards; off where a row's bits would depend on the batch"
+    )
     draft: str = Field(description="the default draft")
     available_drafts: list[str]
     num_draft_tokens: int = Field(description="k, tokens drafted per step by default")

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from app.engine import kernels
 from app.engine.detokenizer import Detokenizer
 from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts, batch_draft_lengths
 from app.engine.drafters import Drafter, DraftSession
@@ -418,7 +417,8 @@ class Engine:
         # prompt can be prefilled in chunks beside them) and still get the tokens they get alone. Elsewhere
         # (SPECSERVE_KERNEL=torch, CUDA, float32) that promise holds only request by request: no batching.
         self.batching = target.rows_independent()
-        self.kernel = kernels.name() if target.device.type == "cpu" else target.device.type
+        on_cpu = target.device.type == "cpu"
+        self.kernel = (target.kernel.name if target.kernel is not None else "torch") if on_cpu else target.device.type
         self.prefill_chunk = prefill_chunk if self.batching else 0
         if not self.batching:
             log.warning(

@@ -26,7 +26,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -345,6 +346,22 @@ def kernel() -> Kernel | None:
         return chosen
     log.warning("no CPU kernel could be built; bfloat16 runs on oneDNN and SDPA, without row independence")
     return None
+
+
+@contextmanager
+def selected(choice: str) -> Iterator[None]:
+    """Within: `kernel()` is what SPECSERVE_KERNEL=`choice` selects (models packed inside run on it)."""
+    old = os.environ.get("SPECSERVE_KERNEL")
+    os.environ["SPECSERVE_KERNEL"] = choice
+    kernel.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SPECSERVE_KERNEL", None)
+        else:
+            os.environ["SPECSERVE_KERNEL"] = old
+        kernel.cache_clear()
 
 
 def name() -> str:
