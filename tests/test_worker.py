@@ -13,6 +13,7 @@ import pytest
 from app.engine.generation import GenerationParams
 from app.metrics import Metrics
 from app.worker import Overloaded, RequestFailed, Scheduler, Ticket
+from tests.conftest import KERNELS
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +43,22 @@ def _ids(api_engine, prompt: str) -> list[int]:
     return api_engine.tokenizer.encode(prompt)
 
 
-async def test_concurrent_requests_give_their_sequential_texts(scheduler, api_engine) -> None:
+@pytest.fixture
+def batching_scheduler(packed_target):
+    """A scheduler over the bf16 target on this CPU's best kernel, where requests share target forwards."""
+    from app.engine.drafters import NgramDrafter
+    from app.engine.generation import Engine
+
+    packed = packed_target(KERNELS[0])
+    engine = Engine(packed.model, packed.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4)
+    s = Scheduler(engine, max_running=4, max_waiting=4, metrics=Metrics())
+    s.start()
+    yield s
+    s.stop()
+
+
+async def test_concurrent_requests_give_their_sequential_texts(batching_scheduler, api_engine) -> None:
+    scheduler = batching_scheduler
     params = GenerationParams(max_new_tokens=10)
     sequential = []
     for prompt in PROMPTS:
