@@ -197,7 +197,7 @@ def test_dockerfile() -> None:
     assert '--index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"' in run
     makefile_pin = re.search(r"pip install -q torch==(\S+)", (ROOT / "Makefile").read_text())
     assert makefile_pin is not None and args["TORCH_VERSION"] == makefile_pin.group(1)
-    # A C compiler for the AMX kernels (app/engine/amx.py), which the server compiles at first start.
+    # A C compiler for the CPU kernels (app/engine/kernels/), which the server compiles at first start.
     assert "apt-get install -y --no-install-recommends gcc libc6-dev" in run
     # Every COPY source is in the build context, and not ignored.
     ignored = [p for p in (ROOT / ".dockerignore").read_text().split() if not p.startswith("#")]

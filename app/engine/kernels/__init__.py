@@ -247,8 +247,10 @@ class KernelLinear:
             # [N, K] -> [N/16, K/2, 16, 2]: for each 16-column block, input pairs of each column side by side.
             self.weight = weight.reshape(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         else:
-            # [N, K] -> [N/4, K/32, 4, 32]: a block of 4 columns read as one stream, 32 inputs at a time.
-            self.weight = weight.reshape(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+            # [N, K] -> [N/W, K, W/2, 2] (see common.h): a block of W columns read as one stream, input by input,
+            # columns i and W/2 + i side by side.
+            width = 32 if kernel.name == "avx512" else 16
+            self.weight = weight.reshape(-1, 2, width // 2, k).permute(0, 3, 2, 1).contiguous()
         self.bias = None
         if bias is not None:
             self.bias = torch.cat([bias.float(), bias.new_zeros(pad, dtype=torch.float32)]).contiguous()

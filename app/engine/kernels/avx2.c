@@ -61,59 +61,80 @@ static float sum_squares(const uint16_t *x, int k) {
     return tree(lo, hi);
 }
 
-/* R rows x C columns of the product, columns col..col+C-1 of one packed block of 4 (C = 4, or C = 1 at
-   offset col % 4). ro/re: the rows' split inputs, `half` floats apart. */
-INLINE void tile(int R, int C, const uint16_t *w, const float *ro, const float *re, int half, int k, int col,
-                 float *sums /* [R][C] */) {
-    __m256 acc[4][4][2];
+/* R rows x B blocks of 16 columns (blocks blk..blk+B-1), every input in order; R * B <= 6. Sums into
+   out [R][B * 16]. */
+INLINE void tile(int R, int B, const uint16_t *w, const float *x, int k, int blk, float *out) {
+    __m256 acc[6][4][2];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
-    const uint16_t *wc = sk_column_chunks(w, k, col);
-    for (int c = 0; c < k / 32; c++) {
-        const uint16_t *b = wc + (size_t)c * 128;
-        for (int j = 0; j < C; j++) {
-            __m256i vlo = load16bf(b + 32 * j), vhi = load16bf(b + 32 * j + 16);
-            __m256 olo = odd8(vlo), elo = even8(vlo), ohi = odd8(vhi), ehi = even8(vhi);
+        for (int b = 0; b < B; b++) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+    const uint16_t *wb = sk_block(w, k, 16, blk);
+    const size_t stride = (size_t)k * 16;
+    for (int kk = 0; kk < k; kk++) {
+        for (int b = 0; b < B; b++) {
+            __m256i v = load16bf(wb + b * stride + (size_t)kk * 16);
+            __m256 lo = even8(v), hi = odd8(v);
             for (int r = 0; r < R; r++) {
-                const float *xo = ro + (size_t)r * half + 16 * c, *xe = re + (size_t)r * half + 16 * c;
-                acc[r][j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xo), olo, acc[r][j][0]);
-                acc[r][j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xe), elo, acc[r][j][0]);
-                acc[r][j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xo + 8), ohi, acc[r][j][1]);
-                acc[r][j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xe + 8), ehi, acc[r][j][1]);
+                __m256 xb = _mm256_broadcast_ss(x + (size_t)r * k + kk);
+                acc[r][b][0] = _mm256_fmadd_ps(xb, lo, acc[r][b][0]);
+                acc[r][b][1] = _mm256_fmadd_ps(xb, hi, acc[r][b][1]);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) sums[r * C + j] = tree(acc[r][j][0], acc[r][j][1]);
+        for (int b = 0; b < B; b++) {
+            _mm256_storeu_ps(out + r * B * 16 + b * 16, acc[r][b][0]);
+            _mm256_storeu_ps(out + r * B * 16 + b * 16 + 8, acc[r][b][1]);
+        }
 }
 
-static void columns(const uint16_t *w, const float *xo, const float *xe, uint16_t *y, const float *bias, int m, int k,
-                    int n, int b0, int b1, const uint16_t *residual) {
-    const int half = k / 2;
-    /* Rows in blocks whose split inputs stay in L2 while every column block passes over them. */
-    int rb = (256 * 1024) / (k * 8);
-    rb = rb < 4 ? 4 : rb / 4 * 4;
-    float sums[16];
+static void finish(const float *sums, int R, int B, int r0, int blk, uint16_t *y, const float *bias, int n,
+                   const uint16_t *residual) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < B * 16; j++) {
+            int col = 16 * blk + j;
+            size_t at = (size_t)(r0 + r) * n + col;
+            y[at] = sk_finish(sums[r * B * 16 + j], bias, col, residual ? residual + at : NULL);
+        }
+}
+
+/* The rows r..r+R-1 (R = 1-5) over blocks blk..blk+B-1. */
+static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, int blk, float *sums) {
+    switch (R * 8 + B) {
+        case 1 * 8 + 4: tile(1, 4, w, x, k, blk, sums); break;
+        case 1 * 8 + 1: tile(1, 1, w, x, k, blk, sums); break;
+        case 2 * 8 + 2: tile(2, 2, w, x, k, blk, sums); break;
+        case 2 * 8 + 1: tile(2, 1, w, x, k, blk, sums); break;
+        case 3 * 8 + 2: tile(3, 2, w, x, k, blk, sums); break;
+        case 3 * 8 + 1: tile(3, 1, w, x, k, blk, sums); break;
+        case 4 * 8 + 1: tile(4, 1, w, x, k, blk, sums); break;
+        default: tile(5, 1, w, x, k, blk, sums); break;
+    }
+}
+
+/* Blocks b0..b1-1 of 16 columns, every row: rows 6 at a time over one block (6 broadcasts and a weight load
+   feed 12 fused multiply-adds); the 1-5 rows left over go over several blocks at once, so that a lone row
+   still keeps 8 accumulators in flight. */
+static void blocks(const uint16_t *w, const float *xf, uint16_t *y, const float *bias, int m, int k, int n, int b0,
+                   int b1, const uint16_t *residual) {
+    float sums[6 * 64];
+    int rb = sk_row_block(k);
     for (int r0 = 0; r0 < m; r0 += rb) {
         int r1 = r0 + rb < m ? r0 + rb : m;
-        for (int blk = b0; blk < b1; blk++) {
-            int r = r0;
-            for (; r + 4 <= r1; r += 4)
-                for (int j = 0; j < 4; j++) {
-                    int col = 4 * blk + j;
-                    tile(4, 1, w, xo + (size_t)r * half, xe + (size_t)r * half, half, k, col, sums);
-                    for (int a = 0; a < 4; a++) {
-                        size_t at = (size_t)(r + a) * n + col;
-                        y[at] = sk_finish(sums[a], bias, col, residual ? residual + at : NULL);
-                    }
-                }
-            for (; r < r1; r++) {
-                tile(1, 4, w, xo + (size_t)r * half, xe + (size_t)r * half, half, k, 4 * blk, sums);
-                for (int j = 0; j < 4; j++) {
-                    size_t at = (size_t)r * n + 4 * blk + j;
-                    y[at] = sk_finish(sums[j], bias, 4 * blk + j, residual ? residual + at : NULL);
-                }
+        int full = r0 + (r1 - r0) / 6 * 6, rest = r1 - full;
+        for (int blk = b0; blk < b1; blk++)
+            for (int r = r0; r < full; r += 6) {
+                tile(6, 1, w, xf + (size_t)r * k, k, blk, sums);
+                finish(sums, 6, 1, r, blk, y, bias, n, residual);
             }
+        if (rest == 0) continue;
+        int B = rest == 1 ? 4 : rest <= 3 ? 2 : 1, blk = b0;
+        for (; blk + B <= b1; blk += B) {
+            rest_tile(rest, B, w, xf + (size_t)full * k, k, blk, sums);
+            finish(sums, rest, B, full, blk, y, bias, n, residual);
+        }
+        for (; blk < b1; blk++) {
+            rest_tile(rest, 1, w, xf + (size_t)full * k, k, blk, sums);
+            finish(sums, rest, 1, full, blk, y, bias, n, residual);
         }
     }
 }
@@ -121,16 +142,15 @@ static void columns(const uint16_t *w, const float *xo, const float *xe, uint16_
 void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
                int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
     x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
-    const int half = k / 2;
-    float *xo = aligned_alloc(64, ((sizeof(float) * ((size_t)m * half * 2 + 16)) + 63) / 64 * 64), *xe = xo + (size_t)m * half;
-    for (int r = 0; r < m; r++) sk_split_row(x + (size_t)r * k, k, xo + (size_t)r * half, xe + (size_t)r * half);
-    int blocks = n / 4;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    float *xf = aligned_alloc(64, (sizeof(float) * (size_t)m * k + 63) / 64 * 64);
+    sk_widen_rows(x, (size_t)m * k, xf);
+    int total = n / 16;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        columns(w, xo, xe, y, bias, m, k, n, (int)((long)blocks * t / nt), (int)((long)blocks * (t + 1) / nt), residual);
+        blocks(w, xf, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt), residual);
     }
-    free(xo);
+    free(xf);
 }
 
 /* Weighted sum of values for dims d0..d0+W-1 (W = 64 or 32), keys 0..n-1 in order. */

@@ -60,54 +60,77 @@ static float sum_squares(const uint16_t *x, int k) {
     return tree(l);
 }
 
-/* R rows x C columns of one packed block of 4 (C = 4, or 1 at offset col % 4); see avx2.c. */
-INLINE void tile(int R, int C, const uint16_t *w, const float *ro, const float *re, int half, int k, int col,
-                 float *sums) {
-    __m512 acc[4][4];
+/* R rows x B blocks of 32 columns (blocks blk..blk+B-1), every input in order; R * B <= 6. Sums into
+   out [R][B * 32]. */
+INLINE void tile(int R, int B, const uint16_t *w, const float *x, int k, int blk, float *out) {
+    __m512 acc[6][4][2];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) acc[r][j] = _mm512_setzero_ps();
-    const uint16_t *wc = sk_column_chunks(w, k, col);
-    for (int c = 0; c < k / 32; c++) {
-        const uint16_t *b = wc + (size_t)c * 128;
-        for (int j = 0; j < C; j++) {
-            __m512i v = load32bf(b + 32 * j);
-            __m512 o = odd16(v), e = even16(v);
+        for (int b = 0; b < B; b++) acc[r][b][0] = acc[r][b][1] = _mm512_setzero_ps();
+    const uint16_t *wb = sk_block(w, k, 32, blk);
+    const size_t stride = (size_t)k * 32;
+    for (int kk = 0; kk < k; kk++) {
+        for (int b = 0; b < B; b++) {
+            __m512i v = load32bf(wb + b * stride + (size_t)kk * 32);
+            __m512 lo = even16(v), hi = odd16(v);
             for (int r = 0; r < R; r++) {
-                const float *xo = ro + (size_t)r * half + 16 * c, *xe = re + (size_t)r * half + 16 * c;
-                acc[r][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xo), o, acc[r][j]);
-                acc[r][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xe), e, acc[r][j]);
+                __m512 xb = _mm512_set1_ps(x[(size_t)r * k + kk]);
+                acc[r][b][0] = _mm512_fmadd_ps(xb, lo, acc[r][b][0]);
+                acc[r][b][1] = _mm512_fmadd_ps(xb, hi, acc[r][b][1]);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) sums[r * C + j] = tree(acc[r][j]);
+        for (int b = 0; b < B; b++) {
+            _mm512_storeu_ps(out + r * B * 32 + b * 32, acc[r][b][0]);
+            _mm512_storeu_ps(out + r * B * 32 + b * 32 + 16, acc[r][b][1]);
+        }
 }
 
-static void columns(const uint16_t *w, const float *xo, const float *xe, uint16_t *y, const float *bias, int m, int k,
-                    int n, int b0, int b1, const uint16_t *residual) {
-    const int half = k / 2;
-    int rb = (256 * 1024) / (k * 8);
-    rb = rb < 4 ? 4 : rb / 4 * 4;
-    float sums[16];
+static void finish(const float *sums, int R, int B, int r0, int blk, uint16_t *y, const float *bias, int n,
+                   const uint16_t *residual) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < B * 32; j++) {
+            int col = 32 * blk + j;
+            size_t at = (size_t)(r0 + r) * n + col;
+            y[at] = sk_finish(sums[r * B * 32 + j], bias, col, residual ? residual + at : NULL);
+        }
+}
+
+static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, int blk, float *sums) {
+    switch (R * 8 + B) {
+        case 1 * 8 + 4: tile(1, 4, w, x, k, blk, sums); break;
+        case 1 * 8 + 1: tile(1, 1, w, x, k, blk, sums); break;
+        case 2 * 8 + 2: tile(2, 2, w, x, k, blk, sums); break;
+        case 2 * 8 + 1: tile(2, 1, w, x, k, blk, sums); break;
+        case 3 * 8 + 2: tile(3, 2, w, x, k, blk, sums); break;
+        case 3 * 8 + 1: tile(3, 1, w, x, k, blk, sums); break;
+        case 4 * 8 + 1: tile(4, 1, w, x, k, blk, sums); break;
+        default: tile(5, 1, w, x, k, blk, sums); break;
+    }
+}
+
+/* Blocks b0..b1-1 of 32 columns, every row; the tiling of avx2.c. */
+static void blocks(const uint16_t *w, const float *xf, uint16_t *y, const float *bias, int m, int k, int n, int b0,
+                   int b1, const uint16_t *residual) {
+    float sums[6 * 128];
+    int rb = sk_row_block(k);
     for (int r0 = 0; r0 < m; r0 += rb) {
         int r1 = r0 + rb < m ? r0 + rb : m;
-        for (int blk = b0; blk < b1; blk++) {
-            int r = r0;
-            for (; r + 4 <= r1; r += 4) {
-                tile(4, 4, w, xo + (size_t)r * half, xe + (size_t)r * half, half, k, 4 * blk, sums);
-                for (int a = 0; a < 4; a++)
-                    for (int j = 0; j < 4; j++) {
-                        size_t at = (size_t)(r + a) * n + 4 * blk + j;
-                        y[at] = sk_finish(sums[a * 4 + j], bias, 4 * blk + j, residual ? residual + at : NULL);
-                    }
+        int full = r0 + (r1 - r0) / 6 * 6, rest = r1 - full;
+        for (int blk = b0; blk < b1; blk++)
+            for (int r = r0; r < full; r += 6) {
+                tile(6, 1, w, xf + (size_t)r * k, k, blk, sums);
+                finish(sums, 6, 1, r, blk, y, bias, n, residual);
             }
-            for (; r < r1; r++) {
-                tile(1, 4, w, xo + (size_t)r * half, xe + (size_t)r * half, half, k, 4 * blk, sums);
-                for (int j = 0; j < 4; j++) {
-                    size_t at = (size_t)r * n + 4 * blk + j;
-                    y[at] = sk_finish(sums[j], bias, 4 * blk + j, residual ? residual + at : NULL);
-                }
-            }
+        if (rest == 0) continue;
+        int B = rest == 1 ? 4 : rest <= 3 ? 2 : 1, blk = b0;
+        for (; blk + B <= b1; blk += B) {
+            rest_tile(rest, B, w, xf + (size_t)full * k, k, blk, sums);
+            finish(sums, rest, B, full, blk, y, bias, n, residual);
+        }
+        for (; blk < b1; blk++) {
+            rest_tile(rest, 1, w, xf + (size_t)full * k, k, blk, sums);
+            finish(sums, rest, 1, full, blk, y, bias, n, residual);
         }
     }
 }
@@ -115,17 +138,15 @@ static void columns(const uint16_t *w, const float *xo, const float *xe, uint16_
 void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
                int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
     x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
-    const int half = k / 2;
-    float *xo = aligned_alloc(64, ((sizeof(float) * ((size_t)m * half * 2 + 16)) + 63) / 64 * 64);
-    float *xe = xo + (size_t)m * half;
-    for (int r = 0; r < m; r++) sk_split_row(x + (size_t)r * k, k, xo + (size_t)r * half, xe + (size_t)r * half);
-    int blocks = n / 4;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    float *xf = aligned_alloc(64, (sizeof(float) * (size_t)m * k + 63) / 64 * 64);
+    sk_widen_rows(x, (size_t)m * k, xf);
+    int total = n / 32;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        columns(w, xo, xe, y, bias, m, k, n, (int)((long)blocks * t / nt), (int)((long)blocks * (t + 1) / nt), residual);
+        blocks(w, xf, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt), residual);
     }
-    free(xo);
+    free(xf);
 }
 
 INLINE void values(int W, const float *s, int n, const uint16_t *vc, int d, int d0, float inv, uint16_t *out) {

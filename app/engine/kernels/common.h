@@ -145,9 +145,26 @@ static inline void sk_write_cache(const part_t *pt, int k_stride, int v_stride, 
         }
 }
 
-/* Weights packed for the portable kernels: [n/4][k/32][4 columns][32]: a block of 4 columns is one stream. */
-static inline const uint16_t *sk_column_chunks(const uint16_t *w, int k, int col) {
-    return w + ((size_t)(col / 4) * (k / 32) * 4 + col % 4) * 32;
+/* Products in the portable kernels: output (r, n) is ONE chain of fused multiply-adds over the inputs in
+   order, acc = fma(x[r][kk], w[n][kk], acc) for kk = 0..k-1 from 0 (each product of two bf16 values is
+   exact in float32, so the chain is all the rounding there is). Kernels vectorise across columns, never
+   across kk, so the chain is the same at any width. Weights are packed in blocks of `width` columns (16 for
+   generic and avx2, 32 for avx512): [n/width][k][width/2 pairs][2], pair i of input kk holding columns i
+   (low half) and width/2 + i (high half) of the block, so that shifting a 32-bit word left by 16 gives
+   column i and masking it gives column width/2 + i, both as float32. */
+static inline const uint16_t *sk_block(const uint16_t *w, int k, int width, int blk) {
+    return w + (size_t)blk * k * width;
+}
+
+/* x [m, k] bf16 -> float32 (exact). */
+static inline void sk_widen_rows(const uint16_t *x, size_t count, float *out) {
+    for (size_t i = 0; i < count; i++) out[i] = sk_bf16_to_f32(x[i]);
+}
+
+/* Rows per pass over the weights: a pass's float32 inputs (rb x k) stay within about 1 MB of cache. */
+static inline int sk_row_block(int k) {
+    int rb = (1 << 20) / (k * 4);
+    return rb < 12 ? 12 : rb / 12 * 12;
 }
 
 /* A row's output: the product's bf16, plus the residual in float32, rounded again (as torch's x + f(x)). */

@@ -6,23 +6,27 @@ int sk_init(void) { return 1; }
 
 static float sum_squares(const uint16_t *x, int k) { return sk_sum_squares_ref(x, k); }
 
-static void columns(const uint16_t *w, const float *xo, const float *xe, uint16_t *y, const float *bias, int m, int k,
-                    int n, int c0, int c1, const uint16_t *residual) {
-    const int half = k / 2;
-    for (int col = c0; col < c1; col++) {
-        const uint16_t *wc = sk_column_chunks(w, k, col);
+/* Blocks b0..b1-1 of 16 columns, every row. */
+static void blocks(const uint16_t *w, const float *xf, uint16_t *y, const float *bias, int m, int k, int n, int b0,
+                   int b1, const uint16_t *residual) {
+    for (int blk = b0; blk < b1; blk++) {
+        const uint16_t *wb = sk_block(w, k, 16, blk);
         for (int r = 0; r < m; r++) {
-            const float *ro = xo + (size_t)r * half, *re = xe + (size_t)r * half;
-            float l[16] = {0};
-            for (int c = 0; c < k / 32; c++) {
-                const uint16_t *b = wc + (size_t)c * 128;
-                for (int i = 0; i < 16; i++) {
-                    l[i] = fmaf(ro[16 * c + i], sk_bf16_to_f32(b[2 * i + 1]), l[i]);
-                    l[i] = fmaf(re[16 * c + i], sk_bf16_to_f32(b[2 * i]), l[i]);
+            const float *xr = xf + (size_t)r * k;
+            float acc[16] = {0};
+            for (int kk = 0; kk < k; kk++) {
+                const uint16_t *p = wb + (size_t)kk * 16;
+                float xv = xr[kk];
+                for (int i = 0; i < 8; i++) {
+                    acc[i] = fmaf(xv, sk_bf16_to_f32(p[2 * i]), acc[i]);
+                    acc[8 + i] = fmaf(xv, sk_bf16_to_f32(p[2 * i + 1]), acc[8 + i]);
                 }
             }
-            size_t at = (size_t)r * n + col;
-            y[at] = sk_finish(sk_tree16(l), bias, col, residual ? residual + at : NULL);
+            for (int j = 0; j < 16; j++) {
+                int col = 16 * blk + j;
+                size_t at = (size_t)r * n + col;
+                y[at] = sk_finish(acc[j], bias, col, residual ? residual + at : NULL);
+            }
         }
     }
 }
@@ -30,17 +34,15 @@ static void columns(const uint16_t *w, const float *xo, const float *xe, uint16_
 void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
                int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
     x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
-    const int half = k / 2;
-    float *xo = malloc(sizeof(float) * (size_t)m * half * 2), *xe = xo + (size_t)m * half;
-    for (int r = 0; r < m; r++) sk_split_row(x + (size_t)r * k, k, xo + (size_t)r * half, xe + (size_t)r * half);
-    int blocks = n / 4;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    float *xf = malloc(sizeof(float) * (size_t)m * k);
+    sk_widen_rows(x, (size_t)m * k, xf);
+    int total = n / 16;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int b0 = (int)((long)blocks * t / nt), b1 = (int)((long)blocks * (t + 1) / nt);
-        columns(w, xo, xe, y, bias, m, k, n, 4 * b0, 4 * b1, residual);
+        blocks(w, xf, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt), residual);
     }
-    free(xo);
+    free(xf);
 }
 
 /* One query row: attends keys 0..qpos of one kv head's cache (kc, vc: [cap][d]). */
