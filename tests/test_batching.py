@@ -67,8 +67,11 @@ def _run_alone(engine: Engine, prompt, params, draft) -> list[int]:
     return gen.generated_ids
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("schedule", ["adaptive", "fixed"])
+# torch's path (bf16 products without oneDNN on some CPUs: slow) once, with the fixed schedule.
+@pytest.mark.parametrize(
+    ("schedule", "kernel"),
+    [*((s, k) for k in kernels.available() for s in ("adaptive", "fixed")), ("fixed", "torch")],
+)
 def test_step_batch_gives_every_request_its_tokens_alone(packed_target, target_f32, prompts, schedule, kernel):
     """Greedy requests stepped together (target-only, a model draft, n-gram, side by side, starting at
     different times) produce exactly the tokens each produces alone, in bfloat16, on every kernel: in one
@@ -123,7 +126,7 @@ def test_step_batch_keeps_a_failure_to_its_request(packed_target, prompts):
     assert gens[0].generated_ids == expected
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", kernels.available())
 def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts, kernel):
     """The server's default engine (bfloat16, the trained feature draft drafting for several requests at
     once, the hybrid), on every kernel: every request's greedy tokens are the ones it gets alone."""
@@ -143,7 +146,7 @@ def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts, kernel):
     assert [g.generated_ids for g in gens] == alone
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", kernels.available())
 def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kernel):
     """On the CPU kernels (rows independent of the batch), a prompt joining running requests is prefilled a
     chunk per step inside their forward: they keep getting tokens meanwhile, it gets none until its last
@@ -153,7 +156,7 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kerne
     with use_kernel(kernel):
         engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu", prefill_chunk=64)
     chunked = engine.target.rows_independent()
-    assert chunked == (kernel != "torch")
+    assert chunked
     assert engine.prefill_chunk == (64 if chunked else 0)
     long_prompt = [t for p in prompts for t in p][:300]
     params = GenerationParams(max_new_tokens=MAX_NEW)
@@ -178,3 +181,17 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kerne
         outs = engine.step_batch([g for g in gens if not g.finished])
         assert not [o for o in outs if isinstance(o, Exception)]
     assert [g.generated_ids for g in gens] == alone
+
+
+def test_torch_path_neither_batches_nor_chunks(make_tiny_model, word_tokenizer):
+    """Where rows depend on the batch (torch's products and SDPA), requests step one at a time and prompts
+    are prefilled whole, so that a request's tokens never depend on what runs beside it."""
+    model = make_tiny_model(seed=3, vocab_size=64).to(torch.bfloat16)
+    with use_kernel("torch"):
+        model.pack()
+    engine = Engine(model, word_tokenizer(64), {"ngram": NgramDrafter()}, "ngram", 3, prefill_chunk=64)
+    assert not engine.batching and engine.prefill_chunk == 0 and engine.kernel == "torch"
+    params = GenerationParams(max_new_tokens=5)
+    gens = [engine.start([3, 1, 4, 1, 5], params), engine.start([2, 7, 1, 8], params)]
+    engine.step_batch(gens)
+    assert engine.together(gens) == []
