@@ -109,6 +109,9 @@ def _attend(kern, q, k, v, start):
     ("t", "start", "heads", "kv", "d"), [(1, 0, 9, 3, 64), (8, 40, 9, 3, 64), (17, 100, 4, 4, 96), (3, 15, 8, 1, 128)]
 )
 def test_attention_matches_float32_sdpa(kern, t: int, start: int, heads: int, kv: int, d: int) -> None:
+    if not kernels.attention_fits(kern, d, torch.bfloat16, torch.device("cpu")):
+        assert kern.name == "amx" and d % 64, "every other head size this test takes must run"
+        return  # a model of this head size keeps SDPA on amx (see attention_fits)
     g = torch.Generator().manual_seed(t + start)
     capacity = start + t + 20
     k = torch.randn(kv, capacity, d, generator=g).bfloat16()

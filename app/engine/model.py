@@ -83,9 +83,8 @@ class KVCache:
         # Attention over this cache runs on a CPU kernel (`Kernel.attention`), whose rows depend on nothing but
         # themselves: no causal mask to build, no padding or fixed span needed for bit-exact results.
         # `kernel`: the one the model's products were packed for (see `Transformer.pack`), None for SDPA.
-        self.kernel = (
-            kernel if batch == 1 and kernels.attention_fits(config.head_dim, dtype, torch.device(device)) else None
-        )
+        fits = batch == 1 and kernels.attention_fits(kernel, config.head_dim, dtype, torch.device(device))
+        self.kernel = kernel if fits else None
         # Attend over the whole capacity (masked) instead of the valid length: every forward then reduces over
         # the same number of keys, so a token's attention does not depend on how many tokens were fed with it.
         # (Softmax and attention kernels vectorise over the key axis, and a different length changes the order
@@ -448,7 +447,7 @@ class Transformer(nn.Module):
         """Whether every op of a decoding forward computes each row on its own, so that a token's bits do not
         depend on how many rows were fed with it (true on the CPU kernels: products and attention)."""
         head = self._packed_head is not None and self._packed_head.fused is not None
-        attention = self.kernel is not None and kernels.attention_fits(self.config.head_dim, self.dtype, self.device)
+        attention = kernels.attention_fits(self.kernel, self.config.head_dim, self.dtype, self.device)
         return head and attention and all(block._fusable() for block in self.layers)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:

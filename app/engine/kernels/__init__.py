@@ -230,9 +230,12 @@ def fits(weight: Tensor) -> bool:
     return on_cpu and weight.dim() == 2 and weight.shape[1] % 32 == 0
 
 
-def attention_fits(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a model's cached attention can run on a kernel (bf16 on CPU, head_dim % 32 == 0, <= 256)."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0 and head_dim <= 256
+def attention_fits(kernel: Kernel | None, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model's cached attention can run on `kernel`: bf16 on CPU, head_dim a multiple of 32 (of 64
+    on amx, whose value pass takes 64 dimensions at a time) and at most 256."""
+    if kernel is None or dtype != torch.bfloat16 or device.type != "cpu" or head_dim > 256:
+        return False
+    return head_dim % (64 if kernel.name == "amx" else 32) == 0
 
 
 class KernelLinear:
