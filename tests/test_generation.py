@@ -310,7 +310,8 @@ def test_half_precision_speculative_equals_target_only(target_f32, packed_target
     params = GenerationParams(max_new_tokens=MAX_NEW)
     # Drafts wider than the padding: the cache's span (its capacity) must not depend on the draft length.
     long = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=12)
-    for prompt in bench_prompts[:2]:
+    # Two prompts on this CPU's best kernel, one on the others (their bits equal generic's: test_kernels).
+    for prompt in bench_prompts[: 2 if kernel == KERNELS[0] else 1]:
         base = run_checked(model, target_f32.tokenizer, prompt, params, None, engine.verify_width)[0]
         for draft, p in (("f32", params), ("ngram", params), ("f32", long)):
             spec = run_checked(model, target_f32.tokenizer, prompt, p, drafters[draft], engine.verify_width)[0]
