@@ -614,6 +614,26 @@ def test_hf_directory_refusals(tmp_path):
         read_checkpoint(tmp_path)
 
 
+def test_smollm3_is_refused_for_its_nope_layers(tmp_path, word_tokenizer):
+    """SmolLM3 is otherwise a Llama, but it skips RoPE on every 4th layer, which this decoder does not do: a
+    loadable-looking checkpoint must be refused, naming the architecture and the reason, not run with wrong logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+    hf = _save_hf(LlamaForCausalLM(cfg), tmp_path / "hf", word_tokenizer)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "model_type": "smollm3", "no_rope_layer_interval": 4}))
+    for load in (read_checkpoint, load_model):
+        with pytest.raises(WeightsError, match="model_type 'smollm3' is not supported: its NoPE layers") as err:
+            load(hf)
+        assert "\n" not in str(err.value)
+    src = _gguf_source_model("llama", tied=True, seed=29)
+    path = tmp_path / "smollm3.gguf"
+    _write_gguf(path, "smollm3", src.state_dict(), Q.F32, True)
+    with pytest.raises(WeightsError, match="architecture 'smollm3' is not supported: its NoPE layers"):
+        read_checkpoint(path)
+
+
 def test_gguf_unsupported_architecture(tmp_path):
     path = tmp_path / "falcon.gguf"
     w = gguf.GGUFWriter(str(path), "falcon")

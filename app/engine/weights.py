@@ -20,7 +20,12 @@ from app.engine.model import ModelConfig
 
 # Architectures this decoder implements, as GGUF `general.architecture` and HF `model_type` name them.
 _GGUF_ARCHS = {"llama", "mistral", "qwen2", "smollm"}
-_HF_ARCHS = {"llama", "mistral", "qwen2", "smollm3"}
+_HF_ARCHS = {"llama", "mistral", "qwen2"}
+# Llama-like architectures this decoder does not implement, with the reason, so that the refusal says what is
+# missing rather than just "not supported" (the same name in GGUF `general.architecture` and HF `model_type`).
+_UNIMPLEMENTED_ARCHS = {
+    "smollm3": "its NoPE layers (every 4th layer without RoPE) are not implemented, so every logit would be wrong",
+}
 _GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q2_K", "Q3_K"}
 
 
@@ -74,6 +79,8 @@ def _read_gguf(path: Path, max_seq_len: int | None) -> Checkpoint:
 
     reader = gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
+    if arch in _UNIMPLEMENTED_ARCHS:
+        raise WeightsError(f"{path.name}: architecture {arch!r} is not supported: {_UNIMPLEMENTED_ARCHS[arch]}")
     if arch not in _GGUF_ARCHS:
         raise WeightsError(f"{path.name}: architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
 
@@ -187,6 +194,8 @@ def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
         raise WeightsError(f"{path}: no config.json, so not an HF-format model directory")
     c = json.loads(cfg_path.read_text())
     arch = c.get("model_type")
+    if arch in _UNIMPLEMENTED_ARCHS:
+        raise WeightsError(f"{path}: model_type {arch!r} is not supported: {_UNIMPLEMENTED_ARCHS[arch]}")
     if arch not in _HF_ARCHS:
         raise WeightsError(f"{path}: model_type {arch!r} is not supported (supported: {sorted(_HF_ARCHS)})")
     rope = c.get("rope_parameters") or {}
