@@ -12,9 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from app import __version__
 from app.store import ModelStoreError
+
+# `specserve bench`'s default prompts: 13 of the project's own, one per Spec-Bench category, shipped in the
+# package so that the command runs from any checkout or install; Spec-Bench files come in with --input.
+BENCH_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
 
 
 class CliError(Exception):
@@ -299,7 +304,11 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Run transformers' generate (target only), our engine target-only and our engine with each "
         "draft on every prompt, interleaved, and report tokens/s, speedups, acceptance and output equality.",
     )
-    parser.add_argument("--input", default="../shared/bench/specbench-dev.jsonl", help="Spec-Bench-format JSONL")
+    parser.add_argument(
+        "--input",
+        default=str(BENCH_PROMPTS),
+        help="Spec-Bench-format JSONL (default: the package's 13 prompts, one per Spec-Bench category)",
+    )
     parser.add_argument(
         "--per-category", type=_positive_int, default=None, help="only the first N prompts of each category"
     )
@@ -342,7 +351,6 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from app.bench import Config, markdown, per_prompt_medians, plots, read_prompts, run_bench, summarize
     from app.engine.factory import DEFAULT_TARGET, HYBRID, build_engine, default_draft_name
@@ -551,7 +559,6 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     import dataclasses
     import json
     import logging
-    from pathlib import Path
 
     from app import store
     from app.distill.recipe import Recipe, train_draft
@@ -644,7 +651,6 @@ def _loadtest_engine(url: str, headers: dict[str, str]):
 def _cmd_loadtest(args: argparse.Namespace) -> int:
     import asyncio
     import json
-    from pathlib import Path
 
     import httpx
 

@@ -219,3 +219,29 @@ def test_a_limit_below_one_is_refused_before_anything_loads(limit, capsys):
         main(["generate", "--input", "prompts.jsonl", "--limit", limit])
     assert exc.value.code == 2
     assert "--limit" in capsys.readouterr().err
+
+
+def test_bench_default_prompts_ship_with_the_package():
+    """`specserve bench` with no --input reads the package's own prompts, so it runs from any checkout or
+    install: the file exists, is listed as package data, parses, has one prompt per Spec-Bench category, and
+    none of its prompts is a Spec-Bench one (those come in with --input)."""
+    import tomllib
+
+    from app.bench import MT_BENCH, read_prompts
+    from app.cli import BENCH_PROMPTS, _build_parser
+    from tests.conftest import SPECBENCH
+
+    args = _build_parser().parse_args(["bench"])
+    assert Path(args.input) == BENCH_PROMPTS and BENCH_PROMPTS.is_file()
+    assert BENCH_PROMPTS.parent == ROOT / "app"
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert BENCH_PROMPTS.name in package_data["app"]
+    prompts = read_prompts(BENCH_PROMPTS)
+    categories = [p.category for p in prompts]
+    assert sorted(categories) == sorted(MT_BENCH | {"translation", "summarization", "qa", "math_reasoning", "rag"})
+    assert len(read_prompts(BENCH_PROMPTS, per_category=1)) == len(prompts) == 13
+    assert all(p.text.strip() for p in prompts) and len({p.question_id for p in prompts}) == len(prompts)
+    if SPECBENCH.is_file():
+        rows = [json.loads(line) for line in SPECBENCH.read_text(encoding="utf-8").splitlines() if line.strip()]
+        theirs = {turn.strip() for row in rows for turn in row["turns"]}
+        assert not theirs & {p.text.strip() for p in prompts}
