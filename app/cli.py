@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from app import __version__
+from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE, DEFAULT_NUM_DRAFT_TOKENS
 from app.store import ModelStoreError
 
 # `specserve bench`'s default prompts: 13 of the project's own, one per Spec-Bench category, shipped in the
@@ -110,13 +111,23 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "--draft", default="default", help="default | none | ngram | catalog NAME | PATH (default: default)"
     )
     parser.add_argument(
-        "--num-draft-tokens", "-k", type=int, default=6, help="tokens drafted per step (the most, when adaptive)"
+        "--num-draft-tokens",
+        "-k",
+        type=int,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        help=f"tokens drafted per step (the most, when adaptive; default {DEFAULT_NUM_DRAFT_TOKENS})",
     )
     parser.add_argument(
-        "--schedule", default="adaptive", choices=["adaptive", "heuristic", "fixed"], help="draft length per step"
+        "--schedule",
+        default=DEFAULT_DRAFT_SCHEDULE,
+        choices=["adaptive", "heuristic", "fixed"],
+        help=f"draft length per step (default {DEFAULT_DRAFT_SCHEDULE})",
     )
     parser.add_argument(
-        "--p-min", type=float, default=0.05, help="confidence cut-off of a model draft (0: none; default 0.05)"
+        "--p-min",
+        type=float,
+        default=DEFAULT_DRAFT_P_MIN,
+        help=f"confidence cut-off of a model draft (0: none; default {DEFAULT_DRAFT_P_MIN})",
     )
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -322,12 +333,22 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         choices=["adaptive", "heuristic", "fixed"],
         default=None,
-        help="draft-length schedule of model drafts (repeatable: one configuration each; default: adaptive)",
+        help="draft-length schedule of model drafts (repeatable: one configuration each; default: "
+        f"{DEFAULT_DRAFT_SCHEDULE})",
     )
     parser.add_argument(
-        "--p-min", type=float, default=None, help="confidence cut-off of model drafts (default: the engine's, 0.05)"
+        "--p-min",
+        type=float,
+        default=None,
+        help=f"confidence cut-off of model drafts (default: the engine's, {DEFAULT_DRAFT_P_MIN})",
     )
-    parser.add_argument("--num-draft-tokens", "-k", type=int, default=6, help="tokens drafted per step (the most)")
+    parser.add_argument(
+        "--num-draft-tokens",
+        "-k",
+        type=int,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        help=f"tokens drafted per step (the most; default {DEFAULT_NUM_DRAFT_TOKENS})",
+    )
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
@@ -386,7 +407,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     engine, loaded = build_engine(
         target, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype
     )
-    schedules = args.schedule or ["adaptive"]
+    schedules = args.schedule or [DEFAULT_DRAFT_SCHEDULE]
     configs = [
         Config(d, sched, args.p_min)
         for d in dict.fromkeys(drafts)
@@ -456,9 +477,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 _SERVE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--target", "target", str, "target model: catalog name or path (default: smollm2-135m-instruct)"),
     ("--draft", "draft", str, "default | none | ngram | draft catalog NAME | PATH (default: default)"),
-    ("--num-draft-tokens", "num_draft_tokens", int, "tokens drafted per step, the most when adaptive (default: 6)"),
-    ("--draft-schedule", "draft_schedule", str, "adaptive | heuristic | fixed draft length (default: adaptive)"),
-    ("--draft-p-min", "draft_p_min", float, "model drafts stop below this top probability (default: 0.05)"),
+    (
+        "--num-draft-tokens",
+        "num_draft_tokens",
+        int,
+        f"tokens drafted per step, the most when adaptive (default: {DEFAULT_NUM_DRAFT_TOKENS})",
+    ),
+    (
+        "--draft-schedule",
+        "draft_schedule",
+        str,
+        f"adaptive | heuristic | fixed draft length (default: {DEFAULT_DRAFT_SCHEDULE})",
+    ),
+    (
+        "--draft-p-min",
+        "draft_p_min",
+        float,
+        f"model drafts stop below this top probability (default: {DEFAULT_DRAFT_P_MIN})",
+    ),
     ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (default: auto)"),
     ("--device", "device", str, "auto | cpu | cuda | cuda:N (default: auto)"),
     ("--host", "host", str, "address to listen on (default: 127.0.0.1)"),

@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE, DEFAULT_NUM_DRAFT_TOKENS
+
 
 class Settings(BaseSettings):
     """Everything the service is configured with."""
@@ -23,15 +25,21 @@ class Settings(BaseSettings):
         "default", description="default draft: `default`, `none`, `ngram`, or a draft model's catalog name or path"
     )
     num_draft_tokens: int = Field(
-        6, ge=0, le=16, description="tokens drafted per step unless a request says (the most, when adaptive)"
+        DEFAULT_NUM_DRAFT_TOKENS,
+        ge=0,
+        le=16,
+        description="tokens drafted per step unless a request says (the most, when adaptive)",
     )
     draft_schedule: Literal["adaptive", "heuristic", "fixed"] = Field(
-        "adaptive",
+        DEFAULT_DRAFT_SCHEDULE,
         description="draft length per step: `adaptive` (from measured acceptance and costs), `heuristic` "
         "(+2 after a full accept, -1 otherwise) or `fixed`",
     )
     draft_p_min: float = Field(
-        0.05, ge=0.0, le=1.0, description="a model draft stops proposing below this top probability (0: never)"
+        DEFAULT_DRAFT_P_MIN,
+        ge=0.0,
+        le=1.0,
+        description="a model draft stops proposing below this top probability (0: never)",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and activations")
     device: str = Field("auto", description="`auto`, `cpu`, `cuda` or `cuda:N`")

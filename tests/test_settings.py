@@ -32,3 +32,31 @@ def test_invalid_settings_are_one_line_errors(capsys: pytest.CaptureFixture[str]
     assert "default_max_new_tokens (50) exceeds max_new_tokens (10)" in capsys.readouterr().err
     assert cli.main(["serve", "--target", "no-such-model"]) == 1
     assert "known models" in capsys.readouterr().err
+
+
+def test_server_cli_and_build_engine_share_the_draft_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One home for k, the schedule and p_min (app.engine.defaults): the server, `specserve generate` and
+    `bench` and an engine built by `build_engine` decode alike unless told otherwise."""
+    import inspect
+
+    from app.engine import defaults
+    from app.engine.factory import build_engine
+
+    for name in ("NUM_DRAFT_TOKENS", "DRAFT_SCHEDULE", "DRAFT_P_MIN"):
+        monkeypatch.delenv(f"SPECSERVE_{name}", raising=False)
+    expected = {
+        "num_draft_tokens": defaults.DEFAULT_NUM_DRAFT_TOKENS,
+        "draft_schedule": defaults.DEFAULT_DRAFT_SCHEDULE,
+        "draft_p_min": defaults.DEFAULT_DRAFT_P_MIN,
+    }
+    assert expected == {"num_draft_tokens": 6, "draft_schedule": "adaptive", "draft_p_min": 0.05}
+    settings = Settings()
+    assert {field: getattr(settings, field) for field in expected} == expected
+    signature = inspect.signature(build_engine).parameters
+    assert {field: signature[field].default for field in expected} == expected
+    parser = cli._build_parser()
+    generate = parser.parse_args(["generate", "hi"])
+    assert (generate.num_draft_tokens, generate.schedule, generate.p_min) == tuple(expected.values())
+    # bench leaves p_min and the schedule to the engine (None), which build_engine gives the shared defaults.
+    bench = parser.parse_args(["bench"])
+    assert (bench.num_draft_tokens, bench.schedule, bench.p_min) == (defaults.DEFAULT_NUM_DRAFT_TOKENS, None, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from app import store
+from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE, DEFAULT_NUM_DRAFT_TOKENS
 from app.engine.drafters import Drafter, DraftError, HybridDrafter, ModelDrafter, NgramDrafter
 from app.engine.eagle import EagleDrafter, EagleError, is_eagle_dir, load_draft
 from app.engine.generation import Engine
@@ -29,20 +30,21 @@ def default_draft_name(target: str) -> str:
 def build_engine(
     target: str = DEFAULT_TARGET,
     draft: str = DEFAULT_DRAFT,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     dtype: str = "auto",
     device: str = "auto",
     max_seq_len: int | None = None,
-    draft_schedule: str = "adaptive",
-    draft_p_min: float = 0.05,
+    draft_schedule: str = DEFAULT_DRAFT_SCHEDULE,
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     prefill_chunk: int = 0,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
     The n-gram drafter is always available by name; a model draft (a small decoder sharing the target's
     vocabulary, or a feature draft trained with `specserve train-draft`) is registered under the name it
-    was given and becomes the default. Raises store.ModelStoreError for a missing model and
-    drafters.DraftError for a draft that does not fit the target.
+    was given and becomes the default. The draft-length defaults are the server's (app.engine.defaults).
+    Raises store.ModelStoreError for a missing model and drafters.DraftError for a draft that does not fit
+    the target.
     """
     if draft == HYBRID:  # the hybrid is built on the target's catalog draft
         if default_draft_name(target) == FALLBACK_DRAFT:

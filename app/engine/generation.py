@@ -41,6 +41,8 @@ class GenerationParams:
 
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
+    # Not app.engine.defaults' k on purpose: the server, the CLI and the load test always set it (from the
+    # engine's or the request's k); the tests that build params directly rely on this fixed 4.
     num_draft_tokens: int = 4
     ignore_eos: bool = False
     temperature: float = 0.0  # 0: greedy, the exact-match verification of the reference contract
@@ -391,8 +393,9 @@ class Engine:
     """A loaded target with its drafters: starts generations, knows nothing of HTTP.
 
     `draft_schedule` and `draft_p_min` are the defaults of requests that do not say; the plain constructor
-    keeps a fixed length (deterministic, for tests and experiments), `build_engine` and the server default
-    to the adaptive schedule. `prefill_chunk`: in a batch, prompts are prefilled at most this many tokens per
+    keeps a fixed length of 4 without a confidence cut-off (deterministic, for tests and experiments, which
+    rely on it), while `build_engine`, the server's settings and the CLI share `app.engine.defaults` (the
+    adaptive schedule). `prefill_chunk`: in a batch, prompts are prefilled at most this many tokens per
     step, in the same forward as the other requests' rows (0: each prompt whole, alone, before the batch);
     only where a row's bits do not depend on the rows beside it (`Transformer.rows_independent`), so a chunked
     prompt gets the very cache a whole one does."""

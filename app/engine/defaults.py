@@ -1,0 +1,19 @@
+"""The draft-length defaults of the server, the CLI and `build_engine`, in one place.
+
+`app.settings.Settings`, `app.cli` (generate, bench, the serve flags' help) and
+`app.engine.factory.build_engine` all read these, so that a server, a CLI run and an engine built in code
+decode alike unless told otherwise. The plain `Engine` constructor and `GenerationParams` keep their own
+fixed-length defaults on purpose: tests build engines directly and rely on a fixed, deterministic draft
+length (see `Engine`'s docstring).
+
+This module imports nothing, so that the settings and the command line can read it without loading torch.
+"""
+
+from __future__ import annotations
+
+# Tokens drafted per step: the most ever drafted under the adaptive or heuristic schedule.
+DEFAULT_NUM_DRAFT_TOKENS = 6
+# How the draft length is chosen per step (app.engine.draft_length.SCHEDULES): from measured acceptance and costs.
+DEFAULT_DRAFT_SCHEDULE = "adaptive"
+# A model draft stops proposing when its top probability falls below this (0: never).
+DEFAULT_DRAFT_P_MIN = 0.05
