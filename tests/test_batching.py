@@ -83,6 +83,8 @@ def test_step_batch_gives_every_request_its_tokens_alone(packed_target, target_f
     assert engine.batching == (kernel != "torch")
     params = GenerationParams(max_new_tokens=MAX_NEW)
     jobs = [(p, d) for p, d in zip(prompts, ["f32", "ngram", "none", "f32", "ngram"], strict=True)]
+    if kernel == "torch":  # slow products on some CPUs; three requests show it steps them apart
+        jobs = jobs[:3]
     alone = [_run_alone(engine, p, params, d) for p, d in jobs]
     gens: list[Generation] = []
     batched_forwards = 0
