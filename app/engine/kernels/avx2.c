@@ -87,16 +87,6 @@ INLINE void tile(int R, int B, const uint16_t *w, const float *x, int k, int blk
         }
 }
 
-static void finish(const float *sums, int R, int B, int r0, int blk, uint16_t *y, const float *bias, int n,
-                   const uint16_t *residual) {
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < B * 16; j++) {
-            int col = 16 * blk + j;
-            size_t at = (size_t)(r0 + r) * n + col;
-            y[at] = sk_finish(sums[r * B * 16 + j], bias, col, residual ? residual + at : NULL);
-        }
-}
-
 /* The rows r..r+R-1 (R = 1-5) over blocks blk..blk+B-1. */
 static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, int blk, float *sums) {
     switch (R * 8 + B) {
@@ -124,17 +114,17 @@ static void blocks(const uint16_t *w, const float *xf, uint16_t *y, const float 
         for (int blk = b0; blk < b1; blk++)
             for (int r = r0; r < full; r += 6) {
                 tile(6, 1, w, xf + (size_t)r * k, k, blk, sums);
-                finish(sums, 6, 1, r, blk, y, bias, n, residual);
+                sk_finish_tile(sums, 6, 16, r, 16 * blk, y, bias, n, residual);
             }
         if (rest == 0) continue;
         int B = rest == 1 ? 4 : rest <= 3 ? 2 : 1, blk = b0;
         for (; blk + B <= b1; blk += B) {
             rest_tile(rest, B, w, xf + (size_t)full * k, k, blk, sums);
-            finish(sums, rest, B, full, blk, y, bias, n, residual);
+            sk_finish_tile(sums, rest, B * 16, full, 16 * blk, y, bias, n, residual);
         }
         for (; blk < b1; blk++) {
             rest_tile(rest, 1, w, xf + (size_t)full * k, k, blk, sums);
-            finish(sums, rest, 1, full, blk, y, bias, n, residual);
+            sk_finish_tile(sums, rest, 16, full, 16 * blk, y, bias, n, residual);
         }
     }
 }
@@ -208,33 +198,5 @@ static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const ui
 
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    int group = h / kv;
-    long total = 0;
-    long *first = malloc(sizeof(long) * (n_parts + 1));
-    int64_t longest = 16;
-    for (int p = 0; p < n_parts; p++) {
-        sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
-        first[p] = total;
-        total += parts[p].t * h;
-        if (parts[p].start + parts[p].t > longest) longest = parts[p].start + parts[p].t;
-    }
-    first[n_parts] = total;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
-    {
-        float qo[128] __attribute__((aligned(32))), qe[128] __attribute__((aligned(32)));
-        float *s = aligned_alloc(64, (sizeof(float) * (size_t)(longest + 16) + 63) / 64 * 64);
-        #pragma omp for schedule(dynamic, 4)
-        for (long it = 0; it < total; it++) {
-            int p = 0;
-            while (first[p + 1] <= it) p++;
-            const part_t *pt = &parts[p];
-            long local = it - first[p];
-            int tt = (int)(local / h), hh = (int)(local % h), g = hh / group;
-            attend_row(pt->q + (size_t)tt * q_stride + (size_t)hh * d, (int)(pt->start + tt),
-                       pt->kc + (size_t)g * pt->cap * d, pt->vc + (size_t)g * pt->cap * d, d, scale,
-                       pt->out + (size_t)tt * h * d + (size_t)hh * d, s, qo, qe);
-        }
-        free(s);
-    }
-    free(first);
+    sk_attention_rows(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, attend_row);
 }

@@ -175,4 +175,55 @@ static inline uint16_t sk_finish(float sum, const float *bias, int col, const ui
     return y;
 }
 
+/* One query row of attention: q [d] at position qpos attends keys 0..qpos of one kv head's cache (kc, vc:
+   [cap][d]) into out [d]; s: scratch for qpos + 17 scores; qo, qe: scratch for the split query. */
+typedef void (*sk_attend_row_fn)(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d,
+                                 float scale, uint16_t *out, float *s, float *qo, float *qe);
+
+/* Causal attention for several sequences in one call: each part's new keys and values are written into its
+   cache, then its query row (t, head hh) attends keys 0..start+t of kv head hh / (h / kv), by `attend_row`.
+   Work items (part, query row) are shared among the threads; a row's result does not depend on which. */
+static inline void sk_attention_rows(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride,
+                                     int h, int kv, int d, float scale, int threads, sk_attend_row_fn attend_row) {
+    int group = h / kv;
+    long total = 0;
+    long *first = malloc(sizeof(long) * (n_parts + 1));
+    int64_t longest = 16;
+    for (int p = 0; p < n_parts; p++) {
+        sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
+        first[p] = total;
+        total += parts[p].t * h;
+        if (parts[p].start + parts[p].t > longest) longest = parts[p].start + parts[p].t;
+    }
+    first[n_parts] = total;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
+    {
+        float qo[128] __attribute__((aligned(64))), qe[128] __attribute__((aligned(64)));
+        float *s = aligned_alloc(64, (sizeof(float) * (size_t)(longest + 16) + 63) / 64 * 64);
+        #pragma omp for schedule(dynamic, 4)
+        for (long it = 0; it < total; it++) {
+            int p = 0;
+            while (first[p + 1] <= it) p++;
+            const part_t *pt = &parts[p];
+            long local = it - first[p];
+            int tt = (int)(local / h), hh = (int)(local % h), g = hh / group;
+            attend_row(pt->q + (size_t)tt * q_stride + (size_t)hh * d, (int)(pt->start + tt),
+                       pt->kc + (size_t)g * pt->cap * d, pt->vc + (size_t)g * pt->cap * d, d, scale,
+                       pt->out + (size_t)tt * h * d + (size_t)hh * d, s, qo, qe);
+        }
+        free(s);
+    }
+    free(first);
+}
+
+/* Sums [R][cols] of a tile whose rows start at r0 and columns at col0 -> y (bias and residual as sk_finish). */
+static inline void sk_finish_tile(const float *sums, int R, int cols, int r0, int col0, uint16_t *y,
+                                  const float *bias, int n, const uint16_t *residual) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < cols; j++) {
+            size_t at = (size_t)(r0 + r) * n + col0 + j;
+            y[at] = sk_finish(sums[r * cols + j], bias, col0 + j, residual ? residual + at : NULL);
+        }
+}
+
 #endif

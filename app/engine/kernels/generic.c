@@ -77,39 +77,7 @@ static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const ui
     for (int i = 0; i < d; i++) out[i] = sk_f32_to_bf16(acc[i] * inv);
 }
 
-/* Causal attention for several sequences in one call (see common.h's part_t): each part's new keys and values
-   are written into its cache, then its query row (t, head hh) attends keys 0..start+t of kv head
-   hh / (h / kv). Work items (part, query row) are shared among the threads. */
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    int group = h / kv;
-    long total = 0;
-    long *first = malloc(sizeof(long) * (n_parts + 1));
-    for (int p = 0; p < n_parts; p++) {
-        sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
-        first[p] = total;
-        total += parts[p].t * h;
-    }
-    first[n_parts] = total;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
-    {
-        float qo[128], qe[128];
-        int64_t longest = 0;
-        for (int p = 0; p < n_parts; p++)
-            if (parts[p].start + parts[p].t > longest) longest = parts[p].start + parts[p].t;
-        float *s = malloc(sizeof(float) * (size_t)longest);
-        #pragma omp for schedule(dynamic, 4)
-        for (long it = 0; it < total; it++) {
-            int p = 0;
-            while (first[p + 1] <= it) p++;
-            const part_t *pt = &parts[p];
-            long local = it - first[p];
-            int tt = (int)(local / h), hh = (int)(local % h), g = hh / group;
-            attend_row(pt->q + (size_t)tt * q_stride + (size_t)hh * d, (int)(pt->start + tt),
-                       pt->kc + (size_t)g * pt->cap * d, pt->vc + (size_t)g * pt->cap * d, d, scale,
-                       pt->out + (size_t)tt * h * d + (size_t)hh * d, s, qo, qe);
-        }
-        free(s);
-    }
-    free(first);
+    sk_attention_rows(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, attend_row);
 }
