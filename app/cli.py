@@ -500,6 +500,12 @@ _SERVE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--host", "host", str, "address to listen on (default: 127.0.0.1)"),
     ("--port", "port", int, "port to listen on (default: 8000)"),
     ("--model-name", "model_name", str, "model id the OpenAI API reports (default: the target)"),
+    (
+        "--served-model-name",
+        "served_model_name",
+        list,
+        "NAME [NAME ...] (or comma-separated): aliases the OpenAI API also accepts as `model`; others are 404",
+    ),
     ("--max-concurrent-requests", "max_concurrent_requests", int, "generations interleaved at once (default: 4)"),
     ("--max-queue-size", "max_queue_size", int, "requests waiting beyond those; then 429 (default: 16)"),
     ("--prefill-chunk-tokens", "prefill_chunk_tokens", int, "prompt tokens per step in a batch (default: 0, whole)"),
@@ -535,6 +541,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     for flag, field, type_, help_ in _SERVE_FLAGS:
         if type_ is bool:  # --metrics-public / --no-metrics-public
             parser.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif type_ is list:  # several values, as vLLM's --served-model-name; the setting holds them comma-separated
+            parser.add_argument(flag, dest=field, nargs="+", default=None, help=help_)
         else:
             parser.add_argument(flag, dest=field, type=type_, default=None, help=help_)
     parser.set_defaults(func=_cmd_serve)
@@ -549,6 +557,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from app.settings import Settings
 
     overrides = {field: getattr(args, field) for _, field, _, _ in _SERVE_FLAGS if getattr(args, field) is not None}
+    overrides.update({f: ",".join(v) for f, v in overrides.items() if isinstance(v, list)})
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:

@@ -21,7 +21,8 @@ class ModelInfo:
     """The loaded models as /info and the OpenAI API describe them."""
 
     model_id: str
-    served_model_name: str
+    served_model_name: str  # the id answers report
+    served_model_names: tuple[str, ...]  # every `model` a request may name: served_model_name, then its aliases
     dtype: str
     device: str
     context_length: int
@@ -55,7 +56,8 @@ class Runtime:
         max_input = min(settings.max_input_tokens or context - 1, context - 1)
         info = ModelInfo(
             model_id=settings.target,
-            served_model_name=settings.served_model_name,
+            served_model_name=settings.served_model_names[0],
+            served_model_names=tuple(settings.served_model_names),
             dtype=str(engine.target.dtype).removeprefix("torch."),
             device=str(engine.target.device),
             context_length=context,

@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for every interface)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
     model_name: str | None = Field(None, description="the model id the OpenAI API reports (default: the target's name)")
+    served_model_name: str = Field(
+        "",
+        description="comma-separated aliases the OpenAI API also accepts as `model` (vLLM's --served-model-name); "
+        "answers still name model_name",
+    )
     max_concurrent_requests: int = Field(4, ge=1, le=256, description="generations interleaved at once by the worker")
     prefill_chunk_tokens: int = Field(
         0,
@@ -115,6 +120,8 @@ class Settings(BaseSettings):
         return [o.strip() for o in self.cors_allow_origins.split(",") if o.strip()]
 
     @property
-    def served_model_name(self) -> str:
-        """The id clients of the OpenAI API see: ``model_name``, else the target as it was named."""
-        return self.model_name or self.target
+    def served_model_names(self) -> list[str]:
+        """Every `model` the OpenAI API accepts: first the id its answers report (``model_name``, else the
+        target as it was named), then the aliases of ``served_model_name``, each once."""
+        aliases = [name.strip() for name in self.served_model_name.split(",") if name.strip()]
+        return list(dict.fromkeys([self.model_name or self.target, *aliases]))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 pytestmark = pytest.mark.anyio
 
 PROMPT = "The capital of France is"
+MODEL = "smollm2-135m-instruct"  # the served name: the target's
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -21,11 +23,11 @@ def _chunks(sse_data, body: str) -> list[dict]:
 async def test_completions_streamed_and_not_match_native(api_client, sse_data) -> None:
     async with api_client() as client:
         native = (await client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 10}})).json()
-        whole = await client.post("/v1/completions", json={"model": "any", "prompt": PROMPT, "max_tokens": 10})
+        whole = await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 10})
         streamed = await client.post(
             "/v1/completions",
             json={
-                "model": "any",
+                "model": MODEL,
                 "prompt": [PROMPT],
                 "max_tokens": 10,
                 "stream": True,
@@ -49,10 +51,10 @@ async def test_completions_streamed_and_not_match_native(api_client, sse_data) -
 
 async def test_chat_streamed_and_not_agree(api_client, api_engine, sse_data) -> None:
     async with api_client() as client:
-        whole = await client.post("/v1/chat/completions", json={"model": "m", "messages": CHAT, "max_tokens": 10})
+        whole = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 10})
         streamed = await client.post(
             "/v1/chat/completions",
-            json={"model": "m", "messages": CHAT, "max_completion_tokens": 10, "stream": True},
+            json={"model": MODEL, "messages": CHAT, "max_completion_tokens": 10, "stream": True},
         )
     assert whole.status_code == 200, whole.text
     w = whole.json()
@@ -108,7 +110,7 @@ async def test_models_and_info(api_client) -> None:
         metrics = (await client.get("/metrics")).text
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == ["smol"]
-    assert info["served_model_name"] == "smol"
+    assert info["served_model_name"] == "smol" and info["served_model_names"] == ["smol"]
     assert info["model_id"] == "smollm2-135m-instruct"
     assert info["model_dtype"] == "float32" and info["model_device_type"] == "cpu"
     # float32 runs on torch's products, whose rows depend on the batch: requests step one at a time.
@@ -117,3 +119,45 @@ async def test_models_and_info(api_client) -> None:
     assert info["draft"] == "ngram" and info["num_draft_tokens"] == 4
     assert info["available_drafts"] == ["default", "none", "ngram"]
     assert info["max_total_tokens"] == 8192 and info["max_input_tokens"] == 8191
+
+
+async def test_only_served_model_names_are_accepted(api_client) -> None:
+    """vLLM's rule: `model` must be a served name (the reported one or a --served-model-name alias), else 404
+    NotFoundError; a request without `model` is served; answers always report the first name."""
+    missing = {
+        "error": {
+            "message": "The model `gpt-4o-mini` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    short = {"prompt": PROMPT, "max_tokens": 2}
+    chat = {"messages": CHAT, "max_tokens": 2}
+    async with api_client(model_name="smol", served_model_name="alias-a, org/alias-b") as client:
+        listed = (await client.get("/v1/models")).json()
+        one = await client.get("/v1/models/org/alias-b")
+        unknown_card = await client.get("/v1/models/gpt-4o-mini")
+        unknown = await client.post("/v1/completions", json={**short, "model": "gpt-4o-mini"})
+        unknown_chat = await client.post("/v1/chat/completions", json={**chat, "model": "gpt-4o-mini", "stream": True})
+        target = await client.post("/v1/completions", json={**short, "model": MODEL})  # not served under it now
+        by_alias = await client.post("/v1/chat/completions", json={**chat, "model": "org/alias-b"})
+        by_name = await client.post("/v1/completions", json={**short, "model": "smol"})
+        unnamed = await client.post("/v1/completions", json=short)
+        info = (await client.get("/info")).json()
+        sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await sdk.completions.create(model="gpt-4o-mini", prompt=PROMPT, max_tokens=2)
+        assert (await sdk.models.retrieve("alias-a")).id == "alias-a"
+        assert [m.id async for m in sdk.models.list()] == ["smol", "alias-a", "org/alias-b"]
+    assert [m["id"] for m in listed["data"]] == ["smol", "alias-a", "org/alias-b"]
+    assert all(m["root"] == MODEL and m["max_model_len"] == 8192 for m in listed["data"])
+    assert one.status_code == 200 and one.json() == listed["data"][2]
+    assert unknown_card.status_code == 404 and unknown_card.json() == missing
+    for refused in (unknown, unknown_chat):
+        assert refused.status_code == 404 and refused.json() == missing
+    assert target.status_code == 404
+    assert by_alias.status_code == by_name.status_code == unnamed.status_code == 200, by_alias.text
+    assert by_alias.json()["model"] == by_name.json()["model"] == unnamed.json()["model"] == "smol"
+    assert by_name.json()["choices"] == unnamed.json()["choices"]
+    assert info["served_model_names"] == ["smol", "alias-a", "org/alias-b"]

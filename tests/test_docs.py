@@ -290,8 +290,14 @@ def openapi() -> dict[str, Any]:
 
 
 def _route(curl: Curl) -> tuple[str, str]:
+    """The method and the route a curl calls: its path, or the templated path it fills in (/v1/models/{model_id})."""
     url = curl.url if "://" in curl.url else "http://" + curl.url
-    return curl.method.upper(), urlsplit(url).path or "/"
+    path = urlsplit(url).path or "/"
+    for template in openapi()["paths"]:
+        pattern = re.sub(r"\\\{[^}]*\\\}", "[^/].*", re.escape(template))
+        if "{" in template and path not in openapi()["paths"] and re.fullmatch(pattern, path):
+            return curl.method.upper(), template
+    return curl.method.upper(), path
 
 
 def _port(curl: Curl) -> int | None:

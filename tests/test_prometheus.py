@@ -123,7 +123,7 @@ def test_prometheus_reads_the_acceptance_rate(stack: tuple[str, str, Path]) -> N
     repeat = "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the quiet river bank."
     requests = [
         ("/generate", {"inputs": "a b c d a b c d a b c d a b", "parameters": {"max_new_tokens": 16}}),
-        ("/v1/chat/completions", {"model": "m", "max_tokens": 24, "messages": [{"role": "user", "content": repeat}]}),
+        ("/v1/chat/completions", {"max_tokens": 24, "messages": [{"role": "user", "content": repeat}]}),
         ("/generate", {"inputs": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "parameters": {"max_new_tokens": 16}}),
     ]
     for i, (path, body) in enumerate(requests):

@@ -20,8 +20,22 @@ def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_PORT", "9001")
     assert Settings().max_queue_size == 3
     assert Settings(port=9002).port == 9002
-    assert Settings().served_model_name == "smollm2-135m-instruct"
-    assert Settings(model_name="smol").served_model_name == "smol"
+    assert Settings().served_model_names == ["smollm2-135m-instruct"]
+    assert Settings(model_name="smol").served_model_names == ["smol"]
+    monkeypatch.setenv("SPECSERVE_SERVED_MODEL_NAME", "a, b,,smol")
+    assert Settings(model_name="smol").served_model_names == ["smol", "a", "b"]
+
+
+def test_served_model_name_takes_several_names_as_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--served-model-name a b` (vLLM's form) or comma-separated: aliases beside the name answers report."""
+    import app.logs
+    import app.server
+
+    seen: list[Settings] = []
+    monkeypatch.setattr(app.server, "serve", lambda settings: seen.append(settings) or True)
+    monkeypatch.setattr(app.logs, "configure_logging", lambda *args: None)
+    assert cli.main(["serve", "--served-model-name", "a", "b,c", "--port", "9"]) == 0
+    assert seen[0].served_model_names == ["smollm2-135m-instruct", "a", "b", "c"]
 
 
 def test_invalid_settings_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,6 +28,7 @@ _KINDS: dict[str, tuple[int, int, str]] = {
     "validation": (422, 400, "invalid_request_error"),
     "unauthorized": (401, 401, "invalid_request_error"),
     "not_found": (404, 404, "not_found_error"),
+    "model_not_found": (404, 404, "NotFoundError"),  # vLLM's answer to a `model` it does not serve
     "method_not_allowed": (405, 405, "invalid_request_error"),
     "request_timeout": (408, 408, "timeout"),
     "too_large": (413, 413, "invalid_request_error"),
@@ -43,13 +44,22 @@ _KINDS: dict[str, tuple[int, int, str]] = {
 class APIError(Exception):
     """A request that cannot be served; `kind` is the TGI ``error_type`` and picks the status."""
 
-    def __init__(self, kind: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+        code: str | int | None = None,
+    ) -> None:
         if kind not in _KINDS:
             raise ValueError(f"unknown error kind {kind!r}")
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.headers = headers
+        self.param = param  # OpenAI's `param` (the field at fault) and `code` (default: the kind)
+        self.code = code
 
 
 def is_openai_path(path: str) -> bool:
@@ -63,17 +73,28 @@ def status_of(kind: str, openai: bool) -> int:
     return oai if openai else native
 
 
-def error_body(kind: str, message: str, openai: bool) -> dict[str, Any]:
+def error_body(
+    kind: str, message: str, openai: bool, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
     """The JSON body of an error, in the shape the API's clients parse (also used inside SSE streams)."""
     if openai:
-        return {"error": {"message": message, "type": _KINDS[kind][2], "param": None, "code": kind}}
+        code = kind if code is None else code
+        return {"error": {"message": message, "type": _KINDS[kind][2], "param": param, "code": code}}
     return {"error": message, "error_type": kind}
 
 
-def error_response(path: str, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    path: str,
+    kind: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
+    code: str | int | None = None,
+) -> JSONResponse:
     """A complete error response for a request to `path`."""
     openai = is_openai_path(path)
-    return JSONResponse(error_body(kind, message, openai), status_code=status_of(kind, openai), headers=headers)
+    body = error_body(kind, message, openai, param, code)
+    return JSONResponse(body, status_code=status_of(kind, openai), headers=headers)
 
 
 def shown(value: object, limit: int = 40) -> str:
@@ -137,9 +158,9 @@ def _count_invalid(request: Request) -> None:
 
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    if exc.kind == "validation":
+    if exc.kind in ("validation", "model_not_found"):
         _count_invalid(request)
-    return error_response(request.url.path, exc.kind, exc.message, exc.headers)
+    return error_response(request.url.path, exc.kind, exc.message, exc.headers, exc.param, exc.code)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -43,7 +43,10 @@ router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 _FINGERPRINT = "specserve"
 
-_ERRORS = documented_errors(OpenAIErrorResponse, 400)
+_NOT_SERVED: dict[int | str, dict[str, Any]] = {
+    404: {"model": OpenAIErrorResponse, "description": "`model` is not a served name (as vLLM: type NotFoundError)"}
+}
+_ERRORS = {**documented_errors(OpenAIErrorResponse, 400), **_NOT_SERVED}
 
 
 def _ok(model: type, chunk: type, what: str) -> dict[int | str, dict[str, Any]]:
@@ -72,6 +75,12 @@ def _ok(model: type, chunk: type, what: str) -> dict[int | str, dict[str, Any]]:
 
 Runtime_ = Annotated[Runtime, Depends(get_runtime)]
 Settings_ = Annotated[Settings, Depends(get_settings)]
+
+
+def check_model(name: str | None, runtime: Runtime) -> None:
+    """Refuse a `model` this server does not serve, as vLLM does (404 NotFoundError); no `model` is fine."""
+    if name is not None and name not in runtime.info.served_model_names:
+        raise APIError("model_not_found", f"The model `{name}` does not exist.", param="model", code=404)
 
 
 def _usage(finished: Finished) -> Usage:
@@ -126,6 +135,7 @@ def _stream(
 )
 async def completions(request: Request, body: CompletionRequest, runtime: Runtime_, settings: Settings_) -> Response:
     """Continue `prompt`, sent as is (no chat template): greedily unless temperature > 0."""
+    check_model(body.model, runtime)
     prompt: str | list[int] = body.prompt  # type: ignore[assignment]  # one prompt, by its validator
     spec = jobs.JobSpec(
         prompt=prompt,
@@ -173,6 +183,7 @@ async def chat_completions(
 ) -> Response:
     """Render `messages` with the model's chat template and answer as the assistant: greedily unless
     temperature > 0."""
+    check_model(body.model, runtime)
     jobs.check_max_new_tokens(body.max_tokens, "max_tokens", settings)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     try:
@@ -222,8 +233,25 @@ async def chat_completions(
     return Response(result.model_dump_json(), media_type="application/json")
 
 
-@router.get("/models", response_model=ModelList, summary="The served model (OpenAI models)")
-async def models(runtime: Runtime_) -> ModelList:
-    """The one model this server serves, under the name the OpenAI API reports."""
+def _card(name: str, runtime: Runtime) -> ModelCard:
     info = runtime.info
-    return ModelList(data=[ModelCard(id=info.served_model_name, created=0, max_model_len=info.context_length)])
+    return ModelCard(id=name, created=0, root=info.model_id, max_model_len=info.context_length)
+
+
+@router.get("/models", response_model=ModelList, summary="The served model's names (OpenAI models)")
+async def models(runtime: Runtime_) -> ModelList:
+    """The one model this server serves, once per name a request may give it (as vLLM lists its
+    --served-model-name): the name answers report first, then the aliases."""
+    return ModelList(data=[_card(name, runtime) for name in runtime.info.served_model_names])
+
+
+@router.get(
+    "/models/{model_id:path}",
+    response_model=ModelCard,
+    responses=_NOT_SERVED,
+    summary="One served model name (OpenAI models)",
+)
+async def model(model_id: str, runtime: Runtime_) -> ModelCard:
+    """The model under one of its served names; any other name is 404, as in `POST` requests."""
+    check_model(model_id, runtime)
+    return _card(model_id, runtime)

@@ -58,6 +58,7 @@ async def info(
     return Info(
         model_id=i.model_id,
         served_model_name=i.served_model_name,
+        served_model_names=list(i.served_model_names),
         model_dtype=i.dtype,
         model_device_type=i.device,
         cpu_kernel=i.kernel,

@@ -100,7 +100,7 @@ class OpenAIErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str | int | None = Field(None, description="our error_type; 404 (as vLLM) for an unknown model")
 
 
 class OpenAIErrorResponse(BaseModel):
@@ -321,7 +321,9 @@ class _OpenAISampling(BaseModel):
 
     model_config = _REQUEST
 
-    model: str | None = Field(None, description="any name is accepted; responses report the served model")
+    model: str | None = Field(
+        None, description="a served name (GET /v1/models), else 404; may be left out; answers report the served model"
+    )
     temperature: Temperature | None = Field(
         None, description="> 0 samples; 0 or unset (our default, unlike OpenAI's 1.0) decodes greedily"
     )
@@ -486,6 +488,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specserve"
+    root: str = Field(description="the target as the server was given it (catalog name or path), as vLLM's `root`")
     max_model_len: int
 
 
@@ -506,7 +509,10 @@ class Info(BaseModel):
     """The served models and the limits requests are held to."""
 
     model_id: str
-    served_model_name: str
+    served_model_name: str = Field(description="the model id the OpenAI answers report")
+    served_model_names: list[str] = Field(
+        description="every `model` the OpenAI routes accept: served_model_name, then its aliases"
+    )
     model_dtype: str
     model_device_type: str
     cpu_kernel: str = Field(
