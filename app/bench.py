@@ -46,19 +46,23 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Config:
-    """One engine configuration: a draft (or `none`) and its draft-length schedule and cut-off."""
+    """One engine configuration: a draft (or `none`), its draft-length schedule and cut-off, and the sampler
+    when sampling (the labels of rejection-sampler configurations end in `/rejection`)."""
 
     draft: str
     schedule: str | None = None
     p_min: float | None = None
+    sampler: str = "gumbel"
 
     @property
     def label(self) -> str:
-        if self.draft == "none":
-            return "none"
-        parts = [self.draft, self.schedule or "default"]
-        if self.p_min is not None:
-            parts.append(f"p{self.p_min:g}")
+        parts = [self.draft]
+        if self.draft != "none":
+            parts.append(self.schedule or "default")
+            if self.p_min is not None:
+                parts.append(f"p{self.p_min:g}")
+        if self.sampler != "gumbel":
+            parts.append(self.sampler)
         return "/".join(parts)
 
 
@@ -159,7 +163,8 @@ def run_bench(
 ) -> list[Run]:
     """All configurations on every prompt, interleaved; returns one Run per (prompt, configuration).
 
-    Greedy by default; temperature > 0 samples every configuration (with `seed`, each run starts from it).
+    Greedy by default; temperature > 0 samples every configuration with `seed` (0 when None), so that the
+    gumbel sampler's outputs can be checked against target-only's token for token.
     `baselines`: other engines by name (greedy), each with `run(prompt_ids, max_new_tokens) -> (ids, seconds)`,
     such as `llamacpp.LlamaCppRunner`."""
     from tqdm import tqdm
@@ -169,8 +174,14 @@ def run_bench(
         hf = _HFRunner(loaded.source, loaded.model.dtype, sorted(loaded.tokenizer.eos_token_ids))
     tok = loaded.tokenizer
     runs: list[Run] = []
+    if temperature > 0 and seed is None:
+        seed = 0
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-    configs = [Config("none"), *[c for c in configs if c.draft != "none"]]
+    samplers = dict.fromkeys(c.sampler for c in configs) if temperature > 0 else {"gumbel": None}
+    configs = [
+        *[Config("none", sampler=s) for s in samplers],
+        *[c for c in configs if c.draft != "none" and (temperature > 0 or c.sampler == "gumbel")],
+    ]
 
     def params_of(c: Config, max_new: int) -> GenerationParams:
         return GenerationParams(
@@ -178,6 +189,7 @@ def run_bench(
             num_draft_tokens=num_draft_tokens,
             draft_schedule=c.schedule,
             draft_p_min=c.p_min,
+            sampler=c.sampler,
             **sampling,
         )
 
@@ -228,7 +240,8 @@ def summarize(runs: list[Run], num_draft_tokens: int, sampled: bool = False) -> 
     """Per group (mt_bench, then each other category, then overall) and configuration: the figures.
 
     `identical_to_target_only` counts the prompts whose output equals our target-only output token for token;
-    when `sampled` it is None: sampled outputs are equal in distribution, not token for token.
+    None where that is not promised: sampled outputs of other engines and of the rejection sampler are equal
+    in distribution only (the gumbel sampler's, with one seed, are equal token for token).
     """
     by_prompt: dict[Any, dict[str, Run]] = defaultdict(dict)
     for r in runs:
@@ -246,11 +259,10 @@ def summarize(runs: list[Run], num_draft_tokens: int, sampled: bool = False) -> 
             tokens = sum(r.tokens for r in rs)
             secs = sum(r.seconds for r in rs)
             entry: dict[str, Any] = {"prompts": len(rs), "tokens": tokens, "tokens_per_second": tokens / secs}
+            same = sum(by_prompt[q][c].token_ids == by_prompt[q]["none"].token_ids for q in qids)
             if not any(by_prompt[q][c].stats for q in qids if c in by_prompt[q]):
                 # Other engines (transformers, llama.cpp) are checked against ours too: the same weights, greedy.
-                entry["identical_to_target_only"] = (
-                    None if sampled else sum(by_prompt[q][c].token_ids == by_prompt[q]["none"].token_ids for q in qids)
-                )
+                entry["identical_to_target_only"] = None if sampled else same
             else:
                 drafted = sum(r.stats["drafted"] for r in rs)
                 accepted = sum(r.stats["accepted"] for r in rs)
@@ -264,9 +276,7 @@ def summarize(runs: list[Run], num_draft_tokens: int, sampled: bool = False) -> 
                 ]
                 verify = sum(r.stats["verify_passes"] for r in rs)
                 entry["acceptance_by_position"] = [round(x / verify, 4) if verify else 0.0 for x in per_pos]
-                entry["identical_to_target_only"] = (
-                    None if sampled else sum(by_prompt[q][c].token_ids == by_prompt[q]["none"].token_ids for q in qids)
-                )
+                entry["identical_to_target_only"] = None if sampled and c.endswith("/rejection") else same
                 entry["mean_draft_length"] = drafted / verify if verify else 0.0
                 entry["_costs"] = {
                     "draft": sum(r.stats["draft_seconds"] for r in rs) / drafted if drafted else 0.0,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from app import __version__
-from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE, DEFAULT_NUM_DRAFT_TOKENS
+from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE, DEFAULT_NUM_DRAFT_TOKENS, SAMPLERS
 from app.store import ModelStoreError
 
 # `specserve bench`'s default prompts: 13 of the project's own, one per Spec-Bench category, shipped in the
@@ -139,7 +139,8 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_generate)
 
 
-def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_sampling_arguments(parser: argparse.ArgumentParser, samplers: bool = False) -> None:
+    """The sampling flags; with `samplers` --sampler is repeatable (one configuration each, for bench)."""
     group = parser.add_argument_group("sampling", "greedy by default; --temperature > 0 samples")
     group.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
     group.add_argument(
@@ -160,6 +161,15 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --temperature > 0: seed of sampling (default: a random one, printed)",
     )
+    group.add_argument(
+        "--sampler",
+        choices=list(SAMPLERS),
+        action="append" if samplers else "store",
+        default=None,
+        help="with --temperature > 0: gumbel (default: the seed gives target-only sampling's tokens whatever the "
+        "draft) or rejection (the rejection sampler: accepts a model draft more often)"
+        + ("; repeatable: every configuration runs under each" if samplers else ""),
+    )
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -177,7 +187,10 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
         raise CliError(f"invalid sampling flags: {exc}") from exc
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise CliError(f"--seed must lie in [0, {MAX_SEED}]")
-    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    kwargs = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    if isinstance(args.sampler, str):
+        kwargs["sampler"] = args.sampler
+    return kwargs
 
 
 def _positive_int(text: str) -> int:
@@ -225,6 +238,7 @@ def _describe_stats(stats: dict, prefix: str = "") -> str:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import json
+    from dataclasses import replace
 
     from app.engine.drafters import DraftError
     from app.engine.factory import DEFAULT_TARGET, build_engine
@@ -269,14 +283,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 "stats": stats,
             }
             if args.compare:
-                # The same seed, but draft and target-only consume randomness differently: sampled outputs are
-                # equal in distribution, not token for token, so their equality is not reported (null).
-                base = engine.start(prompt_ids, params, "none")
+                # With the same seed, the gumbel sampler gives target-only's tokens; the rejection sampler consumes
+                # randomness per drafted token, so its outputs are equal in distribution only (reported as null).
+                base = engine.start(prompt_ids, replace(params, seed=gen.seed), "none")
                 while not base.finished:
                     base.step()
                 b = base.stats.to_dict()
                 result["baseline"] = {"token_ids": base.generated_ids, "stats": b}
-                result["identical_to_target_only"] = None if sampled else base.generated_ids == gen.generated_ids
+                comparable = not sampled or params.sampler == "gumbel"
+                result["identical_to_target_only"] = base.generated_ids == gen.generated_ids if comparable else None
                 result["speedup"] = round(stats["tokens_per_second"] / max(b["tokens_per_second"], 1e-9), 3)
             if args.json:
                 print(json.dumps(result, ensure_ascii=False), flush=True)
@@ -295,7 +310,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(_describe_stats(stats))
             if args.compare:
                 print(_describe_stats(result["baseline"]["stats"], "target only: "))
-                if sampled:
+                if result["identical_to_target_only"] is None:
                     print(f"speedup over target only: {result['speedup']:.2f}x")
                 else:
                     same = "identical" if result["identical_to_target_only"] else "DIFFERENT"
@@ -366,7 +381,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="only time one target step per CPU kernel (1, 8 and 16 rows) against the memory-bandwidth limit",
     )
     parser.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
-    _add_sampling_arguments(parser)
+    _add_sampling_arguments(parser, samplers=True)
     parser.set_defaults(func=_cmd_bench)
 
 
@@ -377,6 +392,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from app.engine.factory import DEFAULT_TARGET, HYBRID, build_engine, default_draft_name
 
     sampling = _sampling_kwargs(args)
+    if args.temperature > 0 and sampling["seed"] is None:
+        sampling["seed"] = 0  # one seed for every configuration, so gumbel outputs can be compared to target-only
     if args.kernels:
         from app import store
         from app.bench import kernel_steps
@@ -409,7 +426,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     schedules = args.schedule or [DEFAULT_DRAFT_SCHEDULE]
     configs = [
-        Config(d, sched, args.p_min)
+        Config(d, sched, args.p_min, sampler)
+        for sampler in dict.fromkeys(args.sampler or ["gumbel"])
         for d in dict.fromkeys(drafts)
         for sched in (schedules if d != "ngram" else ["fixed"])
     ]

@@ -68,11 +68,14 @@ async def test_openai_seed_reproduces_alone_and_beside_another_request(api_clien
         solo = await ask(client, chat)
         again = await ask(client, chat)
         beside, _ = await asyncio.gather(ask(client, chat), ask(client, other))
+        # The gumbel sampler: target-only sampling with the seed gives the very same text.
+        target_only = await ask(client, {**chat, "speculative": {"draft": "none"}})
+        fixed_k = await ask(client, {**chat, "speculative": {"schedule": "fixed", "num_draft_tokens": 2}})
         completion = await _completion(client, temperature=0.7, top_k=40, seed=5)
         completion_beside, _ = await asyncio.gather(
             _completion(client, temperature=0.7, top_k=40, seed=5), ask(client, other)
         )
-    assert solo == again == beside
+    assert solo == again == beside == target_only == fixed_k
     assert completion == completion_beside
 
 
@@ -214,3 +217,25 @@ async def test_invalid_sampling_parameters_name_the_field(api_client) -> None:
                 message = r.json()["error"]["message"]
                 for word in words:
                     assert word in message, (name, message)
+
+
+async def test_openai_answers_report_the_seed_and_the_sampler(api_client, sse_data) -> None:
+    chat = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 4, "temperature": 0.9}
+    async with api_client() as client:
+        drawn = (await client.post("/v1/chat/completions", json=chat)).json()
+        replay = (await client.post("/v1/chat/completions", json={**chat, "seed": drawn["seed"]})).json()
+        rejection = await client.post(
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0.9, "seed": 3,
+                                     "speculative": {"sampler": "rejection"}},
+        )  # fmt: skip
+        streamed = await client.post("/v1/chat/completions", json={**chat, "seed": 8, "stream": True})
+        greedy = (await client.post("/v1/chat/completions", json={**chat, "temperature": 0})).json()
+        bad = await client.post("/v1/completions", json={"prompt": PROMPT, "speculative": {"sampler": "beam"}})
+    assert isinstance(drawn["seed"], int) and drawn["speculative"]["sampler"] == "gumbel"
+    assert replay["choices"][0]["message"]["content"] == drawn["choices"][0]["message"]["content"]
+    assert rejection.status_code == 200, rejection.text
+    assert rejection.json()["seed"] == 3 and rejection.json()["speculative"]["sampler"] == "rejection"
+    chunks = [json.loads(d) for d in sse_data(streamed.text) if d != "[DONE]"]
+    assert chunks[-1]["seed"] == 8
+    assert greedy["seed"] is None and greedy["speculative"]["sampler"] == "greedy"
+    assert bad.status_code in (400, 422) and "sampler" in bad.text

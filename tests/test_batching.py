@@ -149,6 +149,41 @@ def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts, kernel):
 
 
 @pytest.mark.parametrize("kernel", kernels.available())
+def test_seeded_sampling_is_target_only_sampling_whatever_the_draft_and_the_batch(prompts, kernel):
+    """The gumbel sampler (the default): with one seed, every draft and schedule, alone or batched beside other
+    requests and joining at different steps, gives target-only sampling's tokens; and so does a second run."""
+    from app.engine.factory import build_engine
+
+    with use_kernel(kernel):
+        engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu", prefill_chunk=32)
+    eagle = next(d for d in engine.drafters if d not in ("ngram", "hybrid"))
+    jobs = [
+        (prompts[0], "hybrid", "adaptive", 11),
+        (prompts[1], eagle, "fixed", 12),
+        (prompts[2], "ngram", "fixed", 13),
+        (prompts[3], eagle, "heuristic", 14),
+        (prompts[4], "none", None, 15),
+    ]
+
+    def params(schedule, seed):
+        return GenerationParams(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.95, draft_schedule=schedule, seed=seed)
+
+    target_only = [_run_alone(engine, p, params(None, seed), "none") for p, _, _, seed in jobs]
+    alone = [_run_alone(engine, p, params(sched, seed), d) for p, d, sched, seed in jobs]
+    assert alone == target_only
+    for _ in range(2):
+        gens: list[Generation] = []
+        while len(gens) < len(jobs) or any(not g.finished for g in gens):
+            if len(gens) < len(jobs):
+                p, d, sched, seed = jobs[len(gens)]
+                gens.append(engine.start(p, params(sched, seed), d))
+            outs = engine.step_batch([g for g in gens if not g.finished])
+            assert not [o for o in outs if isinstance(o, Exception)]
+        assert [g.generated_ids for g in gens] == target_only
+    assert sum(g.stats.accepted for g in gens) > 0 and len(set(map(tuple, target_only))) == len(jobs)
+
+
+@pytest.mark.parametrize("kernel", kernels.available())
 def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kernel):
     """On the CPU kernels (rows independent of the batch), a prompt joining running requests is prefilled a
     chunk per step inside their forward: they keep getting tokens meanwhile, it gets none until its last

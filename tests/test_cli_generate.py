@@ -134,8 +134,9 @@ def test_generate_sampling_json_reproduces_its_seed(target_f32):
     )  # fmt: skip
     [out] = _json_lines(proc)
     assert out["seed"] == 7
-    # Sampled outputs are equal in distribution only: equality with target-only is not reported.
-    assert out["identical_to_target_only"] is None
+    # The gumbel sampler (the default) gives target-only's tokens for the same seed.
+    assert out["identical_to_target_only"] is True
+    assert out["baseline"]["token_ids"] == out["token_ids"]
     assert out["stats"]["generated_tokens"] == len(out["token_ids"]) >= 1
     # The same seed and parameters in this process give the same tokens: the seed is the whole randomness.
     params = GenerationParams(max_new_tokens=8, num_draft_tokens=4, temperature=0.9, top_k=40, top_p=0.95, seed=7)
@@ -174,7 +175,7 @@ def test_bad_sampling_flags_are_one_error_line(capsys, flags, message):
         assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], captured.err
 
 
-def test_bench_summary_reports_no_equality_when_sampling():
+def test_bench_summary_reports_equality_only_where_promised():
     from app.bench import Run, markdown, summarize
 
     stats = {
@@ -197,12 +198,15 @@ def test_bench_summary_reports_no_equality_when_sampling():
             {**stats, "drafted": 0, "accepted": 0, "accepted_per_position": []},
         ),
         Run("ngram", 1, "qa", 4, 0.5, [1, 2, 3, 4], stats),
+        Run("ngram/fixed/rejection", 1, "qa", 4, 0.5, [1, 2, 3, 5], stats),
     ]
     greedy = summarize(runs, 2)
     assert greedy["overall"]["ngram"]["identical_to_target_only"] == 1
     assert "| 1/1 |" in markdown(greedy)
     sampled = summarize(runs, 2, sampled=True)
-    assert sampled["overall"]["ngram"]["identical_to_target_only"] is None
+    # The gumbel sampler promises target-only's tokens for a seed: checked; the rejection sampler does not.
+    assert sampled["overall"]["ngram"]["identical_to_target_only"] == 1
+    assert sampled["overall"]["ngram/fixed/rejection"]["identical_to_target_only"] is None
     assert sampled["overall"]["ngram"]["acceptance_rate"] == 0.5
     assert markdown(sampled).splitlines()[-1].endswith("| - |")
     # Theoretical: a = 0.5 and k = 2 give 1.75 tokens per pass; a target-only step costs 0.1 s (0.2 s over the

@@ -1,10 +1,11 @@
-"""Speculative sampling keeps the target's distribution exactly (issue 5).
+"""Speculative sampling keeps the target's distribution exactly, under both samplers.
 
 The distribution tests run the production loop (`Generation`) on a tiny model with a 6-token vocabulary
 and compare the empirical distribution of the first three generated tokens with the exact one, computed
-by enumerating all 216 continuations, and with target-only sampling. Thresholds are chi-square critical
-values at a false-alarm rate of 1e-4 for the number of cells, so they follow from the sample size instead
-of being tuned. Two broken verifiers show that the test has teeth.
+by enumerating all 216 continuations. Thresholds are chi-square critical values at a false-alarm rate of
+1e-4 for the number of cells, so they follow from the sample size instead of being tuned. Broken variants
+(of the rejection sampler, and of the gumbel sampler's noise) show that the tests have teeth. The gumbel
+sampler promises more: for each seed, speculative output equals target-only output token for token.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 import app.engine.generation as generation_module
-from app.engine.drafters import ModelDrafter
+from app.engine.drafters import ModelDrafter, NgramDrafter
 from app.engine.generation import Generation, GenerationError, GenerationParams
 from app.engine.loading import LoadedModel
 from app.engine.model import Transformer
 from app.engine.reference import build_causal_mask, full_lm_forward
-from app.engine.sampling import SamplingParams, warp
+from app.engine.sampling import GumbelNoise, SamplingParams, gumbel_choice, warp
 from app.engine.verification import rejection_sample
 
 VOCAB = 6
@@ -41,8 +43,9 @@ TINY = {
     "tie_embeddings": False,
 }
 PARAMS = GenerationParams(max_new_tokens=3, num_draft_tokens=2, ignore_eos=True, temperature=1.0)
-N_SAMPLES = 20_000
+N_SAMPLES = 10_000
 N_BROKEN = 5_000
+N_PAIRS = 500
 Z_1E4 = 3.719  # one-sided standard normal quantile for a false-alarm rate of 1e-4
 
 
@@ -72,14 +75,15 @@ def _exact_distribution(target: Transformer, params: SamplingParams) -> dict[tup
     return probs
 
 
-def _sample(target: Transformer, tokenizer, drafter, n: int, seed0: int) -> Counter:
-    counts: Counter = Counter()
-    for seed in range(seed0, seed0 + n):
-        gen = Generation(target, tokenizer, PROMPT, replace(PARAMS, seed=seed), drafter)
-        while not gen.finished:
-            gen.step()
-        counts[tuple(gen.generated_ids)] += 1
-    return counts
+def _run(target: Transformer, tokenizer, drafter, seed: int, sampler: str, **params) -> tuple[int, ...]:
+    gen = Generation(target, tokenizer, PROMPT, replace(PARAMS, seed=seed, sampler=sampler, **params), drafter)
+    while not gen.finished:
+        gen.step()
+    return tuple(gen.generated_ids)
+
+
+def _sample(target: Transformer, tokenizer, drafter, n: int, seed0: int, sampler: str = "rejection") -> Counter:
+    return Counter(_run(target, tokenizer, drafter, seed, sampler) for seed in range(seed0, seed0 + n))
 
 
 def _cells(expected: dict[tuple[int, ...], float], n: int) -> list[list[tuple[int, ...]]]:
@@ -154,23 +158,63 @@ def test_the_draft_really_differs_from_the_target(tiny_pair):
     assert 0.5 * (p - q).abs().sum() > 0.2
 
 
-@pytest.fixture(scope="module")
-def speculative_counts(tiny_pair) -> Counter:
+@pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
+def test_speculative_sampling_matches_the_exact_target_distribution(sampler, tiny_pair, exact):
     target, tok, drafter = tiny_pair
-    return _sample(target, tok, drafter, N_SAMPLES, seed0=0)
-
-
-def test_speculative_sampling_matches_the_exact_target_distribution(speculative_counts, exact):
-    stat, critical = _gof(speculative_counts, exact)
+    counts = _sample(target, tok, drafter, N_SAMPLES, seed0=0, sampler=sampler)
+    stat, critical = _gof(counts, exact)
     assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
 
 
-def test_speculative_sampling_matches_target_only_sampling(speculative_counts, tiny_pair, exact):
-    target, tok, _ = tiny_pair
-    target_only = _sample(target, tok, None, N_SAMPLES, seed0=N_SAMPLES)
-    assert _gof(target_only, exact)[0] < _gof(target_only, exact)[1]
-    stat, critical = _homogeneity(speculative_counts, target_only, exact)
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+def test_gumbel_speculative_sampling_is_target_only_sampling_token_for_token(drafter_kind, tiny_pair):
+    target, tok, model_drafter = tiny_pair
+    drafter = model_drafter if drafter_kind == "model" else NgramDrafter(max_n=2, min_n=1)
+    drafted = accepted = 0
+    for seed in range(N_PAIRS):
+        for k in (1, 3):
+            gen = Generation(
+                target, tok, PROMPT, replace(PARAMS, seed=seed, sampler="gumbel", num_draft_tokens=k), drafter
+            )
+            while not gen.finished:
+                gen.step()
+            drafted, accepted = drafted + gen.stats.drafted, accepted + gen.stats.accepted
+            assert tuple(gen.generated_ids) == _run(target, tok, None, seed, "gumbel"), f"seed {seed}, k {k}"
+    assert 0 < accepted < drafted  # the draft was really checked, and really rejected at times
+
+
+def test_noise_consumed_as_a_stream_is_caught(tiny_pair, monkeypatch):
+    """Broken: noise drawn from a stream, each draw taking the next numbers (what a generator consumed per
+    token does). The draft's proposals consume draws too, so speculation changes which noise each position
+    gets, and with it the output."""
+    target, tok, drafter = tiny_pair
+    real = GumbelNoise._noise
+    draws: dict[int, int] = {}
+
+    def streamed(self, position, ids):
+        draws[id(self)] = draws.get(id(self), 0) + 1
+        return real(self, draws[id(self)], ids)
+
+    monkeypatch.setattr(GumbelNoise, "_noise", streamed)
+
+    def at(self, position, ids=None):
+        return self._noise(position, np.arange(self._vocab) if ids is None else ids)
+
+    monkeypatch.setattr(GumbelNoise, "at", at)
+    differing = sum(
+        _run(target, tok, drafter, seed, "gumbel") != _run(target, tok, None, seed, "gumbel") for seed in range(200)
+    )
+    assert differing > 20, f"a consumed stream went unnoticed ({differing} of 200 differ)"
+
+
+def test_exponential_instead_of_gumbel_noise_is_caught(tiny_pair, exact, monkeypatch):
+    """Broken: argmax(logits + e) with exponential noise e = -log u is not distributed as softmax(logits)."""
+    target, tok, drafter = tiny_pair
+    real = GumbelNoise._noise
+    monkeypatch.setattr(GumbelNoise, "_noise", lambda self, position, ids: np.exp(-real(self, position, ids)))
+    counts = _sample(target, tok, drafter, N_BROKEN, seed0=0, sampler="gumbel")
+    stat, critical = _gof(counts, exact)
+    assert stat > critical, f"exponential noise went unnoticed: chi2 {stat:.1f} < {critical:.1f}"
 
 
 def _plain_target_after_rejection(draft_tokens, draft_probs, target_probs, generator):
@@ -200,7 +244,7 @@ def _inverted(draft_tokens, draft_probs, target_probs, generator):
 def test_a_broken_verifier_is_caught(broken: Callable, tiny_pair, exact, monkeypatch):
     target, tok, drafter = tiny_pair
     monkeypatch.setattr(generation_module, "rejection_sample", broken)
-    counts = _sample(target, tok, drafter, N_BROKEN, seed0=0)
+    counts = _sample(target, tok, drafter, N_BROKEN, seed0=0, sampler="rejection")
     stat, critical = _gof(counts, exact)
     assert stat > critical, f"{broken.__name__} went unnoticed: chi2 {stat:.1f} < {critical:.1f}"
 
@@ -272,3 +316,49 @@ def test_invalid_sampling_parameters_are_refused(bad, tiny_pair):
     target, tok, _ = tiny_pair
     with pytest.raises(GenerationError):
         Generation(target, tok, PROMPT, replace(PARAMS, **bad), None)
+
+
+# --- the gumbel sampler's parts --------------------------------------------------------------------------------
+
+
+def test_gumbel_noise_is_a_pure_function_of_seed_position_and_token():
+    noise = GumbelNoise(seed=42, vocab=1000)
+    full = noise.at(7)
+    ids = np.array([999, 3, 500])
+    assert np.array_equal(GumbelNoise(42, 1000).at(7, ids), full[ids])  # asked for a part first: same values
+    assert np.array_equal(GumbelNoise(42, 1000).at(7), full)
+    assert not np.array_equal(noise.at(8), full)
+    assert not np.array_equal(GumbelNoise(43, 1000).at(7), full)
+    # Standard Gumbel: mean is Euler's constant, variance pi^2 / 6 (10^5 draws: a few standard errors).
+    draws = np.concatenate([GumbelNoise(1, 10_000).at(p) for p in range(10)])
+    assert abs(draws.mean() - 0.5772) < 0.02 and abs(draws.var() - math.pi**2 / 6) < 0.05
+
+
+def test_gumbel_choice_samples_the_warped_distribution_and_respects_the_cut():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    params = SamplingParams(0.7, top_k=4, top_p=0.9)
+    p = warp(logits, params)
+    n = 20_000
+    counts = np.bincount([gumbel_choice(logits, params, GumbelNoise(s, 6), 0) for s in range(n)], minlength=6)
+    assert counts[p.numpy() == 0].sum() == 0  # cut tokens are never drawn
+    kept = p.numpy() > 0
+    expected = n * p.numpy()[kept]
+    stat = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert stat < _chi2_critical(int(kept.sum()) - 1)
+    # A draft's logits over part of the vocabulary use the noise of the token ids they stand for.
+    ids = torch.tensor([5, 0, 3])
+    noise = GumbelNoise(9, 6)
+    idx = gumbel_choice(logits[ids], SamplingParams(1.0), noise, 4, ids)
+    assert idx == int(np.argmax(logits[ids].double().numpy() + noise.at(4)[ids.numpy()]))
+
+
+def test_top_p_beyond_the_first_candidates_falls_back_to_the_whole_vocabulary():
+    # A flat distribution: the nucleus of 0.9 spans 90 % of 1,000 tokens, past the 256 looked at first.
+    logits = torch.linspace(0.0, 0.01, 1000)
+    p = warp(logits, SamplingParams(1.0, top_p=0.9))
+    probs = logits.softmax(-1)
+    top, order = torch.sort(probs, descending=True)
+    reference = torch.zeros(1000, dtype=torch.bool)
+    reference[order[(top.cumsum(-1) - top) < 0.9]] = True
+    assert torch.equal(p > 0, reference)
+    assert 850 < int((p > 0).sum()) < 950

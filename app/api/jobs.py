@@ -108,6 +108,7 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         seed=s.seed,
         draft_schedule=spec.speculative.schedule if spec.speculative is not None else None,
         draft_p_min=spec.speculative.p_min if spec.speculative is not None else None,
+        sampler=(spec.speculative.sampler if spec.speculative is not None else None) or "gumbel",
     )
     return Prepared(ids, params, draft, k if draft != "none" else 0)
 
@@ -193,6 +194,7 @@ def speculative_details(prepared: Prepared, finished: Finished) -> SpeculativeDe
         p_min=float(s["draft_p_min"]),
         draft_lengths=list(s["draft_lengths"]),
         p_min_stops=int(s["p_min_stops"]),
+        sampler="greedy" if prepared.params.temperature == 0 else prepared.params.sampler,  # type: ignore[arg-type]
     )
 
 

@@ -111,6 +111,7 @@ def _stream(
                 if step.finished is not None:
                     event = chunk(text, _FINISH[step.finished.finish_reason])
                     event.speculative = jobs.speculative_details(prepared, step.finished)
+                    event.seed = step.finished.seed
                     yield jobs.sse(event)
                     if include_usage:
                         usage = chunk(None, None)
@@ -169,6 +170,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
     result = chunk(echo + finished.text, _FINISH[finished.finish_reason])
     result.usage = _usage(finished)
     result.speculative = jobs.speculative_details(prepared, finished)
+    result.seed = finished.seed
     return Response(result.model_dump_json(), media_type="application/json")
 
 
@@ -221,6 +223,7 @@ async def chat_completions(
         created=created,
         model=model,
         system_fingerprint=_FINGERPRINT,
+        seed=finished.seed,
         choices=[
             ChatChoice(
                 message=AssistantMessage(content=finished.text),

@@ -136,6 +136,13 @@ class SpeculativeParameters(BaseModel):
         description="confidence cut-off: a model draft stops below this top probability; "
         "0 turns it off; default: the server's",
     )
+    sampler: Literal["gumbel", "rejection"] | None = Field(
+        None,
+        description="how sampled tokens are drawn: `gumbel` (default: each position's noise depends on the seed and "
+        "the position only, so a seed gives the same text whatever the draft, its length or the batch) or "
+        "`rejection` (the rejection sampler: a model draft is accepted more often, but the text a seed gives "
+        "depends on the draft and its lengths); greedy decoding ignores it",
+    )
 
 
 class SpeculativeDetails(BaseModel):
@@ -154,6 +161,9 @@ class SpeculativeDetails(BaseModel):
     p_min: float = Field(description="the confidence cut-off used")
     draft_lengths: list[int] = Field(description="[k]: steps that asked the draft for k tokens")
     p_min_stops: int = Field(description="steps whose draft stopped early below p_min")
+    sampler: Literal["greedy", "gumbel", "rejection"] = Field(
+        description="how tokens were chosen: `greedy`, or the sampler that drew them"
+    )
 
 
 # --- native (TGI) API --------------------------------------------------------------------------------------
@@ -428,6 +438,9 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     system_fingerprint: str
+    seed: int | None = Field(
+        None, description="our extension: the seed sampling used (the request's or a random one; null when greedy)"
+    )
     choices: list[CompletionChoice]
     usage: Usage | None = None
     speculative: SpeculativeDetails | None = Field(None, description="our extension (on the last chunk too)")
@@ -452,6 +465,9 @@ class ChatCompletionResponse(BaseModel):
     created: int
     model: str
     system_fingerprint: str
+    seed: int | None = Field(
+        None, description="our extension: the seed sampling used (the request's or a random one; null when greedy)"
+    )
     choices: list[ChatChoice]
     usage: Usage
     speculative: SpeculativeDetails
@@ -478,6 +494,9 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     system_fingerprint: str
+    seed: int | None = Field(
+        None, description="our extension: the seed sampling used (the request's or a random one; null when greedy)"
+    )
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     speculative: SpeculativeDetails | None = None

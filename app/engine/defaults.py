@@ -17,3 +17,7 @@ DEFAULT_NUM_DRAFT_TOKENS = 6
 DEFAULT_DRAFT_SCHEDULE = "adaptive"
 # A model draft stops proposing when its top probability falls below this (0: never).
 DEFAULT_DRAFT_P_MIN = 0.05
+
+# How sampled tokens are drawn (GenerationParams.sampler): "gumbel", the default, gives target-only sampling's
+# tokens for a seed whatever the draft; "rejection" accepts a model draft more often. README, "Sampling".
+SAMPLERS = ("gumbel", "rejection")

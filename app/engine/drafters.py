@@ -14,7 +14,11 @@ from torch import Tensor
 
 from app.engine.loading import LoadedModel
 from app.engine.model import KVCache
-from app.engine.sampling import SamplingParams, argmax, sample, warp
+from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice, sample, warp
+
+# What a sampled draft draws with: the target's Gumbel noise (coupled sampling, exact-match verification) or
+# a generator (rejection sampling).
+Randomness = GumbelNoise | torch.Generator | None
 
 
 class DraftError(ValueError):
@@ -23,8 +27,9 @@ class DraftError(ValueError):
 
 class DraftSession(Protocol):
     """Per-request proposer state. A session that can also sample implements
-    `propose_sampled(token_ids, k, params, generator, p_min=0.0) -> (tokens, q [len(tokens), vocab])`; one
-    that cannot is treated as deterministic under sampling (one-hot q), which rejection sampling allows.
+    `propose_sampled(token_ids, k, params, rng, p_min=0.0) -> (tokens, q [len(tokens), vocab] or None)`, rng
+    being the request's Gumbel noise or generator (`Randomness`); one that cannot is treated as deterministic
+    under sampling (one-hot q), which both exact-match and rejection verification allow.
     A session that conditions on the target's hidden states exposes `features` [capacity, dim], which the
     generation fills with the target's final hidden state of each position as soon as it is verified."""
 
@@ -43,17 +48,26 @@ class Drafter(Protocol):
 
 
 def choose_draft_token(
-    logits: Tensor, params: SamplingParams | None, generator: torch.Generator | None, p_min: float
+    logits: Tensor,
+    params: SamplingParams | None,
+    rng: Randomness,
+    p_min: float,
+    position: int = 0,
+    ids: Tensor | None = None,
 ) -> tuple[int, Tensor | None] | None:
-    """One drafted token from a draft's `logits` [V]: (index into V, None) greedily, or (index, warped
-    distribution [V]) drawn from it when sampling; None when the draft's top probability is below `p_min`
-    (the confidence cut-off, llama.cpp's --draft-p-min: an unsure guess is more likely rejected than
-    accepted, and each further token costs a draft step)."""
+    """One drafted token from a draft's `logits` [V'] for sequence `position`: (index into V', None) greedily
+    or by the Gumbel-max trick on the target's noise (`rng` a GumbelNoise; `ids` long [V']: the token id of
+    each logit, None when logit i is token i), or (index, warped distribution [V']) drawn with a generator,
+    the q of rejection sampling. None when the draft's top probability is below `p_min` (the confidence
+    cut-off, llama.cpp's --draft-p-min: an unsure guess is more likely rejected than accepted, and each
+    further token costs a draft step)."""
     if params is None or params.greedy:
         choice: tuple[int, Tensor | None] = (int(argmax(logits.float())), None)
+    elif isinstance(rng, GumbelNoise):
+        choice = (gumbel_choice(logits, params, rng, position, ids), None)
     else:
         probs = warp(logits, params)
-        choice = (int(sample(probs, generator)), probs)
+        choice = (int(sample(probs, rng)), probs)
     if p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < p_min:
         return None
     return choice
@@ -76,12 +90,12 @@ class _ModelDraftSession:
         token_ids: Sequence[int],
         k: int,
         params: SamplingParams,
-        generator: torch.Generator | None,
+        rng: Randomness,
         p_min: float = 0.0,
     ) -> tuple[list[int], Tensor | None]:
-        """Up to `k` tokens drawn from the draft's warped distributions, and those distributions
-        [len(tokens), target vocab]: the q of rejection sampling."""
-        return self._draft(token_ids, k, params, generator, p_min)
+        """Up to `k` tokens drawn from the draft's warped distributions with `rng`, and with a generator those
+        distributions [len(tokens), target vocab], the q of rejection sampling (None with Gumbel noise)."""
+        return self._draft(token_ids, k, params, rng, p_min)
 
     @torch.inference_mode()
     def _draft(
@@ -89,7 +103,7 @@ class _ModelDraftSession:
         token_ids: Sequence[int],
         k: int,
         params: SamplingParams | None,
-        generator: torch.Generator | None,
+        rng: Randomness,
         p_min: float,
     ) -> tuple[list[int], Tensor | None]:
         if k <= 0 or len(token_ids) > self._cache.capacity:
@@ -110,7 +124,8 @@ class _ModelDraftSession:
         dists: list[Tensor] = []
         for i in range(k):
             hidden = self._model.hidden(feed, pos, self._cache)
-            choice = choose_draft_token(self._model.logits(hidden[0, -1])[: self._vocab], params, generator, p_min)
+            logits = self._model.logits(hidden[0, -1])[: self._vocab]
+            choice = choose_draft_token(logits, params, rng, p_min, len(token_ids) + i)
             if choice is None:
                 break
             nxt, probs = choice
@@ -223,7 +238,7 @@ class _HybridSession:
         token_ids: Sequence[int],
         k: int,
         params: SamplingParams,
-        generator: torch.Generator | None,
+        rng: Randomness,
         p_min: float = 0.0,
     ) -> tuple[list[int], Tensor | None]:
         found = self._lookup.propose(token_ids, k)
@@ -233,7 +248,7 @@ class _HybridSession:
         sampled = getattr(self._model, "propose_sampled", None)
         if sampled is None:
             return self._model.propose(token_ids, k, p_min), None
-        return sampled(token_ids, k, params, generator, p_min)
+        return sampled(token_ids, k, params, rng, p_min)
 
 
 class HybridDrafter:

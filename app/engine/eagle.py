@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from app.engine import kernels
-from app.engine.drafters import choose_draft_token
+from app.engine.drafters import Randomness, choose_draft_token
 from app.engine.loading import LoadedModel
 from app.engine.model import (
     DecoderBlock,
@@ -261,10 +261,10 @@ class _EagleSession:
         token_ids: Sequence[int],
         k: int,
         params: SamplingParams,
-        generator: torch.Generator | None,
+        rng: Randomness,
         p_min: float = 0.0,
     ) -> tuple[list[int], Tensor | None]:
-        return self._run(token_ids, k, p_min, params, generator)
+        return self._run(token_ids, k, p_min, params, rng)
 
     def _catch_up(self, token_ids: Sequence[int], k: int) -> tuple[Tensor, Tensor, int] | None:
         """The first draft forward's input: (states [T, dim], tokens [T], start position), or None when
@@ -290,7 +290,7 @@ class _EagleSession:
         k: int,
         p_min: float,
         params: SamplingParams | None,
-        generator: torch.Generator | None,
+        rng: Randomness,
     ) -> tuple[list[int], Tensor | None]:
         first = self._catch_up(token_ids, k)
         if first is None:
@@ -300,10 +300,11 @@ class _EagleSession:
         states, tokens, pos = first[0][None], first[1][None], first[2]
         out: list[int] = []
         dists: list[Tensor] = []
-        for _ in range(k):
+        for i in range(k):
             guess = draft(states, tokens, pos, self._cache)[:, -1:]  # [1, 1, dim]
             pos += states.shape[1]
-            choice = choose_draft_token(draft.draft_logits(guess[0, 0]).float(), params, generator, p_min)
+            logits = draft.draft_logits(guess[0, 0]).float()
+            choice = choose_draft_token(logits, params, rng, p_min, len(token_ids) + i, draft.vocab_ids)
             if choice is None:
                 break
             idx, warped = choice

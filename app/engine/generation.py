@@ -16,13 +16,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from app.engine.defaults import SAMPLERS
 from app.engine.detokenizer import Detokenizer
 from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts, batch_draft_lengths
 from app.engine.drafters import Drafter, DraftSession
 from app.engine.model import KVCache, Transformer
-from app.engine.sampling import SamplingParams, argmax, sample, warp
+from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice, sample, warp
 from app.engine.tokenizer import Tokenizer
-from app.engine.verification import greedy_verify, rejection_sample
+from app.engine.verification import coupled_verify, greedy_verify, rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ class GenerationParams:
     top_k: int = 0  # 0: no cut
     top_p: float = 1.0
     seed: int | None = None  # None: a fresh random seed, reported in Generation.seed
+    # How sampled tokens are drawn: "gumbel" (coupled: the same seed gives target-only sampling's tokens whatever
+    # the draft) or "rejection" (Leviathan et al.'s rejection sampler: accepts a model draft more often, but what
+    # a seed gives depends on the draft and its lengths). Greedy decoding ignores it.
+    sampler: str = "gumbel"
     # None: the engine's default. With "adaptive" or "heuristic", num_draft_tokens is the most ever drafted.
     draft_schedule: str | None = None
     # The draft stops proposing when its top probability falls below this (0: never); None: engine default.
@@ -208,12 +213,17 @@ class Generation:
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
         if params.seed is not None and not 0 <= params.seed < 2**64:
             raise GenerationError("seed must lie in [0, 2**64)")
-        # Each request draws from its own generator, so a seed reproduces it whatever else is running.
+        if params.sampler not in SAMPLERS:
+            raise GenerationError(f"sampler must be one of {', '.join(SAMPLERS)}, not {params.sampler!r}")
+        # Each request draws from its own noise (or generator), so a seed reproduces it whatever else is running.
         self.seed: int | None = None  # the seed actually used; None under greedy decoding
-        self._rng: torch.Generator | None = None
+        self._rng: GumbelNoise | torch.Generator | None = None
         if not self.sampling.greedy:
             self.seed = params.seed if params.seed is not None else secrets.randbits(63)
-            self._rng = torch.Generator(device=target.device).manual_seed(self.seed)
+            if params.sampler == "gumbel":
+                self._rng = GumbelNoise(self.seed, vocab)
+            else:
+                self._rng = torch.Generator(device=target.device).manual_seed(self.seed)
         self._started = time.perf_counter()
 
     @property
@@ -292,6 +302,8 @@ class Generation:
         draft_tensor = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         if self.sampling.greedy:
             accepted, nxt = greedy_verify(draft_tensor, logits)
+        elif isinstance(self._rng, GumbelNoise):
+            accepted, nxt = coupled_verify(drafts, logits, self.sampling, self._rng, start + 1)
         else:
             accepted, nxt = rejection_sample(draft_tensor, plan.q, warp(logits, self.sampling), self._rng)
         # Keep the last accepted token and the accepted drafts; the rest of the cache is rolled back.
@@ -361,7 +373,12 @@ class Generation:
             self.stats.prefill_seconds += seconds + time.perf_counter() - t0
             return StepOutput([], "", 0, 0, 0.0, 0.0)
         logits = self._checked(logits)
-        nxt = int(argmax(logits)) if self.sampling.greedy else int(sample(warp(logits, self.sampling), self._rng))
+        if self.sampling.greedy:
+            nxt = int(argmax(logits))
+        elif isinstance(self._rng, GumbelNoise):
+            nxt = gumbel_choice(logits, self.sampling, self._rng, len(self.ids))
+        else:
+            nxt = int(sample(warp(logits, self.sampling), self._rng))
         seconds += time.perf_counter() - t0
         self.stats.target_passes += 1
         self.stats.prefill_seconds += seconds

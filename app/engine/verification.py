@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from app.engine.sampling import argmax
+from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice
 
 
 def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, int]:
@@ -23,6 +23,24 @@ def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, int
     agree = (choices[:k] == draft_tokens).to(torch.int32)
     accepted = int(agree.cumprod(dim=0).sum())
     return accepted, int(choices[accepted])
+
+
+def coupled_verify(
+    draft_tokens: list[int], target_logits: Tensor, params: SamplingParams, noise: GumbelNoise, position: int
+) -> tuple[int, int]:
+    """Exact-match verification of sampled drafts under coupled (Gumbel-max) sampling.
+
+    The target's token at each position is what target-only sampling with the same noise draws there:
+    `gumbel_choice` of its row (row i of `target_logits` [k + 1, V] predicts sequence position
+    `position + i`). A drafted token is kept while it equals that choice, as in greedy verification, so the
+    output is target-only sampling's token for token, whatever was drafted. Rows after the first mismatch
+    are not sampled at all. Returns (accepted, the target's token after them).
+    """
+    for i in range(len(draft_tokens) + 1):
+        choice = gumbel_choice(target_logits[i], params, noise, position + i)
+        if i == len(draft_tokens) or choice != draft_tokens[i]:
+            return i, choice
+    raise AssertionError("unreachable")
 
 
 def rejection_sample(
