@@ -161,3 +161,97 @@ async def test_only_served_model_names_are_accepted(api_client) -> None:
     assert by_alias.json()["model"] == by_name.json()["model"] == unnamed.json()["model"] == "smol"
     assert by_name.json()["choices"] == unnamed.json()["choices"]
     assert info["served_model_names"] == ["smol", "alias-a", "org/alias-b"]
+
+
+async def test_several_prompts_are_one_choice_each(api_client, api_engine, sse_data) -> None:
+    """A list of prompts (strings, or lists of token ids as lm-eval sends them) is one generation each,
+    answered as choices[i] in order; usage adds them up; a stream's chunks carry their choice's index."""
+    prompts = [PROMPT, "Once upon a time"]
+    ids = [api_engine.tokenizer.encode(p) for p in prompts]
+    async with api_client() as client:
+        alone = [(await client.post("/v1/completions", json={"prompt": p, "max_tokens": 3})).json() for p in prompts]
+        texts = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3})
+        tokens = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "echo": True})
+        streamed = await client.post(
+            "/v1/completions",
+            json={"prompt": ids, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+        )
+    assert texts.status_code == 200, texts.text
+    got = texts.json()
+    assert [c["index"] for c in got["choices"]] == [0, 1]
+    assert [c["text"] for c in got["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert got["usage"] == {
+        "prompt_tokens": sum(len(i) for i in ids),
+        "completion_tokens": 6,
+        "total_tokens": sum(len(i) for i in ids) + 6,
+    }
+    assert got["speculative"]["target_passes"] == sum(a["speculative"]["target_passes"] for a in alone)
+    # echo of token ids is their text
+    echoed = [p + c["text"] for p, c in zip(prompts, got["choices"], strict=True)]
+    assert [c["text"] for c in tokens.json()["choices"]] == echoed
+    *chunks, usage = _chunks(sse_data, streamed.text)
+    for i, choice in enumerate(got["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert sum(c["finish_reason"] is not None for c in mine) == 1
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    assert usage["choices"] == [] and usage["usage"] == got["usage"]
+
+
+async def test_n_samples_are_seeded_one_after_the_other(api_client, sse_data) -> None:
+    """n > 1 (sampling only): sample i of each prompt is seeded with seed + i, so it is what that prompt alone
+    gives with seed + i; the answer reports the seed; choices are prompt * n + sample."""
+    sampled = {"max_tokens": 4, "temperature": 1.0}
+    async with api_client() as client:
+        single = [
+            (await client.post("/v1/completions", json={**sampled, "prompt": PROMPT, "seed": 7 + i})).json()
+            for i in range(3)
+        ]
+        many = await client.post("/v1/completions", json={**sampled, "prompt": [PROMPT, PROMPT], "n": 3, "seed": 7})
+        chat_single = (await client.post("/v1/chat/completions", json={**sampled, "messages": CHAT, "seed": 6})).json()
+        chat = (await client.post("/v1/chat/completions", json={**sampled, "messages": CHAT, "n": 2, "seed": 5})).json()
+        chat_streamed = await client.post(
+            "/v1/chat/completions", json={**sampled, "messages": CHAT, "n": 2, "seed": 5, "stream": True}
+        )
+        unseeded = (await client.post("/v1/completions", json={**sampled, "prompt": PROMPT, "n": 2})).json()
+        replayed = (
+            await client.post("/v1/completions", json={**sampled, "prompt": PROMPT, "seed": unseeded["seed"] + 1})
+        ).json()
+    assert many.status_code == 200, many.text
+    got = many.json()
+    assert got["seed"] == 7
+    assert [c["index"] for c in got["choices"]] == list(range(6))
+    expected = [s["choices"][0]["text"] for s in single]
+    assert [c["text"] for c in got["choices"]] == expected + expected
+    assert got["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in single) * 2
+    assert got["usage"]["prompt_tokens"] == 2 * single[0]["usage"]["prompt_tokens"]  # once per prompt, not per n
+    assert chat["seed"] == 5 and [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][1]["message"]["content"] == chat_single["choices"][0]["message"]["content"]
+    chunks = _chunks(sse_data, chat_streamed.text)
+    for i, choice in enumerate(chat["choices"]):
+        mine = [c for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(c["choices"][0]["delta"]["content"] or "" for c in mine) == choice["message"]["content"]
+        assert mine[-1]["seed"] == 5 + i and mine[-1]["choices"][0]["finish_reason"] is not None
+    assert replayed["choices"][0]["text"] == unseeded["choices"][1]["text"]
+
+
+async def test_several_choices_are_admitted_together_or_not_at_all(api_client) -> None:
+    """Each choice takes a place: with too few free, the request is a 429 and the choices already admitted give
+    their places back at once."""
+    import asyncio
+
+    async with api_client(max_concurrent_requests=1, max_queue_size=1) as client:
+        scheduler = client.app.state.runtime.scheduler
+        running = asyncio.ensure_future(
+            client.post("/generate", json={"inputs": "Tell me a story.", "parameters": {"max_new_tokens": 30}})
+        )
+        while scheduler.holding < 1:
+            await asyncio.sleep(0.01)
+        refused = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+        holding_after = scheduler.holding
+        assert (await running).status_code == 200
+        served = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_exceeded"
+    assert holding_after == 1
+    assert served.status_code == 200 and len(served.json()["choices"]) == 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from app.engine.generation import GenerationParams
 from app.engine.sampling import SamplingParams
 from app.runtime import Runtime
 from app.settings import Settings
-from app.worker import Finished, Overloaded, RequestFailed, Ticket, TokenOut
+from app.worker import Finished, Overloaded, RequestFailed, StepEvent, Ticket, TokenOut
 
 
 class ClientGone(Exception):
@@ -175,6 +175,65 @@ async def run_to_end(ticket: Ticket, request: Request) -> tuple[list[TokenOut], 
         for task in (work, gone):
             task.cancel()
         ticket.cancel()
+
+
+async def run_all_to_end(tickets: Sequence[Ticket], request: Request) -> list[Finished]:
+    """The end of each of a request's generations, in order; the first failure (APIError) or the client leaving
+    (ClientGone) gives them all up."""
+
+    async def consume(ticket: Ticket) -> Finished:
+        async for event in ticket.events():
+            if event.finished is not None:
+                return event.finished
+        raise AssertionError("the event stream ended without a finished event")
+
+    work = [asyncio.ensure_future(consume(ticket)) for ticket in tickets]
+    gone = asyncio.ensure_future(_client_disconnect(request))
+    try:
+        pending = set(work)
+        while pending:
+            done, _ = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                raise ClientGone
+            for task in done:
+                task.result()  # raises the generation's RequestFailed
+            pending -= done
+        return [task.result() for task in work]
+    except RequestFailed as exc:
+        raise failure(exc) from exc
+    finally:
+        for task in (*work, gone):
+            task.cancel()
+        for ticket in tickets:
+            ticket.cancel()
+
+
+async def merged_events(tickets: Sequence[Ticket]) -> AsyncIterator[tuple[int, StepEvent]]:
+    """The events of several generations as they come, each with the index of its ticket, until every one has
+    finished; the first failure is raised (RequestFailed), and leaving early gives them all up."""
+    queue: asyncio.Queue[tuple[int, StepEvent | RequestFailed]] = asyncio.Queue()
+
+    async def pump(index: int, ticket: Ticket) -> None:
+        try:
+            async for event in ticket.events():
+                queue.put_nowait((index, event))
+        except RequestFailed as exc:
+            queue.put_nowait((index, exc))
+
+    pumps = [asyncio.ensure_future(pump(i, ticket)) for i, ticket in enumerate(tickets)]
+    try:
+        running = len(tickets)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, RequestFailed):
+                raise item
+            yield index, item
+            running -= item.finished is not None
+    finally:
+        for task in pumps:
+            task.cancel()
+        for ticket in tickets:
+            ticket.cancel()
 
 
 def speculative_details(prepared: Prepared, finished: Finished) -> SpeculativeDetails:

@@ -6,9 +6,12 @@ then (with ``stream_options.include_usage``) a chunk with the usage and no choic
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -18,6 +21,7 @@ from app.api import jobs
 from app.api.deps import get_runtime, get_settings
 from app.api.errors import APIError, documented_errors, error_body
 from app.api.schemas import (
+    MAX_SEED,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -31,6 +35,8 @@ from app.api.schemas import (
     ModelCard,
     ModelList,
     OpenAIErrorResponse,
+    Sampling,
+    SpeculativeDetails,
     Usage,
 )
 from app.engine.tokenizer import TokenizerError
@@ -83,49 +89,114 @@ def check_model(name: str | None, runtime: Runtime) -> None:
         raise APIError("model_not_found", f"The model `{name}` does not exist.", param="model", code=404)
 
 
-def _usage(finished: Finished) -> Usage:
-    return Usage(
-        prompt_tokens=finished.prompt_tokens,
-        completion_tokens=finished.generated_tokens,
-        total_tokens=finished.prompt_tokens + finished.generated_tokens,
+def _usage(prompt_tokens: int, results: Sequence[Finished]) -> Usage:
+    """Usage of a request: each prompt's tokens once (as OpenAI and vLLM count them), every choice's output."""
+    completion = sum(f.generated_tokens for f in results)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+def _seeds(sampling: Sampling, n: int) -> list[int | None]:
+    """The seed of each of the n samples of a prompt: the request's seed (or a random one) + i; None when greedy.
+    Sample i of every prompt gets the same seed, so that it is what that prompt alone with that seed gives."""
+    if sampling.temperature == 0:
+        return [None] * n
+    base = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+    return [(base + i) & MAX_SEED for i in range(n)]
+
+
+def _check_choices(count: int, settings: Settings) -> None:
+    places = settings.max_concurrent_requests + settings.max_queue_size
+    if count > places:
+        raise APIError(
+            "validation",
+            f"this request asks for {count} generations (prompts x n), more than the server holds at once "
+            f"({places}: max_concurrent_requests + max_queue_size); send fewer per request",
+        )
+
+
+def _submit_all(runtime: Runtime, settings: Settings, runs: Sequence[jobs.Prepared]) -> list[Ticket]:
+    """Admit every choice of a request, or none: on a 429 the ones admitted are given up."""
+    tickets: list[Ticket] = []
+    try:
+        for run in runs:
+            tickets.append(jobs.submit(runtime, settings, run))
+    except APIError:
+        for ticket in tickets:
+            ticket.cancel()
+        raise
+    return tickets
+
+
+def _speculative(runs: Sequence[jobs.Prepared], results: Sequence[Finished]) -> SpeculativeDetails:
+    """`speculative` of a whole answer: with several choices, their counts added up and the rates recomputed."""
+    each = [jobs.speculative_details(run, finished) for run, finished in zip(runs, results, strict=True)]
+    if len(each) == 1:
+        return each[0]
+    drafted, accepted = sum(d.drafted for d in each), sum(d.accepted for d in each)
+    passes, generated = sum(d.target_passes for d in each), sum(f.generated_tokens for f in results)
+
+    def added(lists: list[list[int]]) -> list[int]:
+        return [sum(column) for column in itertools.zip_longest(*lists, fillvalue=0)]
+
+    return each[0].model_copy(
+        update={
+            "drafted": drafted,
+            "accepted": accepted,
+            "target_passes": passes,
+            "verify_passes": sum(d.verify_passes for d in each),
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "tokens_per_target_pass": round(generated / passes, 4) if passes else 0.0,
+            "accepted_per_position": added([d.accepted_per_position for d in each]),
+            "draft_lengths": added([d.draft_lengths for d in each]),
+            "p_min_stops": sum(d.p_min_stops for d in each),
+        }
     )
 
 
 def _stream(
-    ticket: Ticket,
-    prepared: jobs.Prepared,
-    chunk: Callable[[str | None, str | None], CompletionResponse | ChatCompletionChunk],
+    tickets: Sequence[Ticket],
+    runs: Sequence[jobs.Prepared],
+    chunk: Callable[[int, str | None, str | None], CompletionResponse | ChatCompletionChunk],
     include_usage: bool,
-    first: CompletionResponse | None = None,
+    prompt_tokens: int,
+    first: Sequence[CompletionResponse] = (),
 ) -> StreamingResponse:
-    """SSE of one generation: `chunk(text, finish_reason)` per step that adds text (a speculative step's
-    accepted tokens share one chunk, as vLLM sends them: one event to write and parse instead of one per
-    token), the last with the reason and the speculative figures, then the usage when asked, then ``[DONE]``."""
+    """SSE of a request's generations: `chunk(index, text, finish_reason)` per step of choice `index` that adds
+    text (a speculative step's accepted tokens share one chunk, as vLLM sends them: one event to write and parse
+    instead of one per token), each choice's last with the reason, its speculative figures and seed; the choices'
+    chunks interleave as they come. Then the usage when asked, then ``[DONE]``."""
 
     async def events() -> AsyncIterator[str]:
+        done: list[Finished] = []
         try:
-            if first is not None:
-                yield jobs.sse(first)
-            async for step in ticket.events():
+            for event in first:
+                yield jobs.sse(event)
+            async for index, step in jobs.merged_events(tickets):
                 text = "".join(tok.text for tok in step.tokens)
                 if step.finished is not None:
-                    event = chunk(text, _FINISH[step.finished.finish_reason])
-                    event.speculative = jobs.speculative_details(prepared, step.finished)
+                    event = chunk(index, text, _FINISH[step.finished.finish_reason])
+                    event.speculative = jobs.speculative_details(runs[index], step.finished)
                     event.seed = step.finished.seed
                     yield jobs.sse(event)
-                    if include_usage:
-                        usage = chunk(None, None)
-                        usage.choices, usage.usage = [], _usage(step.finished)
-                        yield jobs.sse(usage)
+                    done.append(step.finished)
                 elif text:
-                    yield jobs.sse(chunk(text, None))
+                    yield jobs.sse(chunk(index, text, None))
+            if include_usage:
+                usage = chunk(0, None, None)
+                usage.choices, usage.usage = [], _usage(prompt_tokens, done)
+                yield jobs.sse(usage)
         except RequestFailed as exc:
             yield jobs.sse(error_body(exc.kind, exc.message, openai=True))
         finally:
-            ticket.cancel()
+            for ticket in tickets:
+                ticket.cancel()
         yield jobs.sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=jobs.SSE_HEADERS)
+
+
+def _seeded(prepared: jobs.Prepared, seed: int | None) -> jobs.Prepared:
+    return replace(prepared, params=replace(prepared.params, seed=seed))
 
 
 @router.post(
@@ -135,42 +206,61 @@ def _stream(
     summary="Complete a prompt (OpenAI completions)",
 )
 async def completions(request: Request, body: CompletionRequest, runtime: Runtime_, settings: Settings_) -> Response:
-    """Continue `prompt`, sent as is (no chat template): greedily unless temperature > 0."""
+    """Continue each `prompt`, sent as is (no chat template): greedily unless temperature > 0. Several prompts
+    and `n` samples of each are one generation each, answered as `choices[prompt * n + sample]`."""
     check_model(body.model, runtime)
-    prompt: str | list[int] = body.prompt  # type: ignore[assignment]  # one prompt, by its validator
-    spec = jobs.JobSpec(
-        prompt=prompt,
-        max_new_tokens=body.max_tokens,
-        stop=body.stop_strings(),
-        speculative=body.speculative,
-        prompt_field="prompt",
-        max_new_tokens_field="max_tokens",
-        default_max_new_tokens=16,
-        sampling=body.sampling(),
-    )
-    prepared = await jobs.prepare(runtime, settings, spec)
-    ticket = jobs.submit(runtime, settings, prepared)
+    prompts: list[str | list[int]] = body.prompt  # type: ignore[assignment]  # a list, by its validator
+    n = body.n or 1
+    _check_choices(len(prompts) * n, settings)
+    sampling = body.sampling()
+    prepared = []
+    for i, prompt in enumerate(prompts):
+        spec = jobs.JobSpec(
+            prompt=prompt,
+            max_new_tokens=body.max_tokens,
+            stop=body.stop_strings(),
+            speculative=body.speculative,
+            prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]",
+            max_new_tokens_field="max_tokens",
+            default_max_new_tokens=16,
+            sampling=sampling,
+        )
+        prepared.append(await jobs.prepare(runtime, settings, spec))
+    runs = [_seeded(p, seed) for p in prepared for seed in _seeds(sampling, n)]
+    tickets = _submit_all(runtime, settings, runs)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), runtime.info.served_model_name
-    echo = prompt if body.echo and isinstance(prompt, str) else ""
+    # echo: each choice starts with its prompt (token ids decoded).
+    echo = [(p if isinstance(p, str) else runtime.tokenizer.decode(p)) if body.echo else "" for p in prompts]
+    prompt_tokens = sum(len(p.prompt_ids) for p in prepared)
 
-    def chunk(text: str | None, finish: str | None) -> CompletionResponse:
-        choice = CompletionChoice(text=text or "", finish_reason=finish)  # type: ignore[arg-type]
+    def chunk(index: int, text: str | None, finish: str | None) -> CompletionResponse:
+        choice = CompletionChoice(index=index, text=text or "", finish_reason=finish)  # type: ignore[arg-type]
         return CompletionResponse(
             id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[choice]
         )
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        # The echoed prompt goes first, as a chunk of its own.
-        return _stream(ticket, prepared, chunk, include_usage, first=chunk(echo, None) if echo else None)
+        # Each echoed prompt goes first, as a chunk of its own.
+        first = [chunk(i, echo[i // n], None) for i in range(len(runs)) if echo[i // n]]
+        return _stream(tickets, runs, chunk, include_usage, prompt_tokens, first)
     try:
-        _, finished = await jobs.run_to_end(ticket, request)
+        results = await jobs.run_all_to_end(tickets, request)
     except jobs.ClientGone:
         return Response(status_code=499)
-    result = chunk(echo + finished.text, _FINISH[finished.finish_reason])
-    result.usage = _usage(finished)
-    result.speculative = jobs.speculative_details(prepared, finished)
-    result.seed = finished.seed
+    result = CompletionResponse(
+        id=rid,
+        created=created,
+        model=model,
+        system_fingerprint=_FINGERPRINT,
+        seed=results[0].seed,
+        choices=[
+            CompletionChoice(index=i, text=echo[i // n] + f.text, finish_reason=_FINISH[f.finish_reason])  # type: ignore[arg-type]
+            for i, f in enumerate(results)
+        ],
+        usage=_usage(prompt_tokens, results),
+        speculative=_speculative(runs, results),
+    )
     return Response(result.model_dump_json(), media_type="application/json")
 
 
@@ -184,14 +274,17 @@ async def chat_completions(
     request: Request, body: ChatCompletionRequest, runtime: Runtime_, settings: Settings_
 ) -> Response:
     """Render `messages` with the model's chat template and answer as the assistant: greedily unless
-    temperature > 0."""
+    temperature > 0; `n` samples are one generation each, answered as `choices[i]`."""
     check_model(body.model, runtime)
     jobs.check_max_new_tokens(body.max_tokens, "max_tokens", settings)
+    n = body.n or 1
+    _check_choices(n, settings)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     try:
         prompt = runtime.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except TokenizerError as exc:
         raise APIError("validation", f"messages: {exc}") from exc
+    sampling = body.sampling()
     spec = jobs.JobSpec(
         prompt=prompt,
         # max_tokens is the deprecated name: the new one wins when both are given.
@@ -200,22 +293,24 @@ async def chat_completions(
         speculative=body.speculative,
         prompt_field="messages",
         max_new_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-        sampling=body.sampling(),
+        sampling=sampling,
     )
     prepared = await jobs.prepare(runtime, settings, spec)
-    ticket = jobs.submit(runtime, settings, prepared)
+    runs = [_seeded(prepared, seed) for seed in _seeds(sampling, n)]
+    tickets = _submit_all(runtime, settings, runs)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), runtime.info.served_model_name
 
-    def chunk(text: str | None, finish: str | None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish)  # type: ignore[arg-type]
+    def chunk(index: int, text: str | None, finish: str | None) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(content=text), finish_reason=finish)  # type: ignore[arg-type]
         return ChatCompletionChunk(
             id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[choice]
         )
 
     if body.stream:
-        return _stream(ticket, prepared, chunk, bool(body.stream_options and body.stream_options.include_usage))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _stream(tickets, runs, chunk, include_usage, len(prepared.prompt_ids))
     try:
-        _, finished = await jobs.run_to_end(ticket, request)
+        results = await jobs.run_all_to_end(tickets, request)
     except jobs.ClientGone:
         return Response(status_code=499)
     result = ChatCompletionResponse(
@@ -223,15 +318,17 @@ async def chat_completions(
         created=created,
         model=model,
         system_fingerprint=_FINGERPRINT,
-        seed=finished.seed,
+        seed=results[0].seed,
         choices=[
             ChatChoice(
-                message=AssistantMessage(content=finished.text),
-                finish_reason=_FINISH[finished.finish_reason],  # type: ignore[arg-type]
+                index=i,
+                message=AssistantMessage(content=f.text),
+                finish_reason=_FINISH[f.finish_reason],  # type: ignore[arg-type]
             )
+            for i, f in enumerate(results)
         ],
-        usage=_usage(finished),
-        speculative=jobs.speculative_details(prepared, finished),
+        usage=_usage(len(prepared.prompt_ids), results),
+        speculative=_speculative(runs, results),
     )
     return Response(result.model_dump_json(), media_type="application/json")
 

@@ -299,31 +299,41 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-def _one_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """Every prompt of a completion request, each a string or a list of token ids (one job each)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         if not prompt:
             raise ValueError("must not be empty")
-        return prompt  # type: ignore[return-value]
-    if len(prompt) != 1:
-        raise ValueError(f"one prompt per request, got {len(prompt)}")
-    if not prompt[0]:
-        raise ValueError("must not be empty")
-    return str(prompt[0])
+        return [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise ValueError("must not be empty: send a string, a list of strings, token ids or lists of token ids")
+    for i, one in enumerate(prompt):
+        if not one:
+            raise ValueError(f"prompt {i} of the list must not be empty")
+    return list(prompt)  # type: ignore[arg-type]
 
 
 Prompt = Annotated[
-    str | list[str] | list[_int()],
-    AfterValidator(_one_prompt),
+    str | list[str] | list[_int()] | list[list[_int()]],
+    AfterValidator(_prompts),
     WithJsonSchema(
         {
             "anyOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                 {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                    "minItems": 1,
+                },
             ]
         }
     ),
 ]
+
+# Most choices (prompts x n) of one request, whatever the server's limits; they also count against its places.
+MAX_CHOICES = 256
 
 
 class _OpenAISampling(BaseModel):
@@ -346,7 +356,11 @@ class _OpenAISampling(BaseModel):
     seed: _int(ge=-(2**63), le=2**63 - 1) | None = Field(
         None, description="seed of sampling (taken modulo 2**64): the same seed and parameters give the same text"
     )
-    n: _int(ge=1, le=1) | None = Field(None, description="only 1")
+    n: _int(ge=1, le=MAX_CHOICES) | None = Field(
+        None,
+        description="samples per prompt (default 1); more than 1 only with temperature > 0: sample i is seeded with "
+        "seed + i",
+    )
     stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
         None, description="stop strings; the text ends before the first one"
     )
@@ -357,6 +371,15 @@ class _OpenAISampling(BaseModel):
     logit_bias: _neutral_only(dict[str, float] | None, None, {}) = None
     user: str | None = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
+
+    @model_validator(mode="after")
+    def _n_needs_sampling(self) -> _OpenAISampling:
+        if (self.n or 1) > 1 and not self.temperature:
+            raise ValueError(
+                f"n: {self.n} samples need sampling (temperature > 0); greedy decoding (temperature 0 or unset) "
+                "would give the same text n times"
+            )
+        return self
 
     def sampling(self) -> Sampling:
         """Greedy unless temperature > 0 (top_p, top_k and seed alone change nothing)."""
@@ -374,14 +397,28 @@ class _OpenAISampling(BaseModel):
 class CompletionRequest(_OpenAISampling):
     """An OpenAI completion request: the prompt is sent as is."""
 
-    prompt: Prompt = Field(description="a string, a list holding one string, or a list of token ids")
+    prompt: Prompt = Field(
+        description="a string, token ids, or a list of either (several prompts: one choice each, times n)"
+    )
     max_tokens: _int(ge=1) | None = Field(
         None, description="most tokens to generate (default 16, as OpenAI's, or the server's limit if lower)"
     )
     echo: bool = Field(False, description="prepend the prompt to the text")
     logprobs: _neutral_only(_int() | None, None) = None
-    best_of: _int(ge=1, le=1) | None = Field(None, description="only 1")
     suffix: _neutral_only(str | None, None) = None
+    best_of: _int(ge=1, le=MAX_CHOICES) | None = Field(
+        None, description="only n (every sample is returned): ranking more samples needs log-probabilities"
+    )
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        n = self.n or 1
+        if self.best_of is not None and self.best_of != n:
+            raise ValueError(
+                f"best_of: only best_of = n ({n}) is supported (every sample is returned), got {self.best_of}; "
+                "choosing the best of more samples needs log-probabilities, which are not computed"
+            )
+        return self
 
 
 class ContentPart(BaseModel):
