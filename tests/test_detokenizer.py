@@ -159,3 +159,32 @@ def test_flush_releases_a_trailing_incomplete_character(btok):
     assert "".join(deltas) == "ok "
     tail = detok.flush()
     assert REPLACEMENT in tail
+
+
+def test_include_stop_keeps_the_stop_string_and_nothing_after(btok):
+    detok = Detokenizer(btok, stop=["END"], include_stop=True)
+    released, keep = detok.push(_bytes("one END two"))
+    assert keep == len("one END")
+    assert released + detok.flush() == detok.text == "one END"
+
+
+def test_stop_strings_count_only_past_the_armed_tokens(btok):
+    """min_tokens: a stop string that ends within the first `armed` ids ends nothing, now or later; one that
+    ends after them does, even when it began before."""
+    detok = Detokenizer(btok, stop=["ab"])
+    released, keep = detok.push(_bytes("xab"), armed=3)
+    assert keep == 3 and detok.stopped_at is None
+    more, keep = detok.push(_bytes("cab"))
+    assert keep == 3 and released + more + detok.flush() == detok.text == "xabc"
+    straddling = Detokenizer(btok, stop=["ab"])
+    released, keep = straddling.push(_bytes("xab"), armed=2)  # "a" is armed-out, "b" completes it after
+    assert keep == 3 and straddling.text == "x"
+
+
+def test_special_tokens_keep_their_text_unless_skipped(btok):
+    special = btok.encode("<|im_end|>")
+    assert len(special) == 1
+    for skip, expected in ((True, "hi"), (False, "hi<|im_end|>")):
+        detok = Detokenizer(btok, skip_special=skip)
+        released, _ = detok.push([*_bytes("hi"), *special])
+        assert released + detok.flush() == expected

@@ -415,6 +415,33 @@ def test_eos_inside_an_accepted_run_cuts_it(tiny_target, word_tokenizer):
     assert gen.generated_ids == greedy and gen.finish_reason == "length"
 
 
+@pytest.mark.parametrize("k", [0, 5])
+def test_stop_token_ids_and_min_tokens_inside_accepted_runs(tiny_target, word_tokenizer, k):
+    """vLLM's stop_token_ids end the text like an end-of-sequence token (finish "stop", the token's text only
+    with include_stop_str_in_output); min_tokens lets neither end it before that many tokens, even in the
+    middle of a run of accepted drafts."""
+    greedy = expected_greedy(tiny_target, PROMPT, 12, set())
+    end = greedy[6]
+    cut = greedy.index(end)
+    plain = word_tokenizer(V)
+    drafter = ModelDrafter("self", _loaded(tiny_target, plain), _loaded(tiny_target, plain))
+
+    def run(tokenizer, **fields):
+        params = GenerationParams(max_new_tokens=12, num_draft_tokens=k, **fields)
+        return run_checked(tiny_target, tokenizer, PROMPT, params, drafter)[0]
+
+    gen = run(plain, stop_token_ids=(end,))
+    assert gen.generated_ids == greedy[: cut + 1] and gen.finish_reason == "stop"
+    assert gen.text == plain.decode(greedy[:cut])
+    assert run(plain, stop_token_ids=(end,), include_stop_str_in_output=True).text == plain.decode(greedy[: cut + 1])
+    later = next((i for i in range(cut + 1, 12) if greedy[i] == end), None)
+    expected = greedy if later is None else greedy[: later + 1]
+    assert run(plain, stop_token_ids=(end,), min_tokens=cut + 1).generated_ids == expected
+    assert run(word_tokenizer(V, [end]), min_tokens=cut + 1).generated_ids == expected  # the same for EOS
+    with pytest.raises(GenerationError, match="min_tokens"):
+        run(plain, min_tokens=13)
+
+
 @pytest.mark.parametrize("k", [0, 2, 5])
 def test_stop_string_spanning_tokens_ends_generation(tiny_target, tok, k):
     greedy = expected_greedy(tiny_target, PROMPT, 16, set())

@@ -18,7 +18,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from app.api.errors import APIError, shown
-from app.api.schemas import GREEDY, Sampling, SpeculativeDetails, SpeculativeParameters
+from app.api.schemas import GREEDY, PLAIN, Decoding, Sampling, SpeculativeDetails, SpeculativeParameters
 from app.engine.generation import GenerationParams
 from app.engine.sampling import SamplingParams
 from app.runtime import Runtime
@@ -43,6 +43,7 @@ class JobSpec:
     max_new_tokens_field: str = "max_new_tokens"
     default_max_new_tokens: int | None = None
     sampling: Sampling = GREEDY  # temperature, top_k, top_p, seed as the engine takes them
+    decoding: Decoding = PLAIN  # vLLM's ignore_eos, min_tokens, stop_token_ids, ... (OpenAI routes)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,11 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
             f"the prompt ({len(ids)} tokens) plus {spec.max_new_tokens_field} ({max_new}) exceeds the model's "
             f"context of {info.context_length} tokens"
         )
+    d = spec.decoding
+    if d.min_tokens > max_new:
+        raise _invalid(f"min_tokens ({d.min_tokens}) exceeds {spec.max_new_tokens_field} ({max_new})")
+    if any(not 0 <= t < info.vocab_size for t in d.stop_token_ids):
+        raise _invalid(f"stop_token_ids must lie in [0, {info.vocab_size})")
     params = GenerationParams(
         max_new_tokens=max_new,
         stop=tuple(spec.stop),
@@ -109,6 +115,11 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         draft_schedule=spec.speculative.schedule if spec.speculative is not None else None,
         draft_p_min=spec.speculative.p_min if spec.speculative is not None else None,
         sampler=(spec.speculative.sampler if spec.speculative is not None else None) or "gumbel",
+        ignore_eos=d.ignore_eos,
+        min_tokens=d.min_tokens,
+        stop_token_ids=tuple(d.stop_token_ids),
+        include_stop_str_in_output=d.include_stop_str_in_output,
+        skip_special_tokens=d.skip_special_tokens,
     )
     return Prepared(ids, params, draft, k if draft != "none" else 0)
 

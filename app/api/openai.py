@@ -7,6 +7,7 @@ then (with ``stream_options.include_usage``) a chunk with the usage and no choic
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import time
 import uuid
@@ -44,6 +45,7 @@ from app.runtime import Runtime
 from app.settings import Settings
 from app.worker import Finished, RequestFailed, Ticket
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -87,6 +89,13 @@ def check_model(name: str | None, runtime: Runtime) -> None:
     """Refuse a `model` this server does not serve, as vLLM does (404 NotFoundError); no `model` is fine."""
     if name is not None and name not in runtime.info.served_model_names:
         raise APIError("model_not_found", f"The model `{name}` does not exist.", param="model", code=404)
+
+
+def _log_ignored(body: CompletionRequest | ChatCompletionRequest) -> None:
+    # Fields no model field names and not known to change nothing: ignored, as vLLM ignores them, but said.
+    ignored = body.ignored_fields()
+    if ignored:
+        log.warning("the request's fields %s are unknown and were ignored", ", ".join(ignored))
 
 
 def _usage(prompt_tokens: int, results: Sequence[Finished]) -> Usage:
@@ -209,6 +218,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
     """Continue each `prompt`, sent as is (no chat template): greedily unless temperature > 0. Several prompts
     and `n` samples of each are one generation each, answered as `choices[prompt * n + sample]`."""
     check_model(body.model, runtime)
+    _log_ignored(body)
     prompts: list[str | list[int]] = body.prompt  # type: ignore[assignment]  # a list, by its validator
     n = body.n or 1
     _check_choices(len(prompts) * n, settings)
@@ -224,6 +234,8 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             max_new_tokens_field="max_tokens",
             default_max_new_tokens=16,
             sampling=sampling,
+            decoding=body.decoding(),
+            truncate=body.truncate_prompt_tokens,
         )
         prepared.append(await jobs.prepare(runtime, settings, spec))
     runs = [_seeded(p, seed) for p in prepared for seed in _seeds(sampling, n)]
@@ -276,6 +288,7 @@ async def chat_completions(
     """Render `messages` with the model's chat template and answer as the assistant: greedily unless
     temperature > 0; `n` samples are one generation each, answered as `choices[i]`."""
     check_model(body.model, runtime)
+    _log_ignored(body)
     jobs.check_max_new_tokens(body.max_tokens, "max_tokens", settings)
     n = body.n or 1
     _check_choices(n, settings)
@@ -294,6 +307,8 @@ async def chat_completions(
         prompt_field="messages",
         max_new_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
         sampling=sampling,
+        decoding=body.decoding(),
+        truncate=body.truncate_prompt_tokens,
     )
     prepared = await jobs.prepare(runtime, settings, spec)
     runs = [_seeded(prepared, seed) for seed in _seeds(sampling, n)]

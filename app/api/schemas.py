@@ -1,9 +1,10 @@
 """The wire formats: requests and responses of the native (TGI) API, the OpenAI API and the operations routes.
 
 Requests are validated strictly (a string is not a number, NaN is not a temperature) so that a wrong type is
-a 4xx naming the field, never a guess. Fields that TGI's and OpenAI's clients always send are accepted at
-their neutral values and refused, with a message, at any value we cannot honour. Unknown fields are ignored,
-as TGI and OpenAI ignore them, except inside our own ``speculative`` object.
+a 4xx naming the field, never a guess. Fields that TGI's and OpenAI's clients always send, and vLLM's extra
+fields that would change the output, are accepted at their neutral values and refused, with a message, at any
+value we cannot honour. Unknown fields are ignored, as TGI and vLLM ignore them (the OpenAI routes log them),
+except inside our own ``speculative`` object.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ class Sampling(NamedTuple):
 
 
 GREEDY = Sampling()
+
+
+class Decoding(NamedTuple):
+    """vLLM's decoding fields of the OpenAI routes, as the engine takes them."""
+
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+PLAIN = Decoding()
 
 
 def _neutral_only(annotation: Any, *allowed: Any) -> Any:
@@ -336,10 +350,30 @@ Prompt = Annotated[
 MAX_CHOICES = 256
 
 
-class _OpenAISampling(BaseModel):
-    """The generation parameters both OpenAI endpoints share."""
+# Fields of OpenAI's and vLLM's requests that change nothing in the text: accepted and not used.
+OUTPUT_NEUTRAL_FIELDS = frozenset(
+    {
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "priority",
+        "request_id",
+        "cache_salt",
+        "include_reasoning",
+        "return_tokens_as_token_ids",
+        "prediction",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
 
-    model_config = _REQUEST
+
+class _OpenAISampling(BaseModel):
+    """The generation parameters both OpenAI endpoints share. Other fields are kept (`model_extra`) so that the
+    route can log the ones it ignores, as vLLM does."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     model: str | None = Field(
         None, description="a served name (GET /v1/models), else 404; may be left out; answers report the served model"
@@ -371,6 +405,46 @@ class _OpenAISampling(BaseModel):
     logit_bias: _neutral_only(dict[str, float] | None, None, {}) = None
     user: str | None = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
+    # vLLM's extra sampling parameters that are honoured
+    ignore_eos: bool = Field(False, description="vLLM's: go on past the end-of-sequence token (to max_tokens)")
+    min_tokens: _int(ge=0) = Field(
+        0,
+        description="vLLM's: until this many tokens were generated, end-of-sequence and stop tokens and stop strings "
+        "end nothing",
+    )
+    stop_token_ids: list[_int(ge=0)] | None = Field(
+        None, description="vLLM's: token ids that end the text (finish reason `stop`); their text is not returned"
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM's: keep the stop string (or the stop token's text) at the end of the text"
+    )
+    skip_special_tokens: bool = Field(True, description="vLLM's: false: special tokens' text is part of the text")
+    truncate_prompt_tokens: _int(ge=1) | None = Field(
+        None, description="vLLM's: keep only the last this many tokens of the prompt"
+    )
+    # vLLM's parameters that would change the output and are not supported: refused unless neutral (never
+    # dropped: a request that asks for them would get another text than it expects)
+    repetition_penalty: _neutral_only(float | None, None, 1.0) = None
+    min_p: _neutral_only(float | None, None, 0.0) = None
+    use_beam_search: _neutral_only(bool | None, None, False) = None
+    length_penalty: _neutral_only(float | None, None, 1.0) = None
+    spaces_between_special_tokens: _neutral_only(bool | None, None, True) = None
+    prompt_logprobs: _neutral_only(_int() | None, None) = None
+    allowed_token_ids: _neutral_only(list[Any] | None, None) = None
+    bad_words: _neutral_only(list[Any] | None, None, []) = None
+    add_special_tokens: _neutral_only(bool | None, None) = None
+    guided_json: _neutral_only(Any, None) = None
+    guided_regex: _neutral_only(Any, None) = None
+    guided_choice: _neutral_only(Any, None) = None
+    guided_grammar: _neutral_only(Any, None) = None
+    guided_decoding_backend: _neutral_only(Any, None) = None
+    guided_whitespace_pattern: _neutral_only(Any, None) = None
+    structural_tag: _neutral_only(Any, None) = None
+    structured_outputs: _neutral_only(Any, None) = None
+    logits_processors: _neutral_only(Any, None) = None
+    return_token_ids: _neutral_only(bool | None, None, False) = None
+    vllm_xargs: _neutral_only(Any, None) = None
+    kv_transfer_params: _neutral_only(Any, None) = None
 
     @model_validator(mode="after")
     def _n_needs_sampling(self) -> _OpenAISampling:
@@ -393,6 +467,19 @@ class _OpenAISampling(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def decoding(self) -> Decoding:
+        return Decoding(
+            self.ignore_eos,
+            self.min_tokens,
+            tuple(self.stop_token_ids or ()),
+            self.include_stop_str_in_output,
+            self.skip_special_tokens,
+        )
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of the request that no model field names and that are not known to change nothing."""
+        return sorted(set(self.model_extra or {}) - OUTPUT_NEUTRAL_FIELDS)
+
 
 class CompletionRequest(_OpenAISampling):
     """An OpenAI completion request: the prompt is sent as is."""
@@ -406,6 +493,8 @@ class CompletionRequest(_OpenAISampling):
     echo: bool = Field(False, description="prepend the prompt to the text")
     logprobs: _neutral_only(_int() | None, None) = None
     suffix: _neutral_only(str | None, None) = None
+    response_format: _neutral_only(dict[str, Any] | None, None, {"type": "text"}) = None
+    prompt_embeds: _neutral_only(Any, None) = None
     best_of: _int(ge=1, le=MAX_CHOICES) | None = Field(
         None, description="only n (every sample is returned): ranking more samples needs log-probabilities"
     )
@@ -454,6 +543,21 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: _neutral_only(list[Any] | None, None, []) = None
     tool_choice: _neutral_only(str | dict[str, Any] | None, None, "none") = None
     response_format: _neutral_only(dict[str, Any] | None, None, {"type": "text"}) = None
+    # vLLM's and OpenAI's chat fields that would change the output and are not supported
+    echo: _neutral_only(bool | None, None, False) = None
+    add_generation_prompt: _neutral_only(bool | None, None, True) = None
+    continue_final_message: _neutral_only(bool | None, None, False) = None
+    chat_template: _neutral_only(Any, None) = None
+    chat_template_kwargs: _neutral_only(Any, None, {}) = None
+    documents: _neutral_only(Any, None) = None
+    mm_processor_kwargs: _neutral_only(Any, None) = None
+    reasoning_effort: _neutral_only(Any, None) = None
+    functions: _neutral_only(Any, None) = None
+    function_call: _neutral_only(Any, None) = None
+    audio: _neutral_only(Any, None) = None
+    modalities: _neutral_only(list[Any] | None, None, ["text"]) = None
+    web_search_options: _neutral_only(Any, None) = None
+    verbosity: _neutral_only(Any, None) = None
 
 
 class Usage(BaseModel):

@@ -46,6 +46,11 @@ class GenerationParams:
     # engine's or the request's k); the tests that build params directly rely on this fixed 4.
     num_draft_tokens: int = 4
     ignore_eos: bool = False
+    # Until min_tokens were generated, end-of-sequence and stop tokens and stop strings end nothing (vLLM's).
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the generation like an end-of-sequence token
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
+    skip_special_tokens: bool = True  # special tokens add no text
     temperature: float = 0.0  # 0: greedy, the exact-match verification of the reference contract
     top_k: int = 0  # 0: no cut
     top_p: float = 1.0
@@ -164,6 +169,8 @@ class Generation:
             raise GenerationError("max_new_tokens must be at least 1")
         if params.num_draft_tokens < 0:
             raise GenerationError("num_draft_tokens must be 0 or more")
+        if not 0 <= params.min_tokens <= params.max_new_tokens:
+            raise GenerationError(f"min_tokens must lie in [0, max_new_tokens = {params.max_new_tokens}]")
         schedule = params.draft_schedule or "fixed"
         if schedule not in SCHEDULES:
             raise GenerationError(f"draft_schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")
@@ -183,6 +190,8 @@ class Generation:
         vocab = target.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise GenerationError(f"prompt token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise GenerationError(f"stop token ids must lie in [0, {vocab})")
         self.params = params
         self.target = target
         self.tokenizer = tokenizer
@@ -209,8 +218,9 @@ class Generation:
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
         # A feature-conditioned draft reads the target's final hidden state of every verified position.
         self._features: torch.Tensor | None = getattr(self._draft, "features", None)
-        self._detok = Detokenizer(tokenizer, params.stop)
+        self._detok = Detokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        self._stop_ids = frozenset(params.stop_token_ids)
         if params.seed is not None and not 0 <= params.seed < 2**64:
             raise GenerationError("seed must lie in [0, 2**64)")
         if params.sampler not in SAMPLERS:
@@ -389,11 +399,16 @@ class Generation:
         remaining = self.params.max_new_tokens - self.stats.generated_tokens
         if len(new) >= remaining:
             new, finish = new[:remaining], "length"
-        for i, tok in enumerate(new):
-            if tok in self._eos:
-                new, finish = new[: i + 1], "eos"
+        # Before min_tokens were generated, end-of-sequence and stop tokens and stop strings end nothing: they
+        # count from new[armed] on. The token that ends the generation adds its text only when asked to.
+        armed = max(0, self.params.min_tokens - self.stats.generated_tokens)
+        shown = new
+        for i, tok in enumerate(new[armed:], armed):
+            if tok in self._eos or tok in self._stop_ids:
+                new, finish = new[: i + 1], "eos" if tok in self._eos else "stop"
+                shown = new if self.params.include_stop_str_in_output else new[:i]
                 break
-        text, keep = self._detok.push([t for t in new if t not in self._eos])
+        text, keep = self._detok.push(shown, armed)
         if self._detok.stopped_at is not None:
             # The stop string ended inside this step: drop the tokens after the one that completed it.
             new, finish = new[:keep], "stop"

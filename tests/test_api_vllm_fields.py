@@ -1,0 +1,167 @@
+"""vLLM's extra request fields on the OpenAI routes, in process with the real target: the ones honoured
+(ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens,
+truncate_prompt_tokens) change the answer as in vLLM; the ones that would change it and are not supported
+are a 400 naming the field; fields that change nothing are accepted, and unknown ones are logged."""
+
+from __future__ import annotations
+
+import logging
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = "The capital of France is"  # greedy: " Paris." "\n" "\n" "The" ...
+HI = [{"role": "user", "content": "Hi!"}]  # greedy: "Hello! How can I assist you today?" then <|im_end|> (10)
+
+
+async def _chat(client, **fields) -> dict:
+    r = await client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 14, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def _complete(client, **fields) -> dict:
+    r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _text(answer: dict) -> str:
+    choice = answer["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+async def test_end_of_sequence_fields(api_client) -> None:
+    async with api_client() as client:
+        plain = await _chat(client)
+        ignored = await _chat(client, ignore_eos=True)
+        shown = await _chat(client, ignore_eos=True, skip_special_tokens=False)
+        at_least = await _chat(client, min_tokens=12)
+        stopped = await _chat(client, stop="How")
+        stop_late = await _chat(client, stop="How", min_tokens=5)
+        sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+        via_sdk = await sdk.chat.completions.create(
+            model="smollm2-135m-instruct", messages=HI, max_tokens=14, extra_body={"ignore_eos": True}
+        )
+    answer = _text(plain)
+    assert plain["choices"][0]["finish_reason"] == "stop" and plain["usage"]["completion_tokens"] == 10
+    # ignore_eos: on to max_tokens, past the end-of-sequence token (whose text is skipped unless asked for)
+    assert ignored["choices"][0]["finish_reason"] == "length" and ignored["usage"]["completion_tokens"] == 14
+    assert _text(ignored).startswith(answer) and len(_text(ignored)) > len(answer)
+    assert _text(shown).startswith(answer + "<|im_end|>")
+    assert via_sdk.choices[0].message.content == _text(ignored)
+    # min_tokens: the end-of-sequence token at the 10th token ends nothing; the text goes on as with ignore_eos
+    assert at_least["usage"]["completion_tokens"] > 12
+    assert _text(ignored).startswith(_text(at_least)) and len(_text(at_least)) > len(answer)
+    # ... and neither does a stop string within the first min_tokens tokens
+    assert _text(stopped) == "Hello! " and stopped["choices"][0]["finish_reason"] == "stop"
+    assert _text(stop_late) == answer
+
+
+async def test_stop_tokens_and_stop_strings_in_the_output(api_client) -> None:
+    async with api_client() as client:
+        plain = await _complete(client)
+        newline = 198
+        at_token = await _complete(client, stop_token_ids=[newline])
+        with_token = await _complete(client, stop_token_ids=[newline], include_stop_str_in_output=True)
+        at_string = await _complete(client, stop=".")
+        with_string = await _complete(client, stop=".", include_stop_str_in_output=True)
+        late_token = await _complete(client, stop_token_ids=[newline], min_tokens=3)
+    assert _text(plain).startswith(" Paris.\n\n")
+    assert _text(at_token) == " Paris." and at_token["choices"][0]["finish_reason"] == "stop"
+    assert at_token["usage"]["completion_tokens"] == 3  # the stop token is generated, its text not returned
+    assert _text(with_token) == " Paris.\n"
+    assert _text(at_string) == " Paris" and _text(with_string) == " Paris."
+    # min_tokens 3: the first newline (3rd token) ends nothing, the second (4th) does
+    assert _text(late_token) == " Paris.\n" and late_token["usage"]["completion_tokens"] == 4
+
+
+async def test_truncate_prompt_tokens_keeps_the_end(api_client, api_engine) -> None:
+    ids = api_engine.tokenizer.encode(PROMPT)
+    longer = api_engine.tokenizer.encode("Tell me something else entirely.") + ids
+    async with api_client() as client:
+        plain = await _complete(client, prompt=ids)
+        truncated = await _complete(client, prompt=longer, truncate_prompt_tokens=len(ids))
+    assert _text(truncated) == _text(plain)
+    assert truncated["usage"]["prompt_tokens"] == len(ids)
+
+
+REFUSED = {
+    "/v1/completions": [
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[a-z]+"),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= 'a'"),
+        ("structured_outputs", {"json": {"type": "object"}}),
+        ("structural_tag", "{}"),
+        ("logits_processors", ["my.processor"]),
+        ("response_format", {"type": "json_object"}),
+        ("repetition_penalty", 1.2),
+        ("min_p", 0.1),
+        ("use_beam_search", True),
+        ("bad_words", ["Paris"]),
+        ("allowed_token_ids", [1, 2]),
+        ("prompt_logprobs", 1),
+        ("return_token_ids", True),
+        ("add_special_tokens", False),
+        ("vllm_xargs", {"a": 1}),
+    ],
+    "/v1/chat/completions": [
+        ("guided_json", {"type": "object"}),
+        ("echo", True),
+        ("chat_template", "{{ messages }}"),
+        ("chat_template_kwargs", {"enable_thinking": True}),
+        ("continue_final_message", True),
+        ("add_generation_prompt", False),
+        ("reasoning_effort", "high"),
+        ("functions", [{"name": "f"}]),
+        ("modalities", ["text", "audio"]),
+    ],
+}
+
+
+async def test_fields_that_would_change_the_output_are_refused(api_client) -> None:
+    bodies = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 2}, "/v1/chat/completions": {"messages": HI}}
+    async with api_client() as client:
+        for path, cases in REFUSED.items():
+            for field, value in cases:
+                r = await client.post(path, json={**bodies[path], field: value})
+                assert r.status_code == 400, (path, field, r.text)
+                assert r.json()["error"]["message"].startswith(f"{field}: not supported"), (field, r.text)
+        sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="guided_json"):
+            await sdk.completions.create(
+                model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=2, extra_body={"guided_json": {}}
+            )
+        for body, message in [
+            ({"min_tokens": 5}, "min_tokens (5) exceeds max_tokens (2)"),
+            ({"stop_token_ids": [10**6]}, "stop_token_ids must lie in"),
+            ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ]:
+            r = await client.post("/v1/completions", json={**bodies["/v1/completions"], **body})
+            assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+async def test_neutral_and_unknown_fields_are_accepted(api_client, caplog: pytest.LogCaptureFixture) -> None:
+    neutral = {
+        "guided_json": None,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "priority": 0,
+        "request_id": "r-1",
+        "metadata": {"team": "a"},
+        "store": False,
+        "return_tokens_as_token_ids": True,
+    }
+    async with api_client() as client:
+        plain = await _complete(client)
+        with caplog.at_level(logging.WARNING, logger="app.api.openai"):
+            accepted = await _complete(client, **neutral)
+            assert not [r for r in caplog.records if r.name == "app.api.openai"]
+            unknown = await _complete(client, frobnicate=3, also_this="x")
+    assert _text(accepted) == _text(unknown) == _text(plain)
+    assert "the request's fields also_this, frobnicate are unknown and were ignored" in caplog.text
