@@ -93,6 +93,7 @@ class Runtime:
             draft_schedule=settings.draft_schedule,
             draft_p_min=settings.draft_p_min,
             prefill_chunk=settings.prefill_chunk_tokens,
+            prefill_step_seconds=settings.prefill_step_seconds,
         )
         return cls.from_engine(engine, settings, metrics)
 

@@ -12,7 +12,13 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE, DEFAULT_NUM_DRAFT_TOKENS
+from app.engine.defaults import (
+    DEFAULT_DRAFT_P_MIN,
+    DEFAULT_DRAFT_SCHEDULE,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    DEFAULT_PREFILL_STEP_SECONDS,
+)
 
 
 class Settings(BaseSettings):
@@ -53,11 +59,19 @@ class Settings(BaseSettings):
     )
     max_concurrent_requests: int = Field(4, ge=1, le=256, description="generations interleaved at once by the worker")
     prefill_chunk_tokens: int = Field(
-        0,
+        DEFAULT_PREFILL_CHUNK_TOKENS,
         ge=0,
         le=65_536,
-        description="prompt tokens prefilled per step beside the running requests (0: a prompt whole, before "
-        "them); only on kernels whose rows do not depend on the batch (AMX), where it changes no token",
+        description="most prompt tokens prefilled per step beside the running requests (0: a prompt whole, "
+        "before them); only on the CPU kernels, whose rows do not depend on the batch, where it changes no token",
+    )
+    prefill_step_seconds: float = Field(
+        DEFAULT_PREFILL_STEP_SECONDS,
+        ge=0,
+        le=60,
+        description="chunked prefill sizes its chunks, from measured costs, so that a step takes about this long "
+        "(what a running stream waits at most between tokens while a prompt is prefilled); 0: chunks of "
+        "prefill_chunk_tokens whatever they cost",
     )
     max_queue_size: int = Field(
         16, ge=0, le=10_000, description="requests waiting for a place; beyond this the answer is 429"

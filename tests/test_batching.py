@@ -191,7 +191,9 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kerne
     from app.engine.factory import build_engine
 
     with use_kernel(kernel):
-        engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu", prefill_chunk=64)
+        engine, _ = build_engine(
+            num_draft_tokens=6, dtype="bfloat16", device="cpu", prefill_chunk=64, prefill_step_seconds=0
+        )
     chunked = engine.target.rows_independent()
     assert chunked
     assert engine.prefill_chunk == (64 if chunked else 0)
@@ -218,6 +220,62 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kerne
         outs = engine.step_batch([g for g in gens if not g.finished])
         assert not [o for o in outs if isinstance(o, Exception)]
     assert [g.generated_ids for g in gens] == alone
+
+
+def test_a_short_prompt_goes_before_long_ones_and_a_lone_long_prompt_is_chunked(packed_target, prompts):
+    """Chunked prefill takes the shortest prompt left first: a short request arriving while long prompts are
+    being prefilled gets its first token at the next step, and a long prompt prefilling alone still goes a
+    chunk per step (a request arriving meanwhile waits one step, not the whole prompt). Tokens as alone."""
+    packed = packed_target(KERNELS[0])
+    engine = Engine(packed.model, packed.tokenizer, {"ngram": NgramDrafter()}, "ngram", 3, prefill_chunk=48)
+    params = GenerationParams(max_new_tokens=4)
+    long_prompt = [t for p in prompts for t in p][:200]
+    alone = [_run_alone(engine, p, params, "ngram") for p in (long_prompt, prompts[0])]
+    late = engine.start(long_prompt, params, "ngram")
+    assert engine.together([late]) == [0]
+    engine.step_batch([late])
+    assert late.needs_prefill and late._cache.length == 48
+    short = engine.start(prompts[0][:40], params, "ngram")
+    long_left = late.prompt_len - late._cache.length
+    outs = engine.step_batch([late, short])
+    assert outs[1].token_ids and not outs[0].token_ids  # the short prompt took the budget first
+    assert late.prompt_len - late._cache.length == long_left - (48 - 40)
+    short_ref = _run_alone(engine, prompts[0][:40], params, "ngram")
+    gens = [late, short]
+    while any(not g.finished for g in gens):
+        engine.step_batch([g for g in gens if not g.finished])
+    assert late.generated_ids == alone[0] and short.generated_ids == short_ref
+
+
+def test_chunks_shrink_with_the_context_to_keep_a_step_near_its_target(packed_target):
+    """With prefill_step_seconds, a chunk is what the measured seconds per unit of work allow, a row at context
+    c costing 1 + c / row_keys units (its attention over c keys beside its products), less the decoding rows'
+    share; the first chunk, before any measurement, is modest."""
+    packed = packed_target(KERNELS[0])
+    engine = Engine(packed.model, packed.tokenizer, {}, "none", 0, prefill_chunk=512, prefill_step_seconds=0.1)
+    row_keys = engine._row_keys
+    assert 2000 < row_keys < 4000  # SmolLM2-135M: products of ~3.5M weights a layer, attention 576 wide
+    params = GenerationParams(max_new_tokens=2)
+    fresh = engine.start(list(range(1, 1001)), params)
+    assert 56 <= engine._chunk_sizes([fresh], [])[0] <= 64  # 64 units
+    engine._unit_seconds = 0.001  # 100 units per step
+    (shallow,) = engine._chunk_sizes([fresh], [])
+    assert engine._units(shallow, 0) <= 100 < engine._units(shallow + 1, 0) and shallow >= 95
+    fresh._cache.length = 500  # as if 500 tokens were in already
+    (deep,) = engine._chunk_sizes([fresh], [])
+    assert engine._units(deep, 500) <= 100 < engine._units(deep + 1, 500)
+    assert deep < 90
+    # Decoding rows take their share first; a step still moves a prompt along when they take it all.
+    fewer = engine._chunk_sizes([fresh], [_FakePlan(real=60, start=0)])
+    assert fewer == [engine._rows_within(100 - engine._units(60, 0), 500)] and 0 < fewer[0] < deep
+    floor = engine._rows_within(16, 500)  # 16 units: the least a step gives
+    assert engine._chunk_sizes([fresh], [_FakePlan(real=90, start=0)]) == [floor]
+    assert engine._chunk_sizes([fresh], [_FakePlan(real=500, start=0)]) == [floor]
+
+
+class _FakePlan:
+    def __init__(self, real: int, start: int) -> None:
+        self.real, self.start = real, start
 
 
 def test_torch_path_neither_batches_nor_chunks(make_tiny_model, word_tokenizer):

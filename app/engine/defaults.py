@@ -18,6 +18,11 @@ DEFAULT_DRAFT_SCHEDULE = "adaptive"
 # A model draft stops proposing when its top probability falls below this (0: never).
 DEFAULT_DRAFT_P_MIN = 0.05
 
+# Chunked prefill (where rows are independent of the batch): at most this many prompt tokens per step, and chunks
+# sized so that a step takes about this long, so running streams never wait long behind a long prompt.
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
+DEFAULT_PREFILL_STEP_SECONDS = 0.25
+
 # How sampled tokens are drawn (GenerationParams.sampler): "gumbel", the default, gives target-only sampling's
 # tokens for a seed whatever the draft; "rejection" accepts a model draft more often. README, "Sampling".
 SAMPLERS = ("gumbel", "rejection")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import logging
 
 from app import store
-from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE, DEFAULT_NUM_DRAFT_TOKENS
+from app.engine.defaults import (
+    DEFAULT_DRAFT_P_MIN,
+    DEFAULT_DRAFT_SCHEDULE,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    DEFAULT_PREFILL_STEP_SECONDS,
+)
 from app.engine.drafters import Drafter, DraftError, HybridDrafter, ModelDrafter, NgramDrafter
 from app.engine.eagle import EagleDrafter, EagleError, is_eagle_dir, load_draft
 from app.engine.generation import Engine
@@ -36,7 +42,8 @@ def build_engine(
     max_seq_len: int | None = None,
     draft_schedule: str = DEFAULT_DRAFT_SCHEDULE,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
-    prefill_chunk: int = 0,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+    prefill_step_seconds: float = DEFAULT_PREFILL_STEP_SECONDS,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
@@ -77,5 +84,6 @@ def build_engine(
         draft_schedule=draft_schedule,
         draft_p_min=draft_p_min,
         prefill_chunk=prefill_chunk,
+        prefill_step_seconds=prefill_step_seconds,
     )
     return engine, loaded

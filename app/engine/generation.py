@@ -9,6 +9,7 @@ the rejected positions by moving a length. Greedy output is token for token the 
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -144,6 +145,14 @@ class _Plan:
     real: int  # 1 + len(drafts); rows after these are padding
     feed: torch.Tensor  # long [rows]
     draft_seconds: float
+
+
+def _row_keys(target: Transformer) -> float:
+    """How many cached keys one row's attention reads for the multiply-adds of that row's products (the
+    linear layers): the context at which attention costs a row as much again."""
+    c = target.config
+    products = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.dim * c.intermediate_size
+    return products / (2 * c.n_heads * c.head_dim)
 
 
 # Spare cache slots of every request: covers drafts of up to 16 tokens (the API's limit) with the same capacity.
@@ -427,10 +436,11 @@ class Engine:
     `draft_schedule` and `draft_p_min` are the defaults of requests that do not say; the plain constructor
     keeps a fixed length of 4 without a confidence cut-off (deterministic, for tests and experiments, which
     rely on it), while `build_engine`, the server's settings and the CLI share `app.engine.defaults` (the
-    adaptive schedule). `prefill_chunk`: in a batch, prompts are prefilled at most this many tokens per
-    step, in the same forward as the other requests' rows (0: each prompt whole, alone, before the batch);
-    only where a row's bits do not depend on the rows beside it (`Transformer.rows_independent`), so a chunked
-    prompt gets the very cache a whole one does."""
+    adaptive schedule). `prefill_chunk`: prompts are prefilled at most this many tokens per step, in the
+    same forward as the other requests' rows (0: each prompt whole, alone, before the batch); only where a
+    row's bits do not depend on the rows beside it (`Transformer.rows_independent`), so a chunked prompt gets
+    the very cache a whole one does. `prefill_step_seconds` (> 0): chunks are also sized so that a step takes
+    about this long, from measured costs, however long the context already is."""
 
     def __init__(
         self,
@@ -443,11 +453,12 @@ class Engine:
         draft_schedule: str = "fixed",
         draft_p_min: float = 0.0,
         prefill_chunk: int = 0,
+        prefill_step_seconds: float = 0.0,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:
             raise GenerationError(f"default draft {default_draft!r} is not loaded")
-        if prefill_chunk < 0:
-            raise GenerationError("prefill_chunk must be 0 or more")
+        if prefill_chunk < 0 or prefill_step_seconds < 0:
+            raise GenerationError("prefill_chunk and prefill_step_seconds must be 0 or more")
         # On the CPU kernels a row's bits depend on nothing but itself, so requests can share a forward (and a
         # prompt can be prefilled in chunks beside them) and still get the tokens they get alone. Elsewhere
         # (SPECSERVE_KERNEL=torch, CUDA, float32) that promise holds only request by request: no batching.
@@ -455,6 +466,11 @@ class Engine:
         on_cpu = target.device.type == "cpu"
         self.kernel = (target.kernel.name if target.kernel is not None else "torch") if on_cpu else target.device.type
         self.prefill_chunk = prefill_chunk if self.batching else 0
+        # With a step time to aim for, chunks are sized from the measured seconds per unit of work (see
+        # `_chunk_sizes`); 0: every step may prefill prefill_chunk tokens, whatever they cost.
+        self.prefill_step_seconds = prefill_step_seconds if self.prefill_chunk else 0.0
+        self._unit_seconds: float | None = None
+        self._row_keys = _row_keys(target)
         if not self.batching:
             log.warning(
                 "rows are not independent on %s %s: requests step one at a time, so that a request's tokens do "
@@ -532,26 +548,16 @@ class Engine:
 
     def together(self, gens: Sequence[Generation]) -> list[int]:
         """Indices of `gens` that `step_batch` runs in one target forward: the decoding ones, and with
-        `prefill_chunk` the prefilling ones too; none when fewer than two (a lone request steps alone)."""
+        `prefill_chunk` the prefilling ones too; none when fewer than two, unless the one is a prompt to chunk
+        (a lone request decodes alone; a lone long prompt still goes a chunk per step, so that a request
+        arriving meanwhile waits one step, not the whole prefill)."""
         if not self.batching:
             return []
         batch = [i for i, gen in enumerate(gens) if not gen.finished and (self.prefill_chunk or not gen.needs_prefill)]
-        return batch if len(batch) > 1 else []
+        return batch if len(batch) > 1 or (batch and gens[batch[0]].needs_prefill) else []
 
     def _step_together(self, gens: list[Generation]) -> list[StepOutput | Exception]:
         results: list[StepOutput | Exception | None] = [None] * len(gens)
-        # Prompts being prefilled share this step's budget of prompt tokens, the earliest request first; one
-        # left without any waits for the next step.
-        chunks: list[tuple[int, torch.Tensor, int]] = []
-        budget = self.prefill_chunk
-        for j, gen in enumerate(gens):
-            if gen.needs_prefill:
-                if budget > 0:
-                    feed, start = gen._prefill_chunk(budget)
-                    chunks.append((j, feed, start))
-                    budget -= feed.shape[0]
-                else:
-                    results[j] = StepOutput([], "", 0, 0, 0.0, 0.0)
         decoding = [j for j, gen in enumerate(gens) if not gen.needs_prefill]
         planned = self._plan_together([gens[j] for j in decoding])
         plans: list[tuple[int, _Plan]] = []
@@ -560,9 +566,59 @@ class Engine:
                 plans.append((j, plan))
             else:
                 results[j] = plan
+        chunks: list[tuple[int, torch.Tensor, int]] = []
+        prefilling = [j for j, gen in enumerate(gens) if gen.needs_prefill]
+        sizes = self._chunk_sizes([gens[j] for j in prefilling], [plan for _, plan in plans])
+        for j, size in zip(prefilling, sizes, strict=True):
+            if size:
+                feed, start = gens[j]._prefill_chunk(size)
+                chunks.append((j, feed, start))
+            else:  # no budget left this step: it waits for the next
+                results[j] = StepOutput([], "", 0, 0, 0.0, 0.0)
         if plans or chunks:
             self._verify_together(gens, plans, chunks, results)
         return [r if r is not None else RuntimeError("no step ran") for r in results]
+
+    def _units(self, rows: int, start: int) -> float:
+        """The work of `rows` rows at positions start.. in units of one row at position 0: each row's products,
+        plus its attention over the keys before it, `_row_keys` keys costing one row's products."""
+        return rows * (1.0 + (start + (rows - 1) / 2) / self._row_keys)
+
+    def _rows_within(self, units: float, start: int) -> int:
+        """The most rows from position `start` whose `_units` stay within `units` (the root of a quadratic)."""
+        a, b = 0.5 / self._row_keys, 1.0 + (start - 0.5) / self._row_keys
+        n = int((-b + math.sqrt(b * b + 4 * a * units)) / (2 * a))
+        while n > 0 and self._units(n, start) > units:  # rounding
+            n -= 1
+        return n
+
+    def _chunk_sizes(self, prompts: list[Generation], plans: list[_Plan]) -> list[int]:
+        """Prompt tokens each prefilling generation runs this step, within the step's budget: `prefill_chunk`
+        tokens, and with `prefill_step_seconds` what the measured seconds per unit of work leave beside the
+        decoding rows (`plans`). The shortest prompt left goes first (a short request is not held behind long
+        ones; a long one then takes every step's budget until it is in)."""
+        cap = self.prefill_chunk
+        units = math.inf  # without a step time, the budget is cap tokens, whatever they cost
+        if self.prefill_step_seconds:
+            if self._unit_seconds is None:  # nothing measured yet: a modest first chunk, which measures
+                units = float(min(cap, 64))
+            else:
+                units = self.prefill_step_seconds / self._unit_seconds
+                units -= sum(self._units(p.real, p.start) for p in plans)
+            # However busy the step, each one moves a prompt along by some tokens.
+            units = max(units, min(cap, 16))
+        sizes = [0] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i].prompt_len - prompts[i]._cache.length)
+        for i in order:
+            if units < 1 or cap <= 0:
+                break
+            start = prompts[i]._cache.length
+            left = prompts[i].prompt_len - start
+            n = min(left, cap, max(1, self._rows_within(units, start)) if units < math.inf else cap)
+            sizes[i] = n
+            units -= self._units(n, start)
+            cap -= n
+        return sizes
 
     def _plan_together(self, gens: list[Generation]) -> list[_Plan | Exception]:
         """Draft lengths chosen for the batch as a whole, the drafts (batched where a drafter can), and each
@@ -625,6 +681,11 @@ class Engine:
         seconds = time.perf_counter() - t0
         if not chunks:  # what the draft lengths weigh: forwards of verified rows alone
             self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds)
+        units = sum(self._units(p.feed.shape[0], p.start) for _, p in plans)
+        units += sum(self._units(feed.shape[0], start) for _, feed, start in chunks)
+        if self.prefill_step_seconds and units >= 8:  # a forward of a few rows says little of a big one's cost
+            per = seconds / units
+            self._unit_seconds = per if self._unit_seconds is None else 0.7 * self._unit_seconds + 0.3 * per
         for (j, plan), h, lg in zip(plans, hidden[: len(plans)], logits[: len(plans)], strict=True):
             try:
                 results[j] = gens[j]._verify(plan, h, lg, seconds, solo=False)
