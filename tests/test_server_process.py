@@ -197,6 +197,7 @@ def test_bad_requests_over_the_wire(server: str) -> None:
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/v1/models/{model_id}",
         "/health",
         "/info",
         "/metrics",
