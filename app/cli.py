@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from app import __version__
 from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE, DEFAULT_NUM_DRAFT_TOKENS, SAMPLERS
@@ -491,75 +492,59 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # --- specserve serve --------------------------------------------------------------------------------------
 
-# (flag, Settings field, type, help); every flag defaults to None so that SPECSERVE_* variables apply.
-_SERVE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    ("--target", "target", str, "target model: catalog name or path (default: smollm2-135m-instruct)"),
-    ("--draft", "draft", str, "default | none | ngram | draft catalog NAME | PATH (default: default)"),
-    (
-        "--num-draft-tokens",
-        "num_draft_tokens",
-        int,
-        f"tokens drafted per step, the most when adaptive (default: {DEFAULT_NUM_DRAFT_TOKENS})",
-    ),
-    (
-        "--draft-schedule",
-        "draft_schedule",
-        str,
-        f"adaptive | heuristic | fixed draft length (default: {DEFAULT_DRAFT_SCHEDULE})",
-    ),
-    (
-        "--draft-p-min",
-        "draft_p_min",
-        float,
-        f"model drafts stop below this top probability (default: {DEFAULT_DRAFT_P_MIN})",
-    ),
-    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (default: auto)"),
-    ("--device", "device", str, "auto | cpu | cuda | cuda:N (default: auto)"),
-    ("--host", "host", str, "address to listen on (default: 127.0.0.1)"),
-    ("--port", "port", int, "port to listen on (default: 8000)"),
-    ("--model-name", "model_name", str, "model id the OpenAI API reports (default: the target)"),
-    (
-        "--served-model-name",
-        "served_model_name",
-        list,
-        "NAME [NAME ...] (or comma-separated): aliases the OpenAI API also accepts as `model`; others are 404",
-    ),
-    ("--max-concurrent-requests", "max_concurrent_requests", int, "generations interleaved at once (default: 4)"),
-    ("--max-queue-size", "max_queue_size", int, "requests waiting beyond those; then 429 (default: 16)"),
-    (
-        "--prefill-chunk-tokens",
-        "prefill_chunk_tokens",
-        int,
-        "most prompt tokens prefilled per step beside running requests (default: 512; 0: whole)",
-    ),
-    (
-        "--prefill-step-seconds",
-        "prefill_step_seconds",
-        float,
-        "chunks sized so a step takes about this long (default: 0.25; 0: chunks of --prefill-chunk-tokens)",
-    ),
-    ("--request-timeout", "request_timeout", float, "seconds before a request is abandoned (default: 300)"),
-    ("--max-input-tokens", "max_input_tokens", int, "longest prompt in tokens (default: context - 1)"),
-    ("--max-new-tokens", "max_new_tokens", int, "largest max_new_tokens a request may ask (default: 2048)"),
-    ("--default-max-new-tokens", "default_max_new_tokens", int, "when a request does not say (default: 256)"),
-    ("--max-stop-sequences", "max_stop_sequences", int, "most stop strings per request (default: 4)"),
-    ("--max-body-bytes", "max_body_bytes", int, "largest request body (default: 1048576)"),
-    ("--body-read-timeout", "body_read_timeout", float, "seconds to send a request body, then 408 (default: 30)"),
-    (
-        "--shutdown-grace-period",
-        "shutdown_grace_period",
-        float,
-        "on SIGTERM, seconds requests in flight get to finish (default: 25)",
-    ),
-    ("--log-format", "log_format", str, "text | json (default: text)"),
-    ("--log-level", "log_level", str, "debug | info | warning | error (default: info)"),
-    ("--api-key", "api_key", str, "require Authorization: Bearer KEY (prefer SPECSERVE_API_KEY: flags show in ps)"),
-    ("--metrics-public", "metrics_public", bool, "with an API key, serve /metrics without it (default: no)"),
-    ("--cors-allow-origins", "cors_allow_origins", str, "comma-separated origins for CORS, * for any (default: off)"),
-)
+
+def _serve_default(value: object) -> str | None:
+    """A setting's default as the serve help shows it; None where the description says what unset means."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value) if value != "" else "empty"
 
 
-def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+def _serve_flags() -> list[tuple[str, str, dict[str, Any]]]:
+    """(flag, Settings field, add_argument keywords) for every field of `app.settings.Settings`, read from it: the
+    flag is the field's name with dashes, the help its description and default, the type its annotation.
+
+    Every flag defaults to None, so that the SPECSERVE_* variables apply unless a flag is given. Values are
+    checked by the settings, not by argparse (a `Literal`'s choices are only shown), so that a value out of
+    range or not among the choices is the same one-line `invalid settings` error whichever flag it came by.
+    """
+    import types
+    import typing
+
+    from pydantic import SecretStr
+
+    from app.settings import Settings
+
+    flags = []
+    for field, info in Settings.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+            (annotation,) = (a for a in typing.get_args(annotation) if a is not type(None))  # X | None
+        help_ = (info.description or field).replace("%", "%%")
+        default = _serve_default(info.default)
+        if default is not None:
+            help_ += f" (default: {default})"
+        kwargs: dict[str, Any] = {"dest": field, "default": None, "help": help_}
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if annotation is bool:  # --metrics-public / --no-metrics-public
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif extra.get("several"):  # --served-model-name a b (as vLLM's); the setting holds them comma-separated
+            kwargs.update(nargs="+", metavar="NAME")
+        elif typing.get_origin(annotation) is typing.Literal:
+            kwargs["metavar"] = "{" + ",".join(map(str, typing.get_args(annotation))) + "}"
+        elif annotation in (int, float):
+            kwargs["type"] = annotation
+        elif annotation not in (str, SecretStr):
+            raise TypeError(f"Settings.{field}: no serve flag for a {annotation!r}")
+        flags.append(("--" + field.replace("_", "-"), field, kwargs))
+    return flags
+
+
+def _add_serve_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve the TGI- and OpenAI-compatible HTTP API",
@@ -567,13 +552,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "can also be set by its SPECSERVE_* environment variable (--max-queue-size: SPECSERVE_MAX_QUEUE_SIZE); "
         "a flag wins over the environment.",
     )
-    for flag, field, type_, help_ in _SERVE_FLAGS:
-        if type_ is bool:  # --metrics-public / --no-metrics-public
-            parser.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        elif type_ is list:  # several values, as vLLM's --served-model-name; the setting holds them comma-separated
-            parser.add_argument(flag, dest=field, nargs="+", default=None, help=help_)
-        else:
-            parser.add_argument(flag, dest=field, type=type_, default=None, help=help_)
+    # The flags come from the settings (pydantic-settings, a quarter of a second to import): only built when the
+    # command line names serve, so that `specserve models ...` stays fast.
+    for flag, _, kwargs in _serve_flags() if flags else ():
+        parser.add_argument(flag, **kwargs)
     parser.set_defaults(func=_cmd_serve)
 
 
@@ -585,7 +567,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from app.server import serve
     from app.settings import Settings
 
-    overrides = {field: getattr(args, field) for _, field, _, _ in _SERVE_FLAGS if getattr(args, field) is not None}
+    overrides = {field: getattr(args, field) for field in Settings.model_fields if getattr(args, field) is not None}
     overrides.update({f: ",".join(v) for f, v in overrides.items() if isinstance(v, list)})
     try:
         settings = Settings(**overrides)
@@ -810,7 +792,7 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
 # --- entry point --------------------------------------------------------------------------------------------
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specserve",
         description="Speculative-decoding text generation: a cheap draft proposes, the target verifies.",
@@ -820,7 +802,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_models_parser(subparsers)
     _add_generate_parser(subparsers)
     _add_bench_parser(subparsers)
-    _add_serve_parser(subparsers)
+    _add_serve_parser(subparsers, serve_flags)
     _add_train_draft_parser(subparsers)
     _add_loadtest_parser(subparsers)
     return parser
@@ -828,7 +810,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``specserve`` command line; returns the exit status."""
-    args = _build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _build_parser(serve_flags="serve" in argv).parse_args(argv)
     try:
         return int(args.func(args))
     except (ModelStoreError, CliError) as exc:

@@ -2,7 +2,10 @@
 
 Flags win over the environment, the environment over the defaults. Every field here has a flag of the same
 name in ``specserve serve`` (``max_queue_size`` is ``--max-queue-size``) and a variable in upper case with the
-prefix (``SPECSERVE_MAX_QUEUE_SIZE``).
+prefix (``SPECSERVE_MAX_QUEUE_SIZE``). The flags are generated from these fields (``app.cli``): the help is
+the field's description and its default, the type its annotation (a bool is ``--x`` / ``--no-x``, a
+``Literal`` lists its choices, ``json_schema_extra={"several": True}`` takes several values, joined with
+commas), so a new setting needs no other code to become a flag.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class Settings(BaseSettings):
         DEFAULT_NUM_DRAFT_TOKENS,
         ge=0,
         le=16,
-        description="tokens drafted per step unless a request says (the most, when adaptive)",
+        description="tokens drafted per step unless a request says; the most, when adaptive",
     )
     draft_schedule: Literal["adaptive", "heuristic", "fixed"] = Field(
         DEFAULT_DRAFT_SCHEDULE,
@@ -45,7 +48,7 @@ class Settings(BaseSettings):
         DEFAULT_DRAFT_P_MIN,
         ge=0.0,
         le=1.0,
-        description="a model draft stops proposing below this top probability (0: never)",
+        description="a model draft stops proposing below this top probability; 0: never",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and activations")
     device: str = Field("auto", description="`auto`, `cpu`, `cuda` or `cuda:N`")
@@ -54,8 +57,9 @@ class Settings(BaseSettings):
     model_name: str | None = Field(None, description="the model id the OpenAI API reports (default: the target's name)")
     served_model_name: str = Field(
         "",
-        description="comma-separated aliases the OpenAI API also accepts as `model` (vLLM's --served-model-name); "
-        "answers still name model_name",
+        description="aliases the OpenAI API also accepts as `model`, comma-separated (the flag also takes them "
+        "space-separated, as vLLM's --served-model-name); answers still name model_name",
+        json_schema_extra={"several": True},  # --served-model-name a b, as vLLM's; joined with commas
     )
     max_concurrent_requests: int = Field(4, ge=1, le=256, description="generations interleaved at once by the worker")
     prefill_chunk_tokens: int = Field(
@@ -103,7 +107,7 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None,
         description="require `Authorization: Bearer <key>` on every route but /health (and /metrics with "
-        "metrics_public); unset or empty: no key",
+        "metrics_public); unset or empty: no key. Prefer SPECSERVE_API_KEY to the flag, which shows in `ps`",
     )
     metrics_public: bool = Field(False, description="with an API key, serve /metrics without it (for a scraper)")
     cors_allow_origins: str = Field(

@@ -4,6 +4,8 @@
   exists, and every ``#anchor`` at a heading of its target (GitHub's anchor slugs).
 - Every ``docs/...`` path that the code, the container files and the build files mention exists, and so does
   the section a mention names, as in ``(docs/service.md, Configuration)`` or ``(README, Benchmarks)``.
+- docs/service.md's configuration table lists every ``specserve serve`` flag (generated from the settings)
+  with its variable and default.
 - Every ``curl`` in README.md and docs/ names a route of the app with its method, and its JSON body uses
   only fields of the route's pydantic request model, nested objects included (``parameters``,
   ``speculative``, ``messages``); the body must also validate. The README shows a curl for every route.
@@ -183,6 +185,63 @@ def test_mentions_of_docs_resolve() -> None:
                 if not _has_section(README, m.group(1)):
                     broken.append(f"{where}: no section {m.group(1)!r} in README.md")
     assert not broken, "\n".join(broken)
+
+
+# --- the configuration table ---------------------------------------------------------------------------------
+
+SERVICE = REPO / "docs" / "service.md"
+
+
+def configuration_rows(text: str) -> dict[str, tuple[str, str]]:
+    """flag: (environment variable, default) of each row of service.md's table of `specserve serve` flags."""
+    section = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`--"):
+            rows[cells[0].split("`")[1]] = (cells[1].strip("`"), cells[2])
+    return rows
+
+
+def configuration_problems(text: str) -> list[str]:
+    """How service.md's table differs from the serve flags (generated from app.settings.Settings)."""
+    from app import cli
+    from app.settings import Settings
+
+    rows = configuration_rows(text)
+    flags = {flag: field for flag, field, _ in cli._serve_flags()}
+    problems = [f"{flag}: not in the table" for flag in flags.keys() - rows.keys()]
+    problems += [f"{flag}: no such flag" for flag in rows.keys() - flags.keys()]
+    for flag, (variable, default) in rows.items():
+        if flag not in flags:
+            continue
+        field = flags[flag]
+        if variable != "SPECSERVE_" + field.upper():
+            problems.append(f"{flag}: variable {variable}")
+        value = Settings.model_fields[field].default
+        if value is None or value == "":  # shown in words: "the target", "unset", "empty"
+            if default.startswith("`"):
+                problems.append(f"{flag}: default {default}, the setting has none")
+        else:
+            shown = str(value).lower() if isinstance(value, bool) else cli._serve_default(value)
+            if default != f"`{shown}`":
+                problems.append(f"{flag}: default {default}, the setting's is `{shown}`")
+    return problems
+
+
+def test_the_configuration_table_matches_the_settings() -> None:
+    """docs/service.md lists every serve flag, its variable and its default, as the settings define them."""
+    assert configuration_problems(SERVICE.read_text(encoding="utf-8")) == []
+
+
+def test_the_configuration_check_catches_a_stale_table() -> None:
+    text = SERVICE.read_text(encoding="utf-8")
+    stale = text.replace("| `SPECSERVE_PORT` | `8000` |", "| `SPECSERVE_PORT` | `8080` |")
+    stale = "\n".join(line for line in stale.splitlines() if not line.startswith("| `--host`"))
+    assert configuration_problems(stale) == [
+        "--host: not in the table",
+        "--port: default `8080`, the setting's is `8000`",
+    ]
 
 
 # --- the curl examples -------------------------------------------------------------------------------------

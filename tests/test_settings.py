@@ -7,12 +7,123 @@ import pytest
 from app import cli
 from app.settings import Settings
 
+# Every serve flag there has been: generated from the settings now, they must keep their names.
+SERVE_FLAGS = [
+    "--target",
+    "--draft",
+    "--num-draft-tokens",
+    "--draft-schedule",
+    "--draft-p-min",
+    "--dtype",
+    "--device",
+    "--host",
+    "--port",
+    "--model-name",
+    "--served-model-name",
+    "--max-concurrent-requests",
+    "--max-queue-size",
+    "--prefill-chunk-tokens",
+    "--prefill-step-seconds",
+    "--request-timeout",
+    "--max-input-tokens",
+    "--max-new-tokens",
+    "--default-max-new-tokens",
+    "--max-stop-sequences",
+    "--max-body-bytes",
+    "--body-read-timeout",
+    "--shutdown-grace-period",
+    "--log-format",
+    "--log-level",
+    "--api-key",
+    "--metrics-public",
+    "--cors-allow-origins",
+]
+
+
+def _serve_parser(parser):
+    (subparsers,) = (a for a in parser._actions if a.dest == "command")
+    return subparsers.choices["serve"]
+
 
 def test_every_setting_has_a_flag() -> None:
-    flags = {field: flag for flag, field, _, _ in cli._SERVE_FLAGS}
+    flags = {field: flag for flag, field, _ in cli._serve_flags()}
     assert set(flags) == set(Settings.model_fields)
     for field, flag in flags.items():
         assert flag == "--" + field.replace("_", "-")
+    options = {o for a in _serve_parser(cli._build_parser())._actions for o in a.option_strings}
+    assert set(SERVE_FLAGS) | {"--no-metrics-public"} <= options
+
+
+def _parsed_settings(monkeypatch: pytest.MonkeyPatch, *argv: str) -> Settings:
+    import app.logs
+    import app.server
+
+    seen: list[Settings] = []
+    monkeypatch.setattr(app.server, "serve", lambda settings: seen.append(settings) or True)
+    monkeypatch.setattr(app.logs, "configure_logging", lambda *args: None)
+    assert cli.main(["serve", *argv]) == 0
+    return seen[0]
+
+
+def test_flags_take_their_types_from_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bool is --x / --no-x, numbers are parsed as their annotation, a Literal shows its choices and is checked
+    by the settings (one-line error); the help is the field's description and its default."""
+    monkeypatch.delenv("SPECSERVE_METRICS_PUBLIC", raising=False)
+    settings = _parsed_settings(monkeypatch, "--metrics-public", "--port", "9", "--request-timeout", "1.5")
+    assert (settings.metrics_public, settings.port, settings.request_timeout) == (True, 9, 1.5)
+    monkeypatch.setenv("SPECSERVE_METRICS_PUBLIC", "true")
+    assert _parsed_settings(monkeypatch).metrics_public is True  # no flag: the variable applies
+    assert _parsed_settings(monkeypatch, "--no-metrics-public").metrics_public is False  # the flag wins
+    assert _parsed_settings(monkeypatch, "--dtype", "float32", "--api-key", "k").api_key.get_secret_value() == "k"
+
+    help_ = _serve_parser(cli._build_parser()).format_help()
+    assert "--dtype {auto,float32,bfloat16,float16}" in help_
+    assert "--metrics-public, --no-metrics-public" in help_
+    assert "--served-model-name NAME [NAME ...]" in help_
+    flags = {flag: kwargs for flag, _, kwargs in cli._serve_flags()}
+    assert flags["--port"]["help"] == "TCP port to listen on (default: 8000)"
+    assert flags["--request-timeout"]["help"].endswith("(default: 300)")
+    assert flags["--metrics-public"]["help"].endswith("(default: no)")
+    assert flags["--model-name"]["help"] == Settings.model_fields["model_name"].description  # None: not shown
+    assert [flags[f]["type"] for f in ("--port", "--draft-p-min", "--max-input-tokens")] == [int, float, int]
+
+
+def test_a_literal_out_of_its_choices_is_a_settings_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--dtype", "float8"]) == 1
+    assert capsys.readouterr().err.startswith("error: invalid settings: dtype: Input should be 'auto'")
+
+
+def test_a_new_setting_becomes_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing but the field: its flag, type, help and default come from it."""
+    from pydantic import Field
+
+    import app.settings
+
+    class More(Settings):
+        spare_knob: float = Field(2.5, ge=0, description="a knob")
+
+    monkeypatch.setattr(app.settings, "Settings", More)
+    flags = {flag: (field, kwargs) for flag, field, kwargs in cli._serve_flags()}
+    assert flags["--spare-knob"] == (
+        "spare_knob",
+        {"dest": "spare_knob", "default": None, "help": "a knob (default: 2.5)", "type": float},
+    )
+    assert _parsed_settings(monkeypatch, "--spare-knob", "4").spare_knob == 4.0
+
+
+def test_only_serve_loads_the_settings() -> None:
+    """The flags come from app.settings (pydantic-settings, slow to import): other commands do not load it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom app import cli\n"
+        "try:\n    cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
+        "print('app.settings' in sys.modules)\n"
+        "cli._build_parser(serve_flags=True)\nprint('app.settings' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-2:] == ["False", "True"]  # after `specserve VERSION`
 
 
 def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,14 +139,8 @@ def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_served_model_name_takes_several_names_as_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--served-model-name a b` (vLLM's form) or comma-separated: aliases beside the name answers report."""
-    import app.logs
-    import app.server
-
-    seen: list[Settings] = []
-    monkeypatch.setattr(app.server, "serve", lambda settings: seen.append(settings) or True)
-    monkeypatch.setattr(app.logs, "configure_logging", lambda *args: None)
-    assert cli.main(["serve", "--served-model-name", "a", "b,c", "--port", "9"]) == 0
-    assert seen[0].served_model_names == ["smollm2-135m-instruct", "a", "b", "c"]
+    settings = _parsed_settings(monkeypatch, "--served-model-name", "a", "b,c", "--port", "9")
+    assert settings.served_model_names == ["smollm2-135m-instruct", "a", "b", "c"]
 
 
 def test_invalid_settings_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:

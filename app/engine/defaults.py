@@ -1,6 +1,6 @@
 """The draft-length defaults of the server, the CLI and `build_engine`, in one place.
 
-`app.settings.Settings`, `app.cli` (generate, bench, the serve flags' help) and
+`app.settings.Settings` (and through it the serve flags), `app.cli` (generate, bench) and
 `app.engine.factory.build_engine` all read these, so that a server, a CLI run and an engine built in code
 decode alike unless told otherwise. The plain `Engine` constructor and `GenerationParams` keep their own
 fixed-length defaults on purpose: tests build engines directly and rely on a fixed, deterministic draft
