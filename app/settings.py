@@ -21,6 +21,7 @@ from app.engine.defaults import (
     DEFAULT_NUM_DRAFT_TOKENS,
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
+    MAX_DRAFT_TOKENS,
 )
 
 
@@ -36,7 +37,7 @@ class Settings(BaseSettings):
     num_draft_tokens: int = Field(
         DEFAULT_NUM_DRAFT_TOKENS,
         ge=0,
-        le=16,
+        le=MAX_DRAFT_TOKENS,
         description="tokens drafted per step unless a request says; the most, when adaptive",
     )
     draft_schedule: Literal["adaptive", "heuristic", "fixed"] = Field(

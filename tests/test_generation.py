@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.engine import kernels
+from app.engine.defaults import MAX_DRAFT_TOKENS
 from app.engine.drafters import DraftError, ModelDrafter, NgramDrafter
 from app.engine.generation import (
     Engine,
@@ -390,6 +391,24 @@ def test_max_new_tokens_is_respected_exactly(tiny_target, tok, max_new, k):
     gen, _ = run_checked(tiny_target, tok, PROMPT, params, drafter)
     assert len(gen.generated_ids) == max_new and gen.finish_reason == "length"
     assert gen.generated_ids == expected_greedy(tiny_target, PROMPT, max_new, set())
+
+
+def test_every_request_gets_the_same_cache_whatever_its_draft_length(tiny_target, tok, monkeypatch):
+    """The spare slots hold a verification of the longest draft allowed (MAX_DRAFT_TOKENS, the API's limit, plus
+    one), so a request's cache capacity, and with it a fixed span's reductions, is the same for every k; a
+    self-draft accepts every token, so the k = MAX_DRAFT_TOKENS run verifies its widest drafts in that room."""
+    capacities: set[int] = set()
+    new_cache = tiny_target.new_cache
+    monkeypatch.setattr(tiny_target, "new_cache", lambda capacity: capacities.add(capacity) or new_cache(capacity))
+    drafter = ModelDrafter("self", _loaded(tiny_target, tok), _loaded(tiny_target, tok))
+    max_new = 3 * MAX_DRAFT_TOKENS
+    expected = expected_greedy(tiny_target, PROMPT, max_new, set())
+    for k in (0, 1, 5, MAX_DRAFT_TOKENS):
+        params = GenerationParams(max_new_tokens=max_new, num_draft_tokens=k, ignore_eos=True)
+        gen, steps = run_checked(tiny_target, tok, PROMPT, params, drafter, verify_width=8)
+        assert gen.generated_ids == expected, k
+        assert max(len(step.token_ids) for step in steps) == k + 1
+    assert capacities == {len(PROMPT) + max_new + MAX_DRAFT_TOKENS + 1}
 
 
 def test_eos_at_once(tiny_target, word_tokenizer):

@@ -171,6 +171,14 @@ def test_server_cli_and_build_engine_share_the_draft_defaults(monkeypatch: pytes
     assert expected == {"num_draft_tokens": 6, "draft_schedule": "adaptive", "draft_p_min": 0.05}
     settings = Settings()
     assert {field: getattr(settings, field) for field in expected} == expected
+    # The longest draft: the settings' and the API's limit, and what the engine's spare cache slots hold.
+    assert Settings(num_draft_tokens=defaults.MAX_DRAFT_TOKENS).num_draft_tokens == 16
+    with pytest.raises(ValueError, match="less than or equal to 16"):
+        Settings(num_draft_tokens=defaults.MAX_DRAFT_TOKENS + 1)
+    from app.api.schemas import SpeculativeParameters
+
+    with pytest.raises(ValueError, match="less than or equal to 16"):
+        SpeculativeParameters.model_validate({"num_draft_tokens": defaults.MAX_DRAFT_TOKENS + 1})
     signature = inspect.signature(build_engine).parameters
     assert {field: signature[field].default for field in expected} == expected
     parser = cli._build_parser()

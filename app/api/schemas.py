@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
-MAX_DRAFT_TOKENS = 16
+from app.engine.defaults import MAX_DRAFT_TOKENS
 
 _REQUEST = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 

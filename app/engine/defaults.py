@@ -11,6 +11,9 @@ This module imports nothing, so that the settings and the command line can read 
 
 from __future__ import annotations
 
+# The longest draft a request or the server may ask for (the API's and the settings' limit on num_draft_tokens);
+# every request's KV cache has room for a verification of that many tokens plus one (generation._SLACK).
+MAX_DRAFT_TOKENS = 16
 # Tokens drafted per step: the most ever drafted under the adaptive or heuristic schedule.
 DEFAULT_NUM_DRAFT_TOKENS = 6
 # How the draft length is chosen per step (app.engine.draft_length.SCHEDULES): from measured acceptance and costs.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from app.engine.defaults import SAMPLERS
+from app.engine.defaults import MAX_DRAFT_TOKENS, SAMPLERS
 from app.engine.detokenizer import Detokenizer
 from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts, batch_draft_lengths
 from app.engine.drafters import Drafter, DraftSession
@@ -155,8 +155,9 @@ def _row_keys(target: Transformer) -> float:
     return products / (2 * c.n_heads * c.head_dim)
 
 
-# Spare cache slots of every request: covers drafts of up to 16 tokens (the API's limit) with the same capacity.
-_SLACK = 17
+# Spare cache slots of every request: a verification of the longest draft allowed (k + 1 rows), so that every
+# request's capacity is the same whatever its k.
+_SLACK = MAX_DRAFT_TOKENS + 1
 
 
 class Generation:
