@@ -45,6 +45,15 @@ def test_ids_equal_transformers(tok, hf_tokenizer, text):
     assert ours == hf_tokenizer.encode(text)
 
 
+def test_the_default_target_says_no_bos(tok, target_path):
+    """GGUF prompts get BOS as the file's tokenizer.ggml.add_bos_token says; the default target's says no, as
+    SmolLM2's own tokenizer adds none (above), so its prompts start with their text."""
+    import gguf
+
+    assert gguf.GGUFReader(str(target_path)).fields["tokenizer.ggml.add_bos_token"].contents() is False
+    assert tok.add_bos is False and tok.bos_token_id == 1 and tok.encode("Hello")[0] != 1
+
+
 def test_special_tokens_are_single_ids(tok, hf_tokenizer):
     for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
         assert tok.encode(special) == [tok.token_to_id(special)] == [hf_tokenizer.convert_tokens_to_ids(special)]

@@ -299,8 +299,10 @@ def _write_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     linear_rope_factor: float | None = None,
     extra_kv: dict[str, str] | None = None,
+    add_bos: bool | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Write a GGUF the way llama.cpp's converter lays it out; return the HF-layout weights it stands for."""
+    """Write a GGUF the way llama.cpp's converter lays it out; return the HF-layout weights it stands for.
+    `add_bos`: the file's tokenizer.ggml.add_bos_token (None: the key is left out)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     if linear_rope_factor is not None:
@@ -327,6 +329,8 @@ def _write_gguf(
     w.add_token_merges(["a b"])
     w.add_bos_token_id(VOCAB - 2)
     w.add_eos_token_id(VOCAB - 1)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     expected: dict[str, torch.Tensor] = {}
     permute = arch == "llama"
 
@@ -659,6 +663,25 @@ def test_gguf_unsupported_tensor_type(tmp_path):
     _write_gguf(path, "llama", src.state_dict(), Q.F32, tied=True, override=override)
     with pytest.raises(WeightsError, match=r"token_embd\.weight has type IQ4_NL"):
         read_checkpoint(path)
+
+
+@pytest.mark.parametrize("add_bos", [True, False, None])
+def test_gguf_prompts_get_bos_as_the_file_says(tmp_path, add_bos):
+    """tokenizer.ggml.add_bos_token decides whether a prompt starts with BOS, as in llama.cpp (a file that does
+    not say: no BOS); a chat template that writes bos_token itself does not get a second one."""
+    bos, hab = VOCAB - 2, [TOKENS.index("H"), TOKENS.index("ab")]
+    path = tmp_path / "tiny.gguf"
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    src = _gguf_source_model("llama", tied=True, seed=27)
+    _write_gguf(
+        path, "llama", src.state_dict(), Q.F32, True, extra_kv={"tokenizer.chat_template": template}, add_bos=add_bos
+    )
+    assert read_checkpoint(path).tokenizer_meta["add_bos_token"] is bool(add_bos)
+    tokenizer = load_model(path, "float32").tokenizer
+    assert tokenizer.add_bos is bool(add_bos)
+    assert tokenizer.encode("Hab") == ([bos] if add_bos else []) + hab
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hab"}], add_generation_prompt=False)
+    assert chat == "<|im_start|>Hab" and tokenizer.encode(chat) == [bos, *hab]
 
 
 def test_gguf_unsupported_tokenizer_model(tmp_path):

@@ -110,12 +110,14 @@ class Tokenizer:
         if meta.get("format") == "gguf":
             backend, special = _from_gguf_meta(meta)
             bos = meta.get("bos_token_id")
-            # llama.cpp's add_bos flag is set on SmolLM GGUFs although the model's own tokenizer adds
-            # none; adding it would shift every prompt away from what the model was tuned on, so the
-            # chat template alone decides where BOS goes.
+            # Whether a prompt starts with BOS is the file's own `tokenizer.ggml.add_bos_token`, as llama.cpp
+            # reads it (Llama 3's files say yes, the default SmolLM2's no); a file that does not say gets none.
+            add_bos = bool(meta.get("add_bos_token", False))
             eos, tokens = meta.get("eos_token_id"), meta["tokens"]
             eos_token = tokens[eos] if eos is not None and 0 <= eos < len(tokens) else None
-            return cls(backend, special, meta.get("chat_template"), bos, eos_token_ids, eos_token=eos_token)
+            return cls(
+                backend, special, meta.get("chat_template"), bos, eos_token_ids, add_bos=add_bos, eos_token=eos_token
+            )
         path = Path(meta["path"])
         tj = path / "tokenizer.json"
         if not tj.exists():
@@ -143,7 +145,8 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings in it (as a chat template writes them) are parsed."""
+        """Token ids of `text`; special-token strings in it (as a chat template writes them) are parsed. BOS comes
+        first where the model's tokenizer adds it (`add_bos`), unless the text begins with it already."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
