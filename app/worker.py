@@ -423,8 +423,8 @@ class Scheduler:
             assert job.gen is not None  # every running request has started
             gens.append(job.gen)
         firsts = [gen.needs_prefill for gen in gens]
-        together = len(self.engine.together(gens))
         outcomes = self.engine.step_batch(gens)
+        together = len(outcomes.together)
         if self.metrics is not None:
             for _ in range(len(gens) - together):
                 self.metrics.forward(1)

@@ -234,12 +234,13 @@ def test_a_short_prompt_goes_before_long_ones_and_a_lone_long_prompt_is_chunked(
     late = engine.start(long_prompt, params, "ngram")
     assert engine.together([late]) == [0]
     engine.step_batch([late])
-    assert late.needs_prefill and late._cache.length == 48
+    assert late.needs_prefill and late.cache.length == 48
     short = engine.start(prompts[0][:40], params, "ngram")
-    long_left = late.prompt_len - late._cache.length
+    long_left = late.prompt_len - late.cache.length
     outs = engine.step_batch([late, short])
+    assert outs.together == [0, 1]  # one forward, as the worker's metrics count it
     assert outs[1].token_ids and not outs[0].token_ids  # the short prompt took the budget first
-    assert late.prompt_len - late._cache.length == long_left - (48 - 40)
+    assert late.prompt_len - late.cache.length == long_left - (48 - 40)
     short_ref = _run_alone(engine, prompts[0][:40], params, "ngram")
     gens = [late, short]
     while any(not g.finished for g in gens):
@@ -253,24 +254,25 @@ def test_chunks_shrink_with_the_context_to_keep_a_step_near_its_target(packed_ta
     share; the first chunk, before any measurement, is modest."""
     packed = packed_target(KERNELS[0])
     engine = Engine(packed.model, packed.tokenizer, {}, "none", 0, prefill_chunk=512, prefill_step_seconds=0.1)
-    row_keys = engine._row_keys
+    batcher = engine.batcher
+    row_keys = batcher.row_keys
     assert 2000 < row_keys < 4000  # SmolLM2-135M: products of ~3.5M weights a layer, attention 576 wide
     params = GenerationParams(max_new_tokens=2)
     fresh = engine.start(list(range(1, 1001)), params)
-    assert 56 <= engine._chunk_sizes([fresh], [])[0] <= 64  # 64 units
-    engine._unit_seconds = 0.001  # 100 units per step
-    (shallow,) = engine._chunk_sizes([fresh], [])
-    assert engine._units(shallow, 0) <= 100 < engine._units(shallow + 1, 0) and shallow >= 95
-    fresh._cache.length = 500  # as if 500 tokens were in already
-    (deep,) = engine._chunk_sizes([fresh], [])
-    assert engine._units(deep, 500) <= 100 < engine._units(deep + 1, 500)
+    assert 56 <= batcher.chunk_sizes([fresh], [])[0] <= 64  # 64 units
+    batcher.unit_seconds = 0.001  # 100 units per step
+    (shallow,) = batcher.chunk_sizes([fresh], [])
+    assert batcher.units(shallow, 0) <= 100 < batcher.units(shallow + 1, 0) and shallow >= 95
+    fresh.cache.length = 500  # as if 500 tokens were in already
+    (deep,) = batcher.chunk_sizes([fresh], [])
+    assert batcher.units(deep, 500) <= 100 < batcher.units(deep + 1, 500)
     assert deep < 90
     # Decoding rows take their share first; a step still moves a prompt along when they take it all.
-    fewer = engine._chunk_sizes([fresh], [_FakePlan(real=60, start=0)])
-    assert fewer == [engine._rows_within(100 - engine._units(60, 0), 500)] and 0 < fewer[0] < deep
-    floor = engine._rows_within(16, 500)  # 16 units: the least a step gives
-    assert engine._chunk_sizes([fresh], [_FakePlan(real=90, start=0)]) == [floor]
-    assert engine._chunk_sizes([fresh], [_FakePlan(real=500, start=0)]) == [floor]
+    fewer = batcher.chunk_sizes([fresh], [_FakePlan(real=60, start=0)])
+    assert fewer == [batcher.rows_within(100 - batcher.units(60, 0), 500)] and 0 < fewer[0] < deep
+    floor = batcher.rows_within(16, 500)  # 16 units: the least a step gives
+    assert batcher.chunk_sizes([fresh], [_FakePlan(real=90, start=0)]) == [floor]
+    assert batcher.chunk_sizes([fresh], [_FakePlan(real=500, start=0)]) == [floor]
 
 
 class _FakePlan:

@@ -55,12 +55,12 @@ def run_checked(
         assert 0 <= step.accepted <= step.drafted
         if not gen.finished:
             # The target's cache holds every accepted token but the newest (fed on the next step).
-            assert gen._cache.length == len(gen.ids) - 1
+            assert gen.cache.length == len(gen.ids) - 1
             # Accepted drafts plus the target's own token: a correction, or the bonus when all were accepted.
             assert len(step.token_ids) == step.accepted + 1
             assert step.finish_reason is None
         else:
-            assert gen._cache.length >= len(gen.ids) - 1
+            assert gen.cache.length >= len(gen.ids) - 1
             assert step.finish_reason == gen.finish_reason
     _check_stats(gen, steps, prompt, params, k)
     return gen, steps

@@ -85,9 +85,13 @@ Runtime_ = Annotated[Runtime, Depends(get_runtime)]
 Settings_ = Annotated[Settings, Depends(get_settings)]
 
 
+# TGI's Python client's chat() always sends this name (TGI's server takes any): accepted, never listed.
+_TGI_CLIENT_MODEL = "tgi"
+
+
 def check_model(name: str | None, runtime: Runtime) -> None:
     """Refuse a `model` this server does not serve, as vLLM does (404 NotFoundError); no `model` is fine."""
-    if name is not None and name not in runtime.info.served_model_names:
+    if name is not None and name != _TGI_CLIENT_MODEL and name not in runtime.info.served_model_names:
         raise APIError("model_not_found", f"The model `{name}` does not exist.", param="model", code=404)
 
 

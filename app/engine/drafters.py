@@ -7,7 +7,7 @@ request state (a draft KV cache) and keeps it in step with the accepted sequence
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -26,12 +26,8 @@ class DraftError(ValueError):
 
 
 class DraftSession(Protocol):
-    """Per-request proposer state. A session that can also sample implements
-    `propose_sampled(token_ids, k, params, rng, p_min=0.0) -> (tokens, q [len(tokens), vocab] or None)`, rng
-    being the request's Gumbel noise or generator (`Randomness`); one that cannot is treated as deterministic
-    under sampling (one-hot q), which both exact-match and rejection verification allow.
-    A session that conditions on the target's hidden states exposes `features` [capacity, dim], which the
-    generation fills with the target's final hidden state of each position as soon as it is verified."""
+    """Per-request proposer state. What more a session can do is told by the capability protocols below,
+    checked with isinstance: `SamplingSession` (samples), `FeatureSession` (reads the target's states)."""
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
         """Up to `k` tokens likely to follow `token_ids` (the whole accepted sequence so far); a model draft
@@ -39,11 +35,48 @@ class DraftSession(Protocol):
         ...
 
 
+@runtime_checkable
+class SamplingSession(Protocol):
+    """A session that can sample. One that cannot is deterministic under sampling too (one-hot q), which both
+    exact-match and rejection verification allow."""
+
+    def propose_sampled(
+        self, token_ids: Sequence[int], k: int, params: SamplingParams, rng: Randomness, p_min: float = 0.0
+    ) -> tuple[list[int], Tensor | None]:
+        """Up to `k` tokens drawn with `rng` (the request's Gumbel noise or generator) and, with a generator,
+        the warped distributions they were drawn from [len(tokens), target vocab] (None with Gumbel noise)."""
+        ...
+
+
+@runtime_checkable
+class FeatureSession(Protocol):
+    """A session that conditions on the target's hidden states: the generation writes the target's final
+    hidden state of each position into `features` [capacity, dim] as soon as it is verified (None: a session
+    that may hold a feature draft but does not)."""
+
+    features: Tensor | None
+
+
 class Drafter(Protocol):
     name: str
 
     def session(self, capacity: int) -> DraftSession:
         """State for one request whose sequence will hold at most `capacity` tokens."""
+        ...
+
+
+@runtime_checkable
+class BatchDrafter(Protocol):
+    """A drafter that drafts greedily for several requests at once, one forward per draft position."""
+
+    def propose_batch(
+        self,
+        sessions: Sequence[DraftSession],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        p_mins: Sequence[float],
+    ) -> list[list[int]]:
+        """What each session's `propose(token_ids[i], ks[i], p_mins[i])` gives, for all of them together."""
         ...
 
 
@@ -223,7 +256,7 @@ class _HybridSession:
         self._lookup = drafter.lookup.session(capacity)
         self._model = drafter.model.session(capacity)
         # A feature draft's buffer, which the generation fills; None for a draft that needs no states.
-        self.features: Tensor | None = getattr(self._model, "features", None)
+        self.features: Tensor | None = self._model.features if isinstance(self._model, FeatureSession) else None
         self.lookups = 0  # steps the lookup proposed
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
@@ -245,10 +278,9 @@ class _HybridSession:
         if found:  # a lookup is deterministic: q is one-hot, which rejection sampling takes as None
             self.lookups += 1
             return found, None
-        sampled = getattr(self._model, "propose_sampled", None)
-        if sampled is None:
+        if not isinstance(self._model, SamplingSession):
             return self._model.propose(token_ids, k, p_min), None
-        return sampled(token_ids, k, params, rng, p_min)
+        return self._model.propose_sampled(token_ids, k, params, rng, p_min)
 
 
 class HybridDrafter:
@@ -264,7 +296,6 @@ class HybridDrafter:
         self.name = name
         self.model = model
         self.lookup = NgramDrafter(max_n=max_match, min_n=min_match)
-        self.uses_features = getattr(model, "uses_features", False)
 
     def session(self, capacity: int) -> DraftSession:
         return _HybridSession(self, capacity)
@@ -282,9 +313,8 @@ class HybridDrafter:
         for session, found in zip(sessions, out, strict=True):
             session.lookups += bool(found)
         rest = [i for i, found in enumerate(out) if not found and ks[i] > 0]
-        batch = getattr(self.model, "propose_batch", None)
-        if batch is not None and len(rest) > 1:
-            drafts = batch(
+        if isinstance(self.model, BatchDrafter) and len(rest) > 1:
+            drafts = self.model.propose_batch(
                 [sessions[i]._model for i in rest],
                 [token_ids[i] for i in rest],
                 [ks[i] for i in rest],

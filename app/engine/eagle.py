@@ -321,9 +321,7 @@ class _EagleSession:
 
 
 class EagleDrafter:
-    """Proposer backed by a feature draft; its sessions need the target's states (`uses_features`)."""
-
-    uses_features = True
+    """Proposer backed by a feature draft; its sessions need the target's states (a `FeatureSession`)."""
 
     def __init__(self, name: str, draft: EagleDraft, target: LoadedModel) -> None:
         self.name = name

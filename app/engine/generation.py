@@ -9,18 +9,18 @@ the rejected positions by moving a length. Greedy output is token for token the 
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import overload
 
 import torch
 
 from app.engine.defaults import MAX_DRAFT_TOKENS, SAMPLERS
 from app.engine.detokenizer import Detokenizer
-from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts, batch_draft_lengths
-from app.engine.drafters import Drafter, DraftSession
+from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts
+from app.engine.drafters import Drafter, DraftSession, FeatureSession, SamplingSession
 from app.engine.model import KVCache, Transformer
 from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice, sample, warp
 from app.engine.tokenizer import Tokenizer
@@ -134,8 +134,27 @@ class StepOutput:
     finish_reason: str | None = None  # "eos", "stop" or "length" on the last step
 
 
+class BatchStep(Sequence[StepOutput | Exception]):
+    """What `Engine.step_batch` did: per generation its step's output or the exception that ended it (a
+    sequence of them, in the order given), and `together`, the indices of those that shared one forward."""
+
+    def __init__(self, outputs: list[StepOutput | Exception], together: list[int]) -> None:
+        self.outputs = outputs
+        self.together = together
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    @overload
+    def __getitem__(self, index: int) -> StepOutput | Exception: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[StepOutput | Exception]: ...
+    def __getitem__(self, index: int | slice) -> StepOutput | Exception | list[StepOutput | Exception]:
+        return self.outputs[index]
+
+
 @dataclass
-class _Plan:
+class StepPlan:
     """One step's drafts and the rows the target will run, between drafting and verification."""
 
     k: int  # the draft length asked for
@@ -145,14 +164,6 @@ class _Plan:
     real: int  # 1 + len(drafts); rows after these are padding
     feed: torch.Tensor  # long [rows]
     draft_seconds: float
-
-
-def _row_keys(target: Transformer) -> float:
-    """How many cached keys one row's attention reads for the multiply-adds of that row's products (the
-    linear layers): the context at which attention costs a row as much again."""
-    c = target.config
-    products = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.dim * c.intermediate_size
-    return products / (2 * c.n_heads * c.head_dim)
 
 
 # Spare cache slots of every request: a verification of the longest draft allowed (k + 1 rows), so that every
@@ -227,7 +238,7 @@ class Generation:
         self.drafter = drafter
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
         # A feature-conditioned draft reads the target's final hidden state of every verified position.
-        self._features: torch.Tensor | None = getattr(self._draft, "features", None)
+        self._features = self._draft.features if isinstance(self._draft, FeatureSession) else None
         self._detok = Detokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
         self._stop_ids = frozenset(params.stop_token_ids)
@@ -250,6 +261,32 @@ class Generation:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    # What a batch (app.engine.batch) reads of a generation to step it beside others.
+    @property
+    def cache(self) -> KVCache:
+        """The target's KV cache of this request (its length: the positions computed)."""
+        return self._cache
+
+    @property
+    def draft_length(self) -> DraftLength:
+        """This request's draft-length state: its schedule, measured acceptance and costs."""
+        return self._length
+
+    @property
+    def max_draft(self) -> int:
+        """The most tokens drafted per step (0: target-only)."""
+        return self._k
+
+    @property
+    def draft_session(self) -> DraftSession | None:
+        """The drafter's state of this request (None: target-only)."""
+        return self._draft
+
+    @property
+    def p_min(self) -> float:
+        """The draft's confidence cut-off."""
+        return self._p_min
+
     @property
     def generated_ids(self) -> list[int]:
         return self.ids[self.prompt_len :]
@@ -266,25 +303,25 @@ class Generation:
             raise RuntimeError("generation already finished")
         if self.needs_prefill:
             return self._prefill()
-        plan = self._plan(self._width)
+        plan = self.plan(self._width)
         t0 = time.perf_counter()
         hidden = self.target.hidden(plan.feed[None], plan.start, self._cache)[0]
         # The head runs on every row, padding included, for the same reason the padding exists.
         logits = self.target.logits(hidden)
-        return self._verify(plan, hidden, logits, time.perf_counter() - t0, solo=True)
+        return self.verify(plan, hidden, logits, time.perf_counter() - t0, solo=True)
 
     @property
     def needs_prefill(self) -> bool:
         """Whether the prompt is not yet (all) in the cache: the next step prefills (the rest of) it."""
         return self._cache.length < self.prompt_len
 
-    def _prefill_chunk(self, budget: int) -> tuple[torch.Tensor, int]:
+    def next_prompt_chunk(self, budget: int) -> tuple[torch.Tensor, int]:
         """The next at most `budget` prompt tokens to prefill in a batch: (ids long [n], start position)."""
         start = self._cache.length
         end = min(self.prompt_len, start + budget)
         return torch.tensor(self.ids[start:end], dtype=torch.long, device=self.target.device), start
 
-    def _plan(self, width: int, k: int | None = None, drafted: tuple[list[int], float] | None = None) -> _Plan:
+    def plan(self, width: int, k: int | None = None, drafted: tuple[list[int], float] | None = None) -> StepPlan:
         """Draft this step's tokens and lay out the target's rows: [last token, drafts..., padding].
 
         `width`: rows to pad to (0: none); `k`: the draft length when a batch chose it, else this request's
@@ -307,10 +344,10 @@ class Generation:
         # sits after the real rows, so causality keeps it from touching them.
         pad = max(0, min(width, self._cache.capacity - start) - real)
         feed = torch.tensor([self.ids[-1], *drafts, *[0] * pad], dtype=torch.long, device=self.target.device)
-        return _Plan(k, drafts, q, start, real, feed, draft_seconds)
+        return StepPlan(k, drafts, q, start, real, feed, draft_seconds)
 
-    def _verify(
-        self, plan: _Plan, hidden: torch.Tensor, logits: torch.Tensor, forward_seconds: float, solo: bool
+    def verify(
+        self, plan: StepPlan, hidden: torch.Tensor, logits: torch.Tensor, forward_seconds: float, solo: bool
     ) -> StepOutput:
         """Keep what the target agrees with, given its hidden states [rows, dim] and logits [rows, vocab]
         over `plan.feed`."""
@@ -358,10 +395,9 @@ class Generation:
             return [], None
         if self.sampling.greedy:
             return self._draft.propose(self.ids, k, p_min=self._p_min), None
-        propose_sampled = getattr(self._draft, "propose_sampled", None)
-        if propose_sampled is None:  # a deterministic proposer: q is one-hot on what it proposes
+        if not isinstance(self._draft, SamplingSession):  # a deterministic proposer: q is one-hot on what it proposes
             return self._draft.propose(self.ids, k, p_min=self._p_min), None
-        return propose_sampled(self.ids, k, self.sampling, self._rng, p_min=self._p_min)
+        return self._draft.propose_sampled(self.ids, k, self.sampling, self._rng, p_min=self._p_min)
 
     @staticmethod
     def _checked(logits: torch.Tensor) -> torch.Tensor:
@@ -381,9 +417,9 @@ class Generation:
         hidden = self.target.hidden(prompt, start, self._cache)[0]
         # Only the last position's logits are needed: a 49k-wide projection of every prompt token is not.
         logits = self.target.logits(hidden[-1])
-        return self._prefilled(start, hidden, logits, time.perf_counter() - t0)
+        return self.prefilled(start, hidden, logits, time.perf_counter() - t0)
 
-    def _prefilled(self, start: int, hidden: torch.Tensor, logits: torch.Tensor | None, seconds: float) -> StepOutput:
+    def prefilled(self, start: int, hidden: torch.Tensor, logits: torch.Tensor | None, seconds: float) -> StepOutput:
         """After prompt rows start.. were run (`hidden` [n, dim]): their states for a feature draft, and with the
         prompt's last row's `logits` [vocab] (None while the prompt is not all in) the first token."""
         t0 = time.perf_counter()
@@ -468,10 +504,8 @@ class Engine:
         self.kernel = (target.kernel.name if target.kernel is not None else "torch") if on_cpu else target.device.type
         self.prefill_chunk = prefill_chunk if self.batching else 0
         # With a step time to aim for, chunks are sized from the measured seconds per unit of work (see
-        # `_chunk_sizes`); 0: every step may prefill prefill_chunk tokens, whatever they cost.
+        # `Batcher`); 0: every step may prefill prefill_chunk tokens, whatever they cost.
         self.prefill_step_seconds = prefill_step_seconds if self.prefill_chunk else 0.0
-        self._unit_seconds: float | None = None
-        self._row_keys = _row_keys(target)
         if not self.batching:
             log.warning(
                 "rows are not independent on %s %s: requests step one at a time, so that a request's tokens do "
@@ -490,10 +524,6 @@ class Engine:
         self.draft_p_min = draft_p_min
         # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length).
         self._costs: dict[int, StepCosts] = {}
-        # Measured seconds of batched target forwards by total rows (the draft lengths of a batch weigh them).
-        self._batch_costs = StepCosts()
-        # Measured seconds per drafted token when a drafter drafts for several requests at once, per drafter.
-        self._batch_draft_step: dict[int, float] = {}
         # None: pad decoding forwards to 8 rows in half precision, where a 1-row forward's bits differ (see
         # Generation._plan; on this CPU 2 rows would do, and measured no faster end to end), and not at all in
         # float32, where results differ too little to flip a token and padding would cost, nor on the AMX
@@ -502,6 +532,10 @@ class Engine:
             half = target.dtype in (torch.bfloat16, torch.float16)
             verify_width = 8 if half and not target.rows_independent() else 0
         self.verify_width = verify_width
+        # Imported here: the batch steps this module's generations.
+        from app.engine.batch import Batcher
+
+        self.batcher = Batcher(target, verify_width, self.prefill_chunk, self.prefill_step_seconds)
 
     def drafter(self, name: str | None) -> Drafter | None:
         """The drafter called `name` (None: the default; "none": target-only decoding)."""
@@ -526,14 +560,15 @@ class Engine:
         return Generation(self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs)
 
     @torch.inference_mode()
-    def step_batch(self, gens: Sequence[Generation]) -> list[StepOutput | Exception]:
+    def step_batch(self, gens: Sequence[Generation]) -> BatchStep:
         """One step of every generation in `gens`, the decoding ones verified in ONE target forward.
 
         Each request drafts on its own (lengths chosen for the batch as a whole, see
         `batch_draft_lengths`), then the target runs all their rows together, reading its weights once
         instead of once per request, and each request verifies its own rows. Prompts are prefilled one by
         one. Returns, per generation, its step's output or the exception that ended it: one request's
-        failure leaves the others untouched. Greedy tokens are the same as with `Generation.step`.
+        failure leaves the others untouched, and which of them ran in the shared forward. Greedy tokens are
+        the same as with `Generation.step`.
         """
         results: dict[int, StepOutput | Exception] = {}
         batch = self.together(gens)
@@ -544,8 +579,8 @@ class Engine:
                 except Exception as exc:
                     results[i] = exc
         if batch:
-            results.update(zip(batch, self._step_together([gens[i] for i in batch]), strict=True))
-        return [results[i] for i in range(len(gens))]
+            results.update(zip(batch, self.batcher.step([gens[i] for i in batch]), strict=True))
+        return BatchStep([results[i] for i in range(len(gens))], batch)
 
     def together(self, gens: Sequence[Generation]) -> list[int]:
         """Indices of `gens` that `step_batch` runs in one target forward: the decoding ones, and with
@@ -556,188 +591,6 @@ class Engine:
             return []
         batch = [i for i, gen in enumerate(gens) if not gen.finished and (self.prefill_chunk or not gen.needs_prefill)]
         return batch if len(batch) > 1 or (batch and gens[batch[0]].needs_prefill) else []
-
-    def _step_together(self, gens: list[Generation]) -> list[StepOutput | Exception]:
-        results: list[StepOutput | Exception | None] = [None] * len(gens)
-        decoding = [j for j, gen in enumerate(gens) if not gen.needs_prefill]
-        planned = self._plan_together([gens[j] for j in decoding])
-        plans: list[tuple[int, _Plan]] = []
-        for j, plan in zip(decoding, planned, strict=True):
-            if isinstance(plan, _Plan):
-                plans.append((j, plan))
-            else:
-                results[j] = plan
-        chunks: list[tuple[int, torch.Tensor, int]] = []
-        prefilling = [j for j, gen in enumerate(gens) if gen.needs_prefill]
-        sizes = self._chunk_sizes([gens[j] for j in prefilling], [plan for _, plan in plans])
-        for j, size in zip(prefilling, sizes, strict=True):
-            if size:
-                feed, start = gens[j]._prefill_chunk(size)
-                chunks.append((j, feed, start))
-            else:  # no budget left this step: it waits for the next
-                results[j] = StepOutput([], "", 0, 0, 0.0, 0.0)
-        if plans or chunks:
-            self._verify_together(gens, plans, chunks, results)
-        return [r if r is not None else RuntimeError("no step ran") for r in results]
-
-    def _units(self, rows: int, start: int) -> float:
-        """The work of `rows` rows at positions start.. in units of one row at position 0: each row's products,
-        plus its attention over the keys before it, `_row_keys` keys costing one row's products."""
-        return rows * (1.0 + (start + (rows - 1) / 2) / self._row_keys)
-
-    def _rows_within(self, units: float, start: int) -> int:
-        """The most rows from position `start` whose `_units` stay within `units` (the root of a quadratic)."""
-        a, b = 0.5 / self._row_keys, 1.0 + (start - 0.5) / self._row_keys
-        n = int((-b + math.sqrt(b * b + 4 * a * units)) / (2 * a))
-        while n > 0 and self._units(n, start) > units:  # rounding
-            n -= 1
-        return n
-
-    def _chunk_sizes(self, prompts: list[Generation], plans: list[_Plan]) -> list[int]:
-        """Prompt tokens each prefilling generation runs this step, within the step's budget: `prefill_chunk`
-        tokens, and with `prefill_step_seconds` what the measured seconds per unit of work leave beside the
-        decoding rows (`plans`). The shortest prompt left goes first (a short request is not held behind long
-        ones; a long one then takes every step's budget until it is in)."""
-        cap = self.prefill_chunk
-        units = math.inf  # without a step time, the budget is cap tokens, whatever they cost
-        if self.prefill_step_seconds:
-            if self._unit_seconds is None:  # nothing measured yet: a modest first chunk, which measures
-                units = float(min(cap, 64))
-            else:
-                units = self.prefill_step_seconds / self._unit_seconds
-                units -= sum(self._units(p.real, p.start) for p in plans)
-            # However busy the step, each one moves a prompt along by some tokens.
-            units = max(units, min(cap, 16))
-        sizes = [0] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: prompts[i].prompt_len - prompts[i]._cache.length)
-        for i in order:
-            if units < 1 or cap <= 0:
-                break
-            start = prompts[i]._cache.length
-            left = prompts[i].prompt_len - start
-            n = min(left, cap, max(1, self._rows_within(units, start)) if units < math.inf else cap)
-            sizes[i] = n
-            units -= self._units(n, start)
-            cap -= n
-        return sizes
-
-    def _plan_together(self, gens: list[Generation]) -> list[_Plan | Exception]:
-        """Draft lengths chosen for the batch as a whole, the drafts (batched where a drafter can), and each
-        request's rows; an exception in place of a request whose drafting failed."""
-        # In half precision each request's rows are padded to two: a single row takes another attention path,
-        # whose last bits differ from the solo step's.
-        min_rows = 2 if self.verify_width else 0
-        limits = [gen.params.max_new_tokens - gen.stats.generated_tokens - 1 for gen in gens]
-        # Greedy requests of a drafter that drafts several at once share one draft forward per position: its
-        # seconds measured on batched drafts when there were, else one solo step.
-        groups = [id(gen.drafter) if self._drafts_together(gen) else None for gen in gens]
-        steps = [
-            self._batch_draft_step.get(key, gen._length.costs.draft_step)
-            if key is not None
-            else gen._length.costs.draft_step
-            for gen, key in zip(gens, groups, strict=True)
-        ]
-        ks = batch_draft_lengths([gen._length for gen in gens], limits, self._batch_costs, min_rows, steps, groups)
-        ks = [k if gen._k else 0 for gen, k in zip(gens, ks, strict=True)]
-        failed: list[StepOutput | Exception | None] = [None] * len(gens)
-        drafted = self._draft_together(gens, ks, failed)
-        plans: list[_Plan | Exception] = []
-        for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
-            problem = failed[j]
-            if isinstance(problem, Exception):
-                plans.append(problem)
-                continue
-            try:
-                plans.append(gen._plan(min_rows, k, drafted.get(j)))
-            except Exception as exc:
-                plans.append(exc)
-        return plans
-
-    def _verify_together(
-        self,
-        gens: list[Generation],
-        plans: list[tuple[int, _Plan]],
-        chunks: list[tuple[int, torch.Tensor, int]],
-        results: list[StepOutput | Exception | None],
-    ) -> None:
-        """One target forward over every planned request's rows and every prompt chunk, then each request's
-        own verification (or prefill), into `results` by request index. A failure of the shared forward ends
-        every request in it."""
-        t0 = time.perf_counter()
-        members = [j for j, _ in plans] + [j for j, _, _ in chunks]
-        try:
-            hidden = self.target.hidden_batch(
-                [(plan.feed, plan.start, gens[j]._cache) for j, plan in plans]
-                + [(feed, start, gens[j]._cache) for j, feed, start in chunks]
-            )
-            # The head runs on every verified row, and on a prompt's last row once the prompt is all in.
-            done = [start + feed.shape[0] == gens[j].prompt_len for j, feed, start in chunks]
-            heads = hidden[: len(plans)] + [h[-1:] for h, last in zip(hidden[len(plans) :], done, strict=True) if last]
-            # One head product for every row of the batch: its weights (a fifth of the model) read once.
-            logits = list(self.target.logits(torch.cat(heads)).split([h.shape[0] for h in heads])) if heads else []
-        except Exception as exc:
-            for j in members:
-                results[j] = exc
-            return
-        seconds = time.perf_counter() - t0
-        if not chunks:  # what the draft lengths weigh: forwards of verified rows alone
-            self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds)
-        units = sum(self._units(p.feed.shape[0], p.start) for _, p in plans)
-        units += sum(self._units(feed.shape[0], start) for _, feed, start in chunks)
-        if self.prefill_step_seconds and units >= 8:  # a forward of a few rows says little of a big one's cost
-            per = seconds / units
-            self._unit_seconds = per if self._unit_seconds is None else 0.7 * self._unit_seconds + 0.3 * per
-        for (j, plan), h, lg in zip(plans, hidden[: len(plans)], logits[: len(plans)], strict=True):
-            try:
-                results[j] = gens[j]._verify(plan, h, lg, seconds, solo=False)
-            except Exception as exc:
-                results[j] = exc
-        last_logits = iter(logits[len(plans) :])
-        for (j, _, start), h, last in zip(chunks, hidden[len(plans) :], done, strict=True):
-            try:
-                results[j] = gens[j]._prefilled(start, h, next(last_logits)[0] if last else None, seconds)
-            except Exception as exc:
-                results[j] = exc
-
-    def _draft_together(
-        self, gens: list[Generation], ks: list[int], results: list[StepOutput | Exception | None]
-    ) -> dict[int, tuple[list[int], float]]:
-        """Greedy drafts of the requests whose drafter drafts several at once, by request index: (tokens,
-        that request's share of the seconds). A failure ends the requests of that drafter's batch."""
-        groups: dict[int, list[int]] = {}
-        for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
-            if k > 0 and gen._draft is not None and self._drafts_together(gen):
-                groups.setdefault(id(gen.drafter), []).append(j)
-        drafted: dict[int, tuple[list[int], float]] = {}
-        for key, js in groups.items():
-            if len(js) < 2:
-                continue
-            drafter = gens[js[0]].drafter
-            t0 = time.perf_counter()
-            try:
-                out = drafter.propose_batch(  # type: ignore[union-attr]
-                    [gens[j]._draft for j in js],
-                    [gens[j].ids for j in js],
-                    [ks[j] for j in js],
-                    [gens[j]._p_min for j in js],
-                )
-            except Exception as exc:
-                for j in js:
-                    results[j] = exc
-                continue
-            seconds = time.perf_counter() - t0
-            # Seconds per draft position (one batched draft forward): what batch_draft_lengths prices with.
-            per = seconds / max(ks[j] for j in js)
-            old = self._batch_draft_step.get(key)
-            self._batch_draft_step[key] = per if old is None else 0.9 * old + 0.1 * per
-            for j, tokens in zip(js, out, strict=True):
-                drafted[j] = (tokens, seconds / len(js))
-        return drafted
-
-    @staticmethod
-    def _drafts_together(gen: Generation) -> bool:
-        """Whether `gen` drafts in its drafter's batched forward when a batch has several such requests."""
-        return gen.sampling.greedy and hasattr(gen.drafter, "propose_batch")
 
     def generate(
         self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None

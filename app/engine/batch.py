@@ -1,0 +1,235 @@
+"""The batched step: several generations drafted, run through the target in ONE forward, and verified.
+
+`Engine.step_batch` hands the generations that can share a forward to its `Batcher`, which owns what only a
+batch needs: the draft lengths chosen for the batch as a whole, drafting several requests in one draft
+forward, the prompt chunks of chunked prefill and the costs measured on batched forwards. It reads each
+generation through its small public surface (`Generation.cache`, `plan`, `verify`, `next_prompt_chunk`,
+`prefilled`, `draft_length`, `draft_session`, `p_min`, `max_draft`), as TGI's `Batch` stands between its
+scheduler and its model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from app.engine.draft_length import StepCosts, batch_draft_lengths
+from app.engine.drafters import BatchDrafter
+from app.engine.generation import Generation, StepOutput, StepPlan
+from app.engine.model import Transformer
+
+
+def row_keys(target: Transformer) -> float:
+    """How many cached keys one row's attention reads for the multiply-adds of that row's products (the
+    linear layers): the context at which attention costs a row as much again."""
+    c = target.config
+    products = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.dim * c.intermediate_size
+    return products / (2 * c.n_heads * c.head_dim)
+
+
+class Batcher:
+    """Steps generations together in one target forward; created by `Engine`, which decides who joins.
+
+    `prefill_chunk` (> 0): prompts are prefilled at most that many tokens per step beside the decoding rows;
+    `prefill_step_seconds` (> 0): chunks are sized from measured costs so a step takes about that long."""
+
+    def __init__(self, target: Transformer, verify_width: int, prefill_chunk: int, prefill_step_seconds: float) -> None:
+        self.target = target
+        self.verify_width = verify_width
+        self.prefill_chunk = prefill_chunk
+        self.prefill_step_seconds = prefill_step_seconds
+        self.row_keys = row_keys(target)
+        # Measured seconds per unit of work (`units`) of batched forwards; None until one was measured.
+        self.unit_seconds: float | None = None
+        # Measured seconds of batched target forwards by total rows (the draft lengths of a batch weigh them).
+        self._batch_costs = StepCosts()
+        # Measured seconds per drafted token when a drafter drafts for several requests at once, per drafter.
+        self._batch_draft_step: dict[int, float] = {}
+
+    def step(self, gens: list[Generation]) -> list[StepOutput | Exception]:
+        """One step of each of `gens` in one target forward: the decoding ones drafted and verified, the
+        prefilling ones a prompt chunk each (or nothing, when the step's budget is spent). Per generation its
+        output or the exception that ended it."""
+        results: list[StepOutput | Exception | None] = [None] * len(gens)
+        decoding = [j for j, gen in enumerate(gens) if not gen.needs_prefill]
+        planned = self._plan([gens[j] for j in decoding])
+        plans: list[tuple[int, StepPlan]] = []
+        for j, plan in zip(decoding, planned, strict=True):
+            if isinstance(plan, StepPlan):
+                plans.append((j, plan))
+            else:
+                results[j] = plan
+        chunks: list[tuple[int, torch.Tensor, int]] = []
+        prefilling = [j for j, gen in enumerate(gens) if gen.needs_prefill]
+        sizes = self.chunk_sizes([gens[j] for j in prefilling], [plan for _, plan in plans])
+        for j, size in zip(prefilling, sizes, strict=True):
+            if size:
+                feed, start = gens[j].next_prompt_chunk(size)
+                chunks.append((j, feed, start))
+            else:  # no budget left this step: it waits for the next
+                results[j] = StepOutput([], "", 0, 0, 0.0, 0.0)
+        if plans or chunks:
+            self._forward(gens, plans, chunks, results)
+        return [r if r is not None else RuntimeError("no step ran") for r in results]
+
+    def units(self, rows: int, start: int) -> float:
+        """The work of `rows` rows at positions start.. in units of one row at position 0: each row's products,
+        plus its attention over the keys before it, `row_keys` keys costing one row's products."""
+        return rows * (1.0 + (start + (rows - 1) / 2) / self.row_keys)
+
+    def rows_within(self, units: float, start: int) -> int:
+        """The most rows from position `start` whose `units` stay within `units` (the root of a quadratic)."""
+        a, b = 0.5 / self.row_keys, 1.0 + (start - 0.5) / self.row_keys
+        n = int((-b + math.sqrt(b * b + 4 * a * units)) / (2 * a))
+        while n > 0 and self.units(n, start) > units:  # rounding
+            n -= 1
+        return n
+
+    def chunk_sizes(self, prompts: list[Generation], plans: list[StepPlan]) -> list[int]:
+        """Prompt tokens each prefilling generation runs this step, within the step's budget: `prefill_chunk`
+        tokens, and with `prefill_step_seconds` what the measured seconds per unit of work leave beside the
+        decoding rows (`plans`). The shortest prompt left goes first (a short request is not held behind long
+        ones; a long one then takes every step's budget until it is in)."""
+        cap = self.prefill_chunk
+        units = math.inf  # without a step time, the budget is cap tokens, whatever they cost
+        if self.prefill_step_seconds:
+            if self.unit_seconds is None:  # nothing measured yet: a modest first chunk, which measures
+                units = float(min(cap, 64))
+            else:
+                units = self.prefill_step_seconds / self.unit_seconds
+                units -= sum(self.units(p.real, p.start) for p in plans)
+            # However busy the step, each one moves a prompt along by some tokens.
+            units = max(units, min(cap, 16))
+        sizes = [0] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i].prompt_len - prompts[i].cache.length)
+        for i in order:
+            if units < 1 or cap <= 0:
+                break
+            start = prompts[i].cache.length
+            left = prompts[i].prompt_len - start
+            n = min(left, cap, max(1, self.rows_within(units, start)) if units < math.inf else cap)
+            sizes[i] = n
+            units -= self.units(n, start)
+            cap -= n
+        return sizes
+
+    def _plan(self, gens: list[Generation]) -> list[StepPlan | Exception]:
+        """Draft lengths chosen for the batch as a whole, the drafts (batched where a drafter can), and each
+        request's rows; an exception in place of a request whose drafting failed."""
+        # In half precision each request's rows are padded to two: a single row takes another attention path,
+        # whose last bits differ from the solo step's.
+        min_rows = 2 if self.verify_width else 0
+        limits = [gen.params.max_new_tokens - gen.stats.generated_tokens - 1 for gen in gens]
+        # Greedy requests of a drafter that drafts several at once share one draft forward per position: its
+        # seconds measured on batched drafts when there were, else one solo step.
+        groups = [id(gen.drafter) if self._drafts_in_batch(gen) else None for gen in gens]
+        steps = [
+            self._batch_draft_step.get(key, gen.draft_length.costs.draft_step)
+            if key is not None
+            else gen.draft_length.costs.draft_step
+            for gen, key in zip(gens, groups, strict=True)
+        ]
+        ks = batch_draft_lengths([gen.draft_length for gen in gens], limits, self._batch_costs, min_rows, steps, groups)
+        ks = [k if gen.max_draft else 0 for gen, k in zip(gens, ks, strict=True)]
+        failed: list[StepOutput | Exception | None] = [None] * len(gens)
+        drafted = self._draft(gens, ks, failed)
+        plans: list[StepPlan | Exception] = []
+        for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
+            problem = failed[j]
+            if isinstance(problem, Exception):
+                plans.append(problem)
+                continue
+            try:
+                plans.append(gen.plan(min_rows, k, drafted.get(j)))
+            except Exception as exc:
+                plans.append(exc)
+        return plans
+
+    def _forward(
+        self,
+        gens: list[Generation],
+        plans: list[tuple[int, StepPlan]],
+        chunks: list[tuple[int, torch.Tensor, int]],
+        results: list[StepOutput | Exception | None],
+    ) -> None:
+        """One target forward over every planned request's rows and every prompt chunk, then each request's
+        own verification (or prefill), into `results` by request index. A failure of the shared forward ends
+        every request in it."""
+        t0 = time.perf_counter()
+        members = [j for j, _ in plans] + [j for j, _, _ in chunks]
+        try:
+            hidden = self.target.hidden_batch(
+                [(plan.feed, plan.start, gens[j].cache) for j, plan in plans]
+                + [(feed, start, gens[j].cache) for j, feed, start in chunks]
+            )
+            # The head runs on every verified row, and on a prompt's last row once the prompt is all in.
+            done = [start + feed.shape[0] == gens[j].prompt_len for j, feed, start in chunks]
+            heads = hidden[: len(plans)] + [h[-1:] for h, last in zip(hidden[len(plans) :], done, strict=True) if last]
+            # One head product for every row of the batch: its weights (a fifth of the model) read once.
+            logits = list(self.target.logits(torch.cat(heads)).split([h.shape[0] for h in heads])) if heads else []
+        except Exception as exc:
+            for j in members:
+                results[j] = exc
+            return
+        seconds = time.perf_counter() - t0
+        if not chunks:  # what the draft lengths weigh: forwards of verified rows alone
+            self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds)
+        units = sum(self.units(p.feed.shape[0], p.start) for _, p in plans)
+        units += sum(self.units(feed.shape[0], start) for _, feed, start in chunks)
+        if self.prefill_step_seconds and units >= 8:  # a forward of a few rows says little of a big one's cost
+            per = seconds / units
+            self.unit_seconds = per if self.unit_seconds is None else 0.7 * self.unit_seconds + 0.3 * per
+        for (j, plan), h, lg in zip(plans, hidden[: len(plans)], logits[: len(plans)], strict=True):
+            try:
+                results[j] = gens[j].verify(plan, h, lg, seconds, solo=False)
+            except Exception as exc:
+                results[j] = exc
+        last_logits = iter(logits[len(plans) :])
+        for (j, _, start), h, last in zip(chunks, hidden[len(plans) :], done, strict=True):
+            try:
+                results[j] = gens[j].prefilled(start, h, next(last_logits)[0] if last else None, seconds)
+            except Exception as exc:
+                results[j] = exc
+
+    def _draft(
+        self, gens: list[Generation], ks: list[int], results: list[StepOutput | Exception | None]
+    ) -> dict[int, tuple[list[int], float]]:
+        """Greedy drafts of the requests whose drafter drafts several at once, by request index: (tokens,
+        that request's share of the seconds). A failure ends the requests of that drafter's batch."""
+        groups: dict[int, list[int]] = {}
+        for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
+            if k > 0 and gen.draft_session is not None and self._drafts_in_batch(gen):
+                groups.setdefault(id(gen.drafter), []).append(j)
+        drafted: dict[int, tuple[list[int], float]] = {}
+        for key, js in groups.items():
+            if len(js) < 2:
+                continue
+            drafter = gens[js[0]].drafter
+            t0 = time.perf_counter()
+            try:
+                assert isinstance(drafter, BatchDrafter)
+                out = drafter.propose_batch(
+                    [gens[j].draft_session for j in js],
+                    [gens[j].ids for j in js],
+                    [ks[j] for j in js],
+                    [gens[j].p_min for j in js],
+                )
+            except Exception as exc:
+                for j in js:
+                    results[j] = exc
+                continue
+            seconds = time.perf_counter() - t0
+            # Seconds per draft position (one batched draft forward): what batch_draft_lengths prices with.
+            per = seconds / max(ks[j] for j in js)
+            old = self._batch_draft_step.get(key)
+            self._batch_draft_step[key] = per if old is None else 0.9 * old + 0.1 * per
+            for j, tokens in zip(js, out, strict=True):
+                drafted[j] = (tokens, seconds / len(js))
+        return drafted
+
+    @staticmethod
+    def _drafts_in_batch(gen: Generation) -> bool:
+        """Whether `gen` drafts in its drafter's batched forward when a batch has several such requests."""
+        return gen.sampling.greedy and isinstance(gen.drafter, BatchDrafter)
