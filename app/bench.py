@@ -395,6 +395,7 @@ def kernel_steps(
     cache) per kernel this CPU runs, torch's path included, and per row count: a plain step is 1 row, a
     verification k+1. Returns (read bandwidth in bytes/s, bytes of weights a step reads, {kernel: {rows: ms}})
     (median of `repeats`)."""
+    from app import store
     from app.engine.loading import load_model
 
     bandwidth = read_bandwidth()
@@ -402,7 +403,7 @@ def kernel_steps(
     weight_bytes = 0
     for name in [*kernels.available(), "torch"]:
         with kernels.selected(name):
-            model = load_model(target, "bfloat16", "cpu").model
+            model = load_model(target, "bfloat16", "cpu", cache_dir=store.cache_dir()).model
         # Every weight is read once per step; the tied embedding once, as the output layer.
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         ids = torch.randint(0, model.config.vocab_size, (1, context + max(rows)), generator=torch.Generator())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -245,11 +246,66 @@ def test_a_kernel_this_cpu_cannot_run_is_refused_when_forced(monkeypatch: pytest
         kernels.load.cache_clear()
 
 
-def test_a_damaged_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(kernels, "_cache_dir", lambda: tmp_path)
+def test_kernels_are_built_where_the_caller_says(tmp_path: Path) -> None:
+    """The engine is given its cache directory (build_engine: the store's): the call that selects the kernel
+    builds it there; later calls get the same kernel; none given, a private temporary directory."""
+    with use_kernel("generic"):
+        chosen = kernels.kernel(tmp_path / "a")
+        assert chosen is not None and chosen.path.parent == tmp_path / "a" and chosen.path.exists()
+        assert kernels.kernel(tmp_path / "b") is chosen and kernels.kernel() is chosen
+    with use_kernel("generic"):
+        private = kernels.kernel()
+        assert private is not None and private.path.parent == kernels._private_dir() != tmp_path / "a"
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_engine_does_not_know_the_model_store() -> None:
+    """Only app.engine.factory (build_engine) reads the store; no other engine module imports it or reads
+    SPECSERVE_CACHE, so the engine runs wherever its caller keeps things."""
+    engine = Path(kernels.__file__).parent.parent
+    modules = sorted(
+        "app." + ".".join(p.relative_to(engine.parent).with_suffix("").parts).removesuffix(".__init__")
+        for p in engine.rglob("*.py")
+        if p.name != "factory.py"
+    )
+    assert "app.engine.generation" in modules and "app.engine.kernels" in modules
+    code = f"import importlib, sys\nfor m in {modules!r}:\n    importlib.import_module(m)\n"
+    code += "print('app.store' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False"]
+    for path in engine.rglob("*.py"):
+        if path.name != "factory.py":
+            assert "SPECSERVE_CACHE" not in path.read_text(), path
+
+
+def test_build_engine_gives_the_engine_the_stores_cache_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, target_path: Path
+) -> None:
+    """Callers of build_engine do not change: it resolves the cache directory from the store unless given one."""
+    from app import store
+    from app.engine import factory
+
+    seen: list[Path | None] = []
+
+    class Stop(Exception):
+        pass
+
+    def load_model(path, dtype, device, max_seq_len, cache_dir):
+        seen.append(cache_dir)
+        raise Stop  # what was passed is the point
+
+    monkeypatch.setattr(factory, "load_model", load_model)
+    monkeypatch.setattr(store, "cache_dir", lambda: tmp_path / "store")
+    for given in (None, tmp_path / "mine"):
+        with pytest.raises(Stop):
+            factory.build_engine(str(target_path), "none", cache_dir=given)
+    assert seen == [tmp_path / "store", tmp_path / "mine"]
+
+
+def test_a_damaged_cached_library_is_rebuilt(tmp_path: Path) -> None:
     kernels.load.cache_clear()
     try:
-        first = kernels.load("generic")
+        first = kernels.load("generic", tmp_path)
         stamp = Path(f"{first.path}.sha256")
         assert first.path.parent == tmp_path and stamp.read_text() == kernels._digest(first.path)
         # A library cut short (a crash mid-copy, a full disk) must never be loaded: dlopen of it could crash.
@@ -258,7 +314,7 @@ def test_a_damaged_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tm
         cut.write_bytes(first.path.read_bytes()[:1000])
         os.replace(cut, first.path)
         kernels.load.cache_clear()
-        again = kernels.load("generic")
+        again = kernels.load("generic", tmp_path)
         assert again.path == first.path and stamp.read_text() == kernels._digest(again.path)
         assert os.path.getsize(again.path) > 1000
     finally:

@@ -684,6 +684,20 @@ def test_gguf_prompts_get_bos_as_the_file_says(tmp_path, add_bos):
     assert chat == "<|im_start|>Hab" and tokenizer.encode(chat) == [bos, *hab]
 
 
+def test_load_model_builds_the_kernels_in_the_cache_dir_it_is_given(tmp_path):
+    """bfloat16 on a CPU kernel: the kernel chosen while loading is built in `cache_dir`/kernels."""
+    from app.engine import kernels
+
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", _gguf_source_model("llama", True, 28).state_dict(), Q.F32, True)
+    with kernels.selected("generic"):
+        model = load_model(path, "bfloat16", "cpu", cache_dir=tmp_path / "cache").model
+        assert model.kernel is not None and model.kernel.path.parent == tmp_path / "cache" / "kernels"
+    with kernels.selected("generic"):  # float32 needs no kernel: nothing is built
+        load_model(path, "float32", "cpu", cache_dir=tmp_path / "unused")
+    assert not (tmp_path / "unused").exists()
+
+
 def test_gguf_unsupported_tokenizer_model(tmp_path):
     src = _gguf_source_model("llama", tied=True, seed=26)
     path = tmp_path / "spm.gguf"

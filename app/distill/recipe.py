@@ -166,7 +166,7 @@ def train_draft(target_name: str, out_dir: Path, work: Path, recipe: Recipe, nam
     started = time.perf_counter()
     path = store.resolve(target_name)
     # The target runs as it serves (bfloat16, packed): training only borrows its embedding and output rows.
-    loaded = load_model(path, "bfloat16", "cpu")
+    loaded = load_model(path, "bfloat16", "cpu", cache_dir=store.cache_dir())
     t0 = time.perf_counter()
     shards = build_data(loaded, recipe, work)
     corpus_seconds = time.perf_counter() - t0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from app import store
 from app.engine.defaults import (
@@ -44,6 +45,7 @@ def build_engine(
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     prefill_step_seconds: float = DEFAULT_PREFILL_STEP_SECONDS,
+    cache_dir: Path | None = None,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
@@ -51,13 +53,15 @@ def build_engine(
     vocabulary, or a feature draft trained with `specserve train-draft`) is registered under the name it
     was given and becomes the default. The draft-length defaults are the server's (app.engine.defaults).
     Raises store.ModelStoreError for a missing model and drafters.DraftError for a draft that does not fit
-    the target.
+    the target. `cache_dir` (default: the model store's, $SPECSERVE_CACHE) is where the engine keeps what it
+    builds (the CPU kernels): the engine itself knows nothing of the store.
     """
+    cache_dir = store.cache_dir() if cache_dir is None else cache_dir
     if draft == HYBRID:  # the hybrid is built on the target's catalog draft
         if default_draft_name(target) == FALLBACK_DRAFT:
             raise DraftError(f"no catalog draft for {target!r} to build the hybrid on; name a draft instead")
         draft = "default"
-    loaded = load_model(store.resolve(target), dtype, device, max_seq_len)
+    loaded = load_model(store.resolve(target), dtype, device, max_seq_len, cache_dir)
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
     default = default_draft_name(target) if draft == "default" else draft
     if default not in ("none", "ngram"):
@@ -68,7 +72,7 @@ def build_engine(
             except EagleError as exc:
                 raise DraftError(f"draft {default!r}: {exc}") from exc
         else:
-            draft_model = load_model(path, loaded.model.dtype, loaded.model.device, max_seq_len)
+            draft_model = load_model(path, loaded.model.dtype, loaded.model.device, max_seq_len, cache_dir)
             drafters[default] = ModelDrafter(default, draft_model, loaded)
         drafters[HYBRID] = HybridDrafter(HYBRID, drafters[default])
     # `default` with a model draft means the hybrid: measured on Spec-Bench it beats the model draft and the

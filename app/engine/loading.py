@@ -92,10 +92,18 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     max_seq_len: int | None = None,
+    cache_dir: Path | None = None,
 ) -> LoadedModel:
-    """Load a GGUF file or HF directory at `path` as a Transformer plus its Tokenizer."""
+    """Load a GGUF file or HF directory at `path` as a Transformer plus its Tokenizer.
+
+    `cache_dir`: the engine's cache directory; the CPU kernels are built into its `kernels/` (None: into a
+    private temporary directory, compiled again by every process). `build_engine` passes the model store's.
+    """
     t0 = time.perf_counter()
     dev = resolve_device(device) if isinstance(device, str) else device
+    if dev.type == "cpu" and (dtype == "auto" or dtype in ("bfloat16", torch.bfloat16)):
+        # The first selection builds the kernel (bfloat16 runs on it, `auto` asks whether one runs): here.
+        kernels.kernel(None if cache_dir is None else Path(cache_dir) / "kernels")
     dt = resolve_dtype(dtype, dev) if isinstance(dtype, str) else dtype
     ckpt = read_checkpoint(Path(path), max_seq_len)
     with torch.device("meta"):

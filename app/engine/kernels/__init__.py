@@ -8,14 +8,17 @@ the bits of k+1 single steps, without padding or a fixed key span.
 Kernels, best first: ``amx`` (Intel AMX tiles), ``avx512`` (AVX-512F), ``avx2`` (AVX2 + FMA), ``generic``
 (plain C, any gcc target). The portable three compute the same bits (the arithmetic is fixed in
 ``common.h``); ``amx`` sums in its tiles' order. The sources (``*.c`` beside this file) are compiled with the
-system's gcc at first use into ``$SPECSERVE_CACHE/kernels``, keyed by source, flags, compiler, CPU and
-OpenMP runtime, and each library's digest is checked before it is loaded. ``SPECSERVE_KERNEL`` picks one:
+system's gcc at first use into the directory the caller gives (`build_engine`: ``kernels/`` in the model
+store's cache directory; none given: a private temporary directory, removed when the process exits),
+keyed by source, flags, compiler, CPU and OpenMP runtime, and each library's digest is checked before it is
+loaded. ``SPECSERVE_KERNEL`` picks one:
 ``auto`` (default: the best this CPU runs and gcc builds), a kernel's name (an error where it cannot run),
 or ``torch`` (oneDNN and SDPA; rows are not independent there, see `Engine`).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -156,10 +159,12 @@ def _build(name: str, gcc: str, flags: list[str], target: Path) -> None:
         os.replace(f"{out}.sha256", f"{target}.sha256")
 
 
-def _cache_dir() -> Path:
-    from app.store import cache_dir
-
-    return cache_dir() / "kernels"
+@functools.cache
+def _private_dir() -> Path:
+    """Where kernels are built when the caller names no directory: this process's own, removed at exit."""
+    path = Path(tempfile.mkdtemp(prefix="specserve-kernels-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 class Kernel:
@@ -301,8 +306,9 @@ class KernelLinear:
 
 
 @functools.cache
-def load(name: str) -> Kernel:
-    """Kernel `name`, built at first use and cached; raises KernelUnavailable where it cannot run here."""
+def load(name: str, cache_dir: Path | None = None) -> Kernel:
+    """Kernel `name`, built at first use into `cache_dir` (None: a private temporary directory) and kept there,
+    loaded once per directory; raises KernelUnavailable where it cannot run here."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernel {name!r}; kernels: {', '.join(KERNELS)}")
     if not runs_here(name):
@@ -314,7 +320,7 @@ def load(name: str) -> Kernel:
     sources = "".join((_HERE / f).read_text() for f in ("common.h", f"{name}.c"))
     key_text = f"{sources}{_COMMON}{flags}{version}{_cpu()}{_torch_gomp()}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    path = _cache_dir() / f"{name}_{key}.so"
+    path = (cache_dir or _private_dir()) / f"{name}_{key}.so"
     stamp = Path(f"{path}.sha256")
     try:
         if not (path.exists() and stamp.exists() and stamp.read_text().strip() == _digest(path)):
@@ -330,20 +336,34 @@ def load(name: str) -> Kernel:
     return Kernel(name, lib, path)
 
 
-@functools.cache
-def kernel() -> Kernel | None:
-    """The kernel `SPECSERVE_KERNEL` selects (None: torch's oneDNN and SDPA); logged once."""
+# The selection, made by the first `kernel()` call (and again after `selected`): {"kernel": Kernel | None}.
+_selection: dict[str, Kernel | None] = {}
+
+
+def kernel(cache_dir: Path | None = None) -> Kernel | None:
+    """The kernel `SPECSERVE_KERNEL` selects (None: torch's oneDNN and SDPA), chosen and logged once per process.
+
+    The call that chooses builds (or finds) the library in `cache_dir` (None: a private temporary directory);
+    later calls return the same kernel, whatever directory they name. `load_model` makes that first call with
+    the directory its caller gives (`build_engine`: the model store's), before anything is packed.
+    """
+    if "kernel" not in _selection:
+        _selection["kernel"] = _select(cache_dir)
+    return _selection["kernel"]
+
+
+def _select(cache_dir: Path | None) -> Kernel | None:
     choice = setting()
     if choice == "torch":
         log.info("CPU kernel: torch (oneDNN products, SDPA attention), as SPECSERVE_KERNEL asks")
         return None
     if choice != "auto":
-        chosen = load(choice)
+        chosen = load(choice, cache_dir)
         log.info("CPU kernel: %s (SPECSERVE_KERNEL), %s", chosen.name, chosen.path)
         return chosen
     for name in available():
         try:
-            chosen = load(name)
+            chosen = load(name, cache_dir)
         except KernelUnavailable as exc:
             log.warning("CPU kernel %s unavailable: %s", name, exc)
             continue
@@ -358,7 +378,7 @@ def selected(choice: str) -> Iterator[None]:
     """Within: `kernel()` is what SPECSERVE_KERNEL=`choice` selects (models packed inside run on it)."""
     old = os.environ.get("SPECSERVE_KERNEL")
     os.environ["SPECSERVE_KERNEL"] = choice
-    kernel.cache_clear()
+    _selection.clear()
     try:
         yield
     finally:
@@ -366,7 +386,7 @@ def selected(choice: str) -> Iterator[None]:
             os.environ.pop("SPECSERVE_KERNEL", None)
         else:
             os.environ["SPECSERVE_KERNEL"] = old
-        kernel.cache_clear()
+        _selection.clear()
 
 
 def name() -> str:
