@@ -654,7 +654,11 @@ def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
         "every response is checked for completeness and against the text its prompt got alone.",
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--input", default="../shared/bench/specbench-dev.jsonl", help="Spec-Bench-format JSONL")
+    parser.add_argument(
+        "--input",
+        default=str(BENCH_PROMPTS),
+        help="Spec-Bench-format JSONL (default: the package's 13 prompts, one per Spec-Bench category, as bench's)",
+    )
     parser.add_argument("--prompts", type=_positive_int, default=16, help="distinct prompts (first turns) to send")
     parser.add_argument(
         "--clients", default=None, help="comma-separated concurrency levels (default: 1,2,4,8,16; 1 with --rates)"

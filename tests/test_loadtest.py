@@ -92,3 +92,30 @@ async def test_an_open_loop_level_sends_every_request_at_its_arrival_time(api_en
     assert row["completed"] == 6 and row["differs_from_alone"] == 0 and row["errors"] == {}
     table = markdown([{"speculative": "ngram", "clients": None, "rate": 50.0, **row}])
     assert "| ngram | http | 50/s | 6/6 |" in table
+
+
+def test_loadtest_sends_the_packages_prompts_by_default(monkeypatch, tmp_path):
+    """With no --input, `specserve loadtest` sends the package's own prompts (as `specserve bench`), from any
+    directory: no path that only this repository's CI layout has."""
+    import app.loadtest
+    from app import cli
+    from app.bench import read_prompts
+
+    class Answer:
+        def json(self):
+            return {"data": [{"id": "m"}]}
+
+    sent: list[list[str]] = []
+
+    async def run_level(url, prompts, *args):
+        sent.append(list(prompts))
+        return [], 1.0
+
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: Answer())
+    monkeypatch.setattr(app.loadtest, "run_level", run_level)
+    monkeypatch.setattr(app.loadtest, "summarize_level", lambda *args: {})
+    monkeypatch.setattr(app.loadtest, "markdown", lambda rows: "")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["loadtest", "--clients", "1", "--draft", "none", "--out", "out"]) == 0
+    assert sent == [[p.text for p in read_prompts(cli.BENCH_PROMPTS)]] and len(sent[0]) == 13
+    assert (tmp_path / "out" / "loadtest.json").is_file()
