@@ -43,7 +43,7 @@ TINY = {
     "tie_embeddings": False,
 }
 PARAMS = GenerationParams(max_new_tokens=3, num_draft_tokens=2, ignore_eos=True, temperature=1.0)
-N_SAMPLES = 10_000
+N_SAMPLES = 6_000
 N_BROKEN = 5_000
 N_PAIRS = 500
 Z_1E4 = 3.719  # one-sided standard normal quantile for a false-alarm rate of 1e-4
