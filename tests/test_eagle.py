@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import app.engine.eagle as eagle_module
 from app.engine.eagle import (
     EagleConfig,
     EagleDraft,
@@ -192,3 +193,20 @@ def test_batched_proposals_match_each_session_alone(target, tok):
     again = drafter.propose_batch(sessions, longer, [2, 2, 0], [0.0, 0.0, 0.0])
     assert again[:2] == [_reference_proposal(drafter.draft, target, ids, 2) for ids in longer[:2]]
     assert again[2] == []
+
+
+def test_a_long_prompt_is_caught_up_a_slice_per_step(target, tok, monkeypatch):
+    """After a long prompt the session catches up on at most _CATCH_UP positions per call, proposing nothing
+    until it has them all (no step runs the draft over the whole prompt), then proposes what a session that
+    caught up at once proposes."""
+    monkeypatch.setattr(eagle_module, "_CATCH_UP", 8)
+    drafter = _drafter(target, tok)
+    ids = [(3 * i + 1) % V for i in range(30)]
+    sliced, whole = drafter.session(capacity=64), drafter.session(capacity=64)
+    sliced.features[: len(ids)] = whole.features[: len(ids)] = _states(target, ids)
+    calls = []
+    while not (got := sliced.propose(ids, 4)):
+        calls.append(got)
+    assert len(calls) == (len(ids) - 2) // 8  # 29 positions to catch up: three slices of 8, then 5 and the drafts
+    monkeypatch.setattr(eagle_module, "_CATCH_UP", 10_000)
+    assert got == whole.propose(ids, 4) == _reference_proposal(drafter.draft, target, ids, 4)

@@ -241,6 +241,10 @@ def load_draft(path: Path, target: Transformer) -> EagleDraft:
     return draft
 
 
+# Most positions a session catches up on in one step (see _EagleSession._catch_up).
+_CATCH_UP = 512
+
+
 class _EagleSession:
     """Per-request state: the draft's KV cache, and how many positions it holds with the target's true
     states. The generation writes the target's state of every verified position into `features`."""
@@ -277,6 +281,15 @@ class _EagleSession:
         # Re-feed at least the newest known position: its output is the first guess.
         self._true_len = min(self._true_len, n - 2)
         self._cache.truncate(self._true_len)
+        if n - 1 - self._true_len > _CATCH_UP:
+            # After a long prompt: catch up a slice per step and draft nothing meanwhile, so that no step runs the
+            # draft over the whole prompt at once (seconds at 8k tokens), which every request beside it would wait for.
+            end = self._true_len + _CATCH_UP
+            feed = torch.tensor(token_ids[self._true_len + 1 : end + 1], dtype=torch.long, device=self.features.device)
+            with torch.inference_mode():
+                self._draft(self.features[self._true_len : end][None], feed[None], self._true_len, self._cache)
+            self._true_len = end
+            return None
         states = self.features[self._true_len : n - 1]
         tokens = torch.tensor(token_ids[self._true_len + 1 : n], dtype=torch.long, device=self.features.device)
         pos = self._true_len
