@@ -177,7 +177,7 @@ def run_bench(
     if temperature > 0 and seed is None:
         seed = 0
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-    samplers = dict.fromkeys(c.sampler for c in configs) if temperature > 0 else {"gumbel": None}
+    samplers = list(dict.fromkeys(c.sampler for c in configs)) if temperature > 0 else ["gumbel"]
     configs = [
         *[Config("none", sampler=s) for s in samplers],
         *[c for c in configs if c.draft != "none" and (temperature > 0 or c.sampler == "gumbel")],

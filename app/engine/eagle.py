@@ -286,8 +286,7 @@ class _EagleSession:
             # draft over the whole prompt at once (seconds at 8k tokens), which every request beside it would wait for.
             end = self._true_len + _CATCH_UP
             feed = torch.tensor(token_ids[self._true_len + 1 : end + 1], dtype=torch.long, device=self.features.device)
-            with torch.inference_mode():
-                self._draft(self.features[self._true_len : end][None], feed[None], self._true_len, self._cache)
+            self._draft(self.features[self._true_len : end][None], feed[None], self._true_len, self._cache)
             self._true_len = end
             return None
         states = self.features[self._true_len : n - 1]
