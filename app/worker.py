@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.engine.generation import Engine, Generation, GenerationError, GenerationParams, StepOutput
+from app.engine.logprobs import TokenLogprob
 from app.engine.tokenizer import Tokenizer
 from app.logs import current_request_id
-from app.metrics import Metrics
+from app.metrics import Metrics, RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class TokenOut:
     id: int
     text: str
     special: bool
+    logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class StepEvent:
 
     tokens: tuple[TokenOut, ...]
     finished: Finished | None = None
+    # When asked, on the request's first event: one per prompt token (None for the first, which nothing predicts).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class _TokenTexts:
@@ -113,7 +117,9 @@ class _TokenTexts:
             self._decoded += len(after) - len(before)
             self._prefix, self._read = self._read, len(self._ids)
 
-    def split(self, token_ids: Sequence[int], text: str) -> tuple[TokenOut, ...]:
+    def split(
+        self, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> tuple[TokenOut, ...]:
         start, end = self._released, self._released + len(text)
         cursor = start
         out = []
@@ -121,7 +127,8 @@ class _TokenTexts:
             if tid not in self._eos:
                 self._advance(tid)
             cut = end if i == len(token_ids) - 1 else min(max(self._decoded, cursor), end)
-            out.append(TokenOut(tid, text[cursor - start : cut - start], tid in self._special))
+            logprob = logprobs[i] if logprobs is not None else None
+            out.append(TokenOut(tid, text[cursor - start : cut - start], tid in self._special, logprob))
             cursor = cut
         self._released = end
         return tuple(out)
@@ -147,6 +154,9 @@ class _Job:
     gen: Generation | None = None
     texts: _TokenTexts | None = None
     last_delivery: float = 0.0
+    started: float | None = None  # the worker started its generation
+    first_token: float | None = None  # its first tokens were delivered
+    generated: int = 0
     drafted: int = 0
     accepted: int = 0
 
@@ -335,7 +345,18 @@ class Scheduler:
             self._held.discard(job)
         if self.metrics is not None:
             self.metrics.request_ended(outcome, finish_reason)
-            self.metrics.generation_ended(time.monotonic() - job.arrived, job.drafted, job.accepted)
+            record = RequestRecord(
+                arrived=job.arrived,
+                ended=time.monotonic(),
+                started=job.started,
+                first_token=job.first_token,
+                prompt_tokens=len(job.prompt_ids),
+                generated_tokens=job.generated,
+                max_tokens=job.params.max_new_tokens,
+                drafted=job.drafted,
+                accepted=job.accepted,
+            )
+            self.metrics.generation_ended(record, outcome, finish_reason)
         return True
 
     def _fail(self, job: _Job, outcome: str, kind: str, message: str) -> None:
@@ -345,7 +366,17 @@ class Scheduler:
 
     def _publish_load(self) -> None:
         if self.metrics is not None:
-            self.metrics.load(len(self._running), len(self._waiting))
+            self.metrics.load(len(self._running), len(self._waiting), self._kv_cache_usage())
+
+    def _kv_cache_usage(self) -> float:
+        """The target cache positions the running generations allocated, over what `max_running` full-length
+        requests would (a generation allocates its whole cache when it starts)."""
+        held = 0
+        for job in self._running:
+            gen = job.gen  # read once: the worker drops it as the request leaves
+            if gen is not None:
+                held += gen.cache.capacity
+        return min(1.0, held / (self.max_running * self.engine.target.config.max_seq_len))
 
     # --- the worker thread --------------------------------------------------------------------------
 
@@ -480,6 +511,7 @@ class Scheduler:
             return False
         now = time.monotonic()
         job.last_delivery = job.arrived
+        job.started = now
         if self.metrics is not None:
             self.metrics.request_started(now - job.arrived, len(job.prompt_ids))
         return True
@@ -502,12 +534,15 @@ class Scheduler:
             raise out
         if not out.token_ids and out.finish_reason is None:
             return not job.ended  # a step that prefilled part of the prompt: nothing to send yet
-        tokens = job.texts.split(out.token_ids, out.text)
+        tokens = job.texts.split(out.token_ids, out.text, out.logprobs)
         if job.ended:  # cancelled or timed out while its step ran: the client is gone
             return False
         now = time.monotonic()
         job.drafted += out.drafted
         job.accepted += out.accepted
+        job.generated += len(tokens)
+        if job.first_token is None and tokens:
+            job.first_token = now
         if self.metrics is not None:
             self.metrics.step(len(tokens), out.drafted, out.accepted, out.draft_seconds, out.verify_seconds, first)
             self.metrics.tokens_delivered(now - job.last_delivery, len(tokens), first)
@@ -526,5 +561,6 @@ class Scheduler:
         if finished is not None:
             # Counted before the event leaves: the route gives the ticket up as soon as it has read it.
             self._end(job, "success", finished.finish_reason)
-        job.post(StepEvent(tokens, finished))
+        prompt = tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None
+        job.post(StepEvent(tokens, finished, prompt))
         return finished is None

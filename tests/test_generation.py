@@ -495,7 +495,7 @@ def test_requests_the_engine_refuses(make_tiny_model, tok):
     with pytest.raises(GenerationError, match="unknown draft 'nope'"):
         engine.start(PROMPT, GenerationParams(max_new_tokens=2), draft="nope")
     with pytest.raises(GenerationError, match="max_new_tokens"):
-        engine.start(PROMPT, GenerationParams(max_new_tokens=0))
+        engine.start(PROMPT, GenerationParams(max_new_tokens=-1))
     with pytest.raises(GenerationError, match="num_draft_tokens"):
         engine.start(PROMPT, GenerationParams(max_new_tokens=2, num_draft_tokens=-1))
     with pytest.raises(GenerationError, match=r"\[0, 64\)"):

@@ -29,3 +29,7 @@ DEFAULT_PREFILL_STEP_SECONDS = 0.25
 # How sampled tokens are drawn (GenerationParams.sampler): "gumbel", the default, gives target-only sampling's
 # tokens for a seed whatever the draft; "rejection" accepts a model draft more often. README, "Sampling".
 SAMPLERS = ("gumbel", "rejection")
+
+# The most alternatives a request may ask log-probabilities of, per token (OpenAI's limit on top_logprobs and
+# completions' logprobs, vLLM's default max_logprobs); TGI's top_n_tokens is held to it too.
+MAX_LOGPROBS = 20

@@ -17,10 +17,11 @@ from typing import overload
 
 import torch
 
-from app.engine.defaults import MAX_DRAFT_TOKENS, SAMPLERS
+from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SAMPLERS
 from app.engine.detokenizer import Detokenizer
 from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts
 from app.engine.drafters import Drafter, DraftSession, FeatureSession, SamplingSession
+from app.engine.logprobs import TokenLogprob, token_logprobs
 from app.engine.model import KVCache, Transformer
 from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice, sample, warp
 from app.engine.tokenizer import Tokenizer
@@ -64,6 +65,11 @@ class GenerationParams:
     draft_schedule: str | None = None
     # The draft stops proposing when its top probability falls below this (0: never); None: engine default.
     draft_p_min: float | None = None
+    # Log-probabilities under the target's raw distribution (app.engine.logprobs), computed only when asked:
+    # `logprobs` of each generated token with that many alternatives (None: not asked), `prompt_logprobs` of
+    # each prompt token after the first. max_new_tokens 0 runs the prompt alone, for its log-probabilities.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -132,6 +138,9 @@ class StepOutput:
     draft_seconds: float
     verify_seconds: float
     finish_reason: str | None = None  # "eos", "stop" or "length" on the last step
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
+    # When asked, on the step that ends the prefill: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class BatchStep(Sequence[StepOutput | Exception]):
@@ -186,8 +195,12 @@ class Generation:
     ) -> None:
         if not prompt_ids:
             raise GenerationError("the prompt is empty")
-        if params.max_new_tokens < 1:
-            raise GenerationError("max_new_tokens must be at least 1")
+        if params.max_new_tokens < 0:
+            raise GenerationError("max_new_tokens must be 0 or more")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise GenerationError(f"{name} must lie in [0, {MAX_LOGPROBS}]")
         if params.num_draft_tokens < 0:
             raise GenerationError("num_draft_tokens must be 0 or more")
         if not 0 <= params.min_tokens <= params.max_new_tokens:
@@ -255,6 +268,8 @@ class Generation:
                 self._rng = GumbelNoise(self.seed, vocab)
             else:
                 self._rng = torch.Generator(device=target.device).manual_seed(self.seed)
+        # The prompt's log-probabilities gathered chunk by chunk, sent with the first token (None: not asked).
+        self._prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self._started = time.perf_counter()
 
     @property
@@ -388,7 +403,10 @@ class Generation:
         steps = min(k, len(drafts) + 1)
         if solo:
             self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
-        return self._emit([*drafts[:accepted], nxt], len(drafts), accepted, plan.draft_seconds, verify_seconds)
+        new = [*drafts[:accepted], nxt]
+        # Row i of the target's logits predicted new[i]: the accepted drafts' rows, then the row that chose nxt.
+        logprobs = None if self.params.logprobs is None else token_logprobs(logits[: len(new)], new, self.params.logprobs)
+        return self._emit(new, len(drafts), accepted, plan.draft_seconds, verify_seconds, logprobs)
 
     def _propose(self, k: int) -> tuple[list[int], torch.Tensor | None]:
         if self._draft is None or k <= 0:
@@ -425,6 +443,8 @@ class Generation:
         t0 = time.perf_counter()
         if self._features is not None:
             self._features[start : start + hidden.shape[0]] = hidden
+        if self._prompt_logprobs is not None:
+            self._add_prompt_logprobs(start, hidden)
         if logits is None:
             self.stats.prefill_seconds += seconds + time.perf_counter() - t0
             return StepOutput([], "", 0, 0, 0.0, 0.0)
@@ -435,12 +455,40 @@ class Generation:
             nxt = gumbel_choice(logits, self.sampling, self._rng, len(self.ids))
         else:
             nxt = int(sample(warp(logits, self.sampling), self._rng))
+        logprobs = None if self.params.logprobs is None else token_logprobs(logits[None], [nxt], self.params.logprobs)
         seconds += time.perf_counter() - t0
         self.stats.target_passes += 1
         self.stats.prefill_seconds += seconds
-        return self._emit([nxt], 0, 0, 0.0, seconds)
+        out = self._emit([nxt], 0, 0, 0.0, seconds, logprobs)
+        out.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        return out
 
-    def _emit(self, new: list[int], drafted: int, accepted: int, draft_s: float, verify_s: float) -> StepOutput:
+    # Prompt rows whose logits are computed at once for prompt log-probabilities: a [rows, vocab] float32 block
+    # (12 MB per 64 rows of a 49k vocabulary) instead of one for the whole prompt.
+    _PROMPT_LOGPROB_ROWS = 64
+
+    def _add_prompt_logprobs(self, start: int, hidden: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens that rows start.. (`hidden` [n, dim]) predict: row i, at
+        position start + i, predicts the token at start + i + 1; the prompt's last row predicts the first
+        generated token, not a prompt token."""
+        assert self._prompt_logprobs is not None
+        rows = min(hidden.shape[0], self.prompt_len - 1 - start)
+        step = self._PROMPT_LOGPROB_ROWS
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            logits = self._checked(self.target.logits(hidden[a:b]))
+            targets = self.ids[start + a + 1 : start + b + 1]
+            self._prompt_logprobs.extend(token_logprobs(logits, targets, self.params.prompt_logprobs or 0))
+
+    def _emit(
+        self,
+        new: list[int],
+        drafted: int,
+        accepted: int,
+        draft_s: float,
+        verify_s: float,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> StepOutput:
         finish = None
         remaining = self.params.max_new_tokens - self.stats.generated_tokens
         if len(new) >= remaining:
@@ -464,7 +512,9 @@ class Generation:
             self.finish_reason = finish
             text += self._detok.flush()
             self.stats.total_seconds = time.perf_counter() - self._started
-        return StepOutput(new, text, drafted, accepted, draft_s, verify_s, finish)
+        # Only the tokens kept (not those past the end, an end-of-sequence token or a stop string) have theirs.
+        kept = None if logprobs is None else logprobs[: len(new)]
+        return StepOutput(new, text, drafted, accepted, draft_s, verify_s, finish, kept)
 
 
 class Engine:
