@@ -73,8 +73,8 @@ class Runtime:
             batched_decoding=engine.batching,
         )
         if metrics is not None:
-            batched = "true" if engine.batching else "false"
-            metrics.engine_info.info({"kernel": info.kernel, "dtype": info.dtype, "batched_decoding": batched})
+            k = engine.num_draft_tokens if engine.drafters else 0
+            metrics.engine_started(info.kernel, info.dtype, engine.batching, k)
         scheduler = Scheduler(engine, settings.max_concurrent_requests, settings.max_queue_size, metrics)
         scheduler.start()
         return cls(scheduler, engine.tokenizer, info)

@@ -167,7 +167,7 @@ def open_paths(settings: Settings) -> tuple[str, ...]:
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
     """The service: routes, error handlers, body guard, metrics; with `engine`, served as is instead of loaded."""
     settings = settings or Settings()
-    metrics = Metrics()
+    metrics = Metrics(settings.served_model_names[0])
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -89,9 +90,13 @@ def server_process(
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    """The value of one sample of the server's /metrics (0 when absent)."""
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """The value of the one sample of the server's /metrics named `name` whose labels include `labels` (the
+    label model_name, on every sample, need not be given); 0 when there is none."""
+    found = [
+        sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
+    assert len(found) <= 1, f"{name}{labels} matches {len(found)} samples"
+    return found[0] if found else 0.0

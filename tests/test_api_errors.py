@@ -16,6 +16,9 @@ import pytest
 from app.engine.drafters import NgramDrafter
 from app.engine.generation import Engine
 
+# The requests counter's sample for an outcome, on an app serving the default target.
+ENDED = 'specserve_requests_total{finish_reason="none",model_name="smollm2-135m-instruct",outcome='
+
 pytestmark = pytest.mark.anyio
 
 P = {"max_new_tokens": 4}
@@ -178,7 +181,7 @@ async def test_native_bad_input(api_client) -> None:
         r = await _post(client, "/generate_stream", _native({"max_new_tokens": 0}))
         assert r.status_code == 422 and r.headers["content-type"] == "application/json"
         metrics = (await client.get("/metrics")).text
-    assert f'specserve_requests_total{{finish_reason="none",outcome="invalid"}} {len(NATIVE_CASES) + 1}.0' in metrics
+    assert f'{ENDED}"invalid"}} {len(NATIVE_CASES) + 1}.0' in metrics
 
 
 async def test_openai_bad_input(api_client) -> None:
@@ -244,7 +247,7 @@ async def test_a_body_that_never_ends_is_408(api_client) -> None:
     assert oai.json()["error"]["code"] == "request_timeout"
     assert native.headers["connection"] == "close"
     assert waited < 5
-    assert 'specserve_requests_total{finish_reason="none",outcome="invalid"} 2.0' in metrics
+    assert f'{ENDED}"invalid"}} 2.0' in metrics
 
 
 class _ExplodingDraft:
@@ -286,7 +289,7 @@ async def test_a_failing_request_fails_alone(api_client, fragile_engine, sse_dat
     assert events[-1] == {"error": "generation failed: RuntimeError: draft exploded", "error_type": "generation"}
     assert together.json()["generated_text"] == alone == after.json()["generated_text"]
     assert health.status_code == 200
-    assert 'specserve_requests_total{finish_reason="none",outcome="error"} 2.0' in metrics
+    assert f'{ENDED}"error"}} 2.0' in metrics
 
 
 async def test_timeout_ends_with_an_error(api_client, sse_data) -> None:
@@ -302,7 +305,7 @@ async def test_timeout_ends_with_an_error(api_client, sse_data) -> None:
     last = json.loads(sse_data(s.text)[-1])
     assert last["error_type"] == "timeout"
     assert elapsed < 10
-    assert 'specserve_requests_total{finish_reason="none",outcome="timeout"} 2.0' in metrics
+    assert f'{ENDED}"timeout"}} 2.0' in metrics
 
 
 async def test_overload_is_429_at_once_with_retry_after(api_client) -> None:

@@ -115,7 +115,10 @@ async def test_models_and_info(api_client) -> None:
     assert info["model_dtype"] == "float32" and info["model_device_type"] == "cpu"
     # float32 runs on torch's products, whose rows depend on the batch: requests step one at a time.
     assert info["cpu_kernel"] == "torch" and info["batched_decoding"] is False
-    assert 'specserve_engine_info{batched_decoding="false",dtype="float32",kernel="torch"} 1.0' in metrics
+    assert (
+        'specserve_engine_info{batched_decoding="false",dtype="float32",kernel="torch",model_name="smol"} 1.0'
+        in metrics
+    )
     assert info["draft"] == "ngram" and info["num_draft_tokens"] == 4
     assert info["available_drafts"] == ["default", "none", "ngram"]
     assert info["max_total_tokens"] == 8192 and info["max_input_tokens"] == 8191

@@ -23,6 +23,9 @@ from app.logs import _JSONFormatter, _RequestIdFilter
 from app.server import create_app
 from app.settings import Settings
 
+# The requests counter's sample for an outcome, on an app serving the default target.
+ENDED = 'specserve_requests_total{finish_reason="none",model_name="smollm2-135m-instruct",outcome='
+
 pytestmark = pytest.mark.anyio
 
 KEY = "s3cret-key_0123456789"
@@ -73,7 +76,7 @@ async def test_api_key_guards_every_route_but_health(api_client) -> None:
     assert lower_scheme.status_code == 200
     assert KEY not in lower_scheme.text
     # The refused POSTs count as invalid requests; the refused GETs count nowhere.
-    assert 'specserve_requests_total{finish_reason="none",outcome="invalid"} 5.0' in metrics
+    assert f'{ENDED}"invalid"}} 5.0' in metrics
 
 
 async def test_metrics_public_opens_metrics_only(api_client) -> None:

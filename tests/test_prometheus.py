@@ -4,13 +4,16 @@
 docker/prometheus/prometheus.yml, its target rewritten from the compose service to the test's server and its
 interval shortened to 1 s. After a few generations that the n-gram draft partly predicts, the dashboard's
 acceptance-rate query, asked of Prometheus, equals accepted / drafted read from /metrics directly, and every
-other query of the dashboard returns data. Under CI a missing binary fails the test instead of skipping it.
+other query of the dashboard returns data. vLLM's example dashboard (its queries: tests/data/
+vllm_dashboard_queries.json) reads this server too, once its prefix ``vllm:`` is ``specserve_``. Under CI a
+missing binary fails the test instead of skipping it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -21,9 +24,13 @@ import httpx
 import pytest
 import yaml
 from _server import free_port, metric, running_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = json.loads((ROOT / "docker" / "grafana" / "dashboards" / "specserve.json").read_text())
+VLLM_DASHBOARD = json.loads((ROOT / "tests" / "data" / "vllm_dashboard_queries.json").read_text())
 ACCEPTED = "specserve_spec_decode_num_accepted_tokens_total"
 DRAFTED = "specserve_spec_decode_num_draft_tokens_total"
 
@@ -168,3 +175,84 @@ def test_container_healthcheck_passes_on_a_ready_server(
     spec.loader.exec_module(healthcheck)
     monkeypatch.setenv("SPECSERVE_PORT", server.rsplit(":", 1)[1])
     assert healthcheck.main() == 0
+
+
+def _vllm_expr(expr: str, model: str) -> str:
+    """A query of vLLM's dashboard with our prefix, as Grafana sends it with `model` selected."""
+    expr = expr.replace("vllm:", "specserve_").replace("$model_name", model)
+    return expr.replace("$__rate_interval", "1m")
+
+
+def test_vllms_dashboard_reads_specserve(stack: tuple[str, str, Path]) -> None:
+    server, prom, _ = stack
+    info = httpx.get(f"{server}/info").json()
+    model, k = info["served_model_name"], info["num_draft_tokens"]
+    requests = [
+        ("/generate", {"inputs": "a b c d a b c d a b c d a b", "parameters": {"max_new_tokens": 6}}),
+        ("/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 5}),
+    ]
+    for path, body in requests:
+        assert httpx.post(f"{server}{path}", json=body, timeout=120).status_code == 200
+    samples = [
+        sample
+        for family in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)
+        for sample in family.samples
+    ]
+    assert samples and all(s.labels.get("model_name") == model for s in samples)
+
+    # Every metric the dashboard reads is served, with the label it selects on.
+    names = {s.name for s in samples}
+    exprs = [_vllm_expr(e, model) for panel in VLLM_DASHBOARD["panels"] for e in panel["exprs"]]
+    wanted = {name for e in exprs for name in re.findall(r"specserve_\w+", e)}
+    assert len(wanted) == 21 and wanted <= names, sorted(wanted - names)
+
+    def value(name: str, **labels: str) -> float:
+        return metric(server, name, **labels)
+
+    # The request-level series count what happened: every request so far (this module's too) succeeded.
+    ended = value("specserve_e2e_request_latency_seconds_count")
+    assert ended >= len(requests)
+    success = {r: value("specserve_request_success_total", finished_reason=r) for r in ("stop", "length", "abort")}
+    assert success["abort"] == 0 and success["stop"] + success["length"] == ended
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_prefill_time_seconds"):
+        assert value(f"specserve_{name}_count") == ended, name
+    generated = value("specserve_request_generation_tokens_sum")
+    assert (
+        generated
+        == value("specserve_generation_tokens_total")
+        == value("specserve_request_max_num_generation_tokens_sum")
+    )
+    assert value("specserve_request_prompt_tokens_sum") == value("specserve_prompt_tokens_total")
+    assert value("specserve_time_per_output_token_seconds_count") == generated - ended  # all but each first token
+    assert value("specserve_kv_cache_usage_perc") == value("specserve_gpu_cache_usage_perc") == 0.0  # idle
+    # The draft's positions exist from the start; acceptance at a position is accepted / drafted there.
+    for position in range(k):
+        drafted = value("specserve_spec_decode_num_draft_tokens_per_pos_total", position=str(position))
+        accepted = value("specserve_spec_decode_num_accepted_tokens_per_pos_total", position=str(position))
+        assert 0 <= accepted <= drafted <= value("specserve_spec_decode_num_drafts_total")
+
+    # Grafana's model_name variable finds the served name; every query of the dashboard returns data.
+    _wait_for(prom, 'sum(specserve_request_success_total{finished_reason=~"stop|length"})', ended, "the requests")
+    variable = VLLM_DASHBOARD["variables"]["model_name"]
+    assert variable == 'label_values({__name__=~"vllm:.*"},model_name)'
+    found = httpx.get(f"{prom}/api/v1/label/model_name/values", params={"match[]": '{__name__=~"specserve_.*"}'})
+    assert found.json()["data"] == [model]
+    for expr in exprs:
+        assert _query(prom, expr), f"no data for {expr}"
+
+
+def test_acceptance_by_position_counts_the_positions_drafted() -> None:
+    metrics = Metrics("m")
+    metrics.engine_started("torch", "float32", batched_decoding=False, num_draft_tokens=3)
+
+    def per_position(which: str) -> list[float | None]:
+        name = f"specserve_spec_decode_num_{which}_tokens_per_pos_total"
+        return [metrics.registry.get_sample_value(name, {"model_name": "m", "position": str(p)}) for p in range(5)]
+
+    assert per_position("draft") == per_position("accepted") == [0.0, 0.0, 0.0, None, None]
+    # An adaptive draft: 3 tokens (2 accepted), then 1 (accepted), then 5 (a request's longer k; 4 accepted).
+    for drafted, accepted in ((3, 2), (1, 1), (5, 4)):
+        metrics.step(accepted + 1, drafted, accepted, 0.01, 0.02, prefill=False)
+    assert per_position("draft") == [3.0, 2.0, 2.0, 1.0, 1.0]
+    assert per_position("accepted") == [3.0, 2.0, 1.0, 1.0, None]
+    assert metrics.registry.get_sample_value("specserve_spec_decode_num_drafts_total", {"model_name": "m"}) == 3

@@ -245,7 +245,7 @@ def test_metrics_pass_promtool(server: str) -> None:
         "specserve_spec_decode_num_drafts_total",
         "specserve_spec_decode_num_draft_tokens_total",
         "specserve_spec_decode_num_accepted_tokens_total",
-        'specserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+        'specserve_spec_decode_num_accepted_tokens_per_pos_total{model_name="smollm2-135m-instruct",position="0"}',
         "specserve_spec_decode_tokens_per_target_pass_bucket",
         "specserve_request_acceptance_rate_bucket",
         "specserve_time_to_first_token_seconds_bucket",

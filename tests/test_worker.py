@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from app.engine.generation import GenerationParams
 from app.metrics import Metrics
@@ -17,6 +18,7 @@ from tests.conftest import KERNELS
 
 pytestmark = pytest.mark.anyio
 
+MODEL = "smol"  # the model_name label of every series
 PROMPTS = ["The capital of France is", "Water boils at", "1, 2, 3, 4, 5,"]
 
 
@@ -30,9 +32,14 @@ async def _collect(ticket: Ticket) -> tuple[str, list[int], float]:
     raise AssertionError("no finished event")
 
 
+def _sample(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """The value of one sample of `registry`, whose model_name label is MODEL."""
+    return registry.get_sample_value(name, {"model_name": MODEL, **(labels or {})})
+
+
 @pytest.fixture
 def scheduler(api_engine):
-    metrics = Metrics()
+    metrics = Metrics(MODEL)
     s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=metrics)
     s.start()
     yield s
@@ -51,7 +58,7 @@ def batching_scheduler(packed_target):
 
     packed = packed_target(KERNELS[0])
     engine = Engine(packed.model, packed.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4)
-    s = Scheduler(engine, max_running=4, max_waiting=4, metrics=Metrics())
+    s = Scheduler(engine, max_running=4, max_waiting=4, metrics=Metrics(MODEL))
     s.start()
     yield s
     s.stop()
@@ -69,14 +76,14 @@ async def test_concurrent_requests_give_their_sequential_texts(batching_schedule
     assert len({text for text, _, _ in sequential}) == 3
     registry = scheduler.metrics.registry
     successes = sum(
-        registry.get_sample_value("specserve_requests_total", {"outcome": "success", "finish_reason": r}) or 0
+        _sample(registry, "specserve_requests_total", {"outcome": "success", "finish_reason": r}) or 0
         for r in ("eos", "stop", "length")
     )
     assert successes == 6
-    assert registry.get_sample_value("specserve_requests_total", {"outcome": "cancelled", "finish_reason": "none"}) == 0
+    assert _sample(registry, "specserve_requests_total", {"outcome": "cancelled", "finish_reason": "none"}) == 0
     # Running together, their decoding steps shared target forwards.
-    forwards = registry.get_sample_value("specserve_batch_size_count")
-    alone = registry.get_sample_value("specserve_batch_size_bucket", {"le": "1.0"})
+    forwards = _sample(registry, "specserve_batch_size_count")
+    alone = _sample(registry, "specserve_batch_size_bucket", {"le": "1.0"})
     assert forwards > alone > 0
 
 
@@ -127,14 +134,14 @@ async def test_cancel_frees_the_place_and_stops_the_generation(scheduler, api_en
     assert scheduler.holding == 0, "the place is free at once"
     await events.aclose()
     deadline = time.monotonic() + 5
-    while registry.get_sample_value("specserve_num_requests_running") != 0:
+    while _sample(registry, "specserve_num_requests_running") != 0:
         assert time.monotonic() < deadline, "the worker kept the cancelled generation"
         await asyncio.sleep(0.01)
-    generated = registry.get_sample_value("specserve_generation_tokens_total")
+    generated = _sample(registry, "specserve_generation_tokens_total")
     await asyncio.sleep(0.3)
-    assert registry.get_sample_value("specserve_generation_tokens_total") == generated
+    assert _sample(registry, "specserve_generation_tokens_total") == generated
     assert generated < 50
-    assert registry.get_sample_value("specserve_requests_total", {"outcome": "cancelled", "finish_reason": "none"}) == 1
+    assert _sample(registry, "specserve_requests_total", {"outcome": "cancelled", "finish_reason": "none"}) == 1
 
 
 async def test_admission_is_bounded(api_engine) -> None:
@@ -175,7 +182,7 @@ async def test_a_prompt_prefilled_in_chunks_streams_no_empty_event(target_bf16) 
     model = copy.deepcopy(target_bf16.model)
     assert model.pack()
     engine = Engine(model, target_bf16.tokenizer, {}, "none", 0, prefill_chunk=16)
-    s = Scheduler(engine, max_running=4, max_waiting=4, metrics=Metrics())
+    s = Scheduler(engine, max_running=4, max_waiting=4, metrics=Metrics(MODEL))
     s.start()
     try:
         params = GenerationParams(max_new_tokens=12)
@@ -224,7 +231,7 @@ def _fault_once(monkeypatch, engine, exc: BaseException) -> list[str]:
 
 
 async def test_a_failed_step_fails_its_requests_and_the_worker_goes_on(api_engine, monkeypatch) -> None:
-    s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=Metrics())
+    s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=Metrics(MODEL))
     ids = _ids(api_engine, PROMPTS[0])
     # Submitted before the worker starts, so that both are in its first step.
     tickets = [s.submit(ids, GenerationParams(max_new_tokens=8), None, 60) for _ in range(2)]
@@ -244,16 +251,16 @@ async def test_a_failed_step_fails_its_requests_and_the_worker_goes_on(api_engin
         assert s.failure is None and s.holding == 0
         registry = s.metrics.registry
         deadline = time.monotonic() + 5
-        while registry.get_sample_value("specserve_num_requests_running") != 0:
+        while _sample(registry, "specserve_num_requests_running") != 0:
             assert time.monotonic() < deadline, "the running gauge stayed up"
             await asyncio.sleep(0.01)
-        assert registry.get_sample_value("specserve_requests_total", {"outcome": "error", "finish_reason": "none"}) == 2
+        assert _sample(registry, "specserve_requests_total", {"outcome": "error", "finish_reason": "none"}) == 2
     finally:
         s.stop()
 
 
 async def test_a_failed_delivery_fails_that_request_alone(api_engine, monkeypatch) -> None:
-    s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=Metrics())
+    s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=Metrics(MODEL))
     params = GenerationParams(max_new_tokens=6)
     tickets = [s.submit(_ids(api_engine, p), params, None, 60) for p in PROMPTS[:2]]
     real = s.metrics.tokens_delivered
@@ -278,7 +285,7 @@ async def test_a_failed_delivery_fails_that_request_alone(api_engine, monkeypatc
 
 
 async def test_a_dead_worker_fails_everything_at_once(api_engine, monkeypatch) -> None:
-    s = Scheduler(api_engine, max_running=1, max_waiting=4, metrics=Metrics())
+    s = Scheduler(api_engine, max_running=1, max_waiting=4, metrics=Metrics(MODEL))
     ids = _ids(api_engine, PROMPTS[0])
     running = s.submit(ids, GenerationParams(max_new_tokens=500, ignore_eos=True), "none", 60)
     waiting = s.submit(ids, GenerationParams(max_new_tokens=4), None, 60)
@@ -299,8 +306,8 @@ async def test_a_dead_worker_fails_everything_at_once(api_engine, monkeypatch) -
             s.submit(ids, GenerationParams(max_new_tokens=4), None, 60)
         assert refused.value.kind == "unavailable" and "restart" in refused.value.message
         registry = s.metrics.registry
-        assert registry.get_sample_value("specserve_num_requests_running") == 0
-        assert registry.get_sample_value("specserve_num_requests_waiting") == 0
+        assert _sample(registry, "specserve_num_requests_running") == 0
+        assert _sample(registry, "specserve_num_requests_waiting") == 0
     finally:
         s.stop()
 
