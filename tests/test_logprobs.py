@@ -71,7 +71,7 @@ def test_logprobs_do_not_depend_on_the_draft_the_batch_the_chunks_or_the_sampler
                 steps[i].append(out)
         assert sum(1 for s in steps[0] if not s.token_ids) >= 2  # the prompt went in chunks of 16
         assert _logprobs(steps[0]) == alone
-        tokens, logprobs, prompt = alone
+        _, logprobs, prompt = alone
         assert len(prompt) == len(chat_prompt) and prompt[0] is None
         assert [lp.token_id for lp in prompt[1:]] == chat_prompt[1:]
         for lp in [*logprobs, *prompt[1:]]:

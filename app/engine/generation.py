@@ -405,7 +405,8 @@ class Generation:
             self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
         new = [*drafts[:accepted], nxt]
         # Row i of the target's logits predicted new[i]: the accepted drafts' rows, then the row that chose nxt.
-        logprobs = None if self.params.logprobs is None else token_logprobs(logits[: len(new)], new, self.params.logprobs)
+        n = self.params.logprobs
+        logprobs = None if n is None else token_logprobs(logits[: len(new)], new, n)
         return self._emit(new, len(drafts), accepted, plan.draft_seconds, verify_seconds, logprobs)
 
     def _propose(self, k: int) -> tuple[list[int], torch.Tensor | None]:
