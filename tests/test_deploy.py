@@ -299,12 +299,15 @@ def test_dashboard_has_the_promised_panels() -> None:
     for title in (
         "Acceptance rate",
         "Tokens per target pass",
-        "Accepted tokens per position",
+        "Acceptance rate by position",
         "Tokens/s",
         "Time to first token",
         "Inter-token latency",
         "Requests by outcome",
         "In flight and queued",
+        "Finish reason",
+        "KV cache usage",
+        "Prompt and generation length",
     ):
         assert title in titles
     assert len(set(titles)) == len(titles)
