@@ -103,7 +103,6 @@ REFUSED = {
         ("use_beam_search", True),
         ("bad_words", ["Paris"]),
         ("allowed_token_ids", [1, 2]),
-        ("prompt_logprobs", 1),
         ("return_token_ids", True),
         ("add_special_tokens", False),
         ("vllm_xargs", {"a": 1}),

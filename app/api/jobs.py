@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from app.api.errors import APIError, shown
 from app.api.schemas import GREEDY, PLAIN, Decoding, Sampling, SpeculativeDetails, SpeculativeParameters
 from app.engine.generation import GenerationParams
+from app.engine.logprobs import TokenLogprob
 from app.engine.sampling import SamplingParams
 from app.runtime import Runtime
 from app.settings import Settings
@@ -44,6 +45,8 @@ class JobSpec:
     default_max_new_tokens: int | None = None
     sampling: Sampling = GREEDY  # temperature, top_k, top_p, seed as the engine takes them
     decoding: Decoding = PLAIN  # vLLM's ignore_eos, min_tokens, stop_token_ids, ... (OpenAI routes)
+    logprobs: int | None = None  # each generated token's log-probability with this many alternatives
+    prompt_logprobs: int | None = None  # each prompt token's, likewise
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         stop_token_ids=tuple(d.stop_token_ids),
         include_stop_str_in_output=d.include_stop_str_in_output,
         skip_special_tokens=d.skip_special_tokens,
+        logprobs=spec.logprobs,
+        prompt_logprobs=spec.prompt_logprobs,
     )
     return Prepared(ids, params, draft, k if draft != "none" else 0)
 
@@ -162,40 +167,32 @@ async def _client_disconnect(request: Request) -> None:
         pass
 
 
-async def run_to_end(ticket: Ticket, request: Request) -> tuple[list[TokenOut], Finished]:
+@dataclass
+class Outcome:
+    """A whole generation: its tokens, how it ended, and its prompt's log-probabilities when asked."""
+
+    tokens: list[TokenOut]
+    finished: Finished
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+async def run_to_end(ticket: Ticket, request: Request) -> Outcome:
     """Every token and the end of a generation; raises APIError when it fails, ClientGone when the client left."""
-    tokens: list[TokenOut] = []
-
-    async def consume() -> Finished:
-        async for event in ticket.events():
-            tokens.extend(event.tokens)
-            if event.finished is not None:
-                return event.finished
-        raise AssertionError("the event stream ended without a finished event")
-
-    work = asyncio.ensure_future(consume())
-    gone = asyncio.ensure_future(_client_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return tokens, work.result()
-        raise ClientGone
-    except RequestFailed as exc:
-        raise failure(exc) from exc
-    finally:
-        for task in (work, gone):
-            task.cancel()
-        ticket.cancel()
+    return (await run_all_to_end([ticket], request))[0]
 
 
-async def run_all_to_end(tickets: Sequence[Ticket], request: Request) -> list[Finished]:
-    """The end of each of a request's generations, in order; the first failure (APIError) or the client leaving
+async def run_all_to_end(tickets: Sequence[Ticket], request: Request) -> list[Outcome]:
+    """Each of a request's generations, in order; the first failure (APIError) or the client leaving
     (ClientGone) gives them all up."""
 
-    async def consume(ticket: Ticket) -> Finished:
+    async def consume(ticket: Ticket) -> Outcome:
+        tokens: list[TokenOut] = []
+        prompt = None
         async for event in ticket.events():
+            tokens.extend(event.tokens)
+            prompt = event.prompt_logprobs if event.prompt_logprobs is not None else prompt
             if event.finished is not None:
-                return event.finished
+                return Outcome(tokens, event.finished, prompt)
         raise AssertionError("the event stream ended without a finished event")
 
     work = [asyncio.ensure_future(consume(ticket)) for ticket in tickets]

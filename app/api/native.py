@@ -14,7 +14,8 @@ from fastapi.responses import StreamingResponse
 
 from app.api import jobs
 from app.api.deps import get_runtime, get_settings
-from app.api.errors import documented_errors, error_body
+from app.api.errors import APIError, documented_errors, error_body
+from app.api.logprobs import TokenNames, tgi_top_tokens
 from app.api.schemas import (
     Details,
     ErrorResponse,
@@ -52,8 +53,13 @@ Runtime_ = Annotated[Runtime, Depends(get_runtime)]
 Settings_ = Annotated[Settings, Depends(get_settings)]
 
 
-async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest) -> jobs.Prepared:
+async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, stream: bool) -> jobs.Prepared:
     p = body.parameters
+    if stream and p.decoder_input_details:
+        raise APIError("validation", "parameters.decoder_input_details: not supported when streaming (as TGI)")
+    # Every token's log-probability where tokens are returned (as TGI gives them), the prompt's with
+    # decoder_input_details: the engine computes them only then.
+    shown = stream or p.details
     spec = jobs.JobSpec(
         prompt=body.inputs,
         max_new_tokens=p.max_new_tokens,
@@ -63,12 +69,14 @@ async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest) 
         prompt_field="inputs",
         max_new_tokens_field="parameters.max_new_tokens",
         sampling=p.sampling(),
+        logprobs=(p.top_n_tokens or 0) if shown else None,
+        prompt_logprobs=0 if p.details and p.decoder_input_details and not stream else None,
     )
     return await jobs.prepare(runtime, settings, spec)
 
 
 def _token(t: TokenOut) -> Token:
-    return Token(id=t.id, text=t.text, logprob=None, special=t.special)
+    return Token(id=t.id, text=t.text, logprob=t.logprob.logprob if t.logprob else None, special=t.special)
 
 
 def _full_text(body: GenerateRequest, finished: Finished) -> str:
@@ -76,24 +84,31 @@ def _full_text(body: GenerateRequest, finished: Finished) -> str:
 
 
 async def _generate(request: Request, body: GenerateRequest, runtime: Runtime, settings: Settings) -> Response:
-    prepared = await _prepare(runtime, settings, body)
+    prepared = await _prepare(runtime, settings, body, stream=False)
     ticket = jobs.submit(runtime, settings, prepared)
     try:
-        tokens, finished = await jobs.run_to_end(ticket, request)
+        outcome = await jobs.run_to_end(ticket, request)
     except jobs.ClientGone:
         return Response(status_code=499)
+    tokens, finished = outcome.tokens, outcome.finished
     details = None
     if body.parameters.details:
         prefill = []
+        names = TokenNames(runtime.tokenizer)
         if body.parameters.decoder_input_details:
-            decode = runtime.tokenizer.decode
-            prefill = [InputToken(id=i, text=decode([i], skip_special_tokens=False)) for i in prepared.prompt_ids]
+            prompt = outcome.prompt_logprobs or (None,) * len(prepared.prompt_ids)
+            prefill = [
+                InputToken(id=i, text=names(i), logprob=lp.logprob if lp else None)
+                for i, lp in zip(prepared.prompt_ids, prompt, strict=True)
+            ]
+        top = [tgi_top_tokens(names, t.logprob) for t in tokens] if body.parameters.top_n_tokens else None
         details = Details(
             finish_reason=_FINISH[finished.finish_reason],  # type: ignore[arg-type]
             generated_tokens=finished.generated_tokens,
             seed=finished.seed,
             prefill=prefill,
             tokens=[_token(t) for t in tokens],
+            top_tokens=top,
             speculative=jobs.speculative_details(prepared, finished),
         )
     return Response(
@@ -103,8 +118,9 @@ async def _generate(request: Request, body: GenerateRequest, runtime: Runtime, s
 
 
 async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -> StreamingResponse:
-    prepared = await _prepare(runtime, settings, body)
+    prepared = await _prepare(runtime, settings, body, stream=True)
     ticket = jobs.submit(runtime, settings, prepared)
+    names = TokenNames(runtime.tokenizer) if body.parameters.top_n_tokens else None
 
     async def events() -> AsyncIterator[str]:
         index = 0
@@ -113,6 +129,8 @@ async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -
                 for n, tok in enumerate(step.tokens, 1):
                     index += 1
                     event = StreamResponse(index=index, token=_token(tok))
+                    if names is not None:
+                        event.top_tokens = tgi_top_tokens(names, tok.logprob)
                     if step.finished is not None and n == len(step.tokens):
                         f = step.finished
                         event.generated_text = _full_text(body, f)

@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from app.api import jobs
 from app.api.deps import get_runtime, get_settings
 from app.api.errors import APIError, documented_errors, error_body
+from app.api.logprobs import TokenNames, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.api.schemas import (
     MAX_SEED,
     AssistantMessage,
@@ -30,6 +31,7 @@ from app.api.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -43,7 +45,7 @@ from app.api.schemas import (
 from app.engine.tokenizer import TokenizerError
 from app.runtime import Runtime
 from app.settings import Settings
-from app.worker import Finished, RequestFailed, Ticket
+from app.worker import Finished, RequestFailed, StepEvent, Ticket, TokenOut
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
@@ -166,18 +168,25 @@ def _speculative(runs: Sequence[jobs.Prepared], results: Sequence[Finished]) -> 
     )
 
 
+# chunk(index, text, finish_reason, tokens): one event of choice `index` (text None: the usage chunk's frame).
+_Chunk = Callable[[int, str | None, str | None, Sequence[TokenOut]], CompletionResponse | ChatCompletionChunk]
+
+
 def _stream(
     tickets: Sequence[Ticket],
     runs: Sequence[jobs.Prepared],
-    chunk: Callable[[int, str | None, str | None], CompletionResponse | ChatCompletionChunk],
+    chunk: _Chunk,
     include_usage: bool,
     prompt_tokens: int,
     first: Sequence[CompletionResponse] = (),
+    lead: Callable[[int, StepEvent], Sequence[CompletionResponse]] | None = None,
+    logprobs: bool = False,
 ) -> StreamingResponse:
-    """SSE of a request's generations: `chunk(index, text, finish_reason)` per step of choice `index` that adds
-    text (a speculative step's accepted tokens share one chunk, as vLLM sends them: one event to write and parse
-    instead of one per token), each choice's last with the reason, its speculative figures and seed; the choices'
-    chunks interleave as they come. Then the usage when asked, then ``[DONE]``."""
+    """SSE of a request's generations: `chunk(index, text, finish_reason, tokens)` per step of choice `index` that
+    adds text, or tokens whose `logprobs` were asked for (a speculative step's accepted tokens share one chunk, as
+    vLLM sends them: one event to write and parse instead of one per token), each choice's last with the reason,
+    its speculative figures and seed; the choices' chunks interleave as they come, after `lead(index, step)`'s
+    events. Then the usage when asked, then ``[DONE]``."""
 
     async def events() -> AsyncIterator[str]:
         done: list[Finished] = []
@@ -185,17 +194,19 @@ def _stream(
             for event in first:
                 yield jobs.sse(event)
             async for index, step in jobs.merged_events(tickets):
+                for event in lead(index, step) if lead is not None else ():
+                    yield jobs.sse(event)
                 text = "".join(tok.text for tok in step.tokens)
                 if step.finished is not None:
-                    event = chunk(index, text, _FINISH[step.finished.finish_reason])
+                    event = chunk(index, text, _FINISH[step.finished.finish_reason], step.tokens)
                     event.speculative = jobs.speculative_details(runs[index], step.finished)
                     event.seed = step.finished.seed
                     yield jobs.sse(event)
                     done.append(step.finished)
-                elif text:
-                    yield jobs.sse(chunk(index, text, None))
+                elif text or (logprobs and step.tokens):
+                    yield jobs.sse(chunk(index, text, None, step.tokens))
             if include_usage:
-                usage = chunk(0, None, None)
+                usage = chunk(0, None, None, ())
                 usage.choices, usage.usage = [], _usage(prompt_tokens, done)
                 yield jobs.sse(usage)
         except RequestFailed as exc:
@@ -227,6 +238,9 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
     n = body.n or 1
     _check_choices(len(prompts) * n, settings)
     sampling = body.sampling()
+    # echo with logprobs: the prompt's log-probabilities come first, with as many alternatives.
+    echoed = body.logprobs if body.echo else None
+    wanted = [n for n in (echoed, body.prompt_logprobs) if n is not None]
     prepared = []
     for i, prompt in enumerate(prompts):
         spec = jobs.JobSpec(
@@ -240,6 +254,8 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             sampling=sampling,
             decoding=body.decoding(),
             truncate=body.truncate_prompt_tokens,
+            logprobs=body.logprobs,
+            prompt_logprobs=max(wanted) if wanted else None,
         )
         prepared.append(await jobs.prepare(runtime, settings, spec))
     runs = [_seeded(p, seed) for p in prepared for seed in _seeds(sampling, n)]
@@ -248,32 +264,65 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
     # echo: each choice starts with its prompt (token ids decoded).
     echo = [(p if isinstance(p, str) else runtime.tokenizer.decode(p)) if body.echo else "" for p in prompts]
     prompt_tokens = sum(len(p.prompt_ids) for p in prepared)
+    names = TokenNames(runtime.tokenizer, bool(body.return_tokens_as_token_ids))
+    # Where each choice's next generated text begins in its text (the log-probabilities' text_offset).
+    offsets = [len(echo[i // n]) for i in range(len(runs))]
 
-    def chunk(index: int, text: str | None, finish: str | None) -> CompletionResponse:
+    def chunk(index: int, text: str | None, finish: str | None, tokens: Sequence[TokenOut] = ()) -> CompletionResponse:
         choice = CompletionChoice(index=index, text=text or "", finish_reason=finish)  # type: ignore[arg-type]
+        if body.logprobs is not None and text is not None:
+            choice.logprobs = completion_logprobs(names, tokens, offset=offsets[index])
+            offsets[index] += len(text)
         return CompletionResponse(
             id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[choice]
         )
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        # Each echoed prompt goes first, as a chunk of its own.
-        first = [chunk(i, echo[i // n], None) for i in range(len(runs)) if echo[i // n]]
-        return _stream(tickets, runs, chunk, include_usage, prompt_tokens, first)
+        if echoed is None:
+            # Each echoed prompt goes first, as a chunk of its own.
+            first = [chunk(i, echo[i // n], None) for i in range(len(runs)) if echo[i // n]]
+            return _stream(
+                tickets, runs, chunk, include_usage, prompt_tokens, first, logprobs=body.logprobs is not None
+            )
+        pending = set(range(len(runs)))
+
+        def lead(index: int, step: StepEvent) -> list[CompletionResponse]:
+            # With logprobs, each echoed prompt goes as a chunk of its own once its log-probabilities came.
+            if index not in pending:
+                return []
+            pending.discard(index)
+            echo_chunk = chunk(index, None, None)  # text None: no generated text, nothing moves the offsets
+            choice = echo_chunk.choices[0]
+            choice.text = echo[index // n]
+            choice.logprobs = completion_logprobs(names, (), step.prompt_logprobs, prepared[index // n].prompt_ids)
+            return [echo_chunk]
+
+        return _stream(tickets, runs, chunk, include_usage, prompt_tokens, lead=lead, logprobs=True)
     try:
-        results = await jobs.run_all_to_end(tickets, request)
+        outcomes = await jobs.run_all_to_end(tickets, request)
     except jobs.ClientGone:
         return Response(status_code=499)
+    results = [o.finished for o in outcomes]
+    choices = []
+    for i, o in enumerate(outcomes):
+        choice = CompletionChoice(
+            index=i, text=echo[i // n] + o.finished.text, finish_reason=_FINISH[o.finished.finish_reason]
+        )  # type: ignore[arg-type]
+        ids = prepared[i // n].prompt_ids
+        if body.logprobs is not None:
+            prompt = o.prompt_logprobs if echoed is not None else None
+            choice.logprobs = completion_logprobs(names, o.tokens, prompt, ids, offset=len(echo[i // n]))
+        if body.prompt_logprobs is not None and o.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs(names, o.prompt_logprobs, body.prompt_logprobs)
+        choices.append(choice)
     result = CompletionResponse(
         id=rid,
         created=created,
         model=model,
         system_fingerprint=_FINGERPRINT,
         seed=results[0].seed,
-        choices=[
-            CompletionChoice(index=i, text=echo[i // n] + f.text, finish_reason=_FINISH[f.finish_reason])  # type: ignore[arg-type]
-            for i, f in enumerate(results)
-        ],
+        choices=choices,
         usage=_usage(prompt_tokens, results),
         speculative=_speculative(runs, results),
     )
@@ -313,25 +362,35 @@ async def chat_completions(
         sampling=sampling,
         decoding=body.decoding(),
         truncate=body.truncate_prompt_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs,
     )
     prepared = await jobs.prepare(runtime, settings, spec)
     runs = [_seeded(prepared, seed) for seed in _seeds(sampling, n)]
     tickets = _submit_all(runtime, settings, runs)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), runtime.info.served_model_name
+    names = TokenNames(runtime.tokenizer, bool(body.return_tokens_as_token_ids))
 
-    def chunk(index: int, text: str | None, finish: str | None) -> ChatCompletionChunk:
+    def logprobs(tokens: Sequence[TokenOut]) -> ChatLogprobs | None:
+        return ChatLogprobs(content=chat_logprobs(names, tokens)) if body.logprobs else None
+
+    def chunk(index: int, text: str | None, finish: str | None, tokens: Sequence[TokenOut] = ()) -> ChatCompletionChunk:
         choice = ChatChunkChoice(index=index, delta=ChatDelta(content=text), finish_reason=finish)  # type: ignore[arg-type]
+        if text is not None:
+            choice.logprobs = logprobs(tokens)
         return ChatCompletionChunk(
             id=rid, created=created, model=model, system_fingerprint=_FINGERPRINT, choices=[choice]
         )
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(tickets, runs, chunk, include_usage, len(prepared.prompt_ids))
+        return _stream(tickets, runs, chunk, include_usage, len(prepared.prompt_ids), logprobs=bool(body.logprobs))
     try:
-        results = await jobs.run_all_to_end(tickets, request)
+        outcomes = await jobs.run_all_to_end(tickets, request)
     except jobs.ClientGone:
         return Response(status_code=499)
+    results = [o.finished for o in outcomes]
+    prompt = outcomes[0].prompt_logprobs
     result = ChatCompletionResponse(
         id=rid,
         created=created,
@@ -341,14 +400,17 @@ async def chat_completions(
         choices=[
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content=f.text),
-                finish_reason=_FINISH[f.finish_reason],  # type: ignore[arg-type]
+                message=AssistantMessage(content=o.finished.text),
+                logprobs=logprobs(o.tokens),
+                finish_reason=_FINISH[o.finished.finish_reason],  # type: ignore[arg-type]
             )
-            for i, f in enumerate(results)
+            for i, o in enumerate(outcomes)
         ],
         usage=_usage(len(prepared.prompt_ids), results),
         speculative=_speculative(runs, results),
     )
+    if body.prompt_logprobs is not None and prompt is not None:
+        result.prompt_logprobs = prompt_logprobs(names, prompt, body.prompt_logprobs)
     return Response(result.model_dump_json(), media_type="application/json")
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
-from app.engine.defaults import MAX_DRAFT_TOKENS
+from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS
 
 _REQUEST = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -210,7 +210,15 @@ class GenerateParameters(BaseModel):
     )
     details: bool = Field(False, description="add `details` to the response")
     return_full_text: bool = Field(False, description="prepend the prompt to `generated_text`")
-    decoder_input_details: bool = Field(False, description="add the prompt's tokens to `details.prefill`")
+    decoder_input_details: bool = Field(
+        False,
+        description="add the prompt's tokens with their log-probabilities to `details.prefill` (not when streaming)",
+    )
+    top_n_tokens: _int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None,
+        description=f"the most likely tokens at each generated position (0..{MAX_LOGPROBS}), with their "
+        "log-probabilities: `details.top_tokens`, or each event's `top_tokens` when streaming",
+    )
     truncate: _int(ge=1) | None = Field(None, description="keep only the last `truncate` tokens of the prompt")
     # Sent by TGI's client; only their neutral values can be honoured.
     repetition_penalty: _neutral_only(float | None, None, 1.0) = None
@@ -218,7 +226,6 @@ class GenerateParameters(BaseModel):
     typical_p: _neutral_only(float | None, None) = None
     best_of: _neutral_only(_int() | None, None, 1) = None
     watermark: _neutral_only(bool, False) = False
-    top_n_tokens: _neutral_only(_int() | None, None, 0) = None
     grammar: _neutral_only(dict[str, Any] | None, None) = None
     adapter_id: _neutral_only(str | None, None) = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
@@ -257,17 +264,23 @@ class GenerateRequest(BaseModel):
     stream: bool = Field(False, description="only for `POST /`: answer as `/generate_stream` does")
 
 
+_LOGPROB = "log-probability under the target's raw distribution (log-softmax of its logits, temperature 1)"
+
+
 class Token(BaseModel):
     id: int
-    text: str = Field(description="the text this token added; the texts of all tokens add up to generated_text")
-    logprob: float | None = Field(None, description="not computed (always null)")
+    text: str = Field(
+        description="the text this token added (in `tokens`; the texts of all tokens add up to generated_text), or "
+        "its own text (in `top_tokens`)"
+    )
+    logprob: float | None = Field(None, description=_LOGPROB)
     special: bool
 
 
 class InputToken(BaseModel):
     id: int
     text: str
-    logprob: float | None = Field(None, description="not computed (always null)")
+    logprob: float | None = Field(None, description=f"{_LOGPROB}; null for the first token, which nothing predicts")
 
 
 class Details(BaseModel):
@@ -276,7 +289,9 @@ class Details(BaseModel):
     seed: int | None = None
     prefill: list[InputToken] = Field(description="the prompt's tokens when decoder_input_details, else empty")
     tokens: list[Token]
-    top_tokens: list[list[Token]] | None = None
+    top_tokens: list[list[Token]] | None = Field(
+        None, description="with top_n_tokens: per generated token, the most likely tokens at its position"
+    )
     best_of_sequences: None = None
     speculative: SpeculativeDetails
 
@@ -299,7 +314,7 @@ class StreamResponse(BaseModel):
 
     index: int = Field(description="position of the token among the generated ones, from 1")
     token: Token
-    top_tokens: list[Token] | None = None
+    top_tokens: list[Token] | None = Field(None, description="with top_n_tokens: the most likely tokens here")
     generated_text: str | None = Field(None, description="the whole text, on the last event only")
     details: StreamDetails | None = Field(None, description="on the last event only, when parameters.details")
 
@@ -361,7 +376,6 @@ OUTPUT_NEUTRAL_FIELDS = frozenset(
         "request_id",
         "cache_salt",
         "include_reasoning",
-        "return_tokens_as_token_ids",
         "prediction",
         "prompt_cache_key",
         "safety_identifier",
@@ -422,6 +436,14 @@ class _OpenAISampling(BaseModel):
     truncate_prompt_tokens: _int(ge=1) | None = Field(
         None, description="vLLM's: keep only the last this many tokens of the prompt"
     )
+    prompt_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None,
+        description="vLLM's: each prompt token's log-probability and rank with this many alternatives, in "
+        "`prompt_logprobs` (completions: of each choice); not when streaming",
+    )
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="vLLM's: in log-probabilities, each token as `token_id:<id>` instead of its text"
+    )
     # vLLM's parameters that would change the output and are not supported: refused unless neutral (never
     # dropped: a request that asks for them would get another text than it expects)
     repetition_penalty: _neutral_only(float | None, None, 1.0) = None
@@ -429,7 +451,6 @@ class _OpenAISampling(BaseModel):
     use_beam_search: _neutral_only(bool | None, None, False) = None
     length_penalty: _neutral_only(float | None, None, 1.0) = None
     spaces_between_special_tokens: _neutral_only(bool | None, None, True) = None
-    prompt_logprobs: _neutral_only(_int() | None, None) = None
     allowed_token_ids: _neutral_only(list[Any] | None, None) = None
     bad_words: _neutral_only(list[Any] | None, None, []) = None
     add_special_tokens: _neutral_only(bool | None, None) = None
@@ -453,6 +474,8 @@ class _OpenAISampling(BaseModel):
                 f"n: {self.n} samples need sampling (temperature > 0); greedy decoding (temperature 0 or unset) "
                 "would give the same text n times"
             )
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when streaming (as vLLM): send stream false")
         return self
 
     def sampling(self) -> Sampling:
@@ -487,25 +510,33 @@ class CompletionRequest(_OpenAISampling):
     prompt: Prompt = Field(
         description="a string, token ids, or a list of either (several prompts: one choice each, times n)"
     )
-    max_tokens: _int(ge=1) | None = Field(
-        None, description="most tokens to generate (default 16, as OpenAI's, or the server's limit if lower)"
+    max_tokens: _int(ge=0) | None = Field(
+        None,
+        description="most tokens to generate (default 16, as OpenAI's, or the server's limit if lower); 0 only "
+        "with echo: the prompt alone, with its log-probabilities when asked (lm-eval's loglikelihood)",
     )
-    echo: bool = Field(False, description="prepend the prompt to the text")
-    logprobs: _neutral_only(_int() | None, None) = None
+    echo: bool = Field(False, description="prepend the prompt to the text (and its tokens to `logprobs`)")
+    logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None,
+        description=f"0..{MAX_LOGPROBS}: each token's log-probability, with this many most likely alternatives "
+        "(and the chosen token) in `top_logprobs`",
+    )
     suffix: _neutral_only(str | None, None) = None
     response_format: _neutral_only(dict[str, Any] | None, None, {"type": "text"}) = None
     prompt_embeds: _neutral_only(Any, None) = None
     best_of: _int(ge=1, le=MAX_CHOICES) | None = Field(
-        None, description="only n (every sample is returned): ranking more samples needs log-probabilities"
+        None, description="only n (every sample is returned): choosing the best of more samples is not supported"
     )
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 only with echo true (the prompt alone); otherwise at least 1")
         n = self.n or 1
         if self.best_of is not None and self.best_of != n:
             raise ValueError(
                 f"best_of: only best_of = n ({n}) is supported (every sample is returned), got {self.best_of}; "
-                "choosing the best of more samples needs log-probabilities, which are not computed"
+                "choosing the best of more samples is not"
             )
         return self
 
@@ -538,8 +569,10 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: _int(ge=1) | None = Field(None, description="most tokens to generate (deprecated name)")
     max_completion_tokens: _int(ge=1) | None = Field(None, description="most tokens to generate")
-    logprobs: _neutral_only(bool | None, None, False) = None
-    top_logprobs: _neutral_only(_int() | None, None, 0) = None
+    logprobs: bool | None = Field(None, description="each generated token's log-probability in `logprobs.content`")
+    top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description=f"0..{MAX_LOGPROBS}: with logprobs, this many most likely alternatives of each token"
+    )
     tools: _neutral_only(list[Any] | None, None, []) = None
     tool_choice: _neutral_only(str | dict[str, Any] | None, None, "none") = None
     response_format: _neutral_only(dict[str, Any] | None, None, {"type": "text"}) = None
@@ -559,6 +592,12 @@ class ChatCompletionRequest(_OpenAISampling):
     web_search_options: _neutral_only(Any, None) = None
     verbosity: _neutral_only(Any, None) = None
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: only with logprobs true")
+        return self
+
 
 class Usage(BaseModel):
     prompt_tokens: int
@@ -566,11 +605,35 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The log-probabilities of a completion's tokens (the echoed prompt's first), as OpenAI's legacy format."""
+
+    tokens: list[str] = Field(description="each token's own text (or `token_id:<id>`)")
+    token_logprobs: list[float | None] = Field(description=f"{_LOGPROB}; null for the prompt's first token")
+    top_logprobs: list[dict[str, float] | None] = Field(
+        description="per token, the `logprobs` most likely tokens and the chosen one: text -> log-probability"
+    )
+    text_offset: list[int] = Field(description="where each token's text begins in `text`")
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`."""
+
+    logprob: float
+    rank: int = Field(description="1: the most likely token at this position")
+    decoded_token: str
+
+
+# Per prompt token (null for the first): token id -> its entry, the prompt's token and the most likely ones.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="when the request sent `logprobs`")
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: when the request sent prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):
@@ -593,10 +656,25 @@ class AssistantMessage(BaseModel):
     tool_calls: None = None
 
 
+class TopLogprob(BaseModel):
+    token: str = Field(description="the token's own text (or `token_id:<id>`)")
+    logprob: float = Field(description=_LOGPROB)
+    bytes: list[int] | None = Field(description="the UTF-8 bytes of `token`")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the `top_logprobs` most likely tokens at this position")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="with `logprobs: true`: one per generated token")
     finish_reason: Literal["stop", "length"]
 
 
@@ -612,6 +690,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     speculative: SpeculativeDetails
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: when the request sent prompt_logprobs")
 
 
 class ChatDelta(BaseModel):
@@ -623,7 +702,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="with `logprobs: true`: this chunk's tokens")
     finish_reason: Literal["stop", "length"] | None = None
 
 
