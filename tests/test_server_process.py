@@ -109,6 +109,25 @@ def test_real_clients_agree(server: str) -> None:
     assert _outcomes(server) == before
 
 
+def test_tgi_client_reads_log_probabilities(server: str) -> None:
+    """TGI's own client parses every token's logprob, top_n_tokens and the prompt's logprobs
+    (decoder_input_details), streamed too; greedy: each token is the first of its top tokens."""
+    from text_generation import Client
+
+    tgi = Client(server, timeout=120)
+    details = tgi.generate(PROMPT, max_new_tokens=4, top_n_tokens=2, decoder_input_details=True).details
+    assert all(t.logprob is not None and t.logprob < 0 for t in details.tokens)
+    assert details.prefill[0].logprob is None and all(p.logprob is not None for p in details.prefill[1:])
+    assert details.top_tokens is not None and [top[0].id for top in details.top_tokens] == [
+        t.id for t in details.tokens
+    ]
+    events = list(tgi.generate_stream(PROMPT, max_new_tokens=4, top_n_tokens=2))
+    # float32 is not row-independent here: the adaptive draft lengths (from measured times) may verify these
+    # positions in other row counts, which moves the last bits
+    assert [e.token.logprob for e in events] == pytest.approx([t.logprob for t in details.tokens], abs=1e-4)
+    assert [[t.id for t in e.top_tokens] for e in events] == [[t.id for t in top] for top in details.top_tokens]
+
+
 def test_concurrent_requests_match_sequential(server: str) -> None:
     from text_generation import Client
 
