@@ -48,19 +48,31 @@ def test_logprobs_do_not_depend_on_the_draft_the_batch_the_chunks_or_the_sampler
     packed_target, target_f32, chat_prompt
 ) -> None:
     """On a CPU kernel (each row's bits independent of the rows beside it), target-only decoding, speculative
-    decoding with a model draft, and the same request batched beside another with its prompt prefilled in
-    chunks give bit-identical tokens and log-probabilities, prompt's included; greedy and seeded sampling."""
+    decoding (the target as its own draft: every step verifies k + 1 rows), and (greedy) the same request
+    batched beside another with its prompt prefilled in chunks give bit-identical tokens and
+    log-probabilities, prompt's included; greedy and seeded sampling."""
     packed = packed_target(KERNELS[0])
-    drafters = {"f32": ModelDrafter("f32", target_f32, packed), "ngram": NgramDrafter()}
-    engine = Engine(packed.model, packed.tokenizer, drafters, "f32", 4, prefill_chunk=16)
+    drafters = {"self": ModelDrafter("self", packed, packed), "ngram": NgramDrafter()}
+    engine = Engine(packed.model, packed.tokenizer, drafters, "self", 3, prefill_chunk=16)
     other = packed.tokenizer.encode(PROMPT)
     for sampling in ({}, {"temperature": 0.8, "seed": 3}):
-        params = GenerationParams(max_new_tokens=10, logprobs=3, prompt_logprobs=2, **sampling)
+        params = GenerationParams(max_new_tokens=7, logprobs=3, prompt_logprobs=2, **sampling)
         alone = _logprobs(_run(engine, chat_prompt, params, "none"))
-        spec = _run(engine, chat_prompt, params, "f32")
+        spec = _run(engine, chat_prompt, params, "self")
         assert sum(s.accepted for s in spec) >= 3  # verifications of several rows happened
         assert _logprobs(spec) == alone
-        gens = [engine.start(chat_prompt, params, "f32"), engine.start(other, params, "ngram")]
+        _, logprobs, prompt = alone
+        assert len(prompt) == len(chat_prompt) and prompt[0] is None
+        assert [lp.token_id for lp in prompt[1:]] == chat_prompt[1:]
+        for lp in [*logprobs, *prompt[1:]]:
+            assert lp is not None and lp.logprob <= 0 and lp.rank >= 1
+            assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+            assert lp.top[0][1] >= lp.logprob and (lp.rank == 1) == (lp.top[0][0] == lp.token_id)
+        assert len(logprobs[0].top) == 3 and len(prompt[1].top) == 2
+        if sampling:
+            continue
+        assert all(lp.rank == 1 for lp in logprobs)  # greedy: every token is its row's most likely
+        gens = [engine.start(chat_prompt, params, "self"), engine.start(other, params, "ngram")]
         steps: list[list[StepOutput]] = [[], []]
         while not all(g.finished for g in gens):
             live = [i for i, g in enumerate(gens) if not g.finished]
@@ -71,16 +83,6 @@ def test_logprobs_do_not_depend_on_the_draft_the_batch_the_chunks_or_the_sampler
                 steps[i].append(out)
         assert sum(1 for s in steps[0] if not s.token_ids) >= 2  # the prompt went in chunks of 16
         assert _logprobs(steps[0]) == alone
-        _, logprobs, prompt = alone
-        assert len(prompt) == len(chat_prompt) and prompt[0] is None
-        assert [lp.token_id for lp in prompt[1:]] == chat_prompt[1:]
-        for lp in [*logprobs, *prompt[1:]]:
-            assert lp is not None and lp.logprob <= 0 and lp.rank >= 1
-            assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
-            assert lp.top[0][1] >= lp.logprob and (lp.rank == 1) == (lp.top[0][0] == lp.token_id)
-        assert len(logprobs[0].top) == 3 and len(prompt[1].top) == 2
-        if not sampling:  # greedy: every token is its row's most likely
-            assert all(lp.rank == 1 for lp in logprobs)
 
 
 def test_logprobs_are_log_softmax_of_the_targets_logits(target_f32) -> None:
@@ -106,7 +108,7 @@ def test_logprobs_are_log_softmax_of_the_targets_logits(target_f32) -> None:
     # A stop string that ends inside an accepted run: only the tokens kept have log-probabilities.
     steps = _run(engine, prompt, GenerationParams(max_new_tokens=8, stop=(".",), logprobs=1), "ngram")
     assert _logprobs(steps)[0] == tokens[:2] and steps[-1].finish_reason == "stop"
-    plain = _run(engine, prompt, GenerationParams(max_new_tokens=4), "ngram")
+    plain = _run(engine, prompt, GenerationParams(max_new_tokens=2), "ngram")
     assert all(s.logprobs is None and s.prompt_logprobs is None for s in plain)  # not asked, not computed
 
 
