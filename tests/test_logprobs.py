@@ -154,7 +154,8 @@ async def test_openai_completions_logprobs(api_client, api_engine, sse_data) -> 
         )
         body = {"prompt": PROMPT, "max_tokens": 5, "logprobs": 3, "echo": True, "stream": True}
         streamed = await client.post("/v1/completions", json=body)
-        vllm = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2})
+        body = {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2, "echo": True, "logprobs": 1}
+        vllm = await client.post("/v1/completions", json=body)
         refused = [
             await client.post("/v1/completions", json={"prompt": PROMPT, **fields})
             for fields in ({"max_tokens": 0}, {"logprobs": 21}, {"prompt_logprobs": 1, "stream": True})
@@ -194,6 +195,9 @@ async def test_openai_completions_logprobs(api_client, api_engine, sse_data) -> 
     for token, value, entry in zip(ids[1:], got.logprobs.token_logprobs[1:], entries[1:], strict=True):
         assert entry[str(token)]["logprob"] == value and 2 <= len(entry) <= 3
         assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
+    # ... and echo's top_logprobs still hold logprobs' one alternative (and the chosen token)
+    echoed_top = vllm.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert echoed_top[1:-1] == got.logprobs.top_logprobs[1:]
     for r, field in zip(refused, ("max_tokens", "logprobs", "prompt_logprobs"), strict=True):
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
 

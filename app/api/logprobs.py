@@ -41,10 +41,11 @@ class TokenNames:
         return token_id in self._special
 
 
-def _top_dict(names: TokenNames, lp: TokenLogprob) -> dict[str, float]:
-    """The alternatives and the chosen token, most likely first; two ids of one text keep the likelier."""
+def _top_dict(names: TokenNames, lp: TokenLogprob, n: int | None = None) -> dict[str, float]:
+    """The (first `n`) alternatives and the chosen token, most likely first; two ids of one text keep the
+    likelier."""
     top: dict[str, float] = {}
-    for token_id, logprob in lp.top:
+    for token_id, logprob in lp.top[:n]:
         top.setdefault(names(token_id), logprob)
     top.setdefault(names(lp.token_id), lp.logprob)
     return top
@@ -56,10 +57,12 @@ def completion_logprobs(
     prompt: Sequence[TokenLogprob | None] | None = None,
     prompt_ids: Sequence[int] = (),
     offset: int = 0,
+    n: int | None = None,
 ) -> CompletionLogprobs:
     """OpenAI's legacy `logprobs` of `tokens` (each with its `logprob`), after the echoed `prompt`'s when given
     (one per prompt token of `prompt_ids`, None for the first). `offset`: where the generated text begins in the
-    choice's text (after the echoed prompt). A prompt token's offset adds up the names before it (as vLLM's);
+    choice's text (after the echoed prompt); `n`: the alternatives to show of a prompt token (the engine may have
+    computed more, for vLLM's prompt_logprobs). A prompt token's offset adds up the names before it (as vLLM's);
     a generated token's, the text the tokens before it added."""
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     if prompt is not None:
@@ -68,7 +71,7 @@ def completion_logprobs(
             name = names(token_id)
             out.tokens.append(name)
             out.token_logprobs.append(None if lp is None else lp.logprob)
-            out.top_logprobs.append(None if lp is None else _top_dict(names, lp))
+            out.top_logprobs.append(None if lp is None else _top_dict(names, lp, n))
             out.text_offset.append(at)
             at += len(name)
     for tok in tokens:

@@ -295,7 +295,8 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             echo_chunk = chunk(index, None, None)  # text None: no generated text, nothing moves the offsets
             choice = echo_chunk.choices[0]
             choice.text = echo[index // n]
-            choice.logprobs = completion_logprobs(names, (), step.prompt_logprobs, prepared[index // n].prompt_ids)
+            ids = prepared[index // n].prompt_ids
+            choice.logprobs = completion_logprobs(names, (), step.prompt_logprobs, ids, n=echoed)
             return [echo_chunk]
 
         return _stream(tickets, runs, chunk, include_usage, prompt_tokens, lead=lead, logprobs=True)
@@ -312,7 +313,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
         ids = prepared[i // n].prompt_ids
         if body.logprobs is not None:
             prompt = o.prompt_logprobs if echoed is not None else None
-            choice.logprobs = completion_logprobs(names, o.tokens, prompt, ids, offset=len(echo[i // n]))
+            choice.logprobs = completion_logprobs(names, o.tokens, prompt, ids, len(echo[i // n]), echoed)
         if body.prompt_logprobs is not None and o.prompt_logprobs is not None:
             choice.prompt_logprobs = prompt_logprobs(names, o.prompt_logprobs, body.prompt_logprobs)
         choices.append(choice)
