@@ -10,6 +10,7 @@ as one ``error: ...`` line on stderr with exit status 1.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,7 +72,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
         return 0
 
     fetched = {"ok": "yes", "missing": "no", "corrupt": "CORRUPT"}
-    header = ("NAME", "ROLE", "FORMAT", "SIZE", "LICENSE", "FETCHED", "DESCRIPTION")
+    weights = os.environ.get("SPECSERVE_WEIGHTS", "auto")
+    header = ("NAME", "ROLE", "FORMAT", "SIZE", "LICENSE", "FETCHED", f"RUNS AS (weights {weights})", "DESCRIPTION")
     rows = [header]
     for name, entry in store.catalog().items():
         state = store.status(name)
@@ -83,6 +85,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
                 _human_size(entry.size),
                 entry.license,
                 fetched[state],
+                _runs_as(entry.local_path(), weights) if state == "ok" else "-",
                 entry.description,
             )
         )
@@ -91,6 +94,18 @@ def _cmd_models(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
     return 0
+
+
+def _runs_as(path: Path, weights: str) -> str:
+    """What a fetched model's weights run as on this CPU's kernels under `weights`, and their memory."""
+    import torch
+
+    from app.engine.loading import AUTO_NATIVE
+    from app.engine.weights import held_weights
+
+    native = weights == "native" or (weights == "auto" and AUTO_NATIVE)
+    kind, size = held_weights(path, native, torch.float32 if weights == "float32" else torch.bfloat16)
+    return f"{kind}, {_human_size(size)}"
 
 
 # --- specserve generate -----------------------------------------------------------------------------------
@@ -133,11 +148,21 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    _add_weights_argument(parser)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--compare", action="store_true", help="also run target-only and print the speedup")
     _add_sampling_arguments(parser)
     parser.set_defaults(func=_cmd_generate)
+
+
+def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    from app.settings import Settings
+
+    field = Settings.model_fields["weights"]
+    parser.add_argument(
+        "--weights", default=field.default, choices=["auto", "native", "bf16", "float32"], help=field.description
+    )
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, samplers: bool = False) -> None:
@@ -254,7 +279,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampled = args.temperature > 0
     try:
         engine, loaded = build_engine(
-            args.target or DEFAULT_TARGET, args.draft, args.num_draft_tokens, args.dtype, args.device
+            args.target or DEFAULT_TARGET,
+            args.draft,
+            args.num_draft_tokens,
+            args.dtype,
+            args.device,
+            weights=args.weights,
         )
         tok = loaded.tokenizer
         params = GenerationParams(
@@ -367,6 +397,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    _add_weights_argument(parser)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     parser.add_argument(
         "--llama-cpp",
@@ -423,7 +454,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not model_drafts and HYBRID in drafts:
         model_drafts = [default_draft_name(target)]
     engine, loaded = build_engine(
-        target, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype
+        target, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype, weights=args.weights
     )
     schedules = args.schedule or [DEFAULT_DRAFT_SCHEDULE]
     configs = [
@@ -465,6 +496,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {
         "dtype": str(loaded.model.dtype),
+        "weights": loaded.weights,
+        "weight_bytes": loaded.weight_bytes,
         "target": loaded.source,
         "max_new_tokens": args.max_new_tokens,
         "num_draft_tokens": args.num_draft_tokens,

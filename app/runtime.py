@@ -94,6 +94,7 @@ class Runtime:
             draft_p_min=settings.draft_p_min,
             prefill_chunk=settings.prefill_chunk_tokens,
             prefill_step_seconds=settings.prefill_step_seconds,
+            weights=settings.weights,
         )
         return cls.from_engine(engine, settings, metrics)
 

@@ -238,7 +238,7 @@ def test_a_kernel_this_cpu_cannot_run_is_refused_when_forced(monkeypatch: pytest
     kernels.load.cache_clear()
     try:
         assert kernels.available() == ["generic"]
-        with use_kernel("avx2"), pytest.raises(kernels.KernelUnavailable, match=r"avx2 kernel needs avx2 fma"):
+        with use_kernel("avx2"), pytest.raises(kernels.KernelUnavailable, match=r"avx2 kernel needs avx2 f16c fma"):
             kernels.kernel()
         with use_kernel("auto"):
             assert kernels.name() == "generic"
@@ -290,7 +290,7 @@ def test_build_engine_gives_the_engine_the_stores_cache_dir(
     class Stop(Exception):
         pass
 
-    def load_model(path, dtype, device, max_seq_len, cache_dir):
+    def load_model(path, dtype, device, max_seq_len, cache_dir, weights="auto"):
         seen.append(cache_dir)
         raise Stop  # what was passed is the point
 

@@ -322,12 +322,16 @@ def test_cli_fetch_prints_the_path_last(cache: Path) -> None:
     assert proc.stdout.splitlines()[-1] == str(cache / NAME / FILENAME)
 
 
-def test_cli_list(cache: Path) -> None:
+def test_cli_list(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     proc = _cli("models", "list")
     assert proc.returncode == 0, proc.stderr
     header, row = proc.stdout.splitlines()[:2]
-    assert header.split()[:6] == ["NAME", "ROLE", "FORMAT", "SIZE", "LICENSE", "FETCHED"]
-    assert row.split()[:7] == [NAME, "target", "gguf", "93.8", "MiB", "Apache-2.0", "yes"]
+    assert header.split()[:9] == ["NAME", "ROLE", "FORMAT", "SIZE", "LICENSE", "FETCHED", "RUNS", "AS", "(weights"]
+    # What the weights run as, and their memory: dequantized to bf16 (the tied head packed apart), or the blocks.
+    assert row.split()[:10] == [NAME, "target", "gguf", "93.8", "MiB", "Apache-2.0", "yes", "bfloat16,", "310.6", "MiB"]
+    monkeypatch.setenv("SPECSERVE_WEIGHTS", "native")
+    row = _cli("models", "list").stdout.splitlines()[1]
+    assert row.split()[7:10] == ["Q8_0+Q4_1,", "92.0", "MiB"]
 
 
 def test_cli_unknown_name_is_one_error_line(empty_cache: Path) -> None:

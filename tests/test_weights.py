@@ -201,6 +201,15 @@ def _random_q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return np.concatenate([_f16(d), _f16(dmin), scales, qs], axis=-1).reshape(rows, nb * 144)
 
 
+def _random_q5_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    nb = cols // 256
+    d = rng.uniform(0.6e-4, 1.8e-4, (rows, nb)).astype(np.float16)
+    dmin = (d.astype(np.float32) * 15.5).astype(np.float16)
+    scales = rng.integers(0, 256, (rows, nb, 12), dtype=np.uint8)
+    qh_qs = rng.integers(0, 256, (rows, nb, 160), dtype=np.uint8)
+    return np.concatenate([_f16(d), _f16(dmin), scales, qh_qs], axis=-1).reshape(rows, nb * 176)
+
+
 def _random_q6_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     nb = cols // 256
     ql = rng.integers(0, 256, (rows, nb, 128), dtype=np.uint8)
@@ -273,6 +282,9 @@ def _encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarr
     elif qtype == Q.Q6_K:
         raw = _random_q6_k(*w.shape, rng)
         expected = _dequant_q6_k(raw)
+    elif qtype == Q.Q5_K:  # no port of llama.cpp's here: gguf's dequantizer is the reference
+        raw = _random_q5_k(*w.shape, rng)
+        return raw, gguf.quants.dequantize(raw, qtype).astype(np.float32)
     else:
         raw = gguf.quants.quantize(w, qtype)
         return raw, gguf.quants.dequantize(raw, qtype).astype(np.float32)

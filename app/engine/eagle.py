@@ -38,6 +38,7 @@ from app.engine.model import (
     layout_rows,
     rope_tables,
 )
+from app.engine.quantized import QuantizedWeight
 from app.engine.sampling import SamplingParams
 
 CONFIG_FILE = "config.json"
@@ -112,7 +113,7 @@ class EagleDraft(nn.Module):
         self.block = DecoderBlock(config.block_config())
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.register_buffer("vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
-        self._embed: Tensor | None = None
+        self.__dict__["_embed"] = None  # the target's embedding module (attach), kept out of the registry
         self._head_rows = torch.empty(0)
         self.__dict__["_head"] = None
         self._rope_len = 0
@@ -129,9 +130,12 @@ class EagleDraft(nn.Module):
             )
         # Plain tensors and a module kept out of the registry: they belong to the target, so they are
         # neither trained nor saved with the draft.
-        self._embed = target.embed.weight.detach()
-        full = target.embed.weight if target.lm_head is None else target.lm_head.weight
-        rows = full.detach()[self.vocab_ids.to(full.device)].contiguous()
+        self.__dict__["_embed"] = target.embed
+        rows = target.head_rows(self.vocab_ids)
+        if isinstance(rows, QuantizedWeight):  # a quantized target's rows run as its blocks, on its kernel
+            self.__dict__["_head"] = PackedLinear(rows, None)
+            self._head_rows = torch.empty(0)
+            return
         self.__dict__["_head"] = PackedLinear(rows, None) if pack and can_pack(rows.dtype, rows.device) else None
         self._head_rows = rows
 
@@ -162,7 +166,7 @@ class EagleDraft(nn.Module):
         if self._embed is None:
             raise RuntimeError("attach(target) first")
         t = states.shape[1]
-        x = self.fc(torch.cat([F.embedding(next_tokens, self._embed).to(states.dtype), states], dim=-1))
+        x = self.fc(torch.cat([self._embed(next_tokens).to(states.dtype), states], dim=-1))
         cos, sin = self._rope(start_pos, start_pos + t, x.dtype, x.device)
         mask = None
         if cache is not None and cache.needs_mask(t):
@@ -185,7 +189,7 @@ class EagleDraft(nn.Module):
             [(s.shape[0], start, cache) for s, _, start, cache in items],
             lambda a, b: self._rope(a, b, dtype, device),
         )
-        x = self.fc(torch.cat([F.embedding(tokens, self._embed).to(dtype), states], dim=-1))
+        x = self.fc(torch.cat([self._embed(tokens).to(dtype), states], dim=-1))
         x = self.block.forward_parts(x, layout, 0)
         layout.advance()
         return layout.split(self.norm(x)[0])

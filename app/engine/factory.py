@@ -46,6 +46,7 @@ def build_engine(
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     prefill_step_seconds: float = DEFAULT_PREFILL_STEP_SECONDS,
     cache_dir: Path | None = None,
+    weights: str = "auto",
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
@@ -54,14 +55,15 @@ def build_engine(
     was given and becomes the default. The draft-length defaults are the server's (app.engine.defaults).
     Raises store.ModelStoreError for a missing model and drafters.DraftError for a draft that does not fit
     the target. `cache_dir` (default: the model store's, $SPECSERVE_CACHE) is where the engine keeps what it
-    builds (the CPU kernels): the engine itself knows nothing of the store.
+    builds (the CPU kernels): the engine itself knows nothing of the store. `weights`: how a GGUF's quantized
+    matrices are held (`load_model`; a model draft follows the target).
     """
     cache_dir = store.cache_dir() if cache_dir is None else cache_dir
     if draft == HYBRID:  # the hybrid is built on the target's catalog draft
         if default_draft_name(target) == FALLBACK_DRAFT:
             raise DraftError(f"no catalog draft for {target!r} to build the hybrid on; name a draft instead")
         draft = "default"
-    loaded = load_model(store.resolve(target), dtype, device, max_seq_len, cache_dir)
+    loaded = load_model(store.resolve(target), dtype, device, max_seq_len, cache_dir, weights)
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
     default = default_draft_name(target) if draft == "default" else draft
     if default not in ("none", "ngram"):
@@ -72,7 +74,7 @@ def build_engine(
             except EagleError as exc:
                 raise DraftError(f"draft {default!r}: {exc}") from exc
         else:
-            draft_model = load_model(path, loaded.model.dtype, loaded.model.device, max_seq_len, cache_dir)
+            draft_model = load_model(path, loaded.model.dtype, loaded.model.device, max_seq_len, cache_dir, weights)
             drafters[default] = ModelDrafter(default, draft_model, loaded)
         drafters[HYBRID] = HybridDrafter(HYBRID, drafters[default])
     # `default` with a model draft means the hybrid: measured on Spec-Bench it beats the model draft and the

@@ -12,12 +12,18 @@ import torch
 
 from app.engine import kernels
 from app.engine.model import ModelConfig, PackedLinear, Transformer, can_pack
+from app.engine.quantized import QuantizedWeight
 from app.engine.tokenizer import Tokenizer
-from app.engine.weights import read_checkpoint
+from app.engine.weights import WeightsError, read_checkpoint
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# How a GGUF's quantized matrices are held: `native` as the file's blocks, computed on by the CPU kernels
+# (activations bfloat16); `bf16` / `float32` dequantized at load to that dtype; `auto`: native where
+# AUTO_NATIVE says so and it can run (a CPU kernel, dtype auto or bfloat16), else dequantized to the dtype.
+WEIGHTS = ("auto", "native", "bf16", "float32")
+AUTO_NATIVE = False
 
 
 @dataclass
@@ -32,6 +38,16 @@ class LoadedModel:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def weights(self) -> str:
+        """What the weights run as: `bfloat16`, `float32`, or the GGUF formats computed on (`Q4_1+Q8_0`)."""
+        return self.model.weights()[0]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the decoder's weights hold in memory, as laid out for what runs them."""
+        return self.model.weights()[1]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -87,32 +103,67 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if _bf16_is_faster_on_cpu() else torch.float32
 
 
+def _weights_plan(
+    weights: str, dtype: str | torch.dtype, dev: torch.device, cache_dir: Path | None
+) -> tuple[bool, str | torch.dtype]:
+    """(keep a GGUF's quantized matrices quantized, the dtype to load in) for the `weights` setting."""
+    if weights not in WEIGHTS:
+        raise WeightsError(f"unknown weights {weights!r}; choose {', '.join(WEIGHTS)}")
+    bf16 = dtype in ("auto", "bfloat16", torch.bfloat16)
+    if weights in ("bf16", "float32"):
+        want = torch.bfloat16 if weights == "bf16" else torch.float32
+        if dtype not in ("auto", want, str(want).removeprefix("torch.")):
+            raise WeightsError(f"weights {weights} run in {want}, which dtype {dtype} contradicts")
+        return False, want
+    if weights == "auto" and not (AUTO_NATIVE and dev.type == "cpu" and bf16):
+        return False, dtype
+    if dev.type != "cpu" or not bf16:
+        raise WeightsError(f"native weights run on the CPU kernels with bfloat16 activations, not {dtype} on {dev}")
+    if kernels.kernel(None if cache_dir is None else Path(cache_dir) / "kernels") is None:
+        if weights == "native":
+            raise WeightsError("native weights need a CPU kernel (SPECSERVE_KERNEL is torch, or none could be built)")
+        return False, dtype
+    return True, torch.bfloat16
+
+
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     max_seq_len: int | None = None,
     cache_dir: Path | None = None,
+    weights: str = "auto",
 ) -> LoadedModel:
     """Load a GGUF file or HF directory at `path` as a Transformer plus its Tokenizer.
 
     `cache_dir`: the engine's cache directory; the CPU kernels are built into its `kernels/` (None: into a
     private temporary directory, compiled again by every process). `build_engine` passes the model store's.
+    `weights` (see WEIGHTS): `native` keeps a GGUF's quantized matrices as their blocks, computed on by the
+    CPU kernel (dtype auto or bfloat16, on the CPU; a WeightsError otherwise); `bf16`/`float32` dequantize them
+    to that dtype.
     """
     t0 = time.perf_counter()
     dev = resolve_device(device) if isinstance(device, str) else device
+    native, dtype = _weights_plan(weights, dtype, dev, cache_dir)
     if dev.type == "cpu" and (dtype == "auto" or dtype in ("bfloat16", torch.bfloat16)):
         # The first selection builds the kernel (bfloat16 runs on it, `auto` asks whether one runs): here.
         kernels.kernel(None if cache_dir is None else Path(cache_dir) / "kernels")
     dt = resolve_dtype(dtype, dev) if isinstance(dtype, str) else dtype
-    ckpt = read_checkpoint(Path(path), max_seq_len)
+    ckpt = read_checkpoint(Path(path), max_seq_len, quantized=native)
     with torch.device("meta"):
         model = Transformer(ckpt.config)
-    state = {k: v.to(dt) for k, v in ckpt.state_dict.items()}
-    model.load_state_dict(state, assign=True, strict=True)
+    state = {k: v.to(dt) for k, v in ckpt.state_dict.items() if isinstance(v, torch.Tensor)}
+    quantized = {k: v for k, v in ckpt.state_dict.items() if isinstance(v, QuantizedWeight)}
+    missing, unexpected = model.load_state_dict(state, assign=True, strict=False)
+    if set(missing) != set(quantized) or unexpected:
+        raise RuntimeError(
+            f"state dict mismatch: missing {sorted(set(missing) - set(quantized))}, unexpected {unexpected}"
+        )
+    model.load_quantized(quantized)
     model = model.to(dev).eval().requires_grad_(False)
     model.pack()
     tokenizer = Tokenizer.from_metadata(ckpt.tokenizer_meta, ckpt.config.eos_token_ids)
     elapsed = time.perf_counter() - t0
-    log.info("loaded %s (%s, %s) in %.1f s", path, dt, dev, elapsed)
+    kind, size = model.weights()
+    log.info("loaded %s (weights %s, %.0f MB; %s, %s) in %.1f s", path, kind, size / 1e6, dt, dev, elapsed)
     return LoadedModel(model, tokenizer, ckpt.source, elapsed)

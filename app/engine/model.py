@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from app.engine import kernels
 from app.engine.kernels import Kernel
+from app.engine.quantized import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -287,19 +288,28 @@ class PackedLinear(nn.Module):
     decoding step (bit-identical to F.linear).
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor | QuantizedWeight, bias: Tensor | None) -> None:
         super().__init__()
         kernel = kernels.kernel()
+        self.quantized = weight if isinstance(weight, QuantizedWeight) else None
+        self.packed = None
+        self.weight: Tensor | None = None
+        self.bias = bias
+        self.fused: kernels.KernelLinear | kernels.QuantLinear | None
+        if isinstance(weight, QuantizedWeight):
+            # GGUF blocks: only a kernel computes on them.
+            if kernel is None:
+                raise ValueError("quantized weights need a CPU kernel (SPECSERVE_KERNEL is torch, or none builds)")
+            self.fused = kernel.qlinear(weight, bias)
+            return
         # On a kernel, with what can ride along with the product (norm before, residual after; DecoderBlock).
         self.fused = kernel.linear(weight, bias) if kernel is not None and kernels.fits(weight) else None
-        self.packed = None
         self.weight: Tensor | None = None
         if self.fused is None:
             if _onednn_packs():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             else:
                 self.weight = weight
-        self.bias = bias
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is not None:
@@ -341,6 +351,19 @@ def rope_tables(config: ModelConfig, n: int, dtype: torch.dtype, device: torch.d
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks: a lookup dequantizes the rows it needs, exactly, into `dtype`
+    (the values a dequantized table in that dtype holds)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.quantized = weight
+        self.dtype = dtype
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.quantized.rows(ids).to(self.dtype)
 
 
 class DecoderBlock(nn.Module):
@@ -431,17 +454,76 @@ class Transformer(nn.Module):
                 lin = getattr(owner, name)
                 if isinstance(lin, nn.Linear):
                     setattr(owner, name, PackedLinear(lin.weight, lin.bias))
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_head = PackedLinear(head, None)
+        if isinstance(self.lm_head, PackedLinear):  # quantized (see load_quantized)
+            self._packed_head = self.lm_head
+        else:
+            self._packed_head = PackedLinear(self._head_weight(), None)
         return True
+
+    def load_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
+        """Put GGUF quantized matrices in place (names as the state dict's: `layers.0.w13.weight`, `embed.weight`,
+        `lm_head.weight`), each computed on as its blocks by the CPU kernel (`PackedLinear`); call before `pack`.
+        The model's other weights set its dtype, the activations' (bfloat16: what the kernels take)."""
+        for name, weight in weights.items():
+            path, _, leaf = name.rpartition(".")
+            if leaf != "weight":
+                raise ValueError(f"{name}: only weights are kept quantized")
+            if path == "embed":
+                self.embed = QuantizedEmbedding(weight, self.dtype)  # type: ignore[assignment]
+                continue
+            owner_path, _, attr = path.rpartition(".")
+            owner = self.get_submodule(owner_path) if owner_path else self
+            linear = getattr(owner, attr)
+            bias = linear.bias if isinstance(linear, nn.Linear) else None
+            setattr(owner, attr, PackedLinear(weight, bias))
+
+    def _head_weight(self) -> Tensor | QuantizedWeight:
+        if self.lm_head is not None:
+            return self.lm_head.quantized if isinstance(self.lm_head, PackedLinear) else self.lm_head.weight
+        return self.embed.quantized if isinstance(self.embed, QuantizedEmbedding) else self.embed.weight
+
+    def head_rows(self, ids: Tensor) -> Tensor | QuantizedWeight:
+        """Rows `ids` (long [M]) of the output layer: [M, dim] in the model's dtype, or still quantized."""
+        head = self._head_weight()
+        return (
+            head.select(ids) if isinstance(head, QuantizedWeight) else head.detach()[ids.to(head.device)].contiguous()
+        )
+
+    def weights(self) -> tuple[str, int]:
+        """What the decoder's weights run as (`bfloat16`, `float32`, or the GGUF formats computed on, as
+        `Q8_0+Q4_1`, with `+bfloat16` where some matrices are not) and the bytes they hold (each memory once:
+        a tied head computed on the embedding's blocks costs nothing more)."""
+        held: dict[int, int] = {}
+        formats: dict[str, None] = {}
+        plain = False
+        for module in self.modules():
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            quantized = getattr(module, "quantized", None)
+            if isinstance(module, PackedLinear):
+                tensors += [t for t in (module.packed, module.weight) if t is not None]
+                if isinstance(module.fused, kernels.KernelLinear):
+                    tensors.append(module.fused.weight)
+                plain = plain or quantized is None
+            elif not isinstance(module, QuantizedEmbedding):
+                plain = plain or any(t.dim() == 2 for t in tensors)
+            if isinstance(quantized, QuantizedWeight):
+                formats.update(dict.fromkeys(quantized.formats))
+                tensors += [data for _, data in quantized.segments]
+            for t in tensors:
+                if t.device.type != "meta":
+                    held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        dtype = str(self.dtype).removeprefix("torch.")
+        if not formats:
+            return dtype, sum(held.values())
+        return "+".join([*formats, *([dtype] if plain else [])]), sum(held.values())
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     def rows_independent(self) -> bool:
         """Whether every op of a decoding forward computes each row on its own, so that a token's bits do not
@@ -532,7 +614,8 @@ class Transformer(nn.Module):
         if self._packed_head is not None:
             head: Callable[[Tensor], Tensor] = self._packed_head
         else:
-            weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            weight = self._head_weight()
+            assert isinstance(weight, Tensor), "quantized weights run packed"
             head = lambda h: F.linear(h, weight)  # noqa: E731
         if hidden.dim() == 2 and hidden.shape[0] > _MAX_ROWS:
             return _rows(head, hidden[None])[0]

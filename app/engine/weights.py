@@ -2,7 +2,8 @@
 
 Two formats: GGUF files (llama.cpp's; metadata and quantized tensors through the `gguf` package) and
 HuggingFace directories (config.json plus safetensors, sharded or not). Both end in float32 tensors
-in the HuggingFace layout, which `Transformer` uses.
+in the HuggingFace layout, which `Transformer` uses; asked to, a GGUF's quantized matrices are kept as their
+blocks instead (`QuantizedWeight`), where the CPU kernels compute on that format.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from app.engine.model import ModelConfig
+from app.engine.quantized import QuantizedWeight, computable
 
 # Architectures this decoder implements, as GGUF `general.architecture` and HF `model_type` name them.
 _GGUF_ARCHS = {"llama", "mistral", "qwen2", "smollm"}
@@ -38,13 +40,16 @@ class Checkpoint:
     """What a checkpoint holds: the decoder's shape, its weights, and what a tokenizer needs."""
 
     config: ModelConfig
-    state_dict: dict[str, Tensor]
+    state_dict: dict[str, Tensor | QuantizedWeight]  # QuantizedWeight only where `quantized` was asked
     tokenizer_meta: dict[str, Any] = field(default_factory=dict)
     source: str = ""
 
 
-def read_checkpoint(path: Path, max_seq_len: int | None = None) -> Checkpoint:
-    """Read a GGUF file or an HF-format directory; raise WeightsError for anything else."""
+def read_checkpoint(path: Path, max_seq_len: int | None = None, quantized: bool = False) -> Checkpoint:
+    """Read a GGUF file or an HF-format directory; raise WeightsError for anything else.
+
+    `quantized`: a GGUF's matrices (projections, embedding, output) in a format the CPU kernels compute on
+    stay `QuantizedWeight`s, as the file stores them; everything else is float32 as ever."""
     path = Path(path)
     if path.is_dir():
         return _read_hf(path, max_seq_len)
@@ -52,9 +57,51 @@ def read_checkpoint(path: Path, max_seq_len: int | None = None) -> Checkpoint:
         with path.open("rb") as fh:
             magic = fh.read(4)
         if magic == b"GGUF":
-            return _read_gguf(path, max_seq_len)
+            return _read_gguf(path, max_seq_len, quantized)
         raise WeightsError(f"{path} is neither a GGUF file nor an HF-format directory")
     raise WeightsError(f"{path} does not exist")
+
+
+def held_weights(path: Path, native: bool, dtype: torch.dtype = torch.bfloat16) -> tuple[str, int]:
+    """What `load_model` holds for the checkpoint at `path`, from its header alone: (what the weights run as,
+    as `LoadedModel.weights` names it, and about the bytes they take). `native`: a GGUF's quantized matrices
+    kept as their blocks where a kernel computes on them; everything else in `dtype`."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    name = str(dtype).removeprefix("torch.")
+    path = Path(path)
+    if path.is_dir():
+        from safetensors import safe_open
+
+        total = 0
+        for shard in path.glob("*.safetensors"):
+            with safe_open(str(shard), "np") as fh:
+                total += sum(int(np.prod(fh.get_slice(k).get_shape())) for k in fh.keys())  # noqa: SIM118 (not a dict)
+        return name, total * size
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    formats: dict[str, None] = {}
+    total, plain, kept = 0, False, set()
+    for t in reader.tensors:
+        count = int(np.prod([int(n) for n in t.shape]))
+        matrix = len(t.shape) == 2
+        if native and matrix and computable(t.tensor_type.name, int(t.shape[0])):
+            formats[t.tensor_type.name] = None
+            total += int(t.n_bytes)
+            kept.add(t.name)
+        else:
+            total += count * size
+            plain = plain or matrix
+    head = "output.weight" if any(t.name == "output.weight" for t in reader.tensors) else "token_embd.weight"
+    if head not in kept:  # the head is packed for the kernel beside the table or layer it comes from
+        total += _count(reader, head) * size
+    if not formats:
+        return name, total
+    return "+".join([*formats, *([name] if plain else [])]), total
+
+
+def _count(reader: Any, tensor: str) -> int:
+    return next(int(np.prod([int(n) for n in t.shape])) for t in reader.tensors if t.name == tensor)
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
@@ -67,14 +114,24 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
+def _unpermute_rope(w: Tensor | QuantizedWeight, n_heads: int) -> Tensor | QuantizedWeight:
     """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs) back to HF's rotate-half order."""
     out = w.shape[0]
+    if isinstance(w, QuantizedWeight):  # whole rows move: the blocks of a row stay as they are
+        return w.permute_rows(_unpermute_rope(torch.arange(out), n_heads))  # type: ignore[arg-type]
     rest = w.shape[1:]
     return w.reshape(n_heads, out // n_heads // 2, 2, *rest).transpose(1, 2).reshape(out, *rest)
 
 
-def _read_gguf(path: Path, max_seq_len: int | None) -> Checkpoint:
+def _cat(parts: list[Tensor | QuantizedWeight]) -> Tensor | QuantizedWeight:
+    """Rows of `parts` one after another: quantized if every part is (a fused projection of mixed kinds is
+    dequantized whole)."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
+
+
+def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> Checkpoint:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -123,36 +180,42 @@ def _read_gguf(path: Path, max_seq_len: int | None) -> Checkpoint:
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
 
-    def load(name: str) -> Tensor:
+    def load(name: str, matrix: bool = False) -> Tensor | QuantizedWeight:
         t = tensors[name]
         qtype = t.tensor_type.name
         if qtype not in _GGUF_TYPES:
             raise WeightsError(f"{path.name}: tensor {name} has type {qtype}, which this loader cannot read")
+        if quantized and matrix and len(t.shape) == 2 and computable(qtype, int(t.shape[0])):
+            # The file's blocks, copied out of the memory map: [rows, bytes per row].
+            return QuantizedWeight([(qtype, torch.from_numpy(np.array(t.data, dtype=np.uint8)))], int(t.shape[0]))
         arr = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         # Unquantized tensors come back as read-only views of the memory-mapped file.
         return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
     # llama.cpp permutes q/k rows for its interleaved RoPE in the llama family only.
     permuted = arch in {"llama", "mistral", "smollm"}
-    sd: dict[str, Tensor] = {"embed.weight": load("token_embd.weight"), "norm.weight": load("output_norm.weight")}
+    sd: dict[str, Tensor | QuantizedWeight] = {
+        "embed.weight": load("token_embd.weight", matrix=True),
+        "norm.weight": load("output_norm.weight"),
+    }
     if not config.tie_embeddings:
-        sd["lm_head.weight"] = load("output.weight")
+        sd["lm_head.weight"] = load("output.weight", matrix=True)
     for i in range(config.n_layers):
         p = f"blk.{i}."
-        q, k, v = load(p + "attn_q.weight"), load(p + "attn_k.weight"), load(p + "attn_v.weight")
+        q, k, v = (load(p + f"attn_{n}.weight", matrix=True) for n in "qkv")
         if permuted:
             q, k = _unpermute_rope(q, n_heads), _unpermute_rope(k, n_kv)
         o = f"layers.{i}."
-        sd[o + "attn.wqkv.weight"] = torch.cat([q, k, v])
+        sd[o + "attn.wqkv.weight"] = _cat([q, k, v])
         if config.qkv_bias:
             sd[o + "attn.wqkv.bias"] = torch.cat(
-                [load(p + "attn_q.bias"), load(p + "attn_k.bias"), load(p + "attn_v.bias")]
+                [load(p + "attn_q.bias"), load(p + "attn_k.bias"), load(p + "attn_v.bias")]  # type: ignore[misc]
             )
-        sd[o + "attn.wo.weight"] = load(p + "attn_output.weight")
+        sd[o + "attn.wo.weight"] = load(p + "attn_output.weight", matrix=True)
         sd[o + "attn_norm.weight"] = load(p + "attn_norm.weight")
         sd[o + "ffn_norm.weight"] = load(p + "ffn_norm.weight")
-        sd[o + "w13.weight"] = torch.cat([load(p + "ffn_gate.weight"), load(p + "ffn_up.weight")])
-        sd[o + "w2.weight"] = load(p + "ffn_down.weight")
+        sd[o + "w13.weight"] = _cat([load(p + "ffn_gate.weight", matrix=True), load(p + "ffn_up.weight", matrix=True)])
+        sd[o + "w2.weight"] = load(p + "ffn_down.weight", matrix=True)
 
     tokenizer_meta = {
         "format": "gguf",

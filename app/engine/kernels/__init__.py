@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from app.engine.quantized import FORMATS, QuantizedWeight
+
 log = logging.getLogger(__name__)
 
 KERNELS = ("amx", "avx512", "avx2", "generic")
@@ -46,18 +48,20 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 # CPU flags (as /proc/cpuinfo names them) each kernel needs.
 _NEEDS = {
     "amx": {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"},
-    "avx512": {"avx512f", "avx2", "fma"},
-    "avx2": {"avx2", "fma"},
+    "avx512": {"avx512f", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
     "generic": set(),
 }
 # -ffp-contract=off: the portable kernels' bits are defined by explicit fused multiply-adds only.
 _FLAGS = {
-    "amx": ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
-    "avx512": ["-mavx512f", "-mavx2", "-mfma", "-ffp-contract=off"],
-    "avx2": ["-mavx2", "-mfma", "-ffp-contract=off"],
+    "amx": ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
     "generic": ["-ffp-contract=off"],
 }
 _COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+# What every kernel's source includes (part of the build key).
+_HEADERS = ("common.h", "quant.h", "quant_avx2.h")
 
 
 class KernelUnavailable(RuntimeError):
@@ -177,6 +181,9 @@ class Kernel:
         pointer, integer = ctypes.c_void_p, ctypes.c_int
         lib.sk_linear.restype = None
         lib.sk_linear.argtypes = [pointer] * 4 + [integer] * 5 + [pointer, ctypes.c_float, pointer, pointer]
+        lib.sk_qlinear.restype = None
+        lib.sk_qlinear.argtypes = [integer, pointer, ctypes.c_long, pointer, pointer, integer, pointer] + [integer] * 5
+        lib.sk_qlinear.argtypes += [pointer, ctypes.c_float, pointer, pointer]
         lib.sk_attention.restype = None
         lib.sk_attention.argtypes = [pointer, *[integer] * 7, ctypes.c_float, integer]
 
@@ -186,6 +193,10 @@ class Kernel:
     def linear(self, weight: Tensor, bias: Tensor | None) -> KernelLinear:
         """`weight` [N, K] (bf16, K % 32 == 0; see `fits`) laid out once for this kernel's products."""
         return KernelLinear(self, weight, bias)
+
+    def qlinear(self, weight: QuantizedWeight, bias: Tensor | None) -> QuantLinear:
+        """`weight` [N, K]: GGUF blocks (see `app.engine.quantized`), computed on as they are."""
+        return QuantLinear(self, weight, bias)
 
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, parts: Sequence[tuple[int, int, Tensor, Tensor, int]]
@@ -305,6 +316,65 @@ class KernelLinear:
         return y if self._padded == self.out_features else y[..., : self.out_features]
 
 
+class QuantLinear:
+    """`x @ weight.T + bias` for bf16 x [..., K] on GGUF quantized weights, read as the file stores them.
+
+    Each output is quant.h's fixed chain over the exact dequantized weights in float32 (the bits of the
+    generic kernel on every portable kernel), whatever the row count: the same promises as `KernelLinear`."""
+
+    def __init__(self, kernel: Kernel, weight: QuantizedWeight, bias: Tensor | None) -> None:
+        self.kernel = kernel
+        self.weight = weight
+        self.segments = [(FORMATS[qtype][0], data.contiguous()) for qtype, data in weight.segments]
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(
+        self,
+        x: Tensor,
+        norm: Tensor | None = None,
+        eps: float = 0.0,
+        swiglu: bool = False,
+        residual: Tensor | None = None,
+    ) -> Tensor:
+        """x [..., K] -> [..., N]; `norm`, `eps`, `swiglu` and `residual` as `KernelLinear`."""
+        x = x.contiguous()
+        k, n = self.in_features, self.out_features
+        rows = x.numel() // (2 * k if swiglu else k)
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+        op, scratch = (1 if norm is not None else 2 if swiglu else 0), None
+        if op:
+            scratch = torch.empty(rows, k, dtype=torch.bfloat16)
+        if residual is not None:
+            assert residual.shape == y.shape
+            residual = residual.contiguous()
+        norm_w = None if norm is None else norm.contiguous()
+        first = 0
+        for qtype, data in self.segments:
+            if rows:
+                col = first * 2  # bytes per bf16 output
+                self.kernel._lib.sk_qlinear(
+                    qtype,
+                    data.data_ptr(),
+                    data.shape[1],
+                    x.data_ptr(),
+                    y.data_ptr() + col,
+                    n,
+                    None if self.bias is None else self.bias.data_ptr() + first * 4,
+                    rows,
+                    k,
+                    data.shape[0],
+                    torch.get_num_threads(),
+                    op,
+                    None if norm_w is None else norm_w.data_ptr(),
+                    eps,
+                    None if residual is None else residual.data_ptr() + col,
+                    None if scratch is None else scratch.data_ptr(),
+                )
+            first += data.shape[0]
+        return y
+
+
 @functools.cache
 def load(name: str, cache_dir: Path | None = None) -> Kernel:
     """Kernel `name`, built at first use into `cache_dir` (None: a private temporary directory) and kept there,
@@ -317,7 +387,7 @@ def load(name: str, cache_dir: Path | None = None) -> Kernel:
         raise KernelUnavailable(f"the {name} kernel needs {need}; this CPU ({cpu}) lacks it")
     gcc, version = _compiler()
     flags = _flags(name, gcc)
-    sources = "".join((_HERE / f).read_text() for f in ("common.h", f"{name}.c"))
+    sources = "".join((_HERE / f).read_text() for f in (*_HEADERS, f"{name}.c"))
     key_text = f"{sources}{_COMMON}{flags}{version}{_cpu()}{_torch_gomp()}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = (cache_dir or _private_dir()) / f"{name}_{key}.so"

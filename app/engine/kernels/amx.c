@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include "common.h"
+#include "quant_avx2.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -292,4 +293,12 @@ void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, 
         block(qrows, qpos, nq, pt->kc + (size_t)g * pt->cap * d, pt->vc + (size_t)g * pt->cap * d, d, scale, outs, s);
         free(s);
     }
+}
+
+/* Quantized weights: the AVX2 tiles of quant_avx2.h (the generic bits, as on avx2). */
+void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,
+                int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
+                uint16_t *scratch) {
+    sk_qlinear_frame(type, w, row_bytes, x, y, ldy, bias, m, k, n, threads, op, norm_w, eps, residual, scratch,
+                     sk_sum_squares_ref, q_cols);
 }

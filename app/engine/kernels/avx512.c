@@ -4,6 +4,7 @@
    so it is not used: the same bits on every kernel matter more here than the compute-bound rows.) */
 #include <immintrin.h>
 #include "common.h"
+#include "quant_avx2.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -189,4 +190,12 @@ static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const ui
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
     sk_attention_rows(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, attend_row);
+}
+
+/* Quantized weights: the AVX2 tiles of quant_avx2.h (the generic bits, as on avx2). */
+void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,
+                int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
+                uint16_t *scratch) {
+    sk_qlinear_frame(type, w, row_bytes, x, y, ldy, bias, m, k, n, threads, op, norm_w, eps, residual, scratch,
+                     sum_squares, q_cols);
 }

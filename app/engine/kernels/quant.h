@@ -1,0 +1,184 @@
+/* Products on GGUF quantized weights, read as the file stores them (llama.cpp's blocks), and the scalar
+   definitions every kernel computes bit for bit.
+
+   A weight row (one output) is k / QK blocks of its format, QK = 32 or 256 inputs per block. Dequantizing a
+   weight gives exactly the float32 value the `gguf` package's (and llama.cpp's) dequantization gives: each is
+   a product of small integers and float16 scales, exact in float32, plus at most one rounding (Q4_1, Q5_1 and
+   the K-quants' offsets: one fused multiply-add; Q6_K: its scale times its quant, one multiply).
+
+   The arithmetic of a product, fixed so that a result never depends on the row count nor the SIMD width
+   (the same lanes as the bf16 products' pairs, not the same order):
+   - the input row x (bf16, widened exactly to float32) and the dequantized weight row w meet in 16 float32
+     lanes: lane i takes the inputs 16c + i for c = 0, 1, ..., k/16 - 1 in that order, each by one fused
+     multiply-add acc = fma(w, x, acc) from 0;
+   - the lanes are summed by the tree of common.h (sk_tree16), then bias, bf16 rounding and residual as
+     sk_finish. */
+#ifndef SPECSERVE_KERNEL_QUANT_H
+#define SPECSERVE_KERNEL_QUANT_H
+
+#include "common.h"
+
+/* GGML's type ids of the formats with a kernel. */
+enum { SK_Q4_0 = 2, SK_Q4_1 = 3, SK_Q5_0 = 6, SK_Q5_1 = 7, SK_Q8_0 = 8, SK_Q4_K = 12, SK_Q5_K = 13, SK_Q6_K = 14 };
+
+/* Inputs per block (QK) and bytes per block of a format; 0 for a format without a kernel. */
+static inline int sk_q_block(int type) {
+    return type == SK_Q4_K || type == SK_Q5_K || type == SK_Q6_K ? 256 : type == SK_Q4_0 || type == SK_Q4_1 ||
+           type == SK_Q5_0 || type == SK_Q5_1 || type == SK_Q8_0 ? 32 : 0;
+}
+
+static inline int sk_q_bytes(int type) {
+    switch (type) {
+        case SK_Q4_0: return 18;
+        case SK_Q4_1: return 20;
+        case SK_Q5_0: return 22;
+        case SK_Q5_1: return 24;
+        case SK_Q8_0: return 34;
+        case SK_Q4_K: return 144;
+        case SK_Q5_K: return 176;
+        case SK_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* IEEE half -> float32, exact (subnormals included). */
+static inline float sk_f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0) {
+        float f = (float)man * 5.9604644775390625e-8f;  /* man * 2^-24: zero or a subnormal half, exact */
+        return sign ? -f : f;
+    }
+    u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The K-quants' 6-bit scale and minimum of sub-block j (0-7) from their 12 packed bytes. */
+static inline void sk_k_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* The 32 weights of chunk s (inputs 32s..32s+31 of the block; s = 0 for 32-input formats, 0-7 for the
+   K-quants) of block b, dequantized -> out[32]. The definition the SIMD kernels reproduce. */
+static inline void sk_q_chunk_ref(int type, const uint8_t *b, int s, float *out) {
+    switch (type) {
+        case SK_Q4_0: {
+            float d = sk_f16_to_f32(b);
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)((b[2 + j] & 15) - 8);
+                out[16 + j] = d * (float)((b[2 + j] >> 4) - 8);
+            }
+            break;
+        }
+        case SK_Q4_1: {
+            float d = sk_f16_to_f32(b), m = sk_f16_to_f32(b + 2);
+            for (int j = 0; j < 16; j++) {
+                out[j] = fmaf(d, (float)(b[4 + j] & 15), m);
+                out[16 + j] = fmaf(d, (float)(b[4 + j] >> 4), m);
+            }
+            break;
+        }
+        case SK_Q5_0: case SK_Q5_1: {
+            int off = type == SK_Q5_0 ? 2 : 4;
+            float d = sk_f16_to_f32(b), m = type == SK_Q5_1 ? sk_f16_to_f32(b + 2) : 0.0f;
+            uint32_t qh = (uint32_t)b[off] | (uint32_t)b[off + 1] << 8 | (uint32_t)b[off + 2] << 16 | (uint32_t)b[off + 3] << 24;
+            const uint8_t *qs = b + off + 4;
+            for (int j = 0; j < 32; j++) {
+                int q = (j < 16 ? qs[j] & 15 : qs[j - 16] >> 4) | (int)((qh >> j) & 1) << 4;
+                out[j] = type == SK_Q5_0 ? d * (float)(q - 16) : fmaf(d, (float)q, m);
+            }
+            break;
+        }
+        case SK_Q8_0: {
+            float d = sk_f16_to_f32(b);
+            for (int j = 0; j < 32; j++) out[j] = d * (float)(int8_t)b[2 + j];
+            break;
+        }
+        case SK_Q4_K: case SK_Q5_K: {
+            int sc, mn;
+            sk_k_scale_min(b + 4, s, &sc, &mn);
+            float ds = sk_f16_to_f32(b) * (float)sc, dm = sk_f16_to_f32(b + 2) * (float)mn;
+            const uint8_t *qs = b + (type == SK_Q4_K ? 16 : 48) + 32 * (s / 2), *qh = b + 16;
+            for (int j = 0; j < 32; j++) {
+                int q = (qs[j] >> (4 * (s & 1))) & 15;
+                if (type == SK_Q5_K) q |= ((qh[j] >> s) & 1) << 4;
+                out[j] = fmaf(ds, (float)q, -dm);
+            }
+            break;
+        }
+        case SK_Q6_K: {
+            int h = s / 4, i = s % 4;
+            const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * i;
+            float d = sk_f16_to_f32(b + 208);
+            for (int j = 0; j < 32; j++) {
+                int q = (((ql[j] >> (4 * (i >> 1))) & 15) | (((qh[j] >> (2 * i)) & 3) << 4)) - 32;
+                out[j] = (d * (float)sc[j / 16]) * (float)q;
+            }
+            break;
+        }
+        default:
+            for (int j = 0; j < 32; j++) out[j] = NAN;
+    }
+}
+
+/* sk_qlinear: y [m, ldy] columns 0..n-1 = x [m, k] @ w.T (+ bias [n]), w [n] rows of `row_bytes` bytes of
+   format `type`; op, norm_w, eps, residual ([m, ldy], as y) and scratch as sk_linear. */
+void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,
+                int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
+                uint16_t *scratch);
+
+/* The portable definition: column by column, its weight row dequantized once, then every input row. */
+static inline void sk_qlinear_ref(int type, const uint8_t *w, long row_bytes, const float *xf, uint16_t *y, int ldy,
+                                  const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
+    int qk = sk_q_block(type), bytes = sk_q_bytes(type);
+    float *wf = malloc(sizeof(float) * (size_t)k);
+    for (int col = c0; col < c1; col++) {
+        const uint8_t *row = w + (size_t)col * row_bytes;
+        for (int e = 0; e < k; e += 32)
+            sk_q_chunk_ref(type, row + (size_t)(e / qk) * bytes, (e % qk) / 32, wf + e);
+        for (int r = 0; r < m; r++) {
+            const float *xr = xf + (size_t)r * k;
+            float acc[16] = {0};
+            for (int c = 0; c < k / 16; c++)
+                for (int i = 0; i < 16; i++) acc[i] = fmaf(wf[16 * c + i], xr[16 * c + i], acc[i]);
+            size_t at = (size_t)r * ldy + col;
+            y[at] = sk_finish(sk_tree16(acc), bias, col, residual ? residual + at : NULL);
+        }
+    }
+    free(wf);
+}
+
+/* The frame every kernel's sk_qlinear shares: the fused op, float32 inputs, columns shared among threads
+   (a column's result does not depend on which thread computes it). */
+typedef void (*sk_qcols_fn)(int type, const uint8_t *w, long row_bytes, const float *xf, uint16_t *y, int ldy,
+                            const float *bias, int m, int k, int c0, int c1, const uint16_t *residual);
+
+static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y,
+                                    int ldy, const float *bias, int m, int k, int n, int threads, int op,
+                                    const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch,
+                                    float (*sum_squares)(const uint16_t *, int), sk_qcols_fn cols) {
+    x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
+    float *xf = aligned_alloc(64, (sizeof(float) * (size_t)m * k + 63) / 64 * 64);
+    sk_widen_rows(x, (size_t)m * k, xf);
+    #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* Thread shares in multiples of 4 columns (what the SIMD kernels take at a time). */
+        int groups = (n + 3) / 4;
+        int c0 = 4 * (int)((long)groups * t / nt), c1 = 4 * (int)((long)groups * (t + 1) / nt);
+        if (c1 > n) c1 = n;
+        if (c0 < c1) cols(type, w, row_bytes, xf, y, ldy, bias, m, k, c0, c1, residual);
+    }
+    free(xf);
+}
+
+#endif

@@ -1,0 +1,306 @@
+/* Products on GGUF quantized weights with AVX2, FMA and F16C (quant.h's arithmetic: the generic kernel's bits).
+   Included by the avx2 kernel and by the AVX-512 ones (avx512, amx), which run it as it is.
+
+   A tile is R input rows x C weight rows (columns of the output), every input in order: for each 32-input
+   chunk, each column's weights are dequantized into four 8-lane registers (inputs 0-7, 8-15, 16-23, 24-31
+   of the chunk), then multiplied with each row's inputs into two accumulators per (row, column), lanes 0-7
+   and 8-15 of quant.h's 16 (inputs 16c + i: the chunk's first half, then its second). Dequantizing once for
+   the R rows is what several rows (a verification, a prefill) save. */
+#ifndef SPECSERVE_KERNEL_QUANT_AVX2_H
+#define SPECSERVE_KERNEL_QUANT_AVX2_H
+
+#include <immintrin.h>
+#include "quant.h"
+
+#define QINLINE static inline __attribute__((always_inline))
+
+QINLINE float q_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 8 bytes at p -> 8 int32 lanes (one load-and-widen each: no shuffles of loaded registers). */
+QINLINE __m256i q_u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+QINLINE __m256i q_i8x8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+QINLINE __m256i q_bits(__m256i v, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(mask));
+}
+QINLINE __m256 q_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
+
+/* Q4_0/Q4_1's 16 bytes of nibbles at p -> the 32 quants as int32: inputs 0-7, 8-15 (low nibbles), 16-23,
+   24-31 (high nibbles). */
+QINLINE void q_nibbles(const uint8_t *p, __m256i *q) {
+    __m256i a = q_u8x8(p), b = q_u8x8(p + 8), mask = _mm256_set1_epi32(15);
+    q[0] = _mm256_and_si256(a, mask), q[1] = _mm256_and_si256(b, mask);
+    q[2] = _mm256_srli_epi32(a, 4), q[3] = _mm256_srli_epi32(b, 4);
+}
+
+/* Q5_0/Q5_1's fifth bits (32 bits at p, bit j for input j) -> or'ed into q as 16. */
+QINLINE void q_fifth(const uint8_t *p, __m256i *q) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    __m256i all = _mm256_set1_epi32((int)qh), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < 4; i++) {
+        __m256i bit = _mm256_srlv_epi32(all, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * i)));
+        q[i] = _mm256_or_si256(q[i], _mm256_slli_epi32(_mm256_and_si256(bit, _mm256_set1_epi32(1)), 4));
+    }
+}
+
+/* Chunk s of block b, dequantized -> w[4] (the scalar definition: sk_q_chunk_ref). For the K-quants the
+   chunk's scale and offset come from ks (see q_k_scales). */
+typedef struct { float ds[8], dm[8]; } q_kscales;
+
+QINLINE void q_k_scales(int type, const uint8_t *b, q_kscales *ks) {
+    if (type == SK_Q6_K) return;
+    float d = q_half(b), dmin = q_half(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        sk_k_scale_min(b + 4, j, &sc, &mn);
+        ks->ds[j] = d * (float)sc;
+        ks->dm[j] = -(dmin * (float)mn);
+    }
+}
+
+QINLINE void q_chunk(int type, const uint8_t *b, int s, const q_kscales *ks, __m256 *w) {
+    __m256i q[4];
+    switch (type) {
+        case SK_Q4_0: case SK_Q5_0: {
+            __m256 d = _mm256_set1_ps(q_half(b));
+            int five = type == SK_Q5_0;
+            q_nibbles(b + (five ? 6 : 2), q);
+            if (five) q_fifth(b + 2, q);
+            __m256i zero = _mm256_set1_epi32(five ? 16 : 8);
+            for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, q_float(_mm256_sub_epi32(q[i], zero)));
+            break;
+        }
+        case SK_Q4_1: case SK_Q5_1: {
+            __m256 d = _mm256_set1_ps(q_half(b)), m = _mm256_set1_ps(q_half(b + 2));
+            int five = type == SK_Q5_1;
+            q_nibbles(b + (five ? 8 : 4), q);
+            if (five) q_fifth(b + 4, q);
+            for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(d, q_float(q[i]), m);
+            break;
+        }
+        case SK_Q8_0: {
+            __m256 d = _mm256_set1_ps(q_half(b));
+            for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, q_float(q_i8x8(b + 2 + 8 * i)));
+            break;
+        }
+        case SK_Q4_K: case SK_Q5_K: {
+            const uint8_t *qs = b + (type == SK_Q4_K ? 16 : 48) + 32 * (s / 2);
+            __m256 ds = _mm256_set1_ps(ks->ds[s]), dm = _mm256_set1_ps(ks->dm[s]);
+            for (int i = 0; i < 4; i++) {
+                __m256i v = q_bits(q_u8x8(qs + 8 * i), 4 * (s & 1), 15);
+                if (type == SK_Q5_K) v = _mm256_or_si256(v, _mm256_slli_epi32(q_bits(q_u8x8(b + 16 + 8 * i), s, 1), 4));
+                w[i] = _mm256_fmadd_ps(ds, q_float(v), dm);
+            }
+            break;
+        }
+        case SK_Q6_K: {
+            int h = s / 4, i4 = s % 4;
+            const uint8_t *ql = b + 64 * h + 32 * (i4 & 1), *qh = b + 128 + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * i4;
+            float d = q_half(b + 208);
+            __m256 dd[2] = {_mm256_set1_ps(d * (float)sc[0]), _mm256_set1_ps(d * (float)sc[1])};
+            for (int i = 0; i < 4; i++) {
+                __m256i lo = q_bits(q_u8x8(ql + 8 * i), 4 * (i4 >> 1), 15), hi = q_bits(q_u8x8(qh + 8 * i), 2 * i4, 3);
+                __m256i v = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+                w[i] = _mm256_mul_ps(dd[i / 2], q_float(v));
+            }
+            break;
+        }
+    }
+}
+
+/* The lane tree of two 8-lane halves (lanes 0-7, 8-15): sk_tree16. */
+QINLINE float q_tree(__m256 lo, __m256 hi) {
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* R rows (x: k floats apart) x C columns (w: row_bytes apart) -> sums [R][C]. */
+QINLINE void q_tile(int type, int R, int C, const uint8_t *w, long row_bytes, const float *x, int k, float *sums) {
+    __m256 acc[4][4][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    int qk = sk_q_block(type), bytes = sk_q_bytes(type);
+    for (int blk = 0; blk < k / qk; blk++) {
+        q_kscales ks[4];
+        if (qk == 256)
+            for (int c = 0; c < C; c++) q_k_scales(type, w + c * row_bytes + (size_t)blk * bytes, &ks[c]);
+        for (int s = 0; s < qk / 32; s++) {
+            int e = blk * qk + 32 * s;
+            for (int c = 0; c < C; c++) {
+                __m256 wv[4];
+                q_chunk(type, w + c * row_bytes + (size_t)blk * bytes, s, &ks[c], wv);
+                for (int r = 0; r < R; r++) {
+                    const float *xr = x + (size_t)r * k + e;
+                    acc[r][c][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xr), acc[r][c][0]);
+                    acc[r][c][1] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xr + 8), acc[r][c][1]);
+                    acc[r][c][0] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xr + 16), acc[r][c][0]);
+                    acc[r][c][1] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xr + 24), acc[r][c][1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) sums[r * C + c] = q_tree(acc[r][c][0], acc[r][c][1]);
+}
+
+/* One format's tiles, the format a constant in each. */
+#define Q_TILES(T)                                                                                            \
+    static void q_tile_##T(int R, int C, const uint8_t *w, long rb, const float *x, int k, float *sums) {     \
+        switch (R * 8 + C) {                                                                                  \
+            case 1 * 8 + 4: q_tile(T, 1, 4, w, rb, x, k, sums); break;                                        \
+            case 2 * 8 + 2: q_tile(T, 2, 2, w, rb, x, k, sums); break;                                        \
+            case 4 * 8 + 1: q_tile(T, 4, 1, w, rb, x, k, sums); break;                                        \
+            case 3 * 8 + 1: q_tile(T, 3, 1, w, rb, x, k, sums); break;                                        \
+            case 2 * 8 + 1: q_tile(T, 2, 1, w, rb, x, k, sums); break;                                        \
+            default: q_tile(T, 1, 1, w, rb, x, k, sums); break;                                               \
+        }                                                                                                     \
+    }
+Q_TILES(SK_Q4_0)
+Q_TILES(SK_Q4_1)
+Q_TILES(SK_Q5_0)
+Q_TILES(SK_Q5_1)
+Q_TILES(SK_Q8_0)
+Q_TILES(SK_Q4_K)
+Q_TILES(SK_Q5_K)
+Q_TILES(SK_Q6_K)
+
+typedef void (*q_tile_fn)(int R, int C, const uint8_t *w, long rb, const float *x, int k, float *sums);
+
+static q_tile_fn q_tiles_for(int type) {
+    switch (type) {
+        case SK_Q4_0: return q_tile_SK_Q4_0;
+        case SK_Q4_1: return q_tile_SK_Q4_1;
+        case SK_Q5_0: return q_tile_SK_Q5_0;
+        case SK_Q5_1: return q_tile_SK_Q5_1;
+        case SK_Q8_0: return q_tile_SK_Q8_0;
+        case SK_Q4_K: return q_tile_SK_Q4_K;
+        case SK_Q5_K: return q_tile_SK_Q5_K;
+        default: return q_tile_SK_Q6_K;
+    }
+}
+
+/* A weight row (k inputs) dequantized -> out [k] float32: the values q_chunk gives, stored. */
+QINLINE void q_row_t(int type, const uint8_t *row, int k, float *out) {
+    int qk = sk_q_block(type), bytes = sk_q_bytes(type);
+    for (int blk = 0; blk < k / qk; blk++) {
+        const uint8_t *b = row + (size_t)blk * bytes;
+        q_kscales ks;
+        if (qk == 256) q_k_scales(type, b, &ks);
+        for (int s = 0; s < qk / 32; s++) {
+            __m256 wv[4];
+            q_chunk(type, b, s, &ks, wv);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + blk * qk + 32 * s + 8 * i, wv[i]);
+        }
+    }
+}
+
+static void q_row(int type, const uint8_t *row, int k, float *out) {
+    switch (type) {
+        case SK_Q4_0: q_row_t(SK_Q4_0, row, k, out); break;
+        case SK_Q4_1: q_row_t(SK_Q4_1, row, k, out); break;
+        case SK_Q5_0: q_row_t(SK_Q5_0, row, k, out); break;
+        case SK_Q5_1: q_row_t(SK_Q5_1, row, k, out); break;
+        case SK_Q8_0: q_row_t(SK_Q8_0, row, k, out); break;
+        case SK_Q4_K: q_row_t(SK_Q4_K, row, k, out); break;
+        case SK_Q5_K: q_row_t(SK_Q5_K, row, k, out); break;
+        default: q_row_t(SK_Q6_K, row, k, out); break;
+    }
+}
+
+/* R rows x C columns whose weights were dequantized into w (k floats apart): the same lanes and order as
+   q_tile (lane i takes inputs 16c + i, c ascending), read from memory instead of dequantized in registers. */
+QINLINE void q_tile_f(int R, int C, const float *w, const float *x, int k, float *sums) {
+    __m256 acc[3][2][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    for (int e = 0; e < k; e += 16)
+        for (int c = 0; c < C; c++) {
+            __m256 w0 = _mm256_loadu_ps(w + (size_t)c * k + e), w1 = _mm256_loadu_ps(w + (size_t)c * k + e + 8);
+            for (int r = 0; r < R; r++) {
+                acc[r][c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (size_t)r * k + e), acc[r][c][0]);
+                acc[r][c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + (size_t)r * k + e + 8), acc[r][c][1]);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) sums[r * C + c] = q_tree(acc[r][c][0], acc[r][c][1]);
+}
+
+static void q_tile_f_any(int R, int C, const float *w, const float *x, int k, float *sums) {
+    switch (R * 8 + C) {
+        case 3 * 8 + 2: q_tile_f(3, 2, w, x, k, sums); break;
+        case 3 * 8 + 1: q_tile_f(3, 1, w, x, k, sums); break;
+        case 2 * 8 + 2: q_tile_f(2, 2, w, x, k, sums); break;
+        case 2 * 8 + 1: q_tile_f(2, 1, w, x, k, sums); break;
+        case 1 * 8 + 2: q_tile_f(1, 2, w, x, k, sums); break;
+        default: q_tile_f(1, 1, w, x, k, sums); break;
+    }
+}
+
+/* Many rows (a prefill): two columns at a time dequantized once into a buffer for every row of the block,
+   then 3 rows x 2 columns per tile. */
+static void q_cols_many(int type, const uint8_t *w, long row_bytes, const float *xf, uint16_t *y, int ldy,
+                        const float *bias, int r0, int r1, int k, int c0, int c1, const uint16_t *residual, float *buf) {
+    float sums[6];
+    for (int col = c0; col < c1; col += 2) {
+        int C = col + 2 <= c1 ? 2 : 1;
+        for (int c = 0; c < C; c++) q_row(type, w + (size_t)(col + c) * row_bytes, k, buf + (size_t)c * k);
+        for (int r = r0; r < r1; r += 3) {
+            int R = r + 3 <= r1 ? 3 : r1 - r;
+            q_tile_f_any(R, C, buf, xf + (size_t)r * k, k, sums);
+            for (int i = 0; i < R; i++)
+                for (int j = 0; j < C; j++) {
+                    size_t at = (size_t)(r + i) * ldy + col + j;
+                    y[at] = sk_finish(sums[i * C + j], bias, col + j, residual ? residual + at : NULL);
+                }
+        }
+    }
+}
+
+/* Columns c0..c1-1 for every row. Many rows: q_cols_many. Few (a decoding step, a verification): rows 4 at a
+   time over one column, its weights dequantized in registers once for the 4; the 1-3 rows left over go over
+   several columns at once (1 row: 4 columns, 8 accumulators in flight). */
+static void q_cols(int type, const uint8_t *w, long row_bytes, const float *xf, uint16_t *y, int ldy,
+                   const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
+    q_tile_fn tile = q_tiles_for(type);
+    float sums[16];
+    int rb = sk_row_block(k);
+    float *buf = m >= 12 ? aligned_alloc(64, sizeof(float) * 2 * (size_t)k) : NULL;
+    for (int r0 = 0; r0 < m; r0 += rb) {
+        int r1 = r0 + rb < m ? r0 + rb : m;
+        if (buf && r1 - r0 >= 12) {
+            q_cols_many(type, w, row_bytes, xf, y, ldy, bias, r0, r1, k, c0, c1, residual, buf);
+            continue;
+        }
+        int full = r0 + (r1 - r0) / 4 * 4, rest = r1 - full;
+        for (int col = c0; col < c1; col++)
+            for (int r = r0; r < full; r += 4) {
+                tile(4, 1, w + (size_t)col * row_bytes, row_bytes, xf + (size_t)r * k, k, sums);
+                for (int i = 0; i < 4; i++) {
+                    size_t at = (size_t)(r + i) * ldy + col;
+                    y[at] = sk_finish(sums[i], bias, col, residual ? residual + at : NULL);
+                }
+            }
+        if (rest == 0) continue;
+        int C = rest == 1 ? 4 : rest == 2 ? 2 : 1, col = c0;
+        for (; col < c1; col += C) {
+            int cc = col + C <= c1 ? C : 1;
+            if (cc == 1 && C > 1) C = 1;  /* the last few columns one at a time */
+            tile(rest, cc, w + (size_t)col * row_bytes, row_bytes, xf + (size_t)full * k, k, sums);
+            for (int i = 0; i < rest; i++)
+                for (int j = 0; j < cc; j++) {
+                    size_t at = (size_t)(full + i) * ldy + col + j;
+                    y[at] = sk_finish(sums[i * cc + j], bias, col + j, residual ? residual + at : NULL);
+                }
+        }
+    }
+    free(buf);
+}
+
+#endif

@@ -1,0 +1,225 @@
+"""GGUF quantized weights computed on as the file stores them (app/engine/quantized.py, kernels/quant.h).
+
+Every format's product against float64 products of its exact dequantized values (`gguf.quants.dequantize`,
+the oracle: a stated bound), each dequantized value exact, the portable kernels' bits equal to the generic
+kernel's, rows independent of the batch; small GGUFs in every format loaded with `weights="native"`; and the
+default target (Q4_1 layers, a Q8_0 embedding and head) decoding natively: greedy speculative == target-only,
+batched == alone.
+
+Test weights: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 are quantized by gguf.quants from random floats; gguf cannot
+quantize the K-quants, so Q4_K, Q5_K and Q6_K are random blocks (random quants and packed scales, float16
+super-block scales in a range that keeps the values O(1)).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.engine import kernels
+from app.engine.loading import load_model
+from app.engine.quantized import FORMATS, QuantizedWeight
+from app.engine.weights import held_weights
+from tests.conftest import TARGET_NAME, use_kernel
+from tests.test_weights import IDS, _gguf_source_model, _our_logits, _write_gguf
+
+HERE = kernels.available()
+PORTABLE = [name for name in HERE if name not in ("amx", "generic")]
+
+
+def random_weight(qtype: str, n: int, k: int, seed: int) -> QuantizedWeight:
+    """A random [n, k] weight in `qtype` (see the module's docstring for how)."""
+    rng = np.random.default_rng(seed)
+    _, qk, size = FORMATS[qtype]
+    if qk == 32:
+        w = (rng.standard_normal((n, k)) / 4).astype(np.float32)
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    else:
+        raw = rng.integers(0, 256, (n, k // qk, size), dtype=np.uint8)
+        at = 208 if qtype == "Q6_K" else 0  # Q6_K: d last; Q4_K/Q5_K: d and dmin first
+        scales = rng.uniform(1e-4, 6e-4, (n, k // qk, 1 if qtype == "Q6_K" else 2)).astype("<f2")
+        raw[:, :, at : at + scales.shape[-1] * 2] = scales.view(np.uint8)
+        raw = raw.reshape(n, -1)
+    return QuantizedWeight([(qtype, torch.from_numpy(np.ascontiguousarray(raw)))], k)
+
+
+@pytest.fixture(params=HERE)
+def kern(request) -> kernels.Kernel:
+    return kernels.load(request.param)
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_each_format_against_its_exact_dequantized_values(kern, qtype: str) -> None:
+    n, k = 96, 512
+    weight = random_weight(qtype, n, k, seed=k + n + FORMATS[qtype][0])
+    exact = weight.dequantize().double()
+    assert exact.abs().max() < 100 and exact.std() > 0.01  # values of a sensible size, not all alike
+
+    # Each dequantized value exactly: an input that is one at position j gives column j's weights, rounded once.
+    cols = torch.arange(0, k, 7)
+    lin = kern.qlinear(weight, None)
+    got = lin(torch.eye(k)[cols].bfloat16())
+    assert torch.equal(got, exact.float()[:, cols].T.bfloat16())
+
+    # Products: float32 chains of k / 16 fused steps and a 4-step tree, then one bf16 rounding (2^-8 relative).
+    g = torch.Generator().manual_seed(FORMATS[qtype][0])
+    x = torch.randn(14, k, generator=g).bfloat16()  # 12 rows and more: a prefill's path
+    bias = torch.randn(n, generator=g).bfloat16()
+    y = kern.qlinear(weight, bias)(x).double()
+    ref = x.double() @ exact.T + bias.double()
+    magnitude = x.double().abs() @ exact.abs().T + bias.double().abs()
+    bound = 2**-8 * ref.abs() + 2 * (k / 16 + 5) * 2**-24 * magnitude
+    assert ((y - ref).abs() <= bound).all(), ((y - ref).abs() / bound).max()
+
+    # A row's bits depend on nothing but itself: rows alone, a few at a time, any thread count.
+    lin = kern.qlinear(weight, bias)
+    whole = lin(x)
+    assert all(torch.equal(lin(x[i : i + 1]), whole[i : i + 1]) for i in range(14))
+    assert torch.equal(torch.cat([lin(x[:5]), lin(x[5:7]), lin(x[7:])]), whole)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(lin(x), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fused_norm_swiglu_residual_and_mixed_formats(kern) -> None:
+    """What DecoderBlock fuses into the product calls, on quantized weights, against the torch ops; and a
+    weight of two formats (a fused q/k/v of a Q4_K_M file) gives each part's own bits."""
+    g = torch.Generator().manual_seed(5)
+    k, n = 256, 64
+    weight = random_weight("Q4_1", n, k, seed=1)
+    w = weight.dequantize()
+    lin = kern.qlinear(weight, None)
+    x = torch.randn(1, 5, k, generator=g).bfloat16()
+    norm_w = (1 + torch.randn(k, generator=g) / 4).bfloat16()
+    residual = torch.randn(1, 5, n, generator=g).bfloat16()
+    normed = F.rms_norm(x.float(), (k,), norm_w.float(), 1e-5)
+    torch.testing.assert_close(lin(x, norm=norm_w, eps=1e-5).float(), F.linear(normed, w), rtol=2e-2, atol=2e-2)
+    gate_up = torch.randn(1, 5, 2 * k, generator=g).bfloat16()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(lin(gate_up, swiglu=True).float(), F.linear(F.silu(gate) * up, w), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        lin(x, residual=residual).float(), lin(x).float() + residual.float(), rtol=1e-2, atol=1e-2
+    )
+    assert torch.equal(lin(x[:, 3:4], norm=norm_w, eps=1e-5), lin(x, norm=norm_w, eps=1e-5)[:, 3:4])
+
+    parts = [
+        random_weight("Q4_K", 32, k, seed=2),
+        random_weight("Q6_K", 48, k, seed=3),
+        random_weight("Q4_K", 16, k, 4),
+    ]
+    mixed = QuantizedWeight.cat(parts)
+    assert [q for q, _ in mixed.segments] == ["Q4_K", "Q6_K", "Q4_K"] and mixed.shape == (96, k)
+    bias = torch.randn(96, generator=g).bfloat16()
+    together = kern.qlinear(mixed, bias)(x, norm=norm_w, eps=1e-5)
+    alone = [kern.qlinear(p, b)(x, norm=norm_w, eps=1e-5) for p, b in zip(parts, bias.split([32, 48, 16]), strict=True)]
+    assert torch.equal(together, torch.cat(alone, dim=-1))
+
+
+def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(27, 512, generator=g).bfloat16()
+    norm_w = (1 + torch.randn(512, generator=g) / 4).bfloat16()
+    gate_up = torch.randn(3, 1024, generator=g).bfloat16()
+    residual = torch.randn(3, 40, generator=g).bfloat16()
+    out = []
+    for i, qtype in enumerate(FORMATS):
+        weight = random_weight(qtype, 40, 512, seed=20 + i)
+        bias = torch.randn(40, generator=g).bfloat16()
+        out += [kern.qlinear(weight, bias)(x), kern.qlinear(weight, None)(x[:11], norm=norm_w, eps=1e-5)]
+        out.append(kern.qlinear(weight, None)(gate_up, swiglu=True, residual=residual))
+    return out
+
+
+@pytest.mark.parametrize("name", PORTABLE)
+def test_portable_kernels_give_the_generic_kernels_bits(name: str) -> None:
+    """Every format, plain and fused, few rows and many: the SIMD kernels compute quant.h's arithmetic exactly."""
+    for got, want in zip(_everything(kernels.load(name)), _everything(kernels.load("generic")), strict=True):
+        assert torch.equal(got, want)
+
+
+# One tiny model per format (tied and untied heads alternating), the oracle running its exact values in float32.
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_native_weights_on_small_ggufs(tmp_path, qtype: str) -> None:
+    tied = list(FORMATS).index(qtype) % 2 == 0
+    seed = 50 + list(FORMATS).index(qtype)
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    _write_gguf(
+        path,
+        "llama",
+        _gguf_source_model("llama", tied, seed).state_dict(),
+        gguf.GGMLQuantizationType[qtype],
+        tied,
+        seed,
+    )
+    oracle = load_model(path, "float32")
+    native = load_model(path, "auto", weights="native")
+    dequantized = load_model(path, "auto", weights="bf16")
+    assert native.weights == qtype and dequantized.weights == "bfloat16" and oracle.weights == "float32"
+    _, qk, size = FORMATS[qtype]
+    # Every matrix as its blocks: bytes per weight of the format, plus the float norms.
+    params = sum(p.numel() for p in oracle.model.parameters())
+    assert native.weight_bytes <= params * size / qk + 20_000 and dequantized.weight_bytes >= 2 * params
+    # What `specserve models list` says a model will hold, from the file's header, is what loading holds.
+    assert held_weights(path, native=True) == (native.weights, native.weight_bytes)
+    assert held_weights(path, native=False) == (dequantized.weights, dequantized.weight_bytes)
+    assert native.model.rows_independent()
+    want = _our_logits(oracle.model, IDS)
+    got = _our_logits(native.model, IDS).float()
+    bf16 = _our_logits(dequantized.model, IDS).float()
+    # bf16 activations: a few bf16 roundings of the logits' scale, and no farther from the oracle than the
+    # weights dequantized to bf16 are (those round every weight as well).
+    scale = want.abs().max().item()
+    distance = (got - want).abs().max().item()
+    assert distance <= 0.04 * scale and distance <= 1.5 * (bf16 - want).abs().max().item() + 1e-3 * scale
+
+
+def test_weights_settings_refuse_what_cannot_run(tmp_path) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", _gguf_source_model("llama", True, 70).state_dict(), gguf.GGMLQuantizationType.Q8_0, True)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        load_model(path, "float32", weights="native")
+    with pytest.raises(ValueError, match="contradicts"):
+        load_model(path, "float32", weights="bf16")
+    with pytest.raises(ValueError, match="unknown weights"):
+        load_model(path, "auto", weights="q4")
+    with use_kernel("torch"), pytest.raises(ValueError, match="need a CPU kernel"):
+        load_model(path, "auto", weights="native")
+    assert load_model(path, "auto", weights="float32").weights == "float32"
+
+
+def test_the_default_target_decodes_natively_with_its_promises(target_path) -> None:
+    """The default target's own GGUF computed as Q4_1 and Q8_0 blocks, with the shipped feature draft (its
+    head rows quantized too): greedy speculative == target-only, and batched == alone, token for token."""
+    from app.engine.factory import build_engine
+    from app.engine.generation import GenerationParams
+
+    engine, loaded = build_engine(TARGET_NAME, num_draft_tokens=6, dtype="auto", device="cpu", weights="native")
+    assert loaded.weights == "Q8_0+Q4_1" and engine.batching and loaded.model.rows_independent()
+    assert loaded.weight_bytes <= 1.2 * target_path.stat().st_size
+    tok = engine.tokenizer
+    turns = ["Write a haiku about rain.", "List three uses of copper.", "Repeat after me: the cat sat on the mat."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in turns]
+    params = GenerationParams(max_new_tokens=20)
+
+    def alone(prompt: list[int], draft: str) -> list[int]:
+        gen = engine.start(prompt, params, draft)
+        while not gen.finished:
+            gen.step()
+        return gen.generated_ids
+
+    base = [alone(p, "none") for p in prompts]
+    for draft in ("default", "ngram"):
+        assert [alone(p, draft) for p in prompts] == base, draft
+    jobs = list(zip(prompts, ["default", "none", "ngram"], strict=True))
+    gens = [engine.start(p, params, d) for p, d in jobs]
+    while any(not g.finished for g in gens):
+        outs = engine.step_batch([g for g in gens if not g.finished])
+        assert not [o for o in outs if isinstance(o, Exception)]
+    assert [g.generated_ids for g in gens] == base
+    assert sum(g.stats.accepted for g in gens) > 0
