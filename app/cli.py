@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from app import __version__
-from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE, DEFAULT_NUM_DRAFT_TOKENS, SAMPLERS
+from app.engine.defaults import (
+    DEFAULT_DRAFT_P_MIN,
+    DEFAULT_DRAFT_SCHEDULE,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    SAMPLERS,
+    WEIGHTS,
+    WEIGHTS_HELP,
+)
 from app.store import ModelStoreError
 
 # `specserve bench`'s default prompts: 13 of the project's own, one per Spec-Bench category, shipped in the
@@ -157,12 +164,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
-    from app.settings import Settings
-
-    field = Settings.model_fields["weights"]
-    parser.add_argument(
-        "--weights", default=field.default, choices=["auto", "native", "bf16", "float32"], help=field.description
-    )
+    parser.add_argument("--weights", default="auto", choices=WEIGHTS, help=f"{WEIGHTS_HELP} (default: auto)")
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, samplers: bool = False) -> None:

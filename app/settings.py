@@ -22,6 +22,7 @@ from app.engine.defaults import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
     MAX_DRAFT_TOKENS,
+    WEIGHTS_HELP,
 )
 
 
@@ -52,12 +53,7 @@ class Settings(BaseSettings):
         description="a model draft stops proposing below this top probability; 0: never",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and activations")
-    weights: Literal["auto", "native", "bf16", "float32"] = Field(
-        "auto",
-        description="a GGUF's quantized matrices: `native` computed on as the file's blocks by the CPU kernels "
-        "(bfloat16 activations; a third of bf16's memory for Q4), `bf16` or `float32` dequantized at load; "
-        "`auto`: dequantized to the dtype",
-    )
+    weights: Literal["auto", "native", "bf16", "float32"] = Field("auto", description=WEIGHTS_HELP)
     device: str = Field("auto", description="`auto`, `cpu`, `cuda` or `cuda:N`")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for every interface)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")

@@ -33,3 +33,12 @@ SAMPLERS = ("gumbel", "rejection")
 # The most alternatives a request may ask log-probabilities of, per token (OpenAI's limit on top_logprobs and
 # completions' logprobs, vLLM's default max_logprobs); TGI's top_n_tokens is held to it too.
 MAX_LOGPROBS = 20
+
+# How a GGUF's quantized matrices are held (app.engine.loading.load_model): `native` as the file's blocks, computed
+# on by the CPU kernels; `bf16` / `float32` dequantized at load; `auto` the default (loading.AUTO_NATIVE says which).
+WEIGHTS = ("auto", "native", "bf16", "float32")
+WEIGHTS_HELP = (
+    "a GGUF's quantized matrices: `native` computed on as the file's blocks by the CPU kernels (bfloat16 "
+    "activations; a third of bf16's memory for Q4), `bf16` or `float32` dequantized at load; `auto`: dequantized "
+    "to the dtype"
+)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from app.engine import kernels
+from app.engine.defaults import WEIGHTS
 from app.engine.model import ModelConfig, PackedLinear, Transformer, can_pack
 from app.engine.quantized import QuantizedWeight
 from app.engine.tokenizer import Tokenizer
@@ -22,7 +23,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # How a GGUF's quantized matrices are held: `native` as the file's blocks, computed on by the CPU kernels
 # (activations bfloat16); `bf16` / `float32` dequantized at load to that dtype; `auto`: native where
 # AUTO_NATIVE says so and it can run (a CPU kernel, dtype auto or bfloat16), else dequantized to the dtype.
-WEIGHTS = ("auto", "native", "bf16", "float32")
 AUTO_NATIVE = False
 
 
