@@ -25,6 +25,8 @@ class ModelInfo:
     served_model_names: tuple[str, ...]  # every `model` a request may name: served_model_name, then its aliases
     dtype: str
     device: str
+    weights: str  # what the target's weights run as (Transformer.weights)
+    weight_bytes: int
     context_length: int
     vocab_size: int
     default_draft: str
@@ -60,6 +62,8 @@ class Runtime:
             served_model_names=tuple(settings.served_model_names),
             dtype=str(engine.target.dtype).removeprefix("torch."),
             device=str(engine.target.device),
+            weights=engine.target.weights()[0],
+            weight_bytes=engine.target.weights()[1],
             context_length=context,
             vocab_size=config.vocab_size,
             default_draft=engine.default_draft,

@@ -113,6 +113,7 @@ async def test_models_and_info(api_client) -> None:
     assert info["served_model_name"] == "smol" and info["served_model_names"] == ["smol"]
     assert info["model_id"] == "smollm2-135m-instruct"
     assert info["model_dtype"] == "float32" and info["model_device_type"] == "cpu"
+    assert info["model_weights"] == "float32" and 500e6 < info["model_weight_bytes"] < 700e6  # 135M x 4 bytes
     # float32 runs on torch's products, whose rows depend on the batch: requests step one at a time.
     assert info["cpu_kernel"] == "torch" and info["batched_decoding"] is False
     assert (

@@ -61,6 +61,8 @@ async def info(
         served_model_names=list(i.served_model_names),
         model_dtype=i.dtype,
         model_device_type=i.device,
+        model_weights=i.weights,
+        model_weight_bytes=i.weight_bytes,
         cpu_kernel=i.kernel,
         batched_decoding=i.batched_decoding,
         draft=i.default_draft,

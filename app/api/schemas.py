@@ -754,6 +754,11 @@ class Info(BaseModel):
     )
     model_dtype: str
     model_device_type: str
+    model_weights: str = Field(
+        description="what the target's weights run as: `bfloat16`, `float32`, or the GGUF formats computed on as "
+        "the file's blocks (`Q8_0+Q4_1`; `+bfloat16` where some matrices are not), see --weights"
+    )
+    model_weight_bytes: int = Field(description="bytes the target's weights hold in memory")
     cpu_kernel: str = Field(
         description="what runs the target's products and attention: amx, avx512, avx2 or generic (specserve's "
         "kernels, each row independent of the batch), torch (oneDNN and SDPA), or the device type off the CPU"
