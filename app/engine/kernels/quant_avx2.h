@@ -20,6 +20,15 @@ QINLINE float q_half(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* The two halves at p (a block's scale and offset) -> both broadcast, from one load and one conversion. */
+QINLINE void q_halves(const uint8_t *p, __m256 *a, __m256 *b) {
+    int32_t both;
+    memcpy(&both, p, 4);
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+    *a = _mm256_broadcastss_ps(f);
+    *b = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+}
+
 /* 8 bytes at p -> 8 int32 lanes (one load-and-widen each: no shuffles of loaded registers). */
 QINLINE __m256i q_u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 QINLINE __m256i q_i8x8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -75,7 +84,8 @@ QINLINE void q_chunk(int type, const uint8_t *b, int s, const q_kscales *ks, __m
             break;
         }
         case SK_Q4_1: case SK_Q5_1: {
-            __m256 d = _mm256_set1_ps(q_half(b)), m = _mm256_set1_ps(q_half(b + 2));
+            __m256 d, m;
+            q_halves(b, &d, &m);
             int five = type == SK_Q5_1;
             q_nibbles(b + (five ? 8 : 4), q);
             if (five) q_fifth(b + 4, q);
@@ -263,6 +273,11 @@ static void q_cols_many(int type, const uint8_t *w, long row_bytes, const float 
     }
 }
 
+/* From this many rows on, a column is dequantized once into a buffer for all of them (q_cols_many). */
+#ifndef Q_MANY
+#define Q_MANY 12
+#endif
+
 /* Columns c0..c1-1 for every row. Many rows: q_cols_many. Few (a decoding step, a verification): rows 4 at a
    time over one column, its weights dequantized in registers once for the 4; the 1-3 rows left over go over
    several columns at once (1 row: 4 columns, 8 accumulators in flight). */
@@ -271,10 +286,10 @@ static void q_cols(int type, const uint8_t *w, long row_bytes, const float *xf, 
     q_tile_fn tile = q_tiles_for(type);
     float sums[16];
     int rb = sk_row_block(k);
-    float *buf = m >= 12 ? aligned_alloc(64, sizeof(float) * 2 * (size_t)k) : NULL;
+    float *buf = m >= Q_MANY ? aligned_alloc(64, sizeof(float) * 2 * (size_t)k) : NULL;
     for (int r0 = 0; r0 < m; r0 += rb) {
         int r1 = r0 + rb < m ? r0 + rb : m;
-        if (buf && r1 - r0 >= 12) {
+        if (buf && r1 - r0 >= Q_MANY) {
             q_cols_many(type, w, row_bytes, xf, y, ldy, bias, r0, r1, k, c0, c1, residual, buf);
             continue;
         }
