@@ -14,6 +14,7 @@ from torch import Tensor
 
 from app.engine.loading import LoadedModel
 from app.engine.model import KVCache
+from app.engine.penalties import Penalty
 from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice, sample, warp
 
 # What a sampled draft draws with: the target's Gumbel noise (coupled sampling, exact-match verification) or
@@ -57,6 +58,14 @@ class FeatureSession(Protocol):
     features: Tensor | None
 
 
+@runtime_checkable
+class PenalizedSession(Protocol):
+    """A session whose proposals go through the request's penalties (`penalty`, set by the generation; None:
+    none), so that the draft proposes what the penalised target would choose."""
+
+    penalty: Penalty | None
+
+
 class Drafter(Protocol):
     name: str
 
@@ -87,13 +96,18 @@ def choose_draft_token(
     p_min: float,
     position: int = 0,
     ids: Tensor | None = None,
+    penalty: Penalty | None = None,
+    drafted: Sequence[int] = (),
 ) -> tuple[int, Tensor | None] | None:
     """One drafted token from a draft's `logits` [V'] for sequence `position`: (index into V', None) greedily
     or by the Gumbel-max trick on the target's noise (`rng` a GumbelNoise; `ids` long [V']: the token id of
     each logit, None when logit i is token i), or (index, warped distribution [V']) drawn with a generator,
     the q of rejection sampling. None when the draft's top probability is below `p_min` (the confidence
     cut-off, llama.cpp's --draft-p-min: an unsure guess is more likely rejected than accepted, and each
-    further token costs a draft step)."""
+    further token costs a draft step). `penalty`: the request's penalties, over its accepted sequence plus
+    `drafted` (this step's proposals so far)."""
+    if penalty is not None:
+        logits = penalty.apply(logits[None], drafted, ids)[0]
     if params is None or params.greedy:
         choice: tuple[int, Tensor | None] = (int(argmax(logits.float())), None)
     elif isinstance(rng, GumbelNoise):
@@ -114,6 +128,7 @@ class _ModelDraftSession:
         # A draft's context can be shorter than the request's: it proposes while the sequence fits it.
         self._cache: KVCache = self._model.new_cache(min(capacity, self._model.config.max_seq_len))
         self._ids: list[int] = []  # the tokens whose keys and values sit in the cache, in order
+        self.penalty: Penalty | None = None
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
         return self._draft(token_ids, k, None, None, p_min)[0]
@@ -158,7 +173,7 @@ class _ModelDraftSession:
         for i in range(k):
             hidden = self._model.hidden(feed, pos, self._cache)
             logits = self._model.logits(hidden[0, -1])[: self._vocab]
-            choice = choose_draft_token(logits, params, rng, p_min, len(token_ids) + i)
+            choice = choose_draft_token(logits, params, rng, p_min, len(token_ids) + i, None, self.penalty, out)
             if choice is None:
                 break
             nxt, probs = choice
@@ -258,6 +273,16 @@ class _HybridSession:
         # A feature draft's buffer, which the generation fills; None for a draft that needs no states.
         self.features: Tensor | None = self._model.features if isinstance(self._model, FeatureSession) else None
         self.lookups = 0  # steps the lookup proposed
+
+    @property
+    def penalty(self) -> Penalty | None:
+        return self._model.penalty if isinstance(self._model, PenalizedSession) else None
+
+    @penalty.setter
+    def penalty(self, penalty: Penalty | None) -> None:
+        # A lookup proposes what the text holds, penalties or not; the model draft is the one to penalise.
+        if isinstance(self._model, PenalizedSession):
+            self._model.penalty = penalty
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
         found = self._lookup.propose(token_ids, k)

@@ -38,6 +38,7 @@ from app.engine.model import (
     layout_rows,
     rope_tables,
 )
+from app.engine.penalties import Penalty
 from app.engine.quantized import QuantizedWeight
 from app.engine.sampling import SamplingParams
 
@@ -260,6 +261,7 @@ class _EagleSession:
         self.features = torch.zeros(capacity, drafter.draft.config.dim, dtype=dtype, device=device)
         self._cache = self._draft.new_cache(capacity, dtype, device)
         self._true_len = 0  # draft positions computed from the target's states, never to be rolled back
+        self.penalty: Penalty | None = None  # the request's penalties, set by the generation
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
         return self._run(token_ids, k, p_min, None, None)[0]
@@ -320,7 +322,9 @@ class _EagleSession:
             guess = draft(states, tokens, pos, self._cache)[:, -1:]  # [1, 1, dim]
             pos += states.shape[1]
             logits = draft.draft_logits(guess[0, 0]).float()
-            choice = choose_draft_token(logits, params, rng, p_min, len(token_ids) + i, draft.vocab_ids)
+            choice = choose_draft_token(
+                logits, params, rng, p_min, len(token_ids) + i, draft.vocab_ids, self.penalty, out
+            )
             if choice is None:
                 break
             idx, warped = choice
@@ -371,7 +375,9 @@ class EagleDrafter:
             logits = draft.draft_logits(last).float()
             going = []
             for row, ((i, states, _, pos), guess) in enumerate(zip(active, guesses, strict=True)):
-                choice = choose_draft_token(logits[row], None, None, p_mins[i])
+                choice = choose_draft_token(
+                    logits[row], None, None, p_mins[i], ids=draft.vocab_ids, penalty=sessions[i].penalty, drafted=out[i]
+                )
                 if choice is None:
                     continue
                 tok = int(draft.vocab_ids[choice[0]])

@@ -20,9 +20,10 @@ import torch
 from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SAMPLERS
 from app.engine.detokenizer import Detokenizer
 from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts
-from app.engine.drafters import Drafter, DraftSession, FeatureSession, SamplingSession
+from app.engine.drafters import Drafter, DraftSession, FeatureSession, PenalizedSession, SamplingSession
 from app.engine.logprobs import TokenLogprob, token_logprobs
 from app.engine.model import KVCache, Transformer
+from app.engine.penalties import NO_PENALTIES, Penalty, PenaltyParams
 from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice, sample, warp
 from app.engine.tokenizer import Tokenizer
 from app.engine.verification import coupled_verify, greedy_verify, rejection_sample
@@ -70,6 +71,8 @@ class GenerationParams:
     # each prompt token after the first. max_new_tokens 0 runs the prompt alone, for its log-probabilities.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Repetition, presence and frequency penalties (app.engine.penalties), on the target's and the draft's logits.
+    penalties: PenaltyParams = NO_PENALTIES
 
 
 @dataclass
@@ -252,6 +255,11 @@ class Generation:
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
         # A feature-conditioned draft reads the target's final hidden state of every verified position.
         self._features = self._draft.features if isinstance(self._draft, FeatureSession) else None
+        self._penalty: Penalty | None = None
+        if not params.penalties.neutral:
+            self._penalty = Penalty(params.penalties, prompt_ids, vocab, target.device)
+            if isinstance(self._draft, PenalizedSession):
+                self._draft.penalty = self._penalty
         self._detok = Detokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
         self._stop_ids = frozenset(params.stop_token_ids)
@@ -372,12 +380,15 @@ class Generation:
         if self._features is not None:
             self._features[start : start + real] = hidden[:real]
         draft_tensor = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        # Tokens are chosen from the penalised logits (row i over the context plus drafts[:i]); log-probabilities
+        # stay the raw distribution's.
+        chosen = logits if self._penalty is None else self._penalty.apply(logits, drafts)
         if self.sampling.greedy:
-            accepted, nxt = greedy_verify(draft_tensor, logits)
+            accepted, nxt = greedy_verify(draft_tensor, chosen)
         elif isinstance(self._rng, GumbelNoise):
-            accepted, nxt = coupled_verify(drafts, logits, self.sampling, self._rng, start + 1)
+            accepted, nxt = coupled_verify(drafts, chosen, self.sampling, self._rng, start + 1)
         else:
-            accepted, nxt = rejection_sample(draft_tensor, plan.q, warp(logits, self.sampling), self._rng)
+            accepted, nxt = rejection_sample(draft_tensor, plan.q, warp(chosen, self.sampling), self._rng)
         # Keep the last accepted token and the accepted drafts; the rest of the cache is rolled back.
         self._cache.truncate(start + 1 + accepted)
         verify_seconds = forward_seconds + time.perf_counter() - t0
@@ -450,12 +461,13 @@ class Generation:
             self.stats.prefill_seconds += seconds + time.perf_counter() - t0
             return StepOutput([], "", 0, 0, 0.0, 0.0)
         logits = self._checked(logits)
+        chosen = logits if self._penalty is None else self._penalty.apply(logits[None])[0]
         if self.sampling.greedy:
-            nxt = int(argmax(logits))
+            nxt = int(argmax(chosen))
         elif isinstance(self._rng, GumbelNoise):
-            nxt = gumbel_choice(logits, self.sampling, self._rng, len(self.ids))
+            nxt = gumbel_choice(chosen, self.sampling, self._rng, len(self.ids))
         else:
-            nxt = int(sample(warp(logits, self.sampling), self._rng))
+            nxt = int(sample(warp(chosen, self.sampling), self._rng))
         logprobs = None if self.params.logprobs is None else token_logprobs(logits[None], [nxt], self.params.logprobs)
         seconds += time.perf_counter() - t0
         self.stats.target_passes += 1
@@ -508,6 +520,8 @@ class Generation:
             # The stop string ended inside this step: drop the tokens after the one that completed it.
             new, finish = new[:keep], "stop"
         self.ids.extend(new)
+        if self._penalty is not None:
+            self._penalty.accept(new)
         self.stats.generated_tokens += len(new)
         if finish is not None:
             self.finish_reason = finish
