@@ -21,6 +21,7 @@ from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SAMPLERS
 from app.engine.detokenizer import Detokenizer
 from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts
 from app.engine.drafters import Drafter, DraftSession, FeatureSession, PenalizedSession, SamplingSession
+from app.engine.grammar import GrammarError, Grammars, GrammarSpec, GrammarState, mask_logits
 from app.engine.logprobs import TokenLogprob, token_logprobs
 from app.engine.model import KVCache, Transformer
 from app.engine.penalties import NO_PENALTIES, Penalty, PenaltyParams
@@ -73,6 +74,9 @@ class GenerationParams:
     prompt_logprobs: int | None = None
     # Repetition, presence and frequency penalties (app.engine.penalties), on the target's and the draft's logits.
     penalties: PenaltyParams = NO_PENALTIES
+    # The output's grammar (app.engine.grammar): every chosen token is one it allows, drafts it refuses end
+    # acceptance, and its end ends the generation. Engine.start compiles it.
+    grammar: GrammarSpec | None = None
 
 
 @dataclass
@@ -195,6 +199,7 @@ class Generation:
         drafter: Drafter | None,
         verify_width: int = 0,
         costs: StepCosts | None = None,
+        grammar: GrammarState | None = None,
     ) -> None:
         if not prompt_ids:
             raise GenerationError("the prompt is empty")
@@ -260,6 +265,12 @@ class Generation:
             self._penalty = Penalty(params.penalties, prompt_ids, vocab, target.device)
             if isinstance(self._draft, PenalizedSession):
                 self._draft.penalty = self._penalty
+        if (params.grammar is None) != (grammar is None):
+            raise GenerationError("a grammar state comes with its spec: Engine.start builds both")
+        self._grammar = grammar
+        # With a grammar an end-of-sequence token comes only once it is complete, and then it ends the generation
+        # whatever ignore_eos and min_tokens say (the grammar allows nothing after it).
+        self._grammar_end = tokenizer.eos_token_ids if grammar is not None else frozenset()
         self._detok = Detokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
         self._stop_ids = frozenset(params.stop_token_ids)
@@ -383,12 +394,21 @@ class Generation:
         # Tokens are chosen from the penalised logits (row i over the context plus drafts[:i]); log-probabilities
         # stay the raw distribution's.
         chosen = logits if self._penalty is None else self._penalty.apply(logits, drafts)
+        checked, q = drafts, plan.q
+        if self._grammar is not None:
+            # Row i masked by the grammar after the accepted text plus drafts[:i], after the penalties; a draft it
+            # refuses ends acceptance there (its masked logit is -inf: no verification could keep it anyway), and
+            # counts as drafted and rejected.
+            allowed, valid = self._grammar.masks(drafts)
+            checked, draft_tensor = drafts[:valid], draft_tensor[:valid]
+            q = None if q is None else q[:valid]
+            chosen = mask_logits(chosen[: valid + 1], allowed)
         if self.sampling.greedy:
             accepted, nxt = greedy_verify(draft_tensor, chosen)
         elif isinstance(self._rng, GumbelNoise):
-            accepted, nxt = coupled_verify(drafts, chosen, self.sampling, self._rng, start + 1)
+            accepted, nxt = coupled_verify(checked, chosen, self.sampling, self._rng, start + 1)
         else:
-            accepted, nxt = rejection_sample(draft_tensor, plan.q, warp(chosen, self.sampling), self._rng)
+            accepted, nxt = rejection_sample(draft_tensor, q, warp(chosen, self.sampling), self._rng)
         # Keep the last accepted token and the accepted drafts; the rest of the cache is rolled back.
         self._cache.truncate(start + 1 + accepted)
         verify_seconds = forward_seconds + time.perf_counter() - t0
@@ -462,6 +482,8 @@ class Generation:
             return StepOutput([], "", 0, 0, 0.0, 0.0)
         logits = self._checked(logits)
         chosen = logits if self._penalty is None else self._penalty.apply(logits[None])[0]
+        if self._grammar is not None:
+            chosen = mask_logits(chosen[None], self._grammar.masks()[0])[0]
         if self.sampling.greedy:
             nxt = int(argmax(chosen))
         elif isinstance(self._rng, GumbelNoise):
@@ -510,8 +532,8 @@ class Generation:
         # count from new[armed] on. The token that ends the generation adds its text only when asked to.
         armed = max(0, self.params.min_tokens - self.stats.generated_tokens)
         shown = new
-        for i, tok in enumerate(new[armed:], armed):
-            if tok in self._eos or tok in self._stop_ids:
+        for i, tok in enumerate(new):
+            if (i >= armed and (tok in self._eos or tok in self._stop_ids)) or tok in self._grammar_end:
                 new, finish = new[: i + 1], "eos" if tok in self._eos else "stop"
                 shown = new if self.params.include_stop_str_in_output else new[:i]
                 break
@@ -522,6 +544,8 @@ class Generation:
         self.ids.extend(new)
         if self._penalty is not None:
             self._penalty.accept(new)
+        if self._grammar is not None and finish is None:  # nothing comes after a finished generation's last token
+            self._grammar.accept(new)
         self.stats.generated_tokens += len(new)
         if finish is not None:
             self.finish_reason = finish
@@ -587,6 +611,8 @@ class Engine:
             raise GenerationError(f"draft_schedule must be one of {', '.join(SCHEDULES)}")
         self.draft_schedule = draft_schedule
         self.draft_p_min = draft_p_min
+        # Compiles requests' output grammars (their library loads at the first one).
+        self.grammars = Grammars(tokenizer, target.config.vocab_size)
         # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length).
         self._costs: dict[int, StepCosts] = {}
         # None: pad decoding forwards to 8 rows in half precision, where a 1-row forward's bits differ (see
@@ -622,7 +648,15 @@ class Engine:
             draft_p_min=self.draft_p_min if params.draft_p_min is None else params.draft_p_min,
         )
         costs = self._costs.setdefault(id(drafter), StepCosts()) if drafter is not None else None
-        return Generation(self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs)
+        grammar = None
+        if params.grammar is not None:
+            try:
+                grammar = self.grammars.start(params.grammar)
+            except GrammarError as exc:
+                raise GenerationError(f"the grammar cannot be compiled: {exc}") from exc
+        return Generation(
+            self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs, grammar=grammar
+        )
 
     @torch.inference_mode()
     def step_batch(self, gens: Sequence[Generation]) -> BatchStep:
