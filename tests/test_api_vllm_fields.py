@@ -78,6 +78,61 @@ async def test_stop_tokens_and_stop_strings_in_the_output(api_client) -> None:
     assert _text(late_token) == " Paris.\n" and late_token["usage"]["completion_tokens"] == 4
 
 
+def _engine_tokens(engine, prompt_ids: list[int], max_new: int, penalties) -> list[int]:
+    from app.engine.generation import GenerationParams
+
+    gen = engine.start(prompt_ids, GenerationParams(max_new_tokens=max_new, num_draft_tokens=4, penalties=penalties))
+    while not gen.finished:
+        gen.step()
+    return gen.generated_ids
+
+
+async def test_penalties_are_honoured_in_every_api(api_client, api_engine) -> None:
+    """OpenAI's presence/frequency and vLLM's repetition penalty (through the openai client), TGI's repetition and
+    frequency penalty: each answer is the engine's penalised decoding (with
+    the n-gram draft, which the penalties must not let change the tokens), and differs from the plain one."""
+    from app.engine.penalties import PenaltyParams
+
+    prompt = "Repeat after me: one two three one two three one two three"
+    ids = api_engine.tokenizer.encode(prompt)
+    async with api_client() as client:
+        sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+        plain = await sdk.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=10)
+        penalised = await sdk.completions.create(
+            model="smollm2-135m-instruct",
+            prompt=prompt,
+            max_tokens=10,
+            presence_penalty=0.5,
+            frequency_penalty=1.0,
+            extra_body={"repetition_penalty": 1.3, "return_tokens_as_token_ids": True, "logprobs": 0},
+        )
+        bad = [
+            await client.post("/v1/completions", json={"prompt": prompt, "presence_penalty": 2.5}),
+            await client.post("/generate", json={"inputs": prompt, "parameters": {"repetition_penalty": 0}}),
+        ]
+        native = await client.post(
+            "/generate",
+            json={
+                "inputs": prompt,
+                "parameters": {
+                    "max_new_tokens": 10,
+                    "repetition_penalty": 1.3,
+                    "frequency_penalty": 0.5,
+                    "details": True,
+                },
+            },
+        )
+    expected = _engine_tokens(api_engine, ids, 10, PenaltyParams(repetition=1.3, presence=0.5, frequency=1.0))
+    got = [int(t.removeprefix("token_id:")) for t in penalised.choices[0].logprobs.tokens]
+    assert got == expected
+    assert penalised.choices[0].text != plain.choices[0].text
+    assert native.status_code == 200, native.text
+    tgi_expected = _engine_tokens(api_engine, ids, 10, PenaltyParams(repetition=1.3, frequency=0.5, count_prompt=True))
+    assert [t["id"] for t in native.json()["details"]["tokens"]] == tgi_expected
+    assert bad[0].status_code == 400 and "presence_penalty" in bad[0].json()["error"]["message"]
+    assert bad[1].status_code == 422 and "repetition_penalty" in bad[1].json()["error"]
+
+
 async def test_truncate_prompt_tokens_keeps_the_end(api_client, api_engine) -> None:
     ids = api_engine.tokenizer.encode(PROMPT)
     longer = api_engine.tokenizer.encode("Tell me something else entirely.") + ids
@@ -90,15 +145,11 @@ async def test_truncate_prompt_tokens_keeps_the_end(api_client, api_engine) -> N
 
 REFUSED = {
     "/v1/completions": [
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "[a-z]+"),
-        ("guided_choice", ["yes", "no"]),
         ("guided_grammar", "root ::= 'a'"),
+        ("guided_whitespace_pattern", " *"),
         ("structured_outputs", {"json": {"type": "object"}}),
         ("structural_tag", "{}"),
         ("logits_processors", ["my.processor"]),
-        ("response_format", {"type": "json_object"}),
-        ("repetition_penalty", 1.2),
         ("min_p", 0.1),
         ("use_beam_search", True),
         ("bad_words", ["Paris"]),
@@ -108,7 +159,7 @@ REFUSED = {
         ("vllm_xargs", {"a": 1}),
     ],
     "/v1/chat/completions": [
-        ("guided_json", {"type": "object"}),
+        ("guided_grammar", "root ::= 'a'"),
         ("echo", True),
         ("chat_template", "{{ messages }}"),
         ("chat_template_kwargs", {"enable_thinking": True}),
@@ -130,9 +181,9 @@ async def test_fields_that_would_change_the_output_are_refused(api_client) -> No
                 assert r.status_code == 400, (path, field, r.text)
                 assert r.json()["error"]["message"].startswith(f"{field}: not supported"), (field, r.text)
         sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
-        with pytest.raises(openai.BadRequestError, match="guided_json"):
+        with pytest.raises(openai.BadRequestError, match="guided_grammar"):
             await sdk.completions.create(
-                model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=2, extra_body={"guided_json": {}}
+                model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=2, extra_body={"guided_grammar": "a"}
             )
         for body, message in [
             ({"min_tokens": 5}, "min_tokens (5) exceeds max_tokens (2)"),

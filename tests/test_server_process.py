@@ -126,6 +126,10 @@ def test_tgi_client_reads_log_probabilities(server: str) -> None:
     # positions in other row counts, which moves the last bits
     assert [e.token.logprob for e in events] == pytest.approx([t.logprob for t in details.tokens], abs=1e-4)
     assert [[t.id for t in e.top_tokens] for e in events] == [[t.id for t in top] for top in details.top_tokens]
+    # Its penalty fields are honoured: a counting prompt repeats itself unless penalised.
+    plain = tgi.generate(COUNTING, max_new_tokens=8).generated_text
+    penalised = tgi.generate(COUNTING, max_new_tokens=8, repetition_penalty=1.5, frequency_penalty=1.0)
+    assert penalised.generated_text != plain and penalised.details.generated_tokens == 8
 
 
 def test_concurrent_requests_match_sequential(server: str) -> None:

@@ -18,9 +18,21 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from app.api.errors import APIError, shown
-from app.api.schemas import GREEDY, PLAIN, Decoding, Sampling, SpeculativeDetails, SpeculativeParameters
+from app.api.schemas import (
+    GREEDY,
+    NO_PENALTIES,
+    PLAIN,
+    Decoding,
+    Grammar,
+    Penalties,
+    Sampling,
+    SpeculativeDetails,
+    SpeculativeParameters,
+)
 from app.engine.generation import GenerationParams
+from app.engine.grammar import GrammarError, GrammarSpec
 from app.engine.logprobs import TokenLogprob
+from app.engine.penalties import PenaltyParams
 from app.engine.sampling import SamplingParams
 from app.runtime import Runtime
 from app.settings import Settings
@@ -45,8 +57,10 @@ class JobSpec:
     default_max_new_tokens: int | None = None
     sampling: Sampling = GREEDY  # temperature, top_k, top_p, seed as the engine takes them
     decoding: Decoding = PLAIN  # vLLM's ignore_eos, min_tokens, stop_token_ids, ... (OpenAI routes)
+    penalties: Penalties = NO_PENALTIES  # repetition, presence, frequency
     logprobs: int | None = None  # each generated token's log-probability with this many alternatives
     prompt_logprobs: int | None = None  # each prompt token's, likewise
+    grammar: Grammar | None = None  # what the output is constrained to (structured output)
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,11 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
             f"the prompt ({len(ids)} tokens) plus {spec.max_new_tokens_field} ({max_new}) exceeds the model's "
             f"context of {info.context_length} tokens"
         )
+    pen = spec.penalties
+    try:
+        penalties = PenaltyParams(pen.repetition, pen.presence, pen.frequency, pen.count_prompt)
+    except ValueError as exc:
+        raise _invalid(str(exc)) from exc
     d = spec.decoding
     if d.min_tokens > max_new:
         raise _invalid(f"min_tokens ({d.min_tokens}) exceeds {spec.max_new_tokens_field} ({max_new})")
@@ -125,8 +144,23 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         skip_special_tokens=d.skip_special_tokens,
         logprobs=spec.logprobs,
         prompt_logprobs=spec.prompt_logprobs,
+        penalties=penalties,
+        grammar=await _grammar(runtime, spec.grammar),
     )
     return Prepared(ids, params, draft, k if draft != "none" else 0)
+
+
+async def _grammar(runtime: Runtime, grammar: Grammar | None) -> GrammarSpec | None:
+    """The engine's spec of the request's output constraint, compiled once here (off the event loop) so that
+    one the engine cannot compile is a 4xx naming its field before anything is queued."""
+    if grammar is None:
+        return None
+    spec = GrammarSpec(grammar.kind, grammar.spec)
+    try:
+        await anyio.to_thread.run_sync(runtime.grammars.check, spec)
+    except GrammarError as exc:
+        raise _invalid(f"{grammar.field}: {exc}") from exc
+    return spec
 
 
 def check_max_new_tokens(value: int | None, field: str, settings: Settings) -> None:

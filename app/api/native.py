@@ -69,8 +69,10 @@ async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, 
         prompt_field="inputs",
         max_new_tokens_field="parameters.max_new_tokens",
         sampling=p.sampling(),
+        penalties=p.penalties(),
         logprobs=(p.top_n_tokens or 0) if shown else None,
         prompt_logprobs=0 if p.details and p.decoder_input_details and not stream else None,
+        grammar=p.grammar.grammar() if p.grammar is not None else None,
     )
     return await jobs.prepare(runtime, settings, spec)
 

@@ -253,9 +253,11 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             default_max_new_tokens=16,
             sampling=sampling,
             decoding=body.decoding(),
+            penalties=body.penalties(),
             truncate=body.truncate_prompt_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=max(wanted) if wanted else None,
+            grammar=body.grammar(),
         )
         prepared.append(await jobs.prepare(runtime, settings, spec))
     runs = [_seeded(p, seed) for p in prepared for seed in _seeds(sampling, n)]
@@ -362,9 +364,11 @@ async def chat_completions(
         max_new_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
         sampling=sampling,
         decoding=body.decoding(),
+        penalties=body.penalties(),
         truncate=body.truncate_prompt_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
+        grammar=body.grammar(),
     )
     prepared = await jobs.prepare(runtime, settings, spec)
     runs = [_seeded(prepared, seed) for seed in _seeds(sampling, n)]

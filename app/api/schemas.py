@@ -69,6 +69,29 @@ class Decoding(NamedTuple):
 PLAIN = Decoding()
 
 
+class Penalties(NamedTuple):
+    """Repetition, presence and frequency penalties as the engine takes them (neutral: none)."""
+
+    repetition: float = 1.0  # a seen token's logit divided by it (positive) or multiplied (negative)
+    presence: float = 0.0  # subtracted from a seen token's logit
+    frequency: float = 0.0  # subtracted per occurrence
+    count_prompt: bool = False  # presence and frequency count the prompt's tokens too (TGI), not only generated
+
+
+NO_PENALTIES = Penalties()
+
+RepetitionPenalty = Annotated[
+    float,
+    Field(
+        gt=0,
+        le=10,
+        description="a token already in the text (prompt included) has its logit divided by this when positive, "
+        "multiplied when negative (HF's, TGI's and vLLM's rule); 1.0: none; applied alike to the draft and the target",
+    ),
+]
+OpenAIPenalty = Annotated[float, Field(ge=-2, le=2)]
+
+
 def _neutral_only(annotation: Any, *allowed: Any) -> Any:
     """A field the clients send that we cannot honour: accepted only at its neutral values."""
     shown = " or ".join(json.dumps(a) for a in allowed if a is not None)
@@ -98,6 +121,66 @@ def _integral(value: Any) -> Any:
 def _int(**constraints: Any) -> Any:
     """A strict integer that also takes an integral float; constraints come first, or the schema loses them."""
     return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+# --- structured output -------------------------------------------------------------------------------------
+
+
+class Grammar(NamedTuple):
+    """What a request constrains its output to, as the engine takes it: `kind` json_schema (`spec`: the schema's
+    JSON text), json_object, regex (`spec`: the pattern) or choice (`spec`: a JSON array of the strings);
+    `field` names the request field it came from, for the message when the engine cannot compile it."""
+
+    kind: str
+    spec: str
+    field: str
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = _REQUEST
+
+    name: str = Field(description="the schema's name (reported nowhere)")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema the answer follows")
+    strict: bool | None = Field(None, description="true or false alike: the answer always follows the schema")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON that follows a schema."""
+
+    model_config = _REQUEST
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is sent with type json_schema, and only with it")
+        return self
+
+
+class TGIGrammar(BaseModel):
+    """TGI's `parameters.grammar`."""
+
+    model_config = _REQUEST
+
+    type: Literal["json", "regex"]
+    value: dict[str, Any] | str = Field(description="json: the JSON schema (an object, or its JSON text); regex: it")
+
+    @model_validator(mode="after")
+    def _regex_is_text(self) -> TGIGrammar:
+        if self.type == "regex" and not isinstance(self.value, str):
+            raise ValueError("a regex grammar's value is a string")
+        return self
+
+    def grammar(self) -> Grammar:
+        if self.type == "regex":
+            return Grammar("regex", str(self.value), "parameters.grammar.value")
+        text = self.value if isinstance(self.value, str) else json.dumps(self.value)
+        return Grammar("json_schema", text, "parameters.grammar.value")
 
 
 class ErrorResponse(BaseModel):
@@ -221,12 +304,16 @@ class GenerateParameters(BaseModel):
     )
     truncate: _int(ge=1) | None = Field(None, description="keep only the last `truncate` tokens of the prompt")
     # Sent by TGI's client; only their neutral values can be honoured.
-    repetition_penalty: _neutral_only(float | None, None, 1.0) = None
-    frequency_penalty: _neutral_only(float | None, None, 0.0) = None
+    repetition_penalty: RepetitionPenalty | None = None
+    frequency_penalty: OpenAIPenalty | None = Field(
+        None,
+        description="in [-2, 2]: subtracted from a token's logit once per occurrence in the text so far, prompt "
+        "included (TGI's scope; OpenAI's formula, without TGI's division by the length); 0: none",
+    )
     typical_p: _neutral_only(float | None, None) = None
     best_of: _neutral_only(_int() | None, None, 1) = None
     watermark: _neutral_only(bool, False) = False
-    grammar: _neutral_only(dict[str, Any] | None, None) = None
+    grammar: TGIGrammar | None = Field(None, description="the output follows this JSON schema or regex")
     adapter_id: _neutral_only(str | None, None) = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
 
@@ -252,6 +339,14 @@ class GenerateParameters(BaseModel):
         if not asked or t == 0:
             return GREEDY
         return Sampling(1.0 if t is None else t, self.top_k or 0, 1.0 if top_p is None else top_p, self.seed)
+
+    def penalties(self) -> Penalties:
+        return Penalties(
+            1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            0.0,
+            self.frequency_penalty or 0.0,
+            count_prompt=True,
+        )
 
 
 class GenerateRequest(BaseModel):
@@ -383,6 +478,9 @@ OUTPUT_NEUTRAL_FIELDS = frozenset(
 )
 
 
+_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
 class _OpenAISampling(BaseModel):
     """The generation parameters both OpenAI endpoints share. Other fields are kept (`model_extra`) so that the
     route can log the ones it ignores, as vLLM does."""
@@ -414,8 +512,12 @@ class _OpenAISampling(BaseModel):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: _neutral_only(float | None, None, 0.0) = None
-    frequency_penalty: _neutral_only(float | None, None, 0.0) = None
+    presence_penalty: OpenAIPenalty | None = Field(
+        None, description="in [-2, 2]: subtracted from the logit of every token already generated; 0: none"
+    )
+    frequency_penalty: OpenAIPenalty | None = Field(
+        None, description="in [-2, 2]: subtracted from a token's logit once per time it was generated; 0: none"
+    )
     logit_bias: _neutral_only(dict[str, float] | None, None, {}) = None
     user: str | None = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
@@ -446,7 +548,7 @@ class _OpenAISampling(BaseModel):
     )
     # vLLM's parameters that would change the output and are not supported: refused unless neutral (never
     # dropped: a request that asks for them would get another text than it expects)
-    repetition_penalty: _neutral_only(float | None, None, 1.0) = None
+    repetition_penalty: RepetitionPenalty | None = None
     min_p: _neutral_only(float | None, None, 0.0) = None
     use_beam_search: _neutral_only(bool | None, None, False) = None
     length_penalty: _neutral_only(float | None, None, 1.0) = None
@@ -454,9 +556,16 @@ class _OpenAISampling(BaseModel):
     allowed_token_ids: _neutral_only(list[Any] | None, None) = None
     bad_words: _neutral_only(list[Any] | None, None, []) = None
     add_special_tokens: _neutral_only(bool | None, None) = None
-    guided_json: _neutral_only(Any, None) = None
-    guided_regex: _neutral_only(Any, None) = None
-    guided_choice: _neutral_only(Any, None) = None
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object: any JSON object; json_schema: JSON that follows `json_schema.schema`"
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="vLLM's: the output follows this JSON schema (an object, or its JSON text)"
+    )
+    guided_regex: str | None = Field(None, description="vLLM's: the output matches this regex, whole")
+    guided_choice: list[NonEmptyStr] | None = Field(
+        None, min_length=1, description="vLLM's: the output is one of these strings"
+    )
     guided_grammar: _neutral_only(Any, None) = None
     guided_decoding_backend: _neutral_only(Any, None) = None
     guided_whitespace_pattern: _neutral_only(Any, None) = None
@@ -476,7 +585,30 @@ class _OpenAISampling(BaseModel):
             )
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available when streaming (as vLLM): send stream false")
+        constraints = [name for name in _CONSTRAINTS if self._constraint(name) is not None]
+        if len(constraints) > 1:
+            raise ValueError(f"{' and '.join(constraints)}: send one output constraint, not several")
         return self
+
+    def _constraint(self, name: str) -> Any:
+        value = getattr(self, name)
+        return None if name == "response_format" and value is not None and value.type == "text" else value
+
+    def grammar(self) -> Grammar | None:
+        """The output constraint asked for, if any (the validator let one at most through)."""
+        rf = self.response_format
+        if rf is not None and rf.json_schema is not None:
+            return Grammar("json_schema", json.dumps(rf.json_schema.schema_), "response_format.json_schema.schema")
+        if rf is not None and rf.type == "json_object":
+            return Grammar("json_object", "", "response_format")
+        if self.guided_json is not None:
+            g = self.guided_json
+            return Grammar("json_schema", g if isinstance(g, str) else json.dumps(g), "guided_json")
+        if self.guided_regex is not None:
+            return Grammar("regex", self.guided_regex, "guided_regex")
+        if self.guided_choice is not None:
+            return Grammar("choice", json.dumps(self.guided_choice), "guided_choice")
+        return None
 
     def sampling(self) -> Sampling:
         """Greedy unless temperature > 0 (top_p, top_k and seed alone change nothing)."""
@@ -489,6 +621,14 @@ class _OpenAISampling(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def penalties(self) -> Penalties:
+        """vLLM's scopes: repetition over prompt and generated tokens, presence and frequency over generated."""
+        return Penalties(
+            1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            self.presence_penalty or 0.0,
+            self.frequency_penalty or 0.0,
+        )
 
     def decoding(self) -> Decoding:
         return Decoding(
@@ -522,7 +662,6 @@ class CompletionRequest(_OpenAISampling):
         "(and the chosen token) in `top_logprobs`",
     )
     suffix: _neutral_only(str | None, None) = None
-    response_format: _neutral_only(dict[str, Any] | None, None, {"type": "text"}) = None
     prompt_embeds: _neutral_only(Any, None) = None
     best_of: _int(ge=1, le=MAX_CHOICES) | None = Field(
         None, description="only n (every sample is returned): choosing the best of more samples is not supported"
@@ -575,7 +714,6 @@ class ChatCompletionRequest(_OpenAISampling):
     )
     tools: _neutral_only(list[Any] | None, None, []) = None
     tool_choice: _neutral_only(str | dict[str, Any] | None, None, "none") = None
-    response_format: _neutral_only(dict[str, Any] | None, None, {"type": "text"}) = None
     # vLLM's and OpenAI's chat fields that would change the output and are not supported
     echo: _neutral_only(bool | None, None, False) = None
     add_generation_prompt: _neutral_only(bool | None, None, True) = None
