@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from app import __version__
 from app.engine.generation import Engine
+from app.engine.grammar import Grammars
 from app.engine.tokenizer import Tokenizer
 from app.metrics import Metrics
 from app.settings import Settings
@@ -48,6 +49,11 @@ class Runtime:
     scheduler: Scheduler
     tokenizer: Tokenizer
     info: ModelInfo
+
+    @property
+    def grammars(self) -> Grammars:
+        """The engine's grammar compiler: requests' output constraints are checked with it before queueing."""
+        return self.scheduler.engine.grammars
 
     @classmethod
     def from_engine(cls, engine: Engine, settings: Settings, metrics: Metrics | None) -> Runtime:

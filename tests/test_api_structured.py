@@ -1,0 +1,131 @@
+"""Structured output through the HTTP APIs, in process with the real target (n-gram draft): OpenAI's
+response_format (json_object, json_schema, and the openai client's chat.completions.parse), vLLM's guided_json,
+guided_regex and guided_choice, TGI's grammar; a grammar that cannot be compiled is a 4xx naming its field."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.test_grammar import PERSON, _valid
+
+pytestmark = pytest.mark.anyio
+
+ASK = [
+    {"role": "user", "content": "Describe a famous scientist as JSON with the keys name, age and home (city, country)."}
+]
+
+
+class Home(BaseModel):
+    city: str
+    country: Literal["France", "Italy"]
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    home: Home
+
+
+async def _post(client, path: str, body: dict) -> dict:
+    r = await client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def test_every_api_constrains_the_output(api_client) -> None:
+    """Each answer follows its constraint and ends there (finish reason stop); greedy speculative answers are
+    target-only's."""
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    chat = {"messages": ASK, "max_tokens": 48}
+    async with api_client() as client:
+        spec = await _post(client, "/v1/chat/completions", {**chat, "response_format": schema})
+        alone = await _post(
+            client, "/v1/chat/completions", {**chat, "response_format": schema, "speculative": {"draft": "none"}}
+        )
+        anything = await _post(client, "/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}})
+        yes_no = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
+        choice = await _post(
+            client, "/v1/chat/completions", {"messages": yes_no, "max_tokens": 5, "guided_choice": ["yes", "no"]}
+        )
+        regex = await _post(
+            client,
+            "/v1/completions",
+            {"prompt": "The year the Bastille fell:", "max_tokens": 8, "guided_regex": r" [0-9]{4}\."},
+        )
+        guided = await _post(
+            client,
+            "/v1/completions",
+            {"prompt": "A scientist as JSON: ", "max_tokens": 48, "guided_json": json.dumps(PERSON)},
+        )
+        tgi = await _post(
+            client,
+            "/generate",
+            {
+                "inputs": "A scientist as JSON: ",
+                "parameters": {"max_new_tokens": 48, "grammar": {"type": "json", "value": PERSON}},
+            },
+        )
+        tgi_regex = await _post(
+            client,
+            "/generate",
+            {
+                "inputs": "The year the Bastille fell:",
+                "parameters": {"max_new_tokens": 8, "grammar": {"type": "regex", "value": r" [0-9]{4}\."}},
+            },
+        )
+    answer = spec["choices"][0]
+    assert answer["finish_reason"] == "stop" and _valid(json.loads(answer["message"]["content"]), PERSON)
+    assert alone["choices"][0]["message"]["content"] == answer["message"]["content"]
+    assert isinstance(json.loads(anything["choices"][0]["message"]["content"]), dict)
+    assert choice["choices"][0]["message"]["content"] in ("yes", "no")
+    assert re.fullmatch(r" [0-9]{4}\.", regex["choices"][0]["text"]), regex
+    assert regex["choices"][0]["finish_reason"] == "stop"
+    assert _valid(json.loads(guided["choices"][0]["text"]), PERSON)
+    assert json.loads(tgi["generated_text"]) == json.loads(guided["choices"][0]["text"])
+    assert tgi_regex["generated_text"] == regex["choices"][0]["text"]
+
+
+async def test_openai_client_parse_and_refusals(api_client) -> None:
+    """openai's chat.completions.parse with a pydantic model; constraints that cannot be compiled, or several at
+    once, are a 400 (422 on TGI's route) naming the field."""
+    async with api_client() as client:
+        sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+        parsed = await sdk.chat.completions.parse(
+            model="smollm2-135m-instruct", messages=ASK, max_tokens=48, response_format=Person
+        )
+        bad = {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+            "guided_json": "{not json",
+            "guided_regex": "a(b",
+        }
+        answers = {
+            field: await client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, field: value})
+            for field, value in bad.items()
+        }
+        both = await client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2, "guided_regex": "a", "guided_choice": ["a"]}
+        )
+        empty = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "guided_choice": []})
+        no_schema = await client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2, "response_format": {"type": "json_schema"}}
+        )
+        tgi = await client.post(
+            "/generate",
+            json={"inputs": "x", "parameters": {"max_new_tokens": 2, "grammar": {"type": "regex", "value": "(("}}},
+        )
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and person.home.country in ("France", "Italy")
+    for field, r in answers.items():
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(f"{field}"), r.text
+    assert "response_format.json_schema.schema" in answers["response_format"].json()["error"]["message"]
+    assert both.status_code == 400 and "guided_regex and guided_choice" in both.json()["error"]["message"]
+    assert empty.status_code == 400 and "guided_choice" in empty.json()["error"]["message"], empty.text
+    assert no_schema.status_code == 400 and "json_schema" in no_schema.json()["error"]["message"]
+    assert tgi.status_code == 422 and tgi.json()["error"].startswith("parameters.grammar.value"), tgi.text
