@@ -90,6 +90,7 @@ def test_masks_follow_the_drafts_and_leave_the_state_as_it_was(target_f32, gramm
         GrammarSpec("json_schema", "[1]"),
         GrammarSpec("regex", "a(b"),
         GrammarSpec("choice", "[]"),
+        GrammarSpec("choice", "yes"),
         GrammarSpec("yaml", ""),
     ):
         with pytest.raises(GrammarError):

@@ -67,6 +67,19 @@ class Grammars:
         """llguidance's grammar text for `spec`, checked against the vocabulary; raises GrammarError."""
         from llguidance import LLMatcher
 
+        try:
+            grammar = self._grammar(spec)
+            error = LLMatcher.validate_grammar(grammar, self._ll_tokenizer())
+        except (ValueError, TypeError, RuntimeError) as exc:  # what llguidance raises on input it cannot read
+            raise GrammarError(str(exc)) from exc
+        if error:
+            raise GrammarError(error.strip())
+        return grammar
+
+    @staticmethod
+    def _grammar(spec: GrammarSpec) -> str:
+        from llguidance import LLMatcher
+
         if spec.kind == "json_schema":
             try:
                 schema = json.loads(spec.spec)
@@ -80,7 +93,10 @@ class Grammars:
         elif spec.kind == "regex":
             grammar = LLMatcher.grammar_from_regex(spec.spec)
         elif spec.kind == "choice":
-            choices = json.loads(spec.spec) if spec.spec else None
+            try:
+                choices = json.loads(spec.spec)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"the choices are not JSON: {exc}") from exc
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
                 raise GrammarError("the choices must be a non-empty list of non-empty strings")
             # Lark's string literals take JSON's escapes.
@@ -89,9 +105,6 @@ class Grammars:
             )
         else:
             raise GrammarError(f"grammar kind must be one of {', '.join(KINDS)}, not {spec.kind!r}")
-        error = LLMatcher.validate_grammar(grammar, self._ll_tokenizer())
-        if error:
-            raise GrammarError(error.strip())
         return grammar
 
     def check(self, spec: GrammarSpec) -> None:
