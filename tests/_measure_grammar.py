@@ -172,7 +172,7 @@ def main() -> None:
     logits = torch.randn(5, vocab)
     allowed = torch.rand(5, vocab) > 0.5
     for name, apply in (
-        ("numpy copyto (mask_logits)", lambda: mask_logits(logits, allowed)),
+        ("torch.where (mask_logits)", lambda: mask_logits(logits, allowed)),
         ("torch masked_fill", lambda: logits.masked_fill(~allowed, float("-inf"))),
     ):
         apply()
