@@ -7,6 +7,8 @@ SYSPY ?= python3
 .PHONY: install fetch serve test lint generate
 PROMPT ?= Explain speculative decoding in two sentences.
 TARGET ?= smollm2-135m-instruct
+# Test processes: two share a 2-core CI machine best (see tests/conftest.py); more each load the models again.
+TEST_WORKERS ?= 2
 
 install: $(STAMP)
 
@@ -32,7 +34,7 @@ generate: fetch
 
 test: fetch
 	$(VENV)/bin/ruff check app tests docker
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check app tests docker

@@ -31,6 +31,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores, and so do the servers
+# its tests start (they inherit OMP_NUM_THREADS): OpenMP threads that outnumber the cores spin against each other
+# and run many times slower. Tests of thread-count independence set their own counts.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_NAME = "smollm2-135m-instruct"
 SPECBENCH = REPO_ROOT.parent / "shared" / "bench" / "specbench-dev.jsonl"
