@@ -127,8 +127,9 @@ def test_constrained_speculative_equals_target_only_alone_and_batched(packed_tar
     assert alone[1].text in ("yes", "no")
     spec = [_alone(engine, p, q, "self") for p, q in zip(prompts, params, strict=True)]
     assert [g.generated_ids for g in spec] == outputs
-    # drafts the grammar refused, and drafts it kept
+    # drafts the grammar refused (cut before the target runs them, still counted as drafted), and drafts it kept
     assert sum(g.stats.accepted for g in spec) > 0 and sum(g.stats.drafted - g.stats.accepted for g in spec) > 0
+    assert [g.stats.drafted for g in spec] == [sum(k * n for k, n in enumerate(g.stats.draft_lengths)) for g in spec]
     gens = [engine.start(p, q, d) for p, q, d in zip(prompts, params, ("ngram", "self"), strict=True)]
     together = 0
     while any(not g.finished for g in gens):

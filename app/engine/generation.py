@@ -180,6 +180,7 @@ class StepPlan:
     real: int  # 1 + len(drafts); rows after these are padding
     feed: torch.Tensor  # long [rows]
     draft_seconds: float
+    refused: int = 0  # drafts cut, before verification, from the first one the request's grammar refuses
 
 
 # Spare cache slots of every request: a verification of the longest draft allowed (k + 1 rows), so that every
@@ -370,6 +371,11 @@ class Generation:
             t0 = time.perf_counter()
             drafts, q = self._propose(k)
             draft_seconds = time.perf_counter() - t0
+        refused = 0
+        if self._grammar is not None and drafts:
+            # Drafts from the first one the grammar refuses on could never be kept: the target does not run them.
+            valid = self._grammar.valid_prefix(drafts)
+            drafts, q, refused = drafts[:valid], None if q is None else q[:valid], len(drafts) - valid
         start = len(self.ids) - 1
         real = 1 + len(drafts)
         # Padded to at least `width` rows, so each real row is computed by the same kernels whether it is a plain
@@ -378,7 +384,7 @@ class Generation:
         # sits after the real rows, so causality keeps it from touching them.
         pad = max(0, min(width, self._cache.capacity - start) - real)
         feed = torch.tensor([self.ids[-1], *drafts, *[0] * pad], dtype=torch.long, device=self.target.device)
-        return StepPlan(k, drafts, q, start, real, feed, draft_seconds)
+        return StepPlan(k, drafts, q, start, real, feed, draft_seconds, refused)
 
     def verify(
         self, plan: StepPlan, hidden: torch.Tensor, logits: torch.Tensor, forward_seconds: float, solo: bool
@@ -413,9 +419,11 @@ class Generation:
         self._cache.truncate(start + 1 + accepted)
         verify_seconds = forward_seconds + time.perf_counter() - t0
         self.stats.target_passes += 1
-        if drafts:
-            self.stats.verify_passes += 1
-            self.stats.drafted += len(drafts)
+        # Drafts the grammar refused before verification count as drafted and rejected.
+        proposed = len(drafts) + plan.refused
+        self.stats.verify_passes += bool(drafts)
+        if proposed:
+            self.stats.drafted += proposed
             self.stats.accepted += accepted
             for i in range(accepted):
                 self.stats.accepted_per_position[i] += 1
@@ -424,14 +432,14 @@ class Generation:
         k = plan.k
         if k > 0:
             self.stats.draft_lengths[k] += 1
-            self.stats.p_min_stops += len(drafts) < k
-            self._length.update(len(drafts), accepted)
+            self.stats.p_min_stops += proposed < k
+            self._length.update(proposed, accepted)
         elif self._k and self.params.max_new_tokens - self.stats.generated_tokens > 1:
             # A batch chose not to draft for this request (alone, k is 0 only for the very last token).
             self._length.rest()
         # A draft that stopped for lack of confidence still ran one more step than it proposed. A batch's
         # times are the whole batch's: they say nothing of what drafting or verifying this request alone costs.
-        steps = min(k, len(drafts) + 1)
+        steps = min(k, proposed + 1)
         if solo:
             self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
         new = [*drafts[:accepted], nxt]

@@ -132,7 +132,7 @@ class GrammarState:
     def masks(self, drafts: Sequence[int] = ()) -> tuple[Tensor, int]:
         """(allowed bool [n + 1, V], n): n is how many of `drafts` the grammar accepts in a row, and row i the
         tokens allowed after the accepted text plus drafts[:i]. The state is left as it was."""
-        n = self._matcher.validate_tokens(list(drafts)) if drafts else 0
+        n = self.valid_prefix(drafts) if drafts else 0
         bits = torch.empty((n + 1, self._words), dtype=torch.int32)
         for i in range(n + 1):
             if i:
@@ -143,6 +143,10 @@ class GrammarState:
         # Bit j of word w allows token 32 w + j (little-endian within each int32, as llguidance writes them).
         unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")[:, : self._vocab]
         return torch.from_numpy(unpacked.view(np.bool_)), n
+
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts`, in a row from the first, the grammar allows after the accepted text."""
+        return int(self._matcher.validate_tokens(list(drafts)))
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Consume tokens appended to the accepted text (each one a mask allowed)."""
