@@ -66,6 +66,17 @@ def target_f32(target_path: Path) -> LoadedModel:
 KERNELS = [*kernels.available(), "torch"]
 
 
+def assert_same_on_1_and_2_threads(compute: Callable[[], torch.Tensor], expected: torch.Tensor) -> None:
+    """`compute()` gives `expected`'s very bits on one thread and on two (the thread count is restored)."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(compute(), expected), n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def use_kernel(name: str) -> AbstractContextManager[None]:
     """Models packed (and engines built) inside run on kernel `name`, as with SPECSERVE_KERNEL=name."""
     return kernels.selected(name)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from app.engine import kernels
 from app.engine.model import PackedLinear
-from tests.conftest import use_kernel
+from tests.conftest import assert_same_on_1_and_2_threads, use_kernel
 
 HERE = kernels.available()
 PORTABLE = [name for name in HERE if name != "amx"]
@@ -53,13 +53,7 @@ def test_a_row_does_not_depend_on_the_row_count_or_threads(kern) -> None:
     for rows in (1, 2, 3, 4, 5, 7, 16, 17, 33):
         assert torch.equal(lin(x[:rows]), whole[:rows]), rows
     assert torch.equal(lin(x[23:24]), whole[23:24])
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            assert torch.equal(lin(x), whole), n
-    finally:
-        torch.set_num_threads(threads)
+    assert_same_on_1_and_2_threads(lambda: lin(x), whole)
     assert torch.equal(lin(x), whole)  # and again: the same bits every run
 
 

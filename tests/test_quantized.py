@@ -23,7 +23,7 @@ from app.engine import kernels
 from app.engine.loading import load_model
 from app.engine.quantized import FORMATS, QuantizedWeight
 from app.engine.weights import held_weights
-from tests.conftest import TARGET_NAME, use_kernel
+from tests.conftest import TARGET_NAME, assert_same_on_1_and_2_threads, use_kernel
 from tests.test_weights import IDS, _gguf_source_model, _our_logits, _write_gguf
 
 HERE = kernels.available()
@@ -79,13 +79,7 @@ def test_each_format_against_its_exact_dequantized_values(kern, qtype: str) -> N
     whole = lin(x)
     assert all(torch.equal(lin(x[i : i + 1]), whole[i : i + 1]) for i in range(14))
     assert torch.equal(torch.cat([lin(x[:5]), lin(x[5:7]), lin(x[7:])]), whole)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            assert torch.equal(lin(x), whole), n
-    finally:
-        torch.set_num_threads(threads)
+    assert_same_on_1_and_2_threads(lambda: lin(x), whole)
 
 
 def test_fused_norm_swiglu_residual_and_mixed_formats(kern) -> None:

@@ -289,11 +289,8 @@ class KernelLinear:
         silu(gate) * up; `residual` [..., N]: added to the result."""
         x = x.contiguous()
         k = self.in_features
-        rows = x.numel() // (2 * k if swiglu else k)
+        rows, op, scratch = _fusion(x, k, norm, swiglu)
         y = torch.empty(*x.shape[:-1], self._padded, dtype=torch.bfloat16)
-        op, scratch = (1 if norm is not None else 2 if swiglu else 0), None
-        if op:
-            scratch = torch.empty(rows, k, dtype=torch.bfloat16)
         if residual is not None:
             assert self._padded == self.out_features and residual.shape == y.shape
             residual = residual.contiguous()
@@ -314,6 +311,14 @@ class KernelLinear:
                 None if scratch is None else scratch.data_ptr(),
             )
         return y if self._padded == self.out_features else y[..., : self.out_features]
+
+
+def _fusion(x: Tensor, k: int, norm: Tensor | None, swiglu: bool) -> tuple[int, int, Tensor | None]:
+    """What a product kernel fuses before its product, for x [..., K] (or [..., 2K] with swiglu): (rows, the
+    op code the C side takes: 0 none, 1 RMS norm, 2 SwiGLU, and the bf16 scratch [rows, K] the op writes)."""
+    rows = x.numel() // (2 * k if swiglu else k)
+    op = 1 if norm is not None else 2 if swiglu else 0
+    return rows, op, torch.empty(rows, k, dtype=torch.bfloat16) if op else None
 
 
 class QuantLinear:
@@ -340,11 +345,8 @@ class QuantLinear:
         """x [..., K] -> [..., N]; `norm`, `eps`, `swiglu` and `residual` as `KernelLinear`."""
         x = x.contiguous()
         k, n = self.in_features, self.out_features
-        rows = x.numel() // (2 * k if swiglu else k)
+        rows, op, scratch = _fusion(x, k, norm, swiglu)
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-        op, scratch = (1 if norm is not None else 2 if swiglu else 0), None
-        if op:
-            scratch = torch.empty(rows, k, dtype=torch.bfloat16)
         if residual is not None:
             assert residual.shape == y.shape
             residual = residual.contiguous()
