@@ -173,7 +173,10 @@ class _Attention(nn.Module):
         kernel = layout.parts[0].cache.kernel
         if kernel is not None and all(p.cache.kernel is kernel and p.mask is None for p in layout.parts):
             # One call for every sequence.
-            parts = [(p.offset, p.rows, p.cache.k[layer, 0], p.cache.v[layer, 0], p.start_pos) for p in layout.parts]
+            parts = [
+                (p.offset, p.rows, p.cache.k[layer, 0], p.cache.v[layer, 0], p.start_pos, p.parents)
+                for p in layout.parts
+            ]
             return kernel.attention(q, k, v, parts)
         ys = [
             self._attend(*(t[:, p.offset : p.offset + p.rows] for t in (q, k, v)), layer, p.cache, p.start_pos, p.mask)
@@ -238,6 +241,7 @@ class SequenceRows:
     start_pos: int
     cache: KVCache
     mask: Tensor | None
+    parents: Tensor | None = None  # int32 [rows]: the rows are a tree (see `layout_rows`)
 
 
 @dataclass(frozen=True)
@@ -259,21 +263,59 @@ class RowsLayout:
         return [x[p.offset : p.offset + p.rows] for p in self.parts]
 
 
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each row's depth (its number of ancestors) in a tree of rows given by their parents (-1 for row 0, the
+    root; every other row's parent an earlier row). Raises ValueError for anything else."""
+    if not parents or parents[0] != -1:
+        raise ValueError("a tree's row 0 is its root (parent -1)")
+    depths = [0]
+    for r in range(1, len(parents)):
+        if not 0 <= parents[r] < r:
+            raise ValueError(f"row {r}'s parent {parents[r]} is not an earlier row")
+        depths.append(depths[parents[r]] + 1)
+    return depths
+
+
 def layout_rows(
-    sequences: Sequence[tuple[int, int, KVCache]], rope: Callable[[int, int], tuple[Tensor, Tensor]]
+    sequences: Sequence[tuple[int, int, KVCache] | tuple[int, int, KVCache, Tensor | None]],
+    rope: Callable[[int, int], tuple[Tensor, Tensor]],
 ) -> RowsLayout:
-    """Lay sequences of (rows T_i, start_pos_i, cache_i) one after another for a batched forward, with the
-    RoPE tables of their positions (`rope(start, end)` gives a sequence's) and each one's causal mask over
-    its own cache."""
+    """Lay sequences of (rows T_i, start_pos_i, cache_i[, parents_i]) one after another for a batched forward,
+    with the RoPE tables of their positions (`rope(start, end)` gives a sequence's) and each one's causal mask
+    over its own cache. `parents_i` (int32 [T_i], see `tree_depths`): the rows are a tree (speculative tree
+    verification): row r sits at position start_i + its depth and sees the keys before start_i, its ancestors'
+    and its own (the kernel's attention reads them in that order; elsewhere an explicit mask)."""
     parts: list[SequenceRows] = []
     tables: list[tuple[Tensor, Tensor]] = []
     offset = 0
-    for t, start, cache in sequences:
+    for t, start, cache, *tree in sequences:
+        parents = tree[0] if tree else None
         end = start + t
         cache.check_span(start, end)
-        tables.append(rope(start, end))
-        mask = Transformer._cache_mask(cache, start, t, None) if cache.needs_mask(t) else None
-        parts.append(SequenceRows(offset, t, start, cache, mask))
+        if parents is None:
+            tables.append(rope(start, end))
+            mask = Transformer._cache_mask(cache, start, t, None) if cache.needs_mask(t) else None
+        else:
+            listed = parents.tolist()
+            depths = tree_depths(listed)
+            if len(depths) != t:
+                raise ValueError(f"{len(depths)} parents for {t} rows")
+            cos, sin = rope(start, start + max(depths) + 1)
+            at = torch.tensor(depths, device=cos.device)
+            tables.append((cos[at], sin[at]))
+            mask = None
+            if cache.kernel is None or not cache.kernel.trees:
+                seen = torch.ones(t, start + t, dtype=torch.bool, device=cache.k.device)
+                tail = seen[:, start:]
+                tail.fill_(False)
+                for r in range(t):
+                    a = r
+                    while a >= 0:
+                        tail[r, a] = True
+                        a = listed[a]
+                mask = Transformer._cache_mask(cache, start, t, seen)
+                parents = None
+        parts.append(SequenceRows(offset, t, start, cache, mask, parents))
         offset += t
     return RowsLayout(parts, torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables]))
 
@@ -575,17 +617,22 @@ class Transformer(nn.Module):
             cache.length = end
         return self.norm(x)
 
-    def hidden_batch(self, sequences: Sequence[tuple[Tensor, int, KVCache]]) -> list[Tensor]:
+    def hidden_batch(
+        self, sequences: Sequence[tuple[Tensor, int, KVCache] | tuple[Tensor, int, KVCache, Tensor | None]]
+    ) -> list[Tensor]:
         """Final-normed hidden states of several sequences in one forward, each with its own cache.
 
-        `sequences`: (input_ids long [T_i], start_pos_i, cache_i) per sequence, T_i >= 1. Returns one
+        `sequences`: (input_ids long [T_i], start_pos_i, cache_i[, parents_i]) per sequence, T_i >= 1;
+        `parents_i` (int32 [T_i]): its rows are a tree, each at its depth's position (see `layout_rows`; the
+        cache then holds row r's keys and values in slot start_pos_i + r, until `app.engine.tree` moves the
+        accepted path's into place). Returns one
         [T_i, dim] tensor per sequence. The weights are read once for all rows (what makes serving many
         requests cheaper than serving them in turn); each sequence's attention runs on its own cache exactly
         as `hidden(input_ids[None], start_pos, cache)` would, and its rows come out bit-identical to that
         call as long as the products' row results do not depend on the row count (see `_MAX_ROWS`).
         """
-        layout = layout_rows([(ids.shape[0], start, cache) for ids, start, cache in sequences], self._rope)
-        x = self.embed(torch.cat([ids for ids, _, _ in sequences])[None])
+        layout = layout_rows([(ids.shape[0], *rest) for ids, *rest in sequences], self._rope)
+        x = self.embed(torch.cat([ids for ids, *_ in sequences])[None])
         for i, layer in enumerate(self.layers):
             x = layer.forward_parts(x, layout, i)
         layout.advance()

@@ -198,16 +198,29 @@ class Kernel:
         """`weight` [N, K]: GGUF blocks (see `app.engine.quantized`), computed on as they are."""
         return QuantLinear(self, weight, bias)
 
+    @property
+    def trees(self) -> bool:
+        """Whether `attention` takes tree parts (a parent per row): the portable kernels, whose attention reads
+        a tree row's keys in its sequential order (common.h); not amx, whose tiles read keys by slot."""
+        return self.name != "amx"
+
     def attention(
-        self, q: Tensor, k: Tensor, v: Tensor, parts: Sequence[tuple[int, int, Tensor, Tensor, int]]
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        parts: Sequence[tuple[int, int, Tensor, Tensor, int] | tuple[int, int, Tensor, Tensor, int, Tensor | None]],
     ) -> Tensor:
         """Causal attention for several sequences whose rows lie one after another, in one call.
 
         q [1, N, H, D], k and v [1, N, KV, D]: the rows' queries and new keys and values (bf16; heads
         contiguous, rows any stride; D % 32 == 0). `parts`: per sequence (first row, rows T_i, k_cache,
-        v_cache [KV, capacity, D], start position); its new keys and values are written into its cache at
-        start..start+T_i-1 and its rows attend its keys 0..their own position. Returns [1, N, H * D] bf16,
-        each row depending on nothing but its query and the keys it sees."""
+        v_cache [KV, capacity, D], start position[, parents]); its new keys and values are written into its
+        cache at start..start+T_i-1 and its rows attend its keys 0..their own position. `parents` (int32
+        [T_i], where `trees`): the rows are a tree, row r's parent row parents[r] < r (-1 for row 0): row r
+        at depth D attends keys 0..start-1 and its ancestors' and its own, in depth order, with the bits it
+        gets at position start + D in sequential decoding. Returns [1, N, H * D] bf16, each row depending on
+        nothing but its query and the keys it sees."""
         _, n, h, d = q.shape
         kv = k.shape[2]
         for t in (q, k, v):
@@ -216,7 +229,13 @@ class Kernel:
         out = torch.empty(1, n, h * d, dtype=torch.bfloat16)
         size = 2  # bytes per element
         table = (_Part * len(parts))()
-        for i, (offset, rows, k_cache, v_cache, start) in enumerate(parts):
+        for i, (offset, rows, k_cache, v_cache, start, *tree) in enumerate(parts):
+            parents = tree[0] if tree else None
+            if parents is not None:
+                if not self.trees:
+                    raise ValueError(f"the {self.name} kernel does not attend over trees")
+                if parents.dtype != torch.int32 or not parents.is_contiguous() or parents.shape != (rows,):
+                    raise ValueError("a tree's parents are int32 [rows], contiguous")
             table[i] = _Part(
                 q.data_ptr() + offset * q.stride(1) * size,
                 k.data_ptr() + offset * k.stride(1) * size,
@@ -227,6 +246,7 @@ class Kernel:
                 k_cache.shape[1],
                 rows,
                 start,
+                None if parents is None else parents.data_ptr(),
             )
         threads = torch.get_num_threads()
         scale = 1.0 / math.sqrt(d)
@@ -238,6 +258,7 @@ class _Part(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("q", "k", "v", "kc", "vc", "out")] + [
         (name, ctypes.c_int64) for name in ("cap", "t", "start")
     ]
+    _fields_ += [("parent", ctypes.c_void_p)]
 
 
 def fits(weight: Tensor) -> bool:

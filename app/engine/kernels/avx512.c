@@ -140,12 +140,13 @@ void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *b
     free(xf);
 }
 
-INLINE void values(int W, const float *s, int n, const uint16_t *vc, int d, int d0, float inv, uint16_t *out) {
+INLINE void values(int W, const float *s, int n, const uint16_t *vc, int d, int d0, float inv, uint16_t *out,
+                   int n0, const int32_t *tail) {
     __m512 acc[4];
     for (int b = 0; b < W / 16; b++) acc[b] = _mm512_setzero_ps();
     for (int j = 0; j < n; j++) {
         __m512 p = _mm512_set1_ps(s[j]);
-        const uint16_t *vj = vc + (size_t)j * d + d0;
+        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
         for (int b = 0; b < W / 16; b++) acc[b] = _mm512_fmadd_ps(p, widen16(vj + 16 * b), acc[b]);
     }
     __m512 iv = _mm512_set1_ps(inv);
@@ -153,12 +154,12 @@ INLINE void values(int W, const float *s, int n, const uint16_t *vc, int d, int 
 }
 
 static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d, float scale,
-                       uint16_t *out, float *s, float *qo, float *qe) {
+                       uint16_t *out, float *s, float *qo, float *qe, int n0, const int32_t *tail) {
     int n = qpos + 1;
     sk_split_row(q, d, qo, qe);
     float mx = -INFINITY;
     for (int j = 0; j < n; j++) {
-        const uint16_t *kj = kc + (size_t)j * d;
+        const uint16_t *kj = kc + sk_slot(j, n0, tail) * d;
         __m512 l = _mm512_setzero_ps();
         for (int c = 0; c < d / 32; c++) {
             __m512i v = load32bf(kj + 32 * c);
@@ -183,8 +184,8 @@ static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const ui
     }
     float inv = 1.0f / sk_tree16(lanes);
     int d0 = 0;
-    for (; d0 + 64 <= d; d0 += 64) values(64, s, n, vc, d, d0, inv, out);
-    if (d0 < d) values(32, s, n, vc, d, d0, inv, out);
+    for (; d0 + 64 <= d; d0 += 64) values(64, s, n, vc, d, d0, inv, out, n0, tail);
+    if (d0 < d) values(32, s, n, vc, d, d0, inv, out, n0, tail);
 }
 
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,

@@ -21,11 +21,15 @@
 
 /* One sequence of an attention call: its query rows (q_stride apart, heads d apart), its new keys and values
    (k_stride / v_stride apart, kv heads d apart), one layer of its cache ([kv][cap][d]) and its output rows
-   ([t][h * d]). */
+   ([t][h * d]). `parent`: NULL for a chain (row tt at position start + tt sees keys 0..start + tt); for a
+   tree of rows (speculative tree verification), the parent row of each row, -1 for row 0 (the root), every
+   parent before its children: row tt at depth D (D ancestors) sits at position start + D and sees keys
+   0..start - 1, then its ancestors' and its own, in depth order (sk_attention_rows). */
 typedef struct {
     const uint16_t *q, *k, *v;
     uint16_t *kc, *vc, *out;
     int64_t cap, t, start;
+    const int32_t *parent;
 } part_t;
 
 /* The interface each kernel library exports (see app/engine/kernels/__init__.py).
@@ -176,41 +180,75 @@ static inline uint16_t sk_finish(float sum, const float *bias, int col, const ui
 }
 
 /* One query row of attention: q [d] at position qpos attends keys 0..qpos of one kv head's cache (kc, vc:
-   [cap][d]) into out [d]; s: scratch for qpos + 17 scores; qo, qe: scratch for the split query. */
+   [cap][d]) into out [d]; s: scratch for qpos + 17 scores; qo, qe: scratch for the split query. Key j lies
+   in slot j for j < n0 and in slot tail[j - n0] after (a tree row's ancestors, sk_slot); a chain row has
+   n0 = qpos + 1. The arithmetic runs over key indices j, never slots: a tree row gets the very bits the
+   same row gets in sequential decoding, whose keys are those values in slots 0..qpos. */
 typedef void (*sk_attend_row_fn)(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d,
-                                 float scale, uint16_t *out, float *s, float *qo, float *qe);
+                                 float scale, uint16_t *out, float *s, float *qo, float *qe, int n0,
+                                 const int32_t *tail);
+
+/* The cache slot of key j (see sk_attend_row_fn). */
+static inline size_t sk_slot(int j, int n0, const int32_t *tail) { return j < n0 ? (size_t)j : (size_t)tail[j - n0]; }
+
+/* A row's keys: its position qpos and where its keys lie past the contiguous prefix (n0, tail; see
+   sk_attend_row_fn). For a tree part, `path` (room for t ints) receives the slots of the row's ancestors
+   and its own, root first. */
+static inline void sk_row_keys(const part_t *pt, int tt, int32_t *path, int *qpos, int *n0, const int32_t **tail) {
+    int start = (int)pt->start;
+    if (!pt->parent) {
+        *qpos = start + tt;
+        *n0 = *qpos + 1;
+        *tail = NULL;
+        return;
+    }
+    int depth = 0;
+    for (int r = tt; pt->parent[r] >= 0; r = pt->parent[r]) depth++;
+    for (int i = depth, r = tt; i >= 0; i--, r = pt->parent[r]) path[i] = start + r;
+    int lead = 0;  /* ancestors already in their sequential slots (the first chain of the tree) read as a prefix */
+    while (lead <= depth && path[lead] == start + lead) lead++;
+    *qpos = start + depth;
+    *n0 = start + lead;
+    *tail = path + lead;
+}
 
 /* Causal attention for several sequences in one call: each part's new keys and values are written into its
-   cache, then its query row (t, head hh) attends keys 0..start+t of kv head hh / (h / kv), by `attend_row`.
-   Work items (part, query row) are shared among the threads; a row's result does not depend on which. */
+   cache, then its query row (t, head hh) attends keys 0..start+t of kv head hh / (h / kv) (a tree part's
+   row: its prefix and ancestors, see part_t), by `attend_row`. Work items (part, query row) are shared among
+   the threads; a row's result does not depend on which. */
 static inline void sk_attention_rows(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride,
                                      int h, int kv, int d, float scale, int threads, sk_attend_row_fn attend_row) {
     int group = h / kv;
     long total = 0;
     long *first = malloc(sizeof(long) * (n_parts + 1));
-    int64_t longest = 16;
+    int64_t longest = 16, rows = 1;
     for (int p = 0; p < n_parts; p++) {
         sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
         first[p] = total;
         total += parts[p].t * h;
         if (parts[p].start + parts[p].t > longest) longest = parts[p].start + parts[p].t;
+        if (parts[p].parent && parts[p].t > rows) rows = parts[p].t;
     }
     first[n_parts] = total;
     #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
     {
         float qo[128] __attribute__((aligned(64))), qe[128] __attribute__((aligned(64)));
         float *s = aligned_alloc(64, (sizeof(float) * (size_t)(longest + 16) + 63) / 64 * 64);
+        int32_t *path = malloc(sizeof(int32_t) * (size_t)rows);
         #pragma omp for schedule(dynamic, 4)
         for (long it = 0; it < total; it++) {
             int p = 0;
             while (first[p + 1] <= it) p++;
             const part_t *pt = &parts[p];
             long local = it - first[p];
-            int tt = (int)(local / h), hh = (int)(local % h), g = hh / group;
-            attend_row(pt->q + (size_t)tt * q_stride + (size_t)hh * d, (int)(pt->start + tt),
-                       pt->kc + (size_t)g * pt->cap * d, pt->vc + (size_t)g * pt->cap * d, d, scale,
-                       pt->out + (size_t)tt * h * d + (size_t)hh * d, s, qo, qe);
+            int tt = (int)(local / h), hh = (int)(local % h), g = hh / group, qpos, n0;
+            const int32_t *tail;
+            sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
+            attend_row(pt->q + (size_t)tt * q_stride + (size_t)hh * d, qpos, pt->kc + (size_t)g * pt->cap * d,
+                       pt->vc + (size_t)g * pt->cap * d, d, scale, pt->out + (size_t)tt * h * d + (size_t)hh * d, s,
+                       qo, qe, n0, tail);
         }
+        free(path);
         free(s);
     }
     free(first);

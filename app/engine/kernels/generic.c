@@ -46,14 +46,15 @@ void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *b
     free(xf);
 }
 
-/* One query row: attends keys 0..qpos of one kv head's cache (kc, vc: [cap][d]). */
+/* One query row: attends keys 0..qpos of one kv head's cache (kc, vc: [cap][d]; key j in slot
+   sk_slot(j, n0, tail)). */
 static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d, float scale,
-                       uint16_t *out, float *s, float *qo, float *qe) {
+                       uint16_t *out, float *s, float *qo, float *qe, int n0, const int32_t *tail) {
     int n = qpos + 1;
     sk_split_row(q, d, qo, qe);
     float mx = -INFINITY;
     for (int j = 0; j < n; j++) {
-        const uint16_t *kj = kc + (size_t)j * d;
+        const uint16_t *kj = kc + sk_slot(j, n0, tail) * d;
         float l[16] = {0};
         for (int c = 0; c < d / 32; c++)
             for (int i = 0; i < 16; i++) {
@@ -72,7 +73,7 @@ static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const ui
     float acc[256];
     for (int i = 0; i < d; i++) acc[i] = 0.0f;
     for (int j = 0; j < n; j++) {
-        const uint16_t *vj = vc + (size_t)j * d;
+        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d;
         for (int i = 0; i < d; i++) acc[i] = fmaf(s[j], sk_bf16_to_f32(vj[i]), acc[i]);
     }
     for (int i = 0; i < d; i++) out[i] = sk_f32_to_bf16(acc[i] * inv);

@@ -1,0 +1,148 @@
+"""Speculative tree verification (app/engine/tree.py, the kernels' tree attention, the generation's tree steps).
+
+A tree row must get the very bits sequential decoding gives the same token at the same depth, the cache
+compacted after acceptance must hold what sequential decoding writes, and the acceptance walk must keep the
+longest path the target agrees with: checked on the real target per kernel, then on hand-made trees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.engine import kernels
+from app.engine.model import tree_depths
+from app.engine.sampling import GumbelNoise, SamplingParams, gumbel_choice
+from app.engine.tree import Candidates, DraftTree, accept, build_tree, compact, walk
+
+# Kernels whose attention takes trees (amx reads keys by slot: it keeps the chain).
+TREE_KERNELS = [name for name in kernels.available() if name != "amx"]
+
+# Row 0 the root; a chain 1-2-3; siblings 4 (of the root) and 5 (of 1); a branch 6-7 below sibling 4, whose
+# ancestors do not sit in consecutive slots.
+PARENTS = [-1, 0, 1, 2, 0, 1, 4, 6]
+
+
+def _path(parents: list[int], row: int) -> list[int]:
+    path = []
+    while row >= 0:
+        path.append(row)
+        row = parents[row]
+    return path[::-1]
+
+
+def test_tree_rows_and_compacted_cache_equal_sequential_decoding(packed_target):
+    """On every tree kernel, each row of one tree forward equals, bit for bit, the row sequential decoding of
+    its path computes; after `compact` the cache holds the path's keys and values where sequential decoding
+    put them (every layer), so the steps after are unchanged."""
+    torch.manual_seed(0)
+    for name in TREE_KERNELS:
+        model = packed_target(name).model
+        assert model.kernel is not None and model.kernel.trees
+        prompt = torch.randint(0, model.config.vocab_size, (37,))
+        tokens = torch.randint(0, model.config.vocab_size, (len(PARENTS),))
+        cache = model.new_cache(96)
+        model.hidden(prompt[None], 0, cache)
+        start = cache.length
+        tree = model.hidden_batch([(tokens, start, cache, torch.tensor(PARENTS, dtype=torch.int32))])[0]
+        assert cache.length == start + len(PARENTS)
+        sequential = {}
+        for row in range(len(PARENTS)):
+            path = _path(PARENTS, row)
+            alone = model.new_cache(96)
+            model.hidden(prompt[None], 0, alone)
+            for i, r in enumerate(path):
+                h = model.hidden(tokens[r : r + 1][None], start + i, alone)[0, 0]
+            assert torch.equal(h, tree[row]), (name, row)
+            sequential[row] = alone
+        # Accept the branch 4-6-7: its rows move to slots start+1..start+3.
+        compact(cache, start, [4, 6, 7])
+        assert cache.length == start + 4
+        ref = sequential[7]
+        assert torch.equal(cache.k[:, :, :, : start + 4], ref.k[:, :, :, : start + 4]), name
+        assert torch.equal(cache.v[:, :, :, : start + 4], ref.v[:, :, :, : start + 4]), name
+
+
+def test_tree_rows_take_an_explicit_mask_off_the_kernels(target_f32):
+    """Where no kernel attends (float32 here, SDPA), a tree forward builds the ancestor mask: each row equals
+    its path's sequential row within float32 rounding."""
+    model = target_f32.model
+    torch.manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (11,))
+    tokens = torch.randint(0, model.config.vocab_size, (len(PARENTS),))
+    cache = model.new_cache(40)
+    model.hidden(prompt[None], 0, cache)
+    tree = model.hidden_batch([(tokens, 11, cache, torch.tensor(PARENTS, dtype=torch.int32))])[0]
+    for row in (3, 5, 7):
+        path = _path(PARENTS, row)
+        ids = torch.cat([prompt, tokens[path]])
+        h = model.hidden(ids[None])[0, -1]
+        assert torch.allclose(h, tree[row], atol=1e-4), row
+
+
+def test_depths_and_bad_parents():
+    assert tree_depths(PARENTS) == [0, 1, 2, 3, 1, 2, 2, 3]
+    for bad in ([0, 0], [-1, 1], [-1, 0, 3]):
+        try:
+            tree_depths(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
+
+
+def test_build_tree_merges_the_branch_and_fills_with_the_best_siblings():
+    chain = Candidates(
+        [10, 11, 12],
+        [0.5, 0.9, 0.8],
+        [[(20, 0.3), (21, 0.1)], [(22, 0.05)], [(23, 0.15)]],
+    )
+    # The lookup agrees on 10, then goes 30, 31: one shared node, a branch of two.
+    tree = build_tree(9, chain, [10, 30, 31], max_rows=16)
+    assert tree.tokens[:4] == [9, 10, 11, 12] and tree.parents[:4] == [-1, 0, 1, 2]
+    assert tree.tokens[4:6] == [30, 31] and tree.parents[4:6] == [1, 4]
+    # Siblings by value: 20 (0.3), 21 (0.1), 23 (0.5*0.9*0.15 = 0.0675), 22 (0.5*0.05 = 0.025).
+    assert tree.tokens[6:] == [20, 21, 23, 22] and tree.parents[6:] == [0, 0, 2, 1]
+    assert tree.depths == [0, 1, 2, 3, 2, 3, 1, 1, 3, 2] and tree.depth == 3 and tree.nodes == 9
+    # Rows run short: the branch first when asked (its rows in their sequential slots), the best sibling last.
+    small = build_tree(9, chain, [10, 30, 31], max_rows=7, branch_first=True)
+    assert small.tokens == [9, 10, 30, 31, 11, 12, 20] and small.parents == [-1, 0, 1, 2, 1, 4, 0]
+    # A sibling the branch already holds is not added twice.
+    dup = build_tree(9, chain, [20], max_rows=16)
+    assert dup.tokens.count(20) == 1
+
+
+def test_walk_keeps_the_longest_agreeing_path():
+    tree = DraftTree([9, 10, 11, 12, 20, 13, 21, 22], PARENTS, tree_depths(PARENTS))
+    # The target says 20 after the root (a sibling), then 21, then 22, then 5: the branch 4-6-7, bonus 5.
+    script = {0: 20, 4: 21, 6: 22, 7: 5}
+    assert walk(tree, script.__getitem__) == ([4, 6, 7], 5)
+    # The chain: 10, 11, then 99 (none of 2's children): two accepted, correction 99.
+    script = {0: 10, 1: 11, 2: 99}
+    assert walk(tree, script.__getitem__) == ([1, 2], 99)
+    # 13 after 10: the sibling at depth 2, a leaf: its bonus comes next.
+    script = {0: 10, 1: 13, 5: 7}
+    assert walk(tree, script.__getitem__) == ([1, 5], 7)
+    # Nothing agrees: the target's own token.
+    assert walk(tree, lambda row: 3) == ([], 3)
+
+
+def test_accept_greedy_and_gumbel_follow_the_target_choices():
+    tree = DraftTree([9, 10, 11, 12, 20, 13, 21, 22], PARENTS, tree_depths(PARENTS))
+    vocab = 32
+    logits = torch.full((len(PARENTS), vocab), -5.0)
+    for row, tok in {0: 20, 4: 21, 6: 22, 7: 4, 1: 3, 2: 1, 3: 2, 5: 0}.items():
+        logits[row, tok] = 5.0
+    assert accept(tree, logits, SamplingParams(), None, 100) == ([4, 6, 7], 4)
+    # Sampled: each visited row draws at the position its depth predicts, as target-only sampling does there.
+    params = SamplingParams(temperature=1.0)
+    noise = GumbelNoise(7, vocab)
+    torch.manual_seed(3)
+    logits = torch.randn(len(PARENTS), vocab)
+    for row, tok in {0: 20, 4: 21, 6: 22}.items():
+        logits[row, tok] += 6.0  # likely, not certain: the noise decides
+    path, nxt = accept(tree, logits, params, noise, 100)
+    assert path == [4, 6, 7]
+    row = 0
+    for i, r in enumerate(path):
+        assert gumbel_choice(logits[row], params, noise, 100 + i) == tree.tokens[r]
+        row = r
+    assert gumbel_choice(logits[row], params, noise, 100 + len(path)) == nxt
