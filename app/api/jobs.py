@@ -145,16 +145,14 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         logprobs=spec.logprobs,
         prompt_logprobs=spec.prompt_logprobs,
         penalties=penalties,
-        grammar=await _grammar(runtime, spec.grammar),
+        grammar=await check_grammar(runtime, spec.grammar) if spec.grammar is not None else None,
     )
     return Prepared(ids, params, draft, k if draft != "none" else 0)
 
 
-async def _grammar(runtime: Runtime, grammar: Grammar | None) -> GrammarSpec | None:
-    """The engine's spec of the request's output constraint, compiled once here (off the event loop) so that
-    one the engine cannot compile is a 4xx naming its field before anything is queued."""
-    if grammar is None:
-        return None
+async def check_grammar(runtime: Runtime, grammar: Grammar) -> GrammarSpec:
+    """The engine's spec of an output constraint, compiled once here (off the event loop) so that one the
+    engine cannot compile is a 4xx naming its field before anything is queued."""
     spec = GrammarSpec(grammar.kind, grammar.spec)
     try:
         await anyio.to_thread.run_sync(runtime.grammars.check, spec)

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
-from app.api import jobs
+from app.api import jobs, tools
 from app.api.deps import get_runtime, get_settings
 from app.api.errors import APIError, documented_errors, error_body
 from app.api.logprobs import TokenNames, chat_logprobs, completion_logprobs, prompt_logprobs
@@ -169,7 +169,8 @@ def _speculative(runs: Sequence[jobs.Prepared], results: Sequence[Finished]) -> 
 
 
 # chunk(index, text, finish_reason, tokens): one event of choice `index` (text None: the usage chunk's frame).
-_Chunk = Callable[[int, str | None, str | None, Sequence[TokenOut]], CompletionResponse | ChatCompletionChunk]
+# None: nothing to send for this step (chat's text held back while it may begin a tool call).
+_Chunk = Callable[[int, str | None, str | None, Sequence[TokenOut]], CompletionResponse | ChatCompletionChunk | None]
 
 
 def _stream(
@@ -199,14 +200,18 @@ def _stream(
                 text = "".join(tok.text for tok in step.tokens)
                 if step.finished is not None:
                     event = chunk(index, text, _FINISH[step.finished.finish_reason], step.tokens)
+                    assert event is not None  # a choice's last chunk always goes
                     event.speculative = jobs.speculative_details(runs[index], step.finished)
                     event.seed = step.finished.seed
                     yield jobs.sse(event)
                     done.append(step.finished)
                 elif text or (logprobs and step.tokens):
-                    yield jobs.sse(chunk(index, text, None, step.tokens))
+                    event = chunk(index, text, None, step.tokens)
+                    if event is not None:
+                        yield jobs.sse(event)
             if include_usage:
                 usage = chunk(0, None, None, ())
+                assert usage is not None
                 usage.choices, usage.usage = [], _usage(prompt_tokens, done)
                 yield jobs.sse(usage)
         except RequestFailed as exc:
@@ -348,11 +353,12 @@ async def chat_completions(
     jobs.check_max_new_tokens(body.max_tokens, "max_tokens", settings)
     n = body.n or 1
     _check_choices(n, settings)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     try:
-        prompt = runtime.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = runtime.tokenizer.apply_chat_template(tools.render_messages(body), add_generation_prompt=True)
     except TokenizerError as exc:
         raise APIError("validation", f"messages: {exc}") from exc
+    for parameters in tools.parameter_grammars(body):
+        await jobs.check_grammar(runtime, parameters)
     sampling = body.sampling()
     spec = jobs.JobSpec(
         prompt=prompt,
@@ -368,10 +374,11 @@ async def chat_completions(
         truncate=body.truncate_prompt_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
-        grammar=body.grammar(),
+        grammar=tools.grammar(body) or body.grammar(),
     )
     prepared = await jobs.prepare(runtime, settings, spec)
     runs = [_seeded(prepared, seed) for seed in _seeds(sampling, n)]
+    readers = [tools.ToolCallReader(body) for _ in runs]  # each choice's text read into content and tool calls
     tickets = _submit_all(runtime, settings, runs)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), runtime.info.served_model_name
     names = TokenNames(runtime.tokenizer, bool(body.return_tokens_as_token_ids))
@@ -379,8 +386,20 @@ async def chat_completions(
     def logprobs(tokens: Sequence[TokenOut]) -> ChatLogprobs | None:
         return ChatLogprobs(content=chat_logprobs(names, tokens)) if body.logprobs else None
 
-    def chunk(index: int, text: str | None, finish: str | None, tokens: Sequence[TokenOut] = ()) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=index, delta=ChatDelta(content=text), finish_reason=finish)  # type: ignore[arg-type]
+    def chunk(
+        index: int, text: str | None, finish: str | None, tokens: Sequence[TokenOut] = ()
+    ) -> ChatCompletionChunk | None:
+        delta = ChatDelta()
+        if text is not None:
+            reader = readers[index]
+            parts = [reader.feed(text), *([reader.finish()] if finish is not None else [])]
+            delta.content = "".join(p.content for p in parts) or None
+            delta.tool_calls = [c for p in parts for c in p.calls] or None
+            if finish is not None:
+                finish = tools.finish_reason(reader, finish)
+            elif delta.content is None and delta.tool_calls is None and not (body.logprobs and tokens):
+                return None  # text held back until it is known to be content or a call
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)  # type: ignore[arg-type]
         if text is not None:
             choice.logprobs = logprobs(tokens)
         return ChatCompletionChunk(
@@ -402,21 +421,25 @@ async def chat_completions(
         model=model,
         system_fingerprint=_FINGERPRINT,
         seed=results[0].seed,
-        choices=[
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=o.finished.text),
-                logprobs=logprobs(o.tokens),
-                finish_reason=_FINISH[o.finished.finish_reason],  # type: ignore[arg-type]
-            )
-            for i, o in enumerate(outcomes)
-        ],
+        choices=[_chat_choice(i, readers[i], o, logprobs(o.tokens)) for i, o in enumerate(outcomes)],
         usage=_usage(len(prepared.prompt_ids), results),
         speculative=_speculative(runs, results),
     )
     if body.prompt_logprobs is not None and prompt is not None:
         result.prompt_logprobs = prompt_logprobs(names, prompt, body.prompt_logprobs)
     return Response(result.model_dump_json(), media_type="application/json")
+
+
+def _chat_choice(
+    index: int, reader: tools.ToolCallReader, outcome: jobs.Outcome, logprobs: ChatLogprobs | None
+) -> ChatChoice:
+    content, calls = tools.message_parts(reader, outcome.finished.text)
+    return ChatChoice(
+        index=index,
+        message=AssistantMessage(content=content, tool_calls=calls),
+        logprobs=logprobs,
+        finish_reason=tools.finish_reason(reader, _FINISH[outcome.finished.finish_reason]),  # type: ignore[arg-type]
+    )
 
 
 def _card(name: str, runtime: Runtime) -> ModelCard:

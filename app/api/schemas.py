@@ -466,7 +466,6 @@ OUTPUT_NEUTRAL_FIELDS = frozenset(
         "metadata",
         "store",
         "service_tier",
-        "parallel_tool_calls",
         "priority",
         "request_id",
         "cache_salt",
@@ -687,12 +686,39 @@ class ContentPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = _REQUEST
+
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant message, sent back in the conversation."""
+
+    model_config = _REQUEST
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _REQUEST
 
-    role: Literal["system", "developer", "user", "assistant"] = Field(description="`developer` is rendered as `system`")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="`developer` is rendered as `system`; `tool`: a tool's result"
+    )
     content: str | list[ContentPart] | None = Field(None, description="text, or a list of text parts")
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant message's tool calls")
+    tool_call_id: str | None = Field(None, description="a tool message's: the call it answers")
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only on an assistant message")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -700,6 +726,46 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="letters, digits, _ . -, at most 64")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _REQUEST
+
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="the JSON schema of the arguments (default: an object with any properties)"
+    )
+    strict: bool | None = Field(
+        None, description="true or false alike: a forced call's arguments always follow the schema"
+    )
+
+
+class ToolDefinition(BaseModel):
+    """A function the model may call (OpenAI's `tools[i]`)."""
+
+    model_config = _REQUEST
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = _REQUEST
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the function the answer must call."""
+
+    model_config = _REQUEST
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -712,8 +778,18 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description=f"0..{MAX_LOGPROBS}: with logprobs, this many most likely alternatives of each token"
     )
-    tools: _neutral_only(list[Any] | None, None, []) = None
-    tool_choice: _neutral_only(str | dict[str, Any] | None, None, "none") = None
+    tools: list[ToolDefinition] | None = Field(
+        None, description="functions the model may call: rendered into the prompt, calls answered in `tool_calls`"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="`auto` (the default with tools): text or calls, as the model writes; `none`: text only; "
+        "`required`: one call or more, decoded under a grammar of the tools; a named function: a call of it, its "
+        "arguments decoded under its parameters' schema",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call (`required` is then one call, `auto` keeps the first)"
+    )
     # vLLM's and OpenAI's chat fields that would change the output and are not supported
     echo: _neutral_only(bool | None, None, False) = None
     add_generation_prompt: _neutral_only(bool | None, None, True) = None
@@ -735,6 +811,37 @@ class ChatCompletionRequest(_OpenAISampling):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: only with logprobs true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: each function's name must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: only with tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice.function.name: {choice.function.name!r} is not one of the tools' functions")
+        if self.forced_tool_call():
+            constraints = [name for name in _CONSTRAINTS if self._constraint(name) is not None]
+            if constraints:
+                raise ValueError(
+                    f"tool_choice and {constraints[0]}: a required or named tool call is decoded under the tools' "
+                    "own grammar; send one output constraint, not several"
+                )
+        return self
+
+    def tool_mode(self) -> str:
+        """`none`, `auto`, `required` or `named` (`none` also without tools)."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        return choice or "auto"
+
+    def forced_tool_call(self) -> bool:
+        return self.tool_mode() in ("required", "named")
 
 
 class Usage(BaseModel):
@@ -788,10 +895,21 @@ class CompletionResponse(BaseModel):
     speculative: SpeculativeDetails | None = Field(None, description="our extension (on the last chunk too)")
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str = Field(description="`call_` and 24 hex digits")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
-    tool_calls: None = None
+    content: str | None = Field(description="the text; null when the answer is tool calls alone")
+    tool_calls: list[ToolCall] | None = Field(None, description="the functions the answer calls, when any")
 
 
 class TopLogprob(BaseModel):
@@ -813,7 +931,9 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = Field(None, description="with `logprobs: true`: one per generated token")
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"] = Field(
+        description="`tool_calls` when the answer ended as it should with tool calls"
+    )
 
 
 class ChatCompletionResponse(BaseModel):
@@ -831,17 +951,29 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: when the request sent prompt_logprobs")
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, description="on a call's first delta")
+    arguments: str = Field(description="the next piece of the arguments' JSON text")
+
+
+class ToolCallDelta(BaseModel):
+    index: int = Field(description="which call of the answer this piece belongs to")
+    id: str | None = Field(None, description="on a call's first delta")
+    type: Literal["function"] | None = Field(None, description="on a call's first delta")
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = Field(None, description="with `logprobs: true`: this chunk's tokens")
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

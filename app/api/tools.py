@@ -1,0 +1,287 @@
+"""Tool calls on the chat route (OpenAI's `tools` and `tool_choice`): the tools and earlier calls rendered into
+the conversation, the grammar of a forced call, and an answer's text read back as tool calls, streamed too.
+
+The format is the Hermes one that Qwen2.5's and NousResearch's chat templates write (and vLLM's `hermes` tool
+parser reads): the tools' signatures go into the system message inside ``<tools></tools>``, each call the model
+makes is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, and a tool's result comes back in a user
+turn inside ``<tool_response></tool_response>``. Our default target's template has no tool support of its own,
+so the messages are rewritten into that format before the template renders them as plain turns.
+
+`tool_choice` decides how an answer becomes calls:
+- `none`: the tools are in the prompt, the text is the answer (as vLLM: nothing is parsed);
+- `auto`: the text is read as Hermes does: each complete ``<tool_call>`` block naming a tool is a call, the text
+  before the first one is the content; a block that does not parse leaves the whole text as content;
+- `required`: the output is decoded under a JSON schema: an array (one item or more) of
+  ``{"name": <a tool's name>, "arguments": <its parameters' schema>}``, a single such object with
+  `parallel_tool_calls` false;
+- a named function: the output is that function's arguments, decoded under its parameters' schema.
+
+A forced call is compact JSON (no white space between its tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.api.schemas import (
+    ChatCompletionRequest,
+    FunctionCall,
+    FunctionCallDelta,
+    Grammar,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallDelta,
+    ToolDefinition,
+)
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+# A function without `parameters` takes an object with any properties, as OpenAI's.
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+_INSTRUCTIONS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def parameters(tool: ToolDefinition) -> dict[str, Any]:
+    """The JSON schema of a tool's arguments."""
+    return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
+
+
+def _signature(tool: ToolDefinition) -> str:
+    return json.dumps({"type": "function", "function": tool.function.model_dump(exclude_none=True)}, ensure_ascii=False)
+
+
+def _call_text(name: str, arguments: str) -> str:
+    try:
+        args: Any = json.loads(arguments)
+    except json.JSONDecodeError:
+        args = arguments  # a history's call whose arguments are not JSON: rendered as the text it was
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def render_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The conversation as plain {role, content} turns for the chat template: the tools' signatures in the system
+    message, assistant tool calls as ``<tool_call>`` blocks, tool results in ``<tool_response>`` user turns (a
+    run of tool messages shares one turn). Without tools or tool messages, the messages as they are."""
+    turns: list[dict[str, str]] = []
+    after_tool = False
+    for m in body.messages:
+        role = "system" if m.role == "developer" else m.role
+        if role == "tool":
+            response = f"<tool_response>\n{m.text()}\n</tool_response>"
+            if after_tool:
+                turns[-1]["content"] += "\n" + response
+            else:
+                turns.append({"role": "user", "content": response})
+            after_tool = True
+            continue
+        after_tool = False
+        text = m.text()
+        if m.tool_calls:
+            calls = "\n".join(_call_text(c.function.name, c.function.arguments) for c in m.tool_calls)
+            text = f"{text}\n{calls}" if text else calls
+        turns.append({"role": role, "content": text})
+    if body.tools:
+        described = _INSTRUCTIONS.format(tools="\n".join(_signature(t) for t in body.tools))
+        if turns and turns[0]["role"] == "system":
+            turns[0]["content"] = f"{turns[0]['content']}\n\n{described}"
+        else:
+            turns.insert(0, {"role": "system", "content": described})
+    return turns
+
+
+def grammar(body: ChatCompletionRequest) -> Grammar | None:
+    """The grammar of a forced call (`required` or a named function); None otherwise."""
+    mode = body.tool_mode()
+    tools = body.tools or []
+    if mode == "named":
+        assert isinstance(body.tool_choice, NamedToolChoice)
+        i, tool = next((i, t) for i, t in enumerate(tools) if t.function.name == body.tool_choice.function.name)
+        return Grammar("json_schema", json.dumps(_compact(parameters(tool))), f"tools[{i}].function.parameters")
+    if mode != "required":
+        return None
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "arguments": parameters(t)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+    }
+    schema = call if body.parallel_tool_calls is False else {"type": "array", "items": call, "minItems": 1}
+    return Grammar("json_schema", json.dumps(_compact(schema)), "tools")
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    # A forced call is compact JSON (`{"a":1}`): a small model given free white space spends its tokens on
+    # indentation. llguidance reads this option at the schema's top; a schema's own choice stays.
+    return {"x-guidance": {"whitespace_flexible": False}, **schema}
+
+
+def parameter_grammars(body: ChatCompletionRequest) -> list[Grammar]:
+    """Each tool's parameters schema as a grammar, so that one that cannot be compiled is a 400 naming it."""
+    return [
+        Grammar("json_schema", json.dumps(t.function.parameters), f"tools[{i}].function.parameters")
+        for i, t in enumerate(body.tools or [])
+        if t.function.parameters is not None
+    ]
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class Delta:
+    """What a piece of the answer adds: content text and tool-call pieces."""
+
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+def _longest_open_prefix(text: str) -> int:
+    """The length of the longest end of `text` that is the beginning of ``<tool_call>``."""
+    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallReader:
+    """Reads one choice's text, piece by piece as it is generated, into content and tool calls (see the module's
+    docstring for each mode). Content that may still turn out to begin a call is held back until it cannot:
+    with `auto`, trailing white space and a partial ``<tool_call>``; with `required`, everything."""
+
+    def __init__(self, body: ChatCompletionRequest) -> None:
+        self.mode = body.tool_mode()
+        self.names = {t.function.name for t in body.tools or ()}
+        self.single = body.parallel_tool_calls is False
+        self.named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+        self.called = False  # whether the answer has tool calls
+        self._held = ""  # auto: text not yet sent as content; required: the whole output
+        self._in_call = False  # auto: a <tool_call> began
+        self._gap = ""  # auto: the white space before it, content again if no call parses
+
+    def feed(self, text: str) -> Delta:
+        """The content and call pieces `text`, the next piece of the output, makes sure of."""
+        if self.mode == "none":
+            return Delta(content=text)
+        if self.mode == "named":
+            if not self.called:
+                self.called = True
+                head = ToolCallDelta(
+                    index=0, id=_call_id(), type="function", function=FunctionCallDelta(name=self.named, arguments="")
+                )
+                return Delta(calls=[head, *self._arguments(text)])
+            return Delta(calls=self._arguments(text))
+        self._held += text
+        if self.mode == "required" or self._in_call:
+            return Delta()
+        start = self._held.find(OPEN)
+        if start >= 0:
+            self._in_call = True
+            sent, self._held = self._held[:start], self._held[start:]
+            self._gap = sent[len(sent.rstrip()) :]
+            return Delta(content=sent.rstrip())
+        keep = _longest_open_prefix(self._held)
+        before = self._held[: len(self._held) - keep]
+        keep += len(before) - len(before.rstrip())
+        sent, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        return Delta(content=sent)
+
+    def _arguments(self, text: str) -> list[ToolCallDelta]:
+        return [ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))] if text else []
+
+    def finish(self) -> Delta:
+        """What is left at the end of the output: the held text as calls, or as content when it is none."""
+        if self.mode == "named":
+            return self.feed("") if not self.called else Delta()
+        if self.mode == "none":
+            return Delta()
+        held, self._held = self._held, ""
+        calls = _required_calls(held, self.names) if self.mode == "required" else _auto_calls(held, self.names)
+        if calls is None:
+            if self.mode == "required":
+                return Delta(content=held)
+            return Delta(content=self._gap + held if self._in_call else held.rstrip())
+        if self.single:
+            calls = calls[:1]
+        self.called = True
+        return Delta(
+            calls=[
+                ToolCallDelta(
+                    index=i, id=_call_id(), type="function", function=FunctionCallDelta(name=name, arguments=args)
+                )
+                for i, (name, args) in enumerate(calls)
+            ]
+        )
+
+
+def _one_call(value: Any, names: set[str]) -> tuple[str, str] | None:
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    args = value.get("arguments", value.get("parameters"))  # some models write Llama 3's `parameters`
+    if not isinstance(args, dict):
+        return None
+    return value["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _required_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # cut short (length, a stop string)
+    calls = [_one_call(v, names) for v in (value if isinstance(value, list) else [value])]
+    return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+def _auto_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None:
+    """The calls of `text` (that begins with ``<tool_call>``): every block must parse and name a tool; the last
+    may lack its closing tag (the model ended there). Text after a block is dropped, as vLLM's hermes parser."""
+    blocks = text.split(OPEN)[1:]
+    calls = []
+    for j, block in enumerate(blocks):
+        body, closed, _ = block.partition(CLOSE)
+        if not closed and j < len(blocks) - 1:
+            return None
+        try:
+            call = _one_call(json.loads(body), names)
+        except json.JSONDecodeError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def message_parts(reader: ToolCallReader, text: str) -> tuple[str | None, list[ToolCall] | None]:
+    """A whole answer's content (None when empty beside calls) and tool calls (None when none)."""
+    pieces = [reader.feed(text), reader.finish()]
+    content = "".join(p.content for p in pieces)
+    calls: dict[int, ToolCall] = {}
+    for piece in (c for p in pieces for c in p.calls):
+        if piece.index not in calls:
+            calls[piece.index] = ToolCall(
+                id=piece.id or _call_id(), function=FunctionCall(name=piece.function.name or "", arguments="")
+            )
+        calls[piece.index].function.arguments += piece.function.arguments
+    if not calls:
+        return content, None
+    return (content or None), [calls[i] for i in sorted(calls)]
+
+
+def finish_reason(reader: ToolCallReader, reason: str) -> str:
+    """`tool_calls` for an answer that ended as it should with calls; else the engine's reason."""
+    return "tool_calls" if reader.called and reason == "stop" else reason
