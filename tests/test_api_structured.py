@@ -129,3 +129,63 @@ async def test_openai_client_parse_and_refusals(api_client) -> None:
     assert empty.status_code == 400 and "guided_choice" in empty.json()["error"]["message"], empty.text
     assert no_schema.status_code == 400 and "json_schema" in no_schema.json()["error"]["message"]
     assert tgi.status_code == 422 and tgi.json()["error"].startswith("parameters.grammar.value"), tgi.text
+
+
+async def test_vllm_structured_outputs(api_client) -> None:
+    """vLLM's structured_outputs: json (compact with disable_any_whitespace, closed objects with
+    disable_additional_properties), regex, choice and json_object give what the guided_* fields give; what
+    cannot be honoured (grammar), none or several kinds, or beside a guided_* field, is a 400 naming the field."""
+    open_schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    city = [{"role": "user", "content": "Name a city as JSON."}]
+    bastille = {"prompt": "The year the Bastille fell:", "max_tokens": 8}
+    async with api_client() as client:
+        compact = await _post(
+            client,
+            "/v1/chat/completions",
+            {
+                "messages": city,
+                "max_tokens": 24,
+                "structured_outputs": {
+                    "json": open_schema,
+                    "disable_any_whitespace": True,
+                    "disable_additional_properties": True,
+                },
+            },
+        )
+        regex = await _post(client, "/v1/completions", {**bastille, "structured_outputs": {"regex": r" [0-9]{4}\."}})
+        guided = await _post(client, "/v1/completions", {**bastille, "guided_regex": r" [0-9]{4}\."})
+        yes_no = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
+        choice = await _post(
+            client,
+            "/v1/chat/completions",
+            {"messages": yes_no, "max_tokens": 5, "structured_outputs": {"choice": ["yes", "no"]}},
+        )
+        anything = await _post(
+            client,
+            "/v1/chat/completions",
+            {"messages": city, "max_tokens": 24, "structured_outputs": {"json_object": True}},
+        )
+        refused = {
+            "structured_outputs.grammar": {"grammar": "root ::= 'a'"},
+            "structured_outputs: send exactly one of json, regex, choice, json_object (got none)": {},
+            "(got regex and choice)": {"regex": "a", "choice": ["a"]},
+            "structured_outputs.json": {"json": {"type": "strin"}},
+        }
+        answers = {
+            expected: await client.post("/v1/completions", json={**bastille, "structured_outputs": value})
+            for expected, value in refused.items()
+        }
+        both = await client.post(
+            "/v1/completions", json={**bastille, "structured_outputs": {"regex": "a"}, "guided_regex": "a"}
+        )
+    text = compact["choices"][0]["message"]["content"]
+    value = json.loads(text)
+    assert compact["choices"][0]["finish_reason"] == "stop" and list(value) == ["city"], text
+    assert text == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    assert regex["choices"][0]["text"] == guided["choices"][0]["text"]
+    assert re.fullmatch(r" [0-9]{4}\.", regex["choices"][0]["text"])
+    assert choice["choices"][0]["message"]["content"] in ("yes", "no")
+    assert isinstance(json.loads(anything["choices"][0]["message"]["content"]), dict)
+    for expected, r in answers.items():
+        assert r.status_code == 400 and expected in r.json()["error"]["message"], (expected, r.text)
+    assert both.status_code == 400 and "structured_outputs and guided_regex" in both.json()["error"]["message"]

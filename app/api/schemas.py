@@ -162,6 +162,75 @@ class ResponseFormat(BaseModel):
         return self
 
 
+def _no_additional_properties(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not say (vLLM's
+    disable_additional_properties)."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if ("properties" in schema or schema.get("type") == "object") and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, json_object."""
+
+    model_config = _REQUEST
+
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="the output follows this JSON schema (an object, or its JSON text)"
+    )
+    regex: str | None = Field(None, description="the output matches this regex, whole")
+    choice: list[NonEmptyStr] | None = Field(None, min_length=1, description="the output is one of these strings")
+    json_object: bool | None = Field(None, description="true: the output is a JSON object")
+    disable_any_whitespace: bool = Field(False, description="true: JSON without white space between its tokens")
+    disable_additional_properties: bool = Field(
+        False, description="true: an object schema that does not say takes no properties beyond its own"
+    )
+    disable_fallback: bool = Field(False, description="changes nothing: there is one grammar engine, no fallback")
+    grammar: _neutral_only(Any, None) = None
+    structural_tag: _neutral_only(Any, None) = None
+    whitespace_pattern: _neutral_only(Any, None) = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputs:
+        kinds = [k for k in ("json", "regex", "choice", "json_object") if self._kind(k)]
+        if len(kinds) != 1:
+            given = f"got {' and '.join(kinds)}" if kinds else "got none"
+            raise ValueError(f"send exactly one of json, regex, choice, json_object ({given})")
+        return self
+
+    def _kind(self, name: str) -> bool:
+        value = self.json_ if name == "json" else getattr(self, name)
+        return bool(value) if name == "json_object" else value is not None
+
+    def grammar_spec(self) -> Grammar:
+        """The engine's constraint; `field` names the one sent."""
+        if self.regex is not None:
+            return Grammar("regex", self.regex, "structured_outputs.regex")
+        if self.choice is not None:
+            return Grammar("choice", json.dumps(self.choice), "structured_outputs.choice")
+        if self.json_ is None and not self.disable_any_whitespace and not self.disable_additional_properties:
+            return Grammar("json_object", "", "structured_outputs.json_object")
+        schema: Any = {"type": "object"} if self.json_ is None else self.json_
+        field = "structured_outputs.json" if self.json_ is not None else "structured_outputs.json_object"
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError:
+                return Grammar("json_schema", schema, field)  # the engine says why it is not JSON
+        if isinstance(schema, dict):
+            if self.disable_additional_properties:
+                schema = _no_additional_properties(schema)
+            if self.disable_any_whitespace:
+                # llguidance reads its options at the schema's top level
+                schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "whitespace_flexible": False}}
+        return Grammar("json_schema", json.dumps(schema), field)
+
+
 class TGIGrammar(BaseModel):
     """TGI's `parameters.grammar`."""
 
@@ -477,7 +546,7 @@ OUTPUT_NEUTRAL_FIELDS = frozenset(
 )
 
 
-_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
 
 
 class _OpenAISampling(BaseModel):
@@ -569,7 +638,9 @@ class _OpenAISampling(BaseModel):
     guided_decoding_backend: _neutral_only(Any, None) = None
     guided_whitespace_pattern: _neutral_only(Any, None) = None
     structural_tag: _neutral_only(Any, None) = None
-    structured_outputs: _neutral_only(Any, None) = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's newer form of the guided_* fields: one of json, regex, choice, json_object"
+    )
     logits_processors: _neutral_only(Any, None) = None
     return_token_ids: _neutral_only(bool | None, None, False) = None
     vllm_xargs: _neutral_only(Any, None) = None
@@ -600,6 +671,8 @@ class _OpenAISampling(BaseModel):
             return Grammar("json_schema", json.dumps(rf.json_schema.schema_), "response_format.json_schema.schema")
         if rf is not None and rf.type == "json_object":
             return Grammar("json_object", "", "response_format")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.grammar_spec()
         if self.guided_json is not None:
             g = self.guided_json
             return Grammar("json_schema", g if isinstance(g, str) else json.dumps(g), "guided_json")
