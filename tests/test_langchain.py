@@ -1,0 +1,99 @@
+"""Structured output and tool calls as agent frameworks use them, against one real `specserve serve` process:
+LangChain's `with_structured_output` with each of its three methods (json_schema, json_mode, function_calling)
+through langchain-openai, and a tool round trip with the openai client (a call, the tool's result sent back, a
+final answer). The 135M target's answers are not checked for sense, only for structure: they parse into the
+pydantic model (a nested model and an enum), the calls name the right function."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from enum import Enum
+from pathlib import Path
+
+import openai
+import pytest
+from _server import running_server
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
+
+MODEL = "smollm2-135m-instruct"
+
+
+class Country(str, Enum):
+    france = "France"
+    italy = "Italy"
+
+
+class Home(BaseModel):
+    city: str = Field(max_length=16)
+    country: Country
+
+
+class Person(BaseModel):
+    """A person and where they live."""
+
+    name: str = Field(max_length=16)
+    age: int
+    home: Home
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, target_path: Path) -> Iterator[str]:
+    """The base URL of a `specserve serve` process (default draft) shared by this module's tests."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with running_server(log, "--dtype", "float32", "--log-level", "warning") as url:
+        yield url
+
+
+def test_langchain_with_structured_output_every_method(server: str) -> None:
+    """json_schema (response_format json_schema), json_mode (json_object, the schema in the prompt) and
+    function_calling (a named tool choice) each give a Person."""
+    llm = ChatOpenAI(
+        base_url=f"{server}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=48, max_retries=0
+    )
+    ask = "Describe Marie Curie: her name, age and home."
+    example = json.dumps({"name": "Marie Curie", "age": 66, "home": {"city": "Paris", "country": "France"}})
+    prompts = {
+        "json_schema": ask,
+        # json_mode constrains the answer to a JSON object only: the keys come from the prompt, as LangChain says.
+        "json_mode": f"Reply with this JSON object exactly, nothing else: {example}",
+        "function_calling": ask,
+    }
+    for method, prompt in prompts.items():
+        person = llm.with_structured_output(Person, method=method).invoke(prompt)
+        assert isinstance(person, Person), (method, person)
+        assert isinstance(person.home.country, Country), (method, person)
+
+
+def test_openai_tool_round_trip(server: str) -> None:
+    """A required call of the one tool, its result sent back as a tool message after the assistant's call, and
+    a final text answer to the conversation."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current temperature in a city, in degrees Celsius",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 16}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    messages: list = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[weather], tool_choice="required", max_tokens=32
+    )
+    call_message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and call_message.content is None
+    [call] = call_message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    messages.append(call_message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 21})})
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=[weather], max_tokens=16)
+    answer = final.choices[0]
+    assert answer.message.tool_calls is None and answer.message.content, answer
+    assert answer.finish_reason in ("stop", "length")
