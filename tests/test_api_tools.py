@@ -144,6 +144,70 @@ def test_history_and_tools_rendered_in_the_hermes_format() -> None:
     assert tools.render_messages(plain) == ASK
 
 
+# A template that renders tools itself, after Qwen2.5's (tools as tojson lines, calls with their arguments).
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+{{ messages[0].content if messages[0].role == 'system' else 'You are helpful.' }}
+
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and tools %}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_with_tools_renders_them_as_transformers(api_engine, hf_tokenizer) -> None:
+    """A chat template that takes `tools` gets them and the history's calls (arguments as objects) as
+    transformers hands them, and renders what transformers renders (its plain tojson); SmolLM2's does not."""
+    from app.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(api_engine.tokenizer.backend, [], TOOL_TEMPLATE, None, ())
+    f = ADD["function"]
+    described = {"type": "function", "function": {"name": f["name"], "description": "a + b, for a < b", **f}}
+    body = ChatCompletionRequest.model_validate(
+        {
+            "tools": [described],
+            "messages": [
+                {"role": "user", "content": "1+2?"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":1,"b":2}'}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+            ],
+        }
+    )
+    messages, functions = tools.template_messages(body)
+    ours = tok.apply_chat_template(messages, tools=functions)
+    theirs = hf_tokenizer.apply_chat_template(
+        messages, tools=functions, chat_template=TOOL_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert tok.takes_tools and not api_engine.tokenizer.takes_tools
+    assert ours == theirs
+    assert json.dumps(described) in ours and '{"name": "add", "arguments": {"a": 1, "b": 2}}' in ours
+
+
 def _calls(message) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or ()]
 

@@ -353,8 +353,13 @@ async def chat_completions(
     jobs.check_max_new_tokens(body.max_tokens, "max_tokens", settings)
     n = body.n or 1
     _check_choices(n, settings)
+    tokenizer = runtime.tokenizer
     try:
-        prompt = runtime.tokenizer.apply_chat_template(tools.render_messages(body), add_generation_prompt=True)
+        if tokenizer.takes_tools:
+            messages, functions = tools.template_messages(body)
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=functions)
+        else:
+            prompt = tokenizer.apply_chat_template(tools.render_messages(body), add_generation_prompt=True)
     except TokenizerError as exc:
         raise APIError("validation", f"messages: {exc}") from exc
     for parameters in tools.parameter_grammars(body):

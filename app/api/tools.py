@@ -1,11 +1,12 @@
 """Tool calls on the chat route (OpenAI's `tools` and `tool_choice`): the tools and earlier calls rendered into
 the conversation, the grammar of a forced call, and an answer's text read back as tool calls, streamed too.
 
-The format is the Hermes one that Qwen2.5's and NousResearch's chat templates write (and vLLM's `hermes` tool
-parser reads): the tools' signatures go into the system message inside ``<tools></tools>``, each call the model
-makes is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, and a tool's result comes back in a user
-turn inside ``<tool_response></tool_response>``. Our default target's template has no tool support of its own,
-so the messages are rewritten into that format before the template renders them as plain turns.
+A chat template that renders tools itself (Qwen2.5's) is given them, and the messages as transformers gives
+them. Otherwise (our default target's template has no tool support) the messages are rewritten into the Hermes
+format that Qwen2.5's and NousResearch's templates write (and vLLM's `hermes` tool parser reads) before the
+template renders them as plain turns: the tools' signatures go into the system message inside
+``<tools></tools>``, each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, and a tool's
+result comes back in a user turn inside ``<tool_response></tool_response>``. Answers are read in that format.
 
 `tool_choice` decides how an answer becomes calls:
 - `none`: the tools are in the prompt, the text is the answer (as vLLM: nothing is parsed);
@@ -61,11 +62,39 @@ def _signature(tool: ToolDefinition) -> str:
 
 
 def _call_text(name: str, arguments: str) -> str:
+    call = {"name": name, "arguments": _arguments_value(arguments)}
+    return f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}"
+
+
+def _arguments_value(arguments: str) -> Any:
     try:
-        args: Any = json.loads(arguments)
+        return json.loads(arguments)
     except json.JSONDecodeError:
-        args = arguments  # a history's call whose arguments are not JSON: rendered as the text it was
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
+        return arguments  # a history's call whose arguments are not JSON: rendered as the text it was
+
+
+def template_messages(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation and tools as transformers hands them to a chat template that renders tools itself
+    (`Tokenizer.takes_tools`): an assistant's `tool_calls` with their arguments as objects, a tool message's
+    `tool_call_id`, the tools in OpenAI's format."""
+    messages: list[dict[str, Any]] = []
+    for m in body.messages:
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments_value(c.function.arguments)},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    return messages, [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
 
 
 def render_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:

@@ -6,11 +6,13 @@ kind), the way llama.cpp reads it; an HF directory brings its tokenizer.json.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -69,6 +71,12 @@ def _from_gguf_meta(meta: dict[str, Any]) -> tuple[HFTokenizer, list[str]]:
     return tok, special
 
 
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None) -> str:
+    # transformers' tojson (templates render tools with it): plain JSON, keys in their order, not jinja2's
+    # HTML-escaped, key-sorted one.
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators)
+
+
 def _raise(message: str) -> None:
     raise TokenizerError(message)
 
@@ -96,13 +104,17 @@ class Tokenizer:
         ends = {i for t in _END_OF_TURN if (i := backend.token_to_id(t)) is not None and i in self.special_ids}
         self.eos_token_ids: frozenset[int] = frozenset(ends | set(eos_token_ids))
         self._template = None
+        self.takes_tools = False
         if chat_template:
             # As transformers renders templates, so that both give the same prompt text.
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
             )
             env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(chat_template)
+            # Whether the template renders the functions a model may call itself (Qwen2.5's does; SmolLM2's not).
+            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(chat_template))
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any], eos_token_ids: Sequence[int] = ()) -> Tokenizer:
@@ -159,8 +171,15 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation (a list of {role, content}) with the model's own chat template."""
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """Render a conversation (a list of {role, content}, as transformers takes it: an assistant's
+        `tool_calls`, a tool's `tool_call_id` too) with the model's own chat template; `tools`, the functions the
+        model may call in OpenAI's format, go to a template that renders them (`takes_tools`)."""
         if self._template is None:
             raise TokenizerError("this model has no chat template; send a plain prompt instead")
         bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
@@ -169,6 +188,7 @@ class Tokenizer:
             return self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
+                tools=None if tools is None else list(tools),
                 bos_token=bos,
                 eos_token=self.eos_token or (self.backend.id_to_token(eos) if eos is not None else ""),
             )
