@@ -7,9 +7,15 @@ longest path the target agrees with: checked on the real target per kernel, then
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from app.engine import kernels
+from app import store
+from app.engine import generation, kernels
+from app.engine.drafters import HybridDrafter
+from app.engine.eagle import EagleDrafter, load_draft
+from app.engine.generation import Engine, Generation, GenerationParams
 from app.engine.model import tree_depths
 from app.engine.sampling import GumbelNoise, SamplingParams, gumbel_choice
 from app.engine.tree import Candidates, DraftTree, accept, build_tree, compact, walk
@@ -146,3 +152,58 @@ def test_accept_greedy_and_gumbel_follow_the_target_choices():
         assert gumbel_choice(logits[row], params, noise, 100 + i) == tree.tokens[r]
         row = r
     assert gumbel_choice(logits[row], params, noise, 100 + len(path)) == nxt
+
+
+# --- the generation's tree steps --------------------------------------------------------------------------
+
+
+def _prompts(tokenizer, turns: list[str]) -> list[list[int]]:
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in turns]
+
+
+def _hybrid(model, loaded) -> HybridDrafter:
+    draft = load_draft(store.resolve("smollm2-135m-instruct-eagle"), model)
+    return HybridDrafter("hybrid", EagleDrafter("eagle", draft, loaded))
+
+
+def _run(engine: Engine, prompt: list[int], params: GenerationParams, draft: str) -> Generation:
+    gen = engine.start(prompt, params, draft)
+    while not gen.finished:
+        gen.step()
+    return gen
+
+
+def test_tree_speculative_equals_target_only_greedy_and_seeded(
+    packed_target, target_f32, specbench_first_turns, monkeypatch
+):
+    """Greedy tree verification with the default (hybrid) draft gives target-only's tokens, on every tree kernel;
+    so does gumbel sampling with a seed. Paths off the draft's chain were accepted (their keys and values
+    moved), and the tree keeps more tokens per target pass than the chain."""
+    moved = []
+
+    def counting(cache, start, path):
+        moved.append(path != list(range(1, len(path) + 1)))
+        compact(cache, start, path)
+
+    monkeypatch.setattr(generation, "compact", counting)
+    prompts = _prompts(target_f32.tokenizer, specbench_first_turns)
+    greedy = GenerationParams(max_new_tokens=32, num_draft_tokens=6)
+    sampled = GenerationParams(max_new_tokens=16, num_draft_tokens=6, temperature=0.8, top_p=0.95, seed=11)
+    for name in TREE_KERNELS:
+        packed = packed_target(name)
+        drafter = _hybrid(packed.model, packed)
+        engine = Engine(packed.model, packed.tokenizer, {"hybrid": drafter}, "hybrid", 6, tree_rows=16)
+        best = name == TREE_KERNELS[0]  # the others compute the same bits (test_kernels): one prompt, greedy
+        passes = {"chain": 0, "tree": 0}
+        for prompt in prompts[: 2 if best else 1]:
+            base = _run(engine, prompt, greedy, "none").generated_ids
+            for label, rows in (("chain", 0), ("tree", 16)) if best else (("tree", 16),):
+                gen = _run(engine, prompt, replace(greedy, tree_rows=rows), "hybrid")
+                assert gen.generated_ids == base, (name, label)
+                assert gen.tree_rows == rows
+                passes[label] += gen.stats.target_passes
+        if best:
+            assert passes["tree"] < passes["chain"], passes
+            seeded = _run(engine, prompts[0], sampled, "none").generated_ids
+            assert _run(engine, prompts[0], sampled, "hybrid").generated_ids == seeded
+    assert any(moved)

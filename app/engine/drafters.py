@@ -16,6 +16,7 @@ from app.engine.loading import LoadedModel
 from app.engine.model import KVCache
 from app.engine.penalties import Penalty
 from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice, sample, warp
+from app.engine.tree import Candidates, CandidateSession, DraftTree, build_tree
 
 # What a sampled draft draws with: the target's Gumbel noise (coupled sampling, exact-match verification) or
 # a generator (rejection sampling).
@@ -290,6 +291,27 @@ class _HybridSession:
             self.lookups += 1
             return found
         return self._model.propose(token_ids, k, p_min)
+
+    def propose_tree(
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        max_rows: int,
+        params: SamplingParams | None = None,
+        noise: GumbelNoise | None = None,
+        p_min: float = 0.0,
+    ) -> DraftTree:
+        """Both proposals in one tree (`app.engine.tree.build_tree`): the lookup's continuation as a branch, the
+        model draft's chain and its next choices; the lookup's first where rows run short."""
+        found = self._lookup.propose(token_ids, k)
+        self.lookups += bool(found)
+        if isinstance(self._model, CandidateSession):
+            chain = self._model.propose_candidates(token_ids, k, max_rows - 1, params, noise, p_min)
+        elif params is None or params.greedy or not isinstance(self._model, SamplingSession):
+            chain = Candidates(self._model.propose(token_ids, k, p_min))
+        else:
+            chain = Candidates(self._model.propose_sampled(token_ids, k, params, noise, p_min)[0])
+        return build_tree(token_ids[-1], chain, found, max_rows, branch_first=True)
 
     def propose_sampled(
         self,

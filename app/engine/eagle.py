@@ -40,7 +40,8 @@ from app.engine.model import (
 )
 from app.engine.penalties import Penalty
 from app.engine.quantized import QuantizedWeight
-from app.engine.sampling import SamplingParams
+from app.engine.sampling import GumbelNoise, SamplingParams
+from app.engine.tree import Candidates, DraftTree, build_tree
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -276,6 +277,34 @@ class _EagleSession:
     ) -> tuple[list[int], Tensor | None]:
         return self._run(token_ids, k, p_min, params, rng)
 
+    def propose_candidates(
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        width: int,
+        params: SamplingParams | None = None,
+        noise: GumbelNoise | None = None,
+        p_min: float = 0.0,
+    ) -> Candidates:
+        """The chain `propose` (greedy, `params` None) or `propose_sampled` with Gumbel `noise` gives, with
+        each token's draft probability and the draft's next `width` choices at each depth (by probability): a
+        tree's material (`app.engine.tree.build_tree`), for no more draft forwards than the chain."""
+        found = Candidates([])
+        self._run(token_ids, k, p_min, params, noise, found, width)
+        return found
+
+    def propose_tree(
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        max_rows: int,
+        params: SamplingParams | None = None,
+        noise: GumbelNoise | None = None,
+        p_min: float = 0.0,
+    ) -> DraftTree:
+        found = self.propose_candidates(token_ids, k, max_rows - 1, params, noise, p_min)
+        return build_tree(token_ids[-1], found, (), max_rows)
+
     def _catch_up(self, token_ids: Sequence[int], k: int) -> tuple[Tensor, Tensor, int] | None:
         """The first draft forward's input: (states [T, dim], tokens [T], start position), or None when
         nothing can be drafted. Rolls the cache back to the positions computed from the target's states."""
@@ -309,7 +338,11 @@ class _EagleSession:
         p_min: float,
         params: SamplingParams | None,
         rng: Randomness,
+        found: Candidates | None = None,
+        width: int = 0,
     ) -> tuple[list[int], Tensor | None]:
+        """Up to `k` drafted tokens (and with a generator their warped distributions); `found`: filled with
+        the tokens, their probabilities and the next `width` choices at each depth."""
         first = self._catch_up(token_ids, k)
         if first is None:
             return [], None
@@ -328,6 +361,18 @@ class _EagleSession:
             if choice is None:
                 break
             idx, warped = choice
+            if found is not None:
+                probs = torch.softmax(logits, -1)
+                top = torch.topk(probs, min(width + 1, probs.shape[0]))
+                found.probs.append(float(probs[idx]))
+                found.alternatives.append(
+                    [
+                        (int(draft.vocab_ids[i]), float(p))
+                        for p, i in zip(top.values, top.indices, strict=True)
+                        if i != idx
+                    ][:width]
+                )
+                found.tokens.append(int(draft.vocab_ids[idx]))
             if warped is not None:
                 # q over the target's whole vocabulary: ids outside the draft's have q = 0.
                 full = torch.zeros(self._target_vocab, dtype=warped.dtype, device=device)

@@ -27,6 +27,8 @@ from app.engine.model import KVCache, Transformer
 from app.engine.penalties import NO_PENALTIES, Penalty, PenaltyParams
 from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice, sample, warp
 from app.engine.tokenizer import Tokenizer
+from app.engine.tree import DraftTree, TreeSession, compact
+from app.engine.tree import accept as accept_tree
 from app.engine.verification import coupled_verify, greedy_verify, rejection_sample
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,10 @@ class GenerationParams:
     draft_schedule: str | None = None
     # The draft stops proposing when its top probability falls below this (0: never); None: engine default.
     draft_p_min: float | None = None
+    # The most rows of a tree verification (app.engine.tree: the draft's next choices and prompt lookup's
+    # continuation beside its chain, in one target forward); 0: a chain; None: the engine's default. Trees run
+    # where the kernel's attention takes them, greedy or with the gumbel sampler, without penalties or grammar.
+    tree_rows: int | None = None
     # Log-probabilities under the target's raw distribution (app.engine.logprobs), computed only when asked:
     # `logprobs` of each generated token with that many alternatives (None: not asked), `prompt_logprobs` of
     # each prompt token after the first. max_new_tokens 0 runs the prompt alone, for its log-probabilities.
@@ -188,6 +194,13 @@ class StepPlan:
 _SLACK = MAX_DRAFT_TOKENS + 1
 
 
+@dataclass
+class TreePlan(StepPlan):
+    """A step whose rows are a tree (`feed`: its tokens, root first; `drafts`: its nodes')."""
+
+    tree: DraftTree = field(default_factory=lambda: DraftTree([0], [-1], [0]))
+
+
 class Generation:
     """The decoding state of one request. Not thread-safe: one worker steps it."""
 
@@ -288,6 +301,7 @@ class Generation:
                 self._rng = GumbelNoise(self.seed, vocab)
             else:
                 self._rng = torch.Generator(device=target.device).manual_seed(self.seed)
+        self._tree_rows = self._tree_rows_allowed(params.tree_rows or 0)
         # The prompt's log-probabilities gathered chunk by chunk, sent with the first token (None: not asked).
         self._prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self._started = time.perf_counter()
@@ -295,6 +309,22 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _tree_rows_allowed(self, rows: int) -> int:
+        """The rows this request's tree verifications may have (0: it verifies chains)."""
+        if not 0 <= rows <= _SLACK:
+            raise GenerationError(f"tree_rows must lie in [0, {_SLACK}]")
+        kernel = self._cache.kernel
+        # A tree row gets sequential decoding's bits only where the kernel's attention reads its keys in order;
+        # penalties and grammars judge each row by the text before it, which a tree's rows do not share.
+        exact = kernel is not None and kernel.trees and self._penalty is None and self._grammar is None
+        sampler = self.sampling.greedy or isinstance(self._rng, GumbelNoise)
+        return rows if rows > 1 and exact and sampler and isinstance(self._draft, TreeSession) else 0
+
+    @property
+    def tree_rows(self) -> int:
+        """The most rows of this request's tree verifications (0: it verifies chains)."""
+        return self._tree_rows
 
     # What a batch (app.engine.batch) reads of a generation to step it beside others.
     @property
@@ -340,7 +370,10 @@ class Generation:
             return self._prefill()
         plan = self.plan(self._width)
         t0 = time.perf_counter()
-        hidden = self.target.hidden(plan.feed[None], plan.start, self._cache)[0]
+        if isinstance(plan, TreePlan):
+            hidden = self.target.hidden_batch([(plan.feed, plan.start, self._cache, plan.tree.parents_tensor())])[0]
+        else:
+            hidden = self.target.hidden(plan.feed[None], plan.start, self._cache)[0]
         # The head runs on every row, padding included, for the same reason the padding exists.
         logits = self.target.logits(hidden)
         return self.verify(plan, hidden, logits, time.perf_counter() - t0, solo=True)
@@ -365,6 +398,8 @@ class Generation:
         if k is None:
             # A step adds up to k+1 tokens; never draft what could not be kept.
             k = self._length.next_k(remaining - 1) if self._k else 0
+        if self._tree_rows and k > 0 and drafted is None:
+            return self._plan_tree(k)
         if drafted is not None:
             (drafts, draft_seconds), q = drafted, None
         else:
@@ -391,6 +426,8 @@ class Generation:
     ) -> StepOutput:
         """Keep what the target agrees with, given its hidden states [rows, dim] and logits [rows, vocab]
         over `plan.feed`."""
+        if isinstance(plan, TreePlan):
+            return self._verify_tree(plan, hidden, logits, forward_seconds, solo)
         t0 = time.perf_counter()
         start, real, drafts = plan.start, plan.real, plan.drafts
         logits = self._checked(logits[:real])
@@ -447,6 +484,58 @@ class Generation:
         n = self.params.logprobs
         logprobs = None if n is None else token_logprobs(logits[: len(new)], new, n)
         return self._emit(new, len(drafts), accepted, plan.draft_seconds, verify_seconds, logprobs)
+
+    def _plan_tree(self, k: int) -> TreePlan:
+        """Draft this step's tree (depth at most `k`) and lay out its rows, root first."""
+        t0 = time.perf_counter()
+        assert isinstance(self._draft, TreeSession)
+        start = len(self.ids) - 1
+        rows = min(self._tree_rows, self._cache.capacity - start)
+        noise = self._rng if isinstance(self._rng, GumbelNoise) else None
+        params = None if self.sampling.greedy else self.sampling
+        tree = self._draft.propose_tree(self.ids, k, rows, params, noise, self._p_min)
+        feed = torch.tensor(tree.tokens, dtype=torch.long, device=self.target.device)
+        seconds = time.perf_counter() - t0
+        return TreePlan(k, tree.tokens[1:], None, start, tree.rows, feed, seconds, tree=tree)
+
+    def _verify_tree(
+        self, plan: TreePlan, hidden: torch.Tensor, logits: torch.Tensor, forward_seconds: float, solo: bool
+    ) -> StepOutput:
+        """`verify` of a tree: the longest path the target agrees with (`app.engine.tree.accept`) and its token
+        after it; the path's keys and values moved where sequential decoding puts them, and its hidden states
+        given to a feature draft in depth order. `drafted` counts the tree's nodes."""
+        t0 = time.perf_counter()
+        tree, start = plan.tree, plan.start
+        logits = self._checked(logits[: tree.rows])
+        noise = self._rng if isinstance(self._rng, GumbelNoise) else None
+        path, nxt = accept_tree(tree, logits, self.sampling, noise, start + 1)
+        rows = [0, *path]
+        if self._features is not None:
+            self._features[start : start + len(rows)] = hidden[rows]
+        compact(self._cache, start, path)
+        accepted = len(path)
+        verify_seconds = forward_seconds + time.perf_counter() - t0
+        self.stats.target_passes += 1
+        self.stats.verify_passes += bool(tree.nodes)
+        if tree.nodes:
+            self.stats.drafted += tree.nodes
+            self.stats.accepted += accepted
+            for i in range(accepted):
+                self.stats.accepted_per_position[i] += 1
+        self.stats.draft_seconds += plan.draft_seconds
+        self.stats.verify_seconds += verify_seconds
+        if plan.k > 0:
+            self.stats.draft_lengths[plan.k] += 1
+            self.stats.p_min_stops += tree.depth < plan.k
+            # Acceptance along the depth, as a chain of the tree's depth would count it.
+            self._length.update(tree.depth, accepted)
+        if solo:
+            self._length.costs.observe(min(plan.k, tree.depth + 1), plan.draft_seconds, tree.rows, verify_seconds)
+        new = [*(tree.tokens[r] for r in path), nxt]
+        # The rows that chose them: the root's (the first), then each accepted node's.
+        n = self.params.logprobs
+        logprobs = None if n is None else token_logprobs(logits[rows], new, n)
+        return self._emit(new, tree.nodes, accepted, plan.draft_seconds, verify_seconds, logprobs)
 
     def _propose(self, k: int) -> tuple[list[int], torch.Tensor | None]:
         if self._draft is None or k <= 0:
@@ -588,6 +677,7 @@ class Engine:
         draft_p_min: float = 0.0,
         prefill_chunk: int = 0,
         prefill_step_seconds: float = 0.0,
+        tree_rows: int = 0,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:
             raise GenerationError(f"default draft {default_draft!r} is not loaded")
@@ -619,6 +709,8 @@ class Engine:
             raise GenerationError(f"draft_schedule must be one of {', '.join(SCHEDULES)}")
         self.draft_schedule = draft_schedule
         self.draft_p_min = draft_p_min
+        # The default of requests' `tree_rows` (0: chains).
+        self.tree_rows = tree_rows
         # Compiles requests' output grammars (their library loads at the first one).
         self.grammars = Grammars(tokenizer, target.config.vocab_size)
         # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length).
@@ -654,6 +746,7 @@ class Engine:
             params,
             draft_schedule=params.draft_schedule or self.draft_schedule,
             draft_p_min=self.draft_p_min if params.draft_p_min is None else params.draft_p_min,
+            tree_rows=self.tree_rows if params.tree_rows is None else params.tree_rows,
         )
         costs = self._costs.setdefault(id(drafter), StepCosts()) if drafter is not None else None
         grammar = None
