@@ -1,7 +1,8 @@
 """GGUF quantized weights computed on as the file stores them (app/engine/quantized.py, kernels/quant.h).
 
-Every format's product against float64 products of its exact dequantized values (`gguf.quants.dequantize`,
-the oracle: a stated bound), each dequantized value exact, the portable kernels' bits equal to the generic
+Every format's product against float64 products of its exact dequantized values (`gguf.quants.dequantize`)
+and, for the 32-input formats (integer products, quant.h), the exact values of the quantized activations: the
+oracle, within a stated bound; each dequantized value decoded, the portable kernels' bits equal to the generic
 kernel's, rows independent of the batch; small GGUFs in every format loaded with `weights="native"`; and the
 default target (Q4_1 layers, a Q8_0 embedding and head) decoding natively: greedy speculative == target-only,
 batched == alone.
@@ -46,6 +47,19 @@ def random_weight(qtype: str, n: int, k: int, seed: int) -> QuantizedWeight:
     return QuantizedWeight([(qtype, torch.from_numpy(np.ascontiguousarray(raw)))], k)
 
 
+# Formats whose products multiply quantized activations in integers (quant.h's sk_q_int).
+INTEGER = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """The exact values an integer product multiplies for bf16 rows x [..., K] (quant.h): per 32-input block,
+    dx = max |x| / 127, x / dx rounded to the nearest integer (ties to even), times dx; float64 [..., K]."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    dx = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    return (torch.round(blocks * inverse).double() * dx.double()).reshape(x.shape)
+
+
 @pytest.fixture(params=HERE)
 def kern(request) -> kernels.Kernel:
     return kernels.load(request.param)
@@ -58,19 +72,26 @@ def test_each_format_against_its_exact_dequantized_values(kern, qtype: str) -> N
     exact = weight.dequantize().double()
     assert exact.abs().max() < 100 and exact.std() > 0.01  # values of a sensible size, not all alike
 
-    # Each dequantized value exactly: an input that is one at position j gives column j's weights, rounded once.
+    # Each dequantized value: an input that is one at position j gives column j's weights, rounded once (times
+    # 127 * (1 / 127) for an integer product: within one more float32 rounding or two).
     cols = torch.arange(0, k, 7)
     lin = kern.qlinear(weight, None)
     got = lin(torch.eye(k)[cols].bfloat16())
-    assert torch.equal(got, exact.float()[:, cols].T.bfloat16())
+    if qtype in INTEGER:
+        assert ((got.double() - exact[:, cols].T).abs() <= 2**-8 * exact[:, cols].T.abs()).all()
+    else:
+        assert torch.equal(got, exact.float()[:, cols].T.bfloat16())
 
-    # Products: float32 chains of k / 16 fused steps and a 4-step tree, then one bf16 rounding (2^-8 relative).
+    # Products: float32 chains of at most k / 16 fused steps and a 4-step tree (integer products: k / 32 steps
+    # of exact integer sums, scales rounded once, an 3-step tree and the offsets' chain), then one bf16
+    # rounding (2^-8 relative); against the exact values multiplied.
     g = torch.Generator().manual_seed(FORMATS[qtype][0])
     x = torch.randn(14, k, generator=g).bfloat16()  # 12 rows and more: a prefill's path
     bias = torch.randn(n, generator=g).bfloat16()
     y = kern.qlinear(weight, bias)(x).double()
-    ref = x.double() @ exact.T + bias.double()
-    magnitude = x.double().abs() @ exact.abs().T + bias.double().abs()
+    xs = quantized_activations(x) if qtype in INTEGER else x.double()
+    ref = xs @ exact.T + bias.double()
+    magnitude = xs.abs() @ exact.abs().T + bias.double().abs()
     bound = 2**-8 * ref.abs() + 2 * (k / 16 + 5) * 2**-24 * magnitude
     assert ((y - ref).abs() <= bound).all(), ((y - ref).abs() / bound).max()
 
@@ -93,11 +114,13 @@ def test_fused_norm_swiglu_residual_and_mixed_formats(kern) -> None:
     x = torch.randn(1, 5, k, generator=g).bfloat16()
     norm_w = (1 + torch.randn(k, generator=g) / 4).bfloat16()
     residual = torch.randn(1, 5, n, generator=g).bfloat16()
-    normed = F.rms_norm(x.float(), (k,), norm_w.float(), 1e-5)
+    # Q4_1 multiplies the fused op's bf16 result quantized (quantized_activations).
+    normed = quantized_activations(F.rms_norm(x.float(), (k,), norm_w.float(), 1e-5).bfloat16()).float()
     torch.testing.assert_close(lin(x, norm=norm_w, eps=1e-5).float(), F.linear(normed, w), rtol=2e-2, atol=2e-2)
     gate_up = torch.randn(1, 5, 2 * k, generator=g).bfloat16()
     gate, up = gate_up.float().chunk(2, dim=-1)
-    torch.testing.assert_close(lin(gate_up, swiglu=True).float(), F.linear(F.silu(gate) * up, w), rtol=2e-2, atol=2e-2)
+    swiglu = quantized_activations((F.silu(gate) * up).bfloat16()).float()
+    torch.testing.assert_close(lin(gate_up, swiglu=True).float(), F.linear(swiglu, w), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(
         lin(x, residual=residual).float(), lin(x).float() + residual.float(), rtol=1e-2, atol=1e-2
     )
@@ -167,11 +190,13 @@ def test_native_weights_on_small_ggufs(tmp_path, qtype: str) -> None:
     want = _our_logits(oracle.model, IDS)
     got = _our_logits(native.model, IDS).float()
     bf16 = _our_logits(dequantized.model, IDS).float()
-    # bf16 activations: a few bf16 roundings of the logits' scale, and no farther from the oracle than the
-    # weights dequantized to bf16 are (those round every weight as well).
+    # bf16 activations (K-quants): a few bf16 roundings of the logits' scale, and no farther from the oracle
+    # than the weights dequantized to bf16 are (those round every weight as well). Activations quantized to
+    # 8 bits per 32 inputs (the integer formats) round about 8 times coarser than bf16: at most 3 times as far.
     scale = want.abs().max().item()
     distance = (got - want).abs().max().item()
-    assert distance <= 0.04 * scale and distance <= 1.5 * (bf16 - want).abs().max().item() + 1e-3 * scale
+    factor = 3 if qtype in INTEGER else 1.5
+    assert distance <= 0.04 * scale and distance <= factor * (bf16 - want).abs().max().item() + 1e-3 * scale
 
 
 def test_weights_settings_refuse_what_cannot_run(tmp_path) -> None:

@@ -6,8 +6,9 @@
    a product of small integers and float16 scales, exact in float32, plus at most one rounding (Q4_1, Q5_1 and
    the K-quants' offsets: one fused multiply-add; Q6_K: its scale times its quant, one multiply).
 
-   The arithmetic of a product, fixed so that a result never depends on the row count nor the SIMD width
-   (the same lanes as the bf16 products' pairs, not the same order):
+   The arithmetic of a K-quant product (Q4_K, Q5_K, Q6_K; the 32-input formats take integer products, see
+   sk_q_int), fixed so that a result never depends on the row count nor the SIMD width (the same lanes as the
+   bf16 products' pairs, not the same order):
    - the input row x (bf16, widened exactly to float32) and the dequantized weight row w meet in 16 float32
      lanes: lane i takes the inputs 16c + i for c = 0, 1, ..., k/16 - 1 in that order, each by one fused
      multiply-add acc = fma(w, x, acc) from 0;
@@ -157,18 +158,158 @@ static inline void sk_qlinear_ref(int type, const uint8_t *w, long row_bytes, co
     free(wf);
 }
 
-/* The frame every kernel's sk_qlinear shares: the fused op, float32 inputs, columns shared among threads
-   (a column's result does not depend on which thread computes it). */
+/* Integer products, for the 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; sk_q_int): as llama.cpp's
+   vec_dot_q4_1_q8_1 and kin, the activations are quantized too, per row and per 32-input block, and the
+   weights' integers meet them in exact integer dot products. Fixed so that a result depends on nothing but
+   its own row and column:
+   - activations (bf16, widened exactly): for block b of a row, amax = max |x_i|, dx = amax / 127,
+     id = 1 / dx (0 where dx is 0), xq_i = x_i * id rounded to the nearest integer (ties to even), in
+     [-127, 127]; S_b = dx * (float)sum_i xq_i;
+   - weights as integers w_i: Q4_0 q - 8, Q5_0 q - 16, Q8_0 q, Q4_1 and Q5_1 q (their offset m apart), with
+     the block's scale d (and m) from float16;
+   - 8 float32 lanes: lane j takes, for each block in order, I = sum_{i=4j..4j+3} w_i xq_i (an exact integer)
+     by one fused multiply-add L_j = fma(d * dx, (float)I, L_j), d * dx rounded once; Q4_1 and Q5_1 keep
+     one more float, O = fma(m, S_b, O) block by block (0 for the others);
+   - the lanes are summed as a tree (j + j+4, then j + j+2, j + j+1), plus O; then bias, bf16 rounding and
+     residual as sk_finish.
+   The values multiplied are the weights' exact values and xq_i * dx: the oracle of the tests. */
+static inline int sk_q_int(int type) {
+    return type == SK_Q4_0 || type == SK_Q4_1 || type == SK_Q5_0 || type == SK_Q5_1 || type == SK_Q8_0;
+}
+
+/* Quantized activation rows: xq [m][k], and per row and block dx, S [m][k / 32]; x4 [m][k / 32][8]: the sums
+   of xq over each lane's 4 inputs (what Q4_0 and Q5_0 subtract 8 or 16 times). One allocation, freed by
+   sk_qrows_free. */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int32_t *x4;
+    int k;
+} sk_qrows;
+
+static inline sk_qrows sk_qrows_alloc(int m, int k) {
+    size_t blocks = (size_t)m * (k / 32), bytes = (size_t)m * k + blocks * (8 + 32);
+    uint8_t *p = aligned_alloc(64, (bytes + 127) / 64 * 64 + 64);
+    sk_qrows r;
+    r.x4 = (int32_t *)p;
+    r.d = (float *)(p + blocks * 32);
+    r.s = r.d + blocks;
+    r.q = (int8_t *)(r.s + blocks);
+    r.k = k;
+    return r;
+}
+
+static inline void sk_qrows_free(sk_qrows *r) { free(r->x4); }
+
+/* Row r of x (bf16, k inputs) -> its quantized form in rows (the definition above). */
+static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, int r) {
+    int k = rows->k, nb = k / 32;
+    for (int b = 0; b < nb; b++) {
+        const uint16_t *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(sk_bf16_to_f32(xb[i])));
+        float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+        int8_t *q = rows->q + (size_t)r * k + 32 * b;
+        int32_t *x4 = rows->x4 + ((size_t)r * nb + b) * 8, sum = 0;
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)nearbyintf(sk_bf16_to_f32(xb[i]) * id);
+        for (int j = 0; j < 8; j++) {
+            x4[j] = q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3];
+            sum += x4[j];
+        }
+        rows->d[(size_t)r * nb + b] = dx;
+        rows->s[(size_t)r * nb + b] = dx * (float)sum;
+    }
+}
+
+/* Block b's integer weights w[32], scale d and offset m (0 without one). */
+static inline void sk_q_ints_ref(int type, const uint8_t *b, int *w, float *d, float *m) {
+    *d = sk_f16_to_f32(b);
+    *m = type == SK_Q4_1 || type == SK_Q5_1 ? sk_f16_to_f32(b + 2) : 0.0f;
+    if (type == SK_Q8_0) {
+        for (int j = 0; j < 32; j++) w[j] = (int8_t)b[2 + j];
+        return;
+    }
+    int five = type == SK_Q5_0 || type == SK_Q5_1, off;
+    int zero = type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : 0;
+    uint32_t qh = 0;
+    if (five) {
+        const uint8_t *h = b + (type == SK_Q5_0 ? 2 : 4);
+        qh = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
+        off = type == SK_Q5_0 ? 6 : 8;
+    } else {
+        off = type == SK_Q4_0 ? 2 : 4;
+    }
+    for (int j = 0; j < 16; j++) {
+        w[j] = (b[off + j] & 15) | (int)((qh >> j) & 1) << 4;
+        w[16 + j] = (b[off + j] >> 4) | (int)((qh >> (16 + j)) & 1) << 4;
+        w[j] -= zero;
+        w[16 + j] -= zero;
+    }
+}
+
+/* The 8-lane tree: (j + j+4), then (j + j+2), then the two left. */
+static inline float sk_tree8(const float *l) {
+    float a[4];
+    for (int i = 0; i < 4; i++) a[i] = l[i] + l[i + 4];
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* The portable definition of an integer product: column by column, every row. */
+static inline void sk_qlinear_int_ref(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y,
+                                      int ldy, const float *bias, int m, int k, int c0, int c1,
+                                      const uint16_t *residual) {
+    int nb = k / 32, bytes = sk_q_bytes(type);
+    int *wi = malloc(sizeof(int) * (size_t)k);
+    float *wd = malloc(sizeof(float) * 2 * (size_t)nb), *wm = wd + nb;
+    for (int col = c0; col < c1; col++) {
+        const uint8_t *row = w + (size_t)col * row_bytes;
+        for (int b = 0; b < nb; b++) sk_q_ints_ref(type, row + (size_t)b * bytes, wi + 32 * b, wd + b, wm + b);
+        for (int r = 0; r < m; r++) {
+            const int8_t *q = xq->q + (size_t)r * k;
+            const float *dx = xq->d + (size_t)r * nb, *s = xq->s + (size_t)r * nb;
+            float lanes[8] = {0}, o = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                float dd = wd[b] * dx[b];
+                for (int j = 0; j < 8; j++) {
+                    int sum = 0;
+                    for (int i = 4 * j; i < 4 * j + 4; i++) sum += wi[32 * b + i] * q[32 * b + i];
+                    lanes[j] = fmaf(dd, (float)sum, lanes[j]);
+                }
+                o = fmaf(wm[b], s[b], o);
+            }
+            size_t at = (size_t)r * ldy + col;
+            y[at] = sk_finish(sk_tree8(lanes) + o, bias, col, residual ? residual + at : NULL);
+        }
+    }
+    free(wi);
+    free(wd);
+}
+
+/* The frame every kernel's sk_qlinear shares: the fused op, the inputs as float32 (or quantized, for the
+   integer formats), columns shared among threads (a column's result does not depend on which thread computes
+   it). */
 typedef void (*sk_qcols_fn)(int type, const uint8_t *w, long row_bytes, const float *xf, uint16_t *y, int ldy,
                             const float *bias, int m, int k, int c0, int c1, const uint16_t *residual);
+typedef void (*sk_qicols_fn)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
+                             const float *bias, int m, int k, int c0, int c1, const uint16_t *residual);
+typedef void (*sk_quantize_fn)(const uint16_t *x, const sk_qrows *rows, int r);
 
 static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y,
                                     int ldy, const float *bias, int m, int k, int n, int threads, int op,
                                     const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch,
-                                    float (*sum_squares)(const uint16_t *, int), sk_qcols_fn cols) {
+                                    float (*sum_squares)(const uint16_t *, int), sk_qcols_fn cols,
+                                    sk_quantize_fn quantize, sk_qicols_fn icols) {
     x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
-    float *xf = aligned_alloc(64, (sizeof(float) * (size_t)m * k + 63) / 64 * 64);
-    sk_widen_rows(x, (size_t)m * k, xf);
+    int integer = sk_q_int(type);
+    float *xf = NULL;
+    sk_qrows xq = {0};
+    if (integer) {
+        xq = sk_qrows_alloc(m, k);
+        for (int r = 0; r < m; r++) quantize(x + (size_t)r * k, &xq, r);
+    } else {
+        xf = aligned_alloc(64, (sizeof(float) * (size_t)m * k + 63) / 64 * 64);
+        sk_widen_rows(x, (size_t)m * k, xf);
+    }
     #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -176,8 +317,14 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
         int groups = (n + 3) / 4;
         int c0 = 4 * (int)((long)groups * t / nt), c1 = 4 * (int)((long)groups * (t + 1) / nt);
         if (c1 > n) c1 = n;
-        if (c0 < c1) cols(type, w, row_bytes, xf, y, ldy, bias, m, k, c0, c1, residual);
+        if (c0 < c1) {
+            if (integer)
+                icols(type, w, row_bytes, &xq, y, ldy, bias, m, k, c0, c1, residual);
+            else
+                cols(type, w, row_bytes, xf, y, ldy, bias, m, k, c0, c1, residual);
+        }
     }
+    if (integer) sk_qrows_free(&xq);
     free(xf);
 }
 

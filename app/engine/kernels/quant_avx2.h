@@ -160,7 +160,8 @@ QINLINE void q_tile(int type, int R, int C, const uint8_t *w, long row_bytes, co
         for (int c = 0; c < C; c++) sums[r * C + c] = q_tree(acc[r][c][0], acc[r][c][1]);
 }
 
-/* One format's tiles, the format a constant in each. */
+/* One format's tiles, the format a constant in each (the K-quants: the 32-input formats take integer
+   products, below). */
 #define Q_TILES(T)                                                                                            \
     static void q_tile_##T(int R, int C, const uint8_t *w, long rb, const float *x, int k, float *sums) {     \
         switch (R * 8 + C) {                                                                                  \
@@ -172,11 +173,6 @@ QINLINE void q_tile(int type, int R, int C, const uint8_t *w, long row_bytes, co
             default: q_tile(T, 1, 1, w, rb, x, k, sums); break;                                               \
         }                                                                                                     \
     }
-Q_TILES(SK_Q4_0)
-Q_TILES(SK_Q4_1)
-Q_TILES(SK_Q5_0)
-Q_TILES(SK_Q5_1)
-Q_TILES(SK_Q8_0)
 Q_TILES(SK_Q4_K)
 Q_TILES(SK_Q5_K)
 Q_TILES(SK_Q6_K)
@@ -185,11 +181,6 @@ typedef void (*q_tile_fn)(int R, int C, const uint8_t *w, long rb, const float *
 
 static q_tile_fn q_tiles_for(int type) {
     switch (type) {
-        case SK_Q4_0: return q_tile_SK_Q4_0;
-        case SK_Q4_1: return q_tile_SK_Q4_1;
-        case SK_Q5_0: return q_tile_SK_Q5_0;
-        case SK_Q5_1: return q_tile_SK_Q5_1;
-        case SK_Q8_0: return q_tile_SK_Q8_0;
         case SK_Q4_K: return q_tile_SK_Q4_K;
         case SK_Q5_K: return q_tile_SK_Q5_K;
         default: return q_tile_SK_Q6_K;
@@ -213,11 +204,6 @@ QINLINE void q_row_t(int type, const uint8_t *row, int k, float *out) {
 
 static void q_row(int type, const uint8_t *row, int k, float *out) {
     switch (type) {
-        case SK_Q4_0: q_row_t(SK_Q4_0, row, k, out); break;
-        case SK_Q4_1: q_row_t(SK_Q4_1, row, k, out); break;
-        case SK_Q5_0: q_row_t(SK_Q5_0, row, k, out); break;
-        case SK_Q5_1: q_row_t(SK_Q5_1, row, k, out); break;
-        case SK_Q8_0: q_row_t(SK_Q8_0, row, k, out); break;
         case SK_Q4_K: q_row_t(SK_Q4_K, row, k, out); break;
         case SK_Q5_K: q_row_t(SK_Q5_K, row, k, out); break;
         default: q_row_t(SK_Q6_K, row, k, out); break;
@@ -316,6 +302,159 @@ static void q_cols(int type, const uint8_t *w, long row_bytes, const float *xf, 
         }
     }
     free(buf);
+}
+
+/* Integer products (quant.h's sk_q_int formats; the generic kernel's bits). */
+
+/* Row r of x quantized (sk_quantize_row_ref's values). */
+static void q8_quantize_row(const uint16_t *x, const sk_qrows *rows, int r) {
+    int k = rows->k, nb = k / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < nb; b++) {
+        const uint16_t *xb = x + 32 * b;
+        __m256 v[4];
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + 8 * i))), 16));
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float amax = _mm_cvtss_f32(m4);
+        float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+        __m256 idv = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));  /* nearest, ties even */
+        /* 32 int32 -> 32 int8 in input order. */
+        __m256i w16 = _mm256_packs_epi32(q[0], q[1]), x16 = _mm256_packs_epi32(q[2], q[3]);
+        __m256i b8 = _mm256_packs_epi16(w16, x16);
+        b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(rows->q + (size_t)r * k + 32 * b), b8);
+        __m256i x4 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), b8), _mm256_set1_epi16(1));
+        _mm256_storeu_si256((__m256i *)(rows->x4 + ((size_t)r * nb + b) * 8), x4);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(x4), _mm256_extracti128_si256(x4, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        rows->d[(size_t)r * nb + b] = dx;
+        rows->s[(size_t)r * nb + b] = dx * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* Block b's weights as 32 bytes in input order (unsigned q for all but Q8_0, whose are signed), d and m. */
+QINLINE __m256i q8_weights(int type, const uint8_t *b, float *d, float *m) {
+    if (type == SK_Q8_0) {
+        *d = q_half(b);
+        return _mm256_loadu_si256((const __m256i *)(b + 2));
+    }
+    int off = type == SK_Q4_0 ? 2 : type == SK_Q4_1 ? 4 : type == SK_Q5_0 ? 6 : 8;
+    if (type == SK_Q4_1 || type == SK_Q5_1) {
+        int32_t both;
+        memcpy(&both, b, 4);
+        __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+        *d = _mm_cvtss_f32(f);
+        *m = _mm_cvtss_f32(_mm_movehdup_ps(f));
+    } else {
+        *d = q_half(b);
+    }
+    __m128i v = _mm_loadu_si128((const __m128i *)(b + off)), low = _mm_set1_epi8(15);
+    __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, low)),
+                                        _mm_and_si128(_mm_srli_epi16(v, 4), low), 1);
+    if (type == SK_Q5_0 || type == SK_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, b + (type == SK_Q5_0 ? 2 : 4), 4);
+        const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+        __m256i bits = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf),
+                                       _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+        bits = _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1));
+        q = _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(16)));
+    }
+    return q;
+}
+
+/* R rows (from r0) x C columns (w: row_bytes apart) -> sums [R][C]. */
+QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
+    int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
+    int offset = type == SK_Q4_1 || type == SK_Q5_1, shift = type == SK_Q4_0 ? 3 : 4;
+    __m256 acc[4][4];
+    float o[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps(), o[r][c] = 0.0f;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++) {
+        __m256i wq[4], wa[4];
+        float d[4], m[4];
+        for (int c = 0; c < C; c++) {
+            wq[c] = q8_weights(type, w + c * row_bytes + (size_t)b * bytes, &d[c], &m[c]);
+            if (type == SK_Q8_0) wa[c] = _mm256_abs_epi8(wq[c]);
+        }
+        for (int r = 0; r < R; r++) {
+            size_t at = (size_t)(r0 + r) * nb + b;
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq->q + (size_t)(r0 + r) * k + 32 * b));
+            float dx = xq->d[at];
+            __m256i x4 = _mm256_setzero_si256();
+            if (type == SK_Q4_0 || type == SK_Q5_0) x4 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xq->x4 + at * 8)), shift);
+            for (int c = 0; c < C; c++) {
+                __m256i p = type == SK_Q8_0 ? _mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(x, wq[c]))
+                                            : _mm256_maddubs_epi16(wq[c], x);
+                __m256i i32 = _mm256_madd_epi16(p, ones);
+                if (type == SK_Q4_0 || type == SK_Q5_0) i32 = _mm256_sub_epi32(i32, x4);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c] * dx), _mm256_cvtepi32_ps(i32), acc[r][c]);
+                if (offset) o[r][c] = fmaf(m[c], xq->s[at], o[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+            __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            sums[r * C + c] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) + o[r][c];
+        }
+}
+
+#define Q8_TILES(T)                                                                                           \
+    static void q8_tile_##T(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s) { \
+        switch (R * 8 + C) {                                                                                  \
+            case 1 * 8 + 4: q8_tile(T, 1, 4, w, rb, xq, r0, s); break;                                        \
+            case 4 * 8 + 2: q8_tile(T, 4, 2, w, rb, xq, r0, s); break;                                        \
+            case 3 * 8 + 2: q8_tile(T, 3, 2, w, rb, xq, r0, s); break;                                        \
+            case 2 * 8 + 2: q8_tile(T, 2, 2, w, rb, xq, r0, s); break;                                        \
+            case 1 * 8 + 2: q8_tile(T, 1, 2, w, rb, xq, r0, s); break;                                        \
+            case 4 * 8 + 1: q8_tile(T, 4, 1, w, rb, xq, r0, s); break;                                        \
+            case 3 * 8 + 1: q8_tile(T, 3, 1, w, rb, xq, r0, s); break;                                        \
+            case 2 * 8 + 1: q8_tile(T, 2, 1, w, rb, xq, r0, s); break;                                        \
+            default: q8_tile(T, 1, 1, w, rb, xq, r0, s); break;                                               \
+        }                                                                                                     \
+    }
+Q8_TILES(SK_Q4_0)
+Q8_TILES(SK_Q4_1)
+Q8_TILES(SK_Q5_0)
+Q8_TILES(SK_Q5_1)
+Q8_TILES(SK_Q8_0)
+
+typedef void (*q8_tile_fn)(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s);
+
+/* Columns c0..c1-1 for every row: columns 4 at a time for a lone row, else 2 at a time over rows 4 at a time
+   (the weights unpacked once for the rows of a tile); the last columns one at a time. */
+static void q8_cols(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
+                    const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
+    (void)k;
+    q8_tile_fn tile = type == SK_Q4_0 ? q8_tile_SK_Q4_0 : type == SK_Q4_1 ? q8_tile_SK_Q4_1 : type == SK_Q5_0 ? q8_tile_SK_Q5_0
+                    : type == SK_Q5_1 ? q8_tile_SK_Q5_1 : q8_tile_SK_Q8_0;
+    float sums[16];
+    int C = m == 1 ? 4 : 2;
+    for (int col = c0; col < c1;) {
+        int cc = col + C <= c1 ? C : 1;
+        for (int r = 0; r < m; r += 4) {
+            int R = r + 4 <= m ? 4 : m - r;
+            tile(R, cc, w + (size_t)col * row_bytes, row_bytes, xq, r, sums);
+            for (int i = 0; i < R; i++)
+                for (int j = 0; j < cc; j++) {
+                    size_t at = (size_t)(r + i) * ldy + col + j;
+                    y[at] = sk_finish(sums[i * cc + j], bias, col + j, residual ? residual + at : NULL);
+                }
+        }
+        col += cc;
+    }
 }
 
 #endif
