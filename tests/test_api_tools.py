@@ -6,10 +6,12 @@ prompt, and refusals naming the field."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import jsonschema_rs
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from app.api import tools
 from app.api.schemas import ChatCompletionRequest
@@ -208,6 +210,11 @@ def test_a_template_with_tools_renders_them_as_transformers(api_engine, hf_token
     assert json.dumps(described) in ours and '{"name": "add", "arguments": {"a": 1, "b": 2}}' in ours
 
 
+class Weather(BaseModel):
+    city: str = Field(max_length=20)
+    unit: Literal["celsius", "fahrenheit"]
+
+
 def _calls(message) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or ()]
 
@@ -229,7 +236,8 @@ def _streamed(chunks) -> tuple[str, list[tuple[str, str]], str | None]:
 async def test_tool_calls_through_the_openai_client(api_client) -> None:
     """A named function's arguments follow its schema; `required` calls one of the tools; `auto` reads the call
     the model writes; `none` answers text; each as a whole and streamed (the same calls). Every call has an id
-    `call_...`, null content and finish reason tool_calls."""
+    `call_...`, null content and finish reason tool_calls. The typed client's parse() reads a named call's
+    arguments into its pydantic model."""
     named = {"type": "function", "function": {"name": "get_weather"}}
     asks = {
         "named": dict(messages=ASK, tool_choice=named, max_tokens=24),
@@ -246,6 +254,14 @@ async def test_tool_calls_through_the_openai_client(api_client) -> None:
                 model="smollm2-135m-instruct", tools=[WEATHER, ADD], stream=True, **ask
             )
             streamed[mode] = _streamed([chunk async for chunk in stream])
+        # openai's typed client: a strict pydantic tool, its arguments parsed into the model
+        parsed = await sdk.chat.completions.parse(
+            model="smollm2-135m-instruct",
+            messages=ASK,
+            tools=[openai.pydantic_function_tool(Weather, name="get_weather")],
+            tool_choice=named,
+            max_tokens=24,
+        )
     for mode in ("named", "required", "auto"):
         choice = whole[mode].choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, (mode, choice)
@@ -255,6 +271,7 @@ async def test_tool_calls_through_the_openai_client(api_client) -> None:
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
         assert streamed[mode] == ("", calls, "tool_calls"), mode
     assert _calls(whole["named"].choices[0].message)[0][0] == "get_weather"
+    assert isinstance(parsed.choices[0].message.tool_calls[0].function.parsed_arguments, Weather)
     assert _calls(whole["auto"].choices[0].message) == [("get_weather", {"city": "Paris"})]
     text = whole["none"].choices[0]
     assert text.message.tool_calls is None and text.message.content and text.finish_reason == "length"
