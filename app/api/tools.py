@@ -10,8 +10,9 @@ result comes back in a user turn inside ``<tool_response></tool_response>``. Ans
 
 `tool_choice` decides how an answer becomes calls:
 - `none`: the tools are in the prompt, the text is the answer (as vLLM: nothing is parsed);
-- `auto`: the text is read as Hermes does: each complete ``<tool_call>`` block naming a tool is a call, the text
-  before the first one is the content; a block that does not parse leaves the whole text as content;
+- `auto`: the text is read as vLLM's hermes parser does: each ``<tool_call>`` block naming a tool is a call (the
+  last may be unclosed), the text before the first one is the content, text after a block is dropped; a block
+  that does not parse, or names no tool, leaves the whole text as content;
 - `required`: the output is decoded under a JSON schema: an array (one item or more) of
   ``{"name": <a tool's name>, "arguments": <its parameters' schema>}``, a single such object with
   `parallel_tool_calls` false;
