@@ -176,9 +176,9 @@ def _run(engine: Engine, prompt: list[int], params: GenerationParams, draft: str
 def test_tree_speculative_equals_target_only_greedy_and_seeded(
     packed_target, target_f32, specbench_first_turns, monkeypatch
 ):
-    """Greedy tree verification with the default (hybrid) draft gives target-only's tokens, on every tree kernel;
-    so does gumbel sampling with a seed. Paths off the draft's chain were accepted (their keys and values
-    moved), and the tree keeps more tokens per target pass than the chain."""
+    """Greedy tree verification with the default (hybrid) draft gives target-only's tokens, on every tree
+    kernel, alone and batched; so does gumbel sampling with a seed. Paths off the draft's chain were accepted
+    (their keys and values moved), and the tree keeps more tokens per target pass than the chain."""
     moved = []
 
     def counting(cache, start, path):
@@ -195,8 +195,10 @@ def test_tree_speculative_equals_target_only_greedy_and_seeded(
         engine = Engine(packed.model, packed.tokenizer, {"hybrid": drafter}, "hybrid", 6, tree_rows=16)
         best = name == TREE_KERNELS[0]  # the others compute the same bits (test_kernels): one prompt, greedy
         passes = {"chain": 0, "tree": 0}
+        bases = []
         for prompt in prompts[: 2 if best else 1]:
             base = _run(engine, prompt, greedy, "none").generated_ids
+            bases.append(base)
             for label, rows in (("chain", 0), ("tree", 16)) if best else (("tree", 16),):
                 gen = _run(engine, prompt, replace(greedy, tree_rows=rows), "hybrid")
                 assert gen.generated_ids == base, (name, label)
@@ -206,4 +208,13 @@ def test_tree_speculative_equals_target_only_greedy_and_seeded(
             assert passes["tree"] < passes["chain"], passes
             seeded = _run(engine, prompts[0], sampled, "none").generated_ids
             assert _run(engine, prompts[0], sampled, "hybrid").generated_ids == seeded
+            # Batched, beside each other: alone's tokens, greedy and seeded.
+            asked = ((prompts[0], greedy), (prompts[1], greedy), (prompts[0], sampled))
+            gens = [engine.start(prompt, params, "hybrid") for prompt, params in asked]
+            while not all(gen.finished for gen in gens):
+                running = [gen for gen in gens if not gen.finished]
+                step = engine.step_batch(running)
+                assert not any(isinstance(out, Exception) for out in step), list(step)
+            assert [gen.generated_ids for gen in gens] == [*bases, seeded]
+            assert all(gen.tree_rows == 16 for gen in gens)
     assert any(moved)

@@ -17,7 +17,7 @@ import torch
 
 from app.engine.draft_length import StepCosts, batch_draft_lengths
 from app.engine.drafters import BatchDrafter
-from app.engine.generation import Generation, StepOutput, StepPlan
+from app.engine.generation import Generation, StepOutput, StepPlan, TreePlan
 from app.engine.model import Transformer
 
 
@@ -161,7 +161,7 @@ class Batcher:
         members = [j for j, _ in plans] + [j for j, _, _ in chunks]
         try:
             hidden = self.target.hidden_batch(
-                [(plan.feed, plan.start, gens[j].cache) for j, plan in plans]
+                [(plan.feed, plan.start, gens[j].cache, _parents(plan)) for j, plan in plans]
                 + [(feed, start, gens[j].cache) for j, feed, start in chunks]
             )
             # The head runs on every verified row, and on a prompt's last row once the prompt is all in.
@@ -231,5 +231,11 @@ class Batcher:
 
     @staticmethod
     def _drafts_in_batch(gen: Generation) -> bool:
-        """Whether `gen` drafts in its drafter's batched forward when a batch has several such requests."""
-        return gen.sampling.greedy and isinstance(gen.drafter, BatchDrafter)
+        """Whether `gen` drafts in its drafter's batched forward when a batch has several such requests (a
+        request verifying trees drafts its own: `BatchDrafter` drafts chains)."""
+        return gen.sampling.greedy and isinstance(gen.drafter, BatchDrafter) and not gen.tree_rows
+
+
+def _parents(plan: StepPlan) -> torch.Tensor | None:
+    """A tree plan's parents (int32 [rows]), what `Transformer.hidden_batch` takes; None for a chain."""
+    return plan.tree.parents_tensor() if isinstance(plan, TreePlan) else None
