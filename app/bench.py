@@ -53,6 +53,7 @@ class Config:
     schedule: str | None = None
     p_min: float | None = None
     sampler: str = "gumbel"
+    tree_rows: int | None = None  # rows of a tree verification (0: chains; None: the engine's default)
 
     @property
     def label(self) -> str:
@@ -61,6 +62,8 @@ class Config:
             parts.append(self.schedule or "default")
             if self.p_min is not None:
                 parts.append(f"p{self.p_min:g}")
+            if self.tree_rows:
+                parts.append(f"tree{self.tree_rows}")
         if self.sampler != "gumbel":
             parts.append(self.sampler)
         return "/".join(parts)
@@ -190,6 +193,7 @@ def run_bench(
             draft_schedule=c.schedule,
             draft_p_min=c.p_min,
             sampler=c.sampler,
+            tree_rows=c.tree_rows,
             **sampling,
         )
 

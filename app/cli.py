@@ -391,6 +391,13 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"confidence cut-off of model drafts (default: the engine's, {DEFAULT_DRAFT_P_MIN})",
     )
     parser.add_argument(
+        "--tree-rows",
+        type=int,
+        action="append",
+        default=None,
+        help="rows of a tree verification (repeatable: one configuration each; 0: chains; default: the engine's)",
+    )
+    parser.add_argument(
         "--num-draft-tokens",
         "-k",
         type=int,
@@ -460,10 +467,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     schedules = args.schedule or [DEFAULT_DRAFT_SCHEDULE]
     configs = [
-        Config(d, sched, args.p_min, sampler)
+        Config(d, sched, args.p_min, sampler, rows)
         for sampler in dict.fromkeys(args.sampler or ["gumbel"])
         for d in dict.fromkeys(drafts)
         for sched in (schedules if d != "ngram" else ["fixed"])
+        for rows in (dict.fromkeys(args.tree_rows or [None]) if d != "ngram" else [None])
     ]
     import torch
 
