@@ -13,12 +13,13 @@ import torch
 
 from app import store
 from app.engine import generation, kernels
+from app.engine.draft_length import StepCosts
 from app.engine.drafters import HybridDrafter
 from app.engine.eagle import EagleDrafter, load_draft
 from app.engine.generation import Engine, Generation, GenerationParams
 from app.engine.model import tree_depths
 from app.engine.sampling import GumbelNoise, SamplingParams, gumbel_choice
-from app.engine.tree import Candidates, DraftTree, accept, build_tree, compact, walk
+from app.engine.tree import Candidates, DraftTree, accept, build_tree, compact, row_value, walk
 
 # Kernels whose attention takes trees (amx reads keys by slot: it keeps the chain).
 TREE_KERNELS = [name for name in kernels.available() if name != "amx"]
@@ -114,6 +115,25 @@ def test_build_tree_merges_the_branch_and_fills_with_the_best_siblings():
     # A sibling the branch already holds is not added twice.
     dup = build_tree(9, chain, [20], max_rows=16)
     assert dup.tokens.count(20) == 1
+    # Rows that cost: model nodes below the value floor are left out, the chain from its first such node on;
+    # the lookup's branch stays.
+    pruned = build_tree(9, chain, [10, 30, 31], max_rows=16, min_value=0.2)
+    assert pruned.tokens == [9, 10, 11, 12, 30, 31, 20]
+    pruned = build_tree(9, chain, [10, 30, 31], max_rows=16, min_value=0.4)
+    assert pruned.tokens == [9, 10, 11, 30, 31] and pruned.parents == [-1, 0, 1, 1, 3]
+
+
+def test_row_value_weighs_a_row_against_the_step():
+    costs = StepCosts()
+    assert row_value(costs, 2.0, 7) == 0.0  # nothing measured: the whole tree runs
+    costs.observe(0, 0.0, 1, 0.025)
+    costs.observe(0, 0.0, 16, 0.085)
+    # 4 ms per row on a 7-row step of 49 ms that yields 2 tokens.
+    assert abs(row_value(costs, 2.0, 7) - 0.004 / 0.049 * 2) < 1e-9
+    flat = StepCosts()  # rows for free (AMX-like): every node pays
+    flat.observe(0, 0.0, 1, 0.025)
+    flat.observe(0, 0.0, 16, 0.025)
+    assert row_value(flat, 2.0, 7) == 0.0
 
 
 def test_walk_keeps_the_longest_agreeing_path():
@@ -186,6 +206,8 @@ def test_tree_speculative_equals_target_only_greedy_and_seeded(
         compact(cache, start, path)
 
     monkeypatch.setattr(generation, "compact", counting)
+    # Whole trees: how far a tree is pruned depends on measured times, and the pass counts below should not.
+    monkeypatch.setattr(generation, "row_value", lambda *args: 0.0)
     prompts = _prompts(target_f32.tokenizer, specbench_first_turns)
     greedy = GenerationParams(max_new_tokens=32, num_draft_tokens=6)
     sampled = GenerationParams(max_new_tokens=16, num_draft_tokens=6, temperature=0.8, top_p=0.95, seed=11)

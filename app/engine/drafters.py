@@ -300,6 +300,7 @@ class _HybridSession:
         params: SamplingParams | None = None,
         noise: GumbelNoise | None = None,
         p_min: float = 0.0,
+        min_value: float = 0.0,
     ) -> DraftTree:
         """Both proposals in one tree (`app.engine.tree.build_tree`): the lookup's continuation as a branch, the
         model draft's chain and its next choices; the lookup's first where rows run short."""
@@ -311,7 +312,7 @@ class _HybridSession:
             chain = Candidates(self._model.propose(token_ids, k, p_min))
         else:
             chain = Candidates(self._model.propose_sampled(token_ids, k, params, noise, p_min)[0])
-        return build_tree(token_ids[-1], chain, found, max_rows, branch_first=True)
+        return build_tree(token_ids[-1], chain, found, max_rows, branch_first=True, min_value=min_value)
 
     def propose_sampled(
         self,

@@ -301,9 +301,10 @@ class _EagleSession:
         params: SamplingParams | None = None,
         noise: GumbelNoise | None = None,
         p_min: float = 0.0,
+        min_value: float = 0.0,
     ) -> DraftTree:
         found = self.propose_candidates(token_ids, k, max_rows - 1, params, noise, p_min)
-        return build_tree(token_ids[-1], found, (), max_rows)
+        return build_tree(token_ids[-1], found, (), max_rows, min_value=min_value)
 
     def _catch_up(self, token_ids: Sequence[int], k: int) -> tuple[Tensor, Tensor, int] | None:
         """The first draft forward's input: (states [T, dim], tokens [T], start position), or None when

@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from app.engine.draft_length import StepCosts
 from app.engine.model import KVCache, tree_depths
 from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice
 
@@ -79,6 +80,7 @@ def build_tree(
     branch: Sequence[int] = (),
     max_rows: int = 16,
     branch_first: bool = False,
+    min_value: float = 0.0,
 ) -> DraftTree:
     """The tree of one step: `root` (the last accepted token), the model draft's `chain` with the best of its
     alternatives, and `branch` (prompt lookup's continuation), in at most `max_rows` rows (the root included).
@@ -86,7 +88,16 @@ def build_tree(
     The chain and the branch come first, merged where they agree (the branch first with `branch_first`: its
     rows then sit in their sequential slots); siblings then fill the rows left, best first by the draft's
     estimate that the target takes them: the product of the chain's probabilities down to their parent times
-    their own (EAGLE-2's value)."""
+    their own (EAGLE-2's value). `min_value`: a model node (chain or sibling) whose value is below it is left
+    out (what a row costs, in tokens: see `row_value`); the chain ends at its first such node."""
+    if chain is not None and min_value > 0:
+        keep, reach = 0, 1.0
+        for p in chain.probs:
+            reach *= p
+            if reach < min_value:
+                break
+            keep += 1
+        chain = Candidates(chain.tokens[:keep], chain.probs[:keep], chain.alternatives[:keep])
     tokens, parents = [root], [-1]
 
     def add_path(path: Sequence[int]) -> list[int]:
@@ -116,14 +127,28 @@ def build_tree(
                 options.append((reach * p, row, tok))
             reach *= chain.probs[i] if i < len(chain.probs) else 1.0
         options.sort(key=lambda o: -o[0])
-        for _, row, tok in options:
-            if len(tokens) >= max_rows:
+        for value, row, tok in options:
+            if len(tokens) >= max_rows or value < min_value:
                 break
             if any(parents[c] == row and tokens[c] == tok for c in range(1, len(tokens))):
                 continue  # the branch holds it already
             tokens.append(tok)
             parents.append(row)
     return DraftTree(tokens, parents, tree_depths(parents))
+
+
+def row_value(costs: StepCosts, tokens_per_pass: float, rows: int) -> float:
+    """The least value (expected accepted tokens) for which a tree row pays its cost: a row adds the measured
+    seconds per verified row (the slope of `costs`' verification seconds by rows) to a step of about `rows` rows
+    that yields `tokens_per_pass` tokens, so it pays when it brings at least its share of the step's time in
+    tokens. 0 until two row counts were measured (the whole tree runs, and measures)."""
+    if len(costs.verify) < 2:
+        return 0.0
+    one, step = costs.verify_cost(1), costs.verify_cost(max(1, rows))
+    per_row = ((costs.verify_cost(16) or 0.0) - (one or 0.0)) / 15
+    if not step or per_row <= 0:
+        return 0.0
+    return per_row / step * max(1.0, tokens_per_pass)
 
 
 def walk(tree: DraftTree, choose: Callable[[int], int]) -> tuple[list[int], int]:
@@ -186,9 +211,11 @@ class TreeSession(Protocol):
         params: SamplingParams | None = None,
         noise: GumbelNoise | None = None,
         p_min: float = 0.0,
+        min_value: float = 0.0,
     ) -> DraftTree:
         """A tree after `token_ids` (its root their last token) of depth at most `k` and at most `max_rows`
-        rows, greedy (`params` None) or with the request's Gumbel `noise`."""
+        rows, greedy (`params` None) or with the request's Gumbel `noise`; model nodes whose value is below
+        `min_value` left out (`build_tree`)."""
         ...
 
 
