@@ -1,5 +1,6 @@
-"""Constrained decoding (app.engine.grammar): the grammar state's masks, and on the real target greedy and seeded
-constrained output that is the same speculative or target-only, alone or batched, and parses against its schema."""
+"""Constrained decoding (app.engine.grammar): the grammar state's masks and forced tokens, drafts proposing within
+the grammar, and on the real target greedy and seeded constrained output that is the same speculative or
+target-only, with or without forced tokens, with every draft, alone or batched, and parses against its schema."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from dataclasses import replace
 import pytest
 
 from app.engine.drafters import ModelDrafter, NgramDrafter
+from app.engine.factory import build_engine
 from app.engine.generation import Engine, Generation, GenerationError, GenerationParams
 from app.engine.grammar import GrammarError, Grammars, GrammarSpec
-from tests.conftest import KERNELS
+from tests.conftest import KERNELS, use_kernel
 
 PERSON = {
     "type": "object",
@@ -69,6 +71,27 @@ def test_masks_follow_the_drafts_and_leave_the_state_as_it_was(target_f32, gramm
         assert (rows[i] == state.masks()[0][0]).all()
         assert rows[i - 1, text[i - 1]]
     assert not rows[10, wrong] and rows[10, text[10]]
+    # Tokens the grammar forces: the only one its mask allows (a key of the schema, the rest of an enum's value)
+    fresh = grammars.start(GrammarSpec("json_schema", json.dumps(PERSON)))
+    key = tok.encode('{"name": "Ada", "')
+    forced = fresh.forced_tokens(key, 4)
+    assert tok.decode(forced) == "age" and fresh.forced(key) == forced[0]
+    flags = fresh.forced_flags([*key, *forced])
+    assert flags[0] is False and flags[1] and flags[-1]  # '{"' is not forced, 'name' and 'age' are
+    rows, n = fresh.masks([*key, *forced])
+    assert n == len(key) + 1 and int(rows[len(key)].sum()) == 1 and (fresh.allowed(key) == rows[len(key)]).all()
+    assert fresh.allowed([*key, wrong]) is None
+    country = tok.encode('{"name": "A", "age": 1, "home": {"city": "B", "country": "Fr')
+    assert tok.decode(fresh.forced_tokens(country, 4)) == "ance"
+    fresh.accept(key)  # after all that exploring, the state is where the accepted tokens put it
+    assert (fresh.masks()[0][0] == rows[len(key)]).all() and fresh.forced() == forced[0]
+    off = grammars.start(GrammarSpec("json_schema", json.dumps(PERSON)), forcing=False)
+    assert off.forced(key) is None and off.forced_tokens(key, 4) == []
+    # A lookup stops at the first token the grammar refuses
+    lookup = NgramDrafter().session(64)
+    lookup.grammar = regex = grammars.start(GrammarSpec("regex", "12-34"))
+    regex.accept(tok.encode("12"))
+    assert tok.decode(lookup.propose(tok.encode("12-34 ab 12"), 4)) == "-34"
     # Nothing but an end-of-sequence token once the object is complete; the enum admits only its values
     state.accept(text[10:])
     assert state.complete
@@ -105,9 +128,9 @@ def _alone(engine: Engine, prompt: list[int], params: GenerationParams, draft: s
 
 
 def test_constrained_speculative_equals_target_only_alone_and_batched(packed_target) -> None:
-    """Greedy constrained decoding gives target-only's tokens with the target as its own draft (drafts that the
-    grammar refuses at every turn) and with n-grams, alone and batched, and so does seeded sampling; the answers
-    parse and follow the schema or the choice; the grammar's end ends the generation."""
+    """Greedy constrained decoding gives target-only's tokens with the target as its own draft (which, proposing
+    within the grammar, has every draft kept) and with n-grams, alone and batched, and so does seeded sampling;
+    the answers parse and follow the schema or the choice; the grammar's end ends the generation."""
     packed = packed_target(KERNELS[0])
     tok = packed.tokenizer
     drafters = {"self": ModelDrafter("self", packed, packed), "ngram": NgramDrafter()}
@@ -127,9 +150,11 @@ def test_constrained_speculative_equals_target_only_alone_and_batched(packed_tar
     assert alone[1].text in ("yes", "no")
     spec = [_alone(engine, p, q, "self") for p, q in zip(prompts, params, strict=True)]
     assert [g.generated_ids for g in spec] == outputs
-    # drafts the grammar refused (cut before the target runs them, still counted as drafted), and drafts it kept
-    assert sum(g.stats.accepted for g in spec) > 0 and sum(g.stats.drafted - g.stats.accepted for g in spec) > 0
-    assert [g.stats.drafted for g in spec] == [sum(k * n for k, n in enumerate(g.stats.draft_lengths)) for g in spec]
+    # The target drafting for itself within the grammar: k drafts a step (the choice's end-of-sequence token
+    # ends its drafts), every one kept (unmasked, most were refused), the tokens the grammar forced counted apart
+    assert all(g.stats.drafted == g.stats.accepted > 0 for g in spec)
+    assert spec[0].stats.drafted == sum(k * n for k, n in enumerate(spec[0].stats.draft_lengths))
+    assert spec[0].stats.forced > 0 and alone[0].stats.forced > 0
     gens = [engine.start(p, q, d) for p, q, d in zip(prompts, params, ("ngram", "self"), strict=True)]
     together = 0
     while any(not g.finished for g in gens):
@@ -148,3 +173,52 @@ def test_constrained_speculative_equals_target_only_alone_and_batched(packed_tar
     assert gen.finish_reason == "stop" and gen.text == alone[1].text
     with pytest.raises(GenerationError, match="grammar"):
         engine.start(prompts[1], GenerationParams(grammar=GrammarSpec("regex", "a(")), "none")
+
+
+@pytest.fixture(scope="module")
+def served_engine() -> Engine:
+    """The server's engine: bfloat16, feature draft, hybrid and n-gram."""
+    with use_kernel(KERNELS[0]):
+        engine, _ = build_engine(num_draft_tokens=4, dtype="bfloat16", device="cpu")
+    return engine
+
+
+def test_forced_tokens_and_drafts_within_the_grammar_keep_target_only_output(served_engine) -> None:
+    """With forced tokens and without, target-only and with the feature draft, the hybrid and n-grams, alone and
+    all batched: greedy and seeded (gumbel) constrained outputs are the same tokens; forced tokens save target
+    passes and are counted apart from drafts; the feature draft proposes within the grammar (none refused); the
+    rejection sampler's seed reproduces its answer."""
+    engine = served_engine
+    tok = engine.tokenizer
+    eagle = next(d for d in engine.drafters if d not in ("ngram", "hybrid"))
+    ask = "Describe a famous scientist as JSON with the keys name, age and home (city, country)."
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": ask}]))
+    drafts = ["none", eagle, "hybrid", "ngram"]
+    spec = GrammarSpec("json_schema", json.dumps(PERSON))
+    for sampling in ({}, {"temperature": 0.8, "seed": 3}):
+        base = GenerationParams(max_new_tokens=24, draft_schedule="fixed", grammar=spec, **sampling)
+        plain = _alone(engine, prompt, replace(base, forced_tokens=False), "none")
+        for forced in (False, True) if not sampling else (True,):
+            params = replace(base, forced_tokens=forced)
+            gens = {d: _alone(engine, prompt, params, d) for d in drafts}
+            assert {d: g.generated_ids for d, g in gens.items()} == dict.fromkeys(drafts, plain.generated_ids)
+            assert all((g.stats.forced > 0) == forced for g in gens.values()), sampling
+            if forced:
+                assert gens["none"].stats.target_passes < plain.stats.target_passes
+            batch = [engine.start(prompt, params, d) for d in drafts]
+            while any(not g.finished for g in batch):
+                outs = engine.step_batch([g for g in batch if not g.finished])
+                assert not [o for o in outs if isinstance(o, Exception)]
+            assert [g.generated_ids for g in batch] == [plain.generated_ids] * len(drafts), (sampling, forced)
+        # The feature draft proposes only tokens the grammar allows: none is cut before verification
+        gen = engine.start(prompt, params, eagle)
+        gen.step()
+        while not gen.finished:
+            plan = gen.plan(engine.verify_width)
+            assert plan.refused == 0
+            hidden = engine.target.hidden(plan.feed[None], plan.start, gen.cache)[0]
+            gen.verify(plan, hidden, engine.target.logits(hidden), 0.0, solo=True)
+        assert gen.generated_ids == plain.generated_ids
+    rejection = replace(base, sampler="rejection")
+    first = _alone(engine, prompt, rejection, "hybrid")
+    assert _alone(engine, prompt, rejection, "hybrid").generated_ids == first.generated_ids and first.stats.forced > 0

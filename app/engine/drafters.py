@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from app.engine.defaults import MAX_DRAFT_TOKENS
+from app.engine.grammar import GrammarState
 from app.engine.loading import LoadedModel
 from app.engine.model import KVCache
 from app.engine.penalties import Penalty
@@ -67,6 +69,15 @@ class PenalizedSession(Protocol):
     penalty: Penalty | None
 
 
+@runtime_checkable
+class ConstrainedSession(Protocol):
+    """A session whose proposals follow the request's grammar (`grammar`, set by the generation; None: none):
+    a model draft proposes its best token the grammar allows, and with the grammar's `forcing` a token the
+    grammar forces as it is, without counting it against k; a lookup stops at the first token it refuses."""
+
+    grammar: GrammarState | None
+
+
 class Drafter(Protocol):
     name: str
 
@@ -99,6 +110,7 @@ def choose_draft_token(
     ids: Tensor | None = None,
     penalty: Penalty | None = None,
     drafted: Sequence[int] = (),
+    grammar: GrammarState | None = None,
 ) -> tuple[int, Tensor | None] | None:
     """One drafted token from a draft's `logits` [V'] for sequence `position`: (index into V', None) greedily
     or by the Gumbel-max trick on the target's noise (`rng` a GumbelNoise; `ids` long [V']: the token id of
@@ -106,9 +118,18 @@ def choose_draft_token(
     the q of rejection sampling. None when the draft's top probability is below `p_min` (the confidence
     cut-off, llama.cpp's --draft-p-min: an unsure guess is more likely rejected than accepted, and each
     further token costs a draft step). `penalty`: the request's penalties, over its accepted sequence plus
-    `drafted` (this step's proposals so far)."""
+    `drafted` (this step's proposals so far). `grammar`: the request's grammar, whose allowed tokens after the
+    accepted sequence plus `drafted` are the only ones proposed (None when it allows none of the draft's)."""
     if penalty is not None:
         logits = penalty.apply(logits[None], drafted, ids)[0]
+    if grammar is not None:
+        allowed = grammar.allowed(drafted)
+        if allowed is None:
+            return None
+        allowed = allowed.to(logits.device) if ids is None else allowed.to(logits.device)[ids]
+        if not bool(allowed.any()):
+            return None
+        logits = torch.where(allowed, logits, torch.tensor(float("-inf"), device=logits.device))
     if params is None or params.greedy:
         choice: tuple[int, Tensor | None] = (int(argmax(logits.float())), None)
     elif isinstance(rng, GumbelNoise):
@@ -130,6 +151,7 @@ class _ModelDraftSession:
         self._cache: KVCache = self._model.new_cache(min(capacity, self._model.config.max_seq_len))
         self._ids: list[int] = []  # the tokens whose keys and values sit in the cache, in order
         self.penalty: Penalty | None = None
+        self.grammar: GrammarState | None = None
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
         return self._draft(token_ids, k, None, None, p_min)[0]
@@ -166,27 +188,54 @@ class _ModelDraftSession:
         self._cache.truncate(keep)
         self._ids = list(token_ids)
         room = self._cache.capacity - len(token_ids)
-        k = min(k, room + 1)
+        # Tokens the grammar forces do not count against k: `limit` bounds them all.
+        limit = min(max(k, MAX_DRAFT_TOKENS), room + 1)
+        k = min(k, limit)
         feed = torch.tensor([token_ids[keep:]], dtype=torch.long, device=self._model.device)
         pos = keep
         out: list[int] = []
         dists: list[Tensor] = []
-        for i in range(k):
+        own = 0
+        while True:
             hidden = self._model.hidden(feed, pos, self._cache)
-            logits = self._model.logits(hidden[0, -1])[: self._vocab]
-            choice = choose_draft_token(logits, params, rng, p_min, len(token_ids) + i, None, self.penalty, out)
-            if choice is None:
-                break
-            nxt, probs = choice
+            nxt = self.grammar.forced(out) if self.grammar is not None else None
+            if nxt is not None:  # no choice to make: the head need not run
+                if nxt >= self._vocab:  # a token this draft cannot read
+                    break
+                probs = one_hot(nxt, self._target_vocab, feed.device) if drawn(params, rng) else None
+            else:
+                logits = self._model.logits(hidden[0, -1])[: self._vocab]
+                choice = choose_draft_token(
+                    logits, params, rng, p_min, len(token_ids) + len(out), None, self.penalty, out, self.grammar
+                )
+                if choice is None:
+                    break
+                nxt, probs = choice
+                own += 1
+                if probs is not None:
+                    # q must cover the target's whole vocabulary: ids the draft cannot propose have q = 0.
+                    probs = torch.nn.functional.pad(probs, (0, self._target_vocab - probs.shape[-1]))
             if probs is not None:
-                # q must cover the target's whole vocabulary: ids the draft cannot propose have q = 0.
-                dists.append(torch.nn.functional.pad(probs, (0, self._target_vocab - probs.shape[-1])))
+                dists.append(probs)
             out.append(nxt)
-            if i + 1 < k:
-                pos += feed.shape[1]
-                feed = torch.tensor([[nxt]], dtype=torch.long, device=self._model.device)
-                self._ids.append(nxt)
+            if own >= k or len(out) >= limit:
+                break
+            pos += feed.shape[1]
+            feed = torch.tensor([[nxt]], dtype=torch.long, device=self._model.device)
+            self._ids.append(nxt)
         return out, torch.stack(dists) if dists else None
+
+
+def drawn(params: SamplingParams | None, rng: Randomness) -> bool:
+    """Whether draft tokens are drawn with a generator, so that each needs its distribution (rejection sampling)."""
+    return params is not None and not params.greedy and not isinstance(rng, GumbelNoise)
+
+
+def one_hot(token: int, vocab: int, device: torch.device) -> Tensor:
+    """A forced token's q [vocab]: proposed for certain."""
+    q = torch.zeros(vocab, device=device)
+    q[token] = 1.0
+    return q
 
 
 class ModelDrafter:
@@ -222,8 +271,14 @@ class _NgramSession:
         self._seen: list[int] = []  # the tokens indexed: every window within them is in `_ends`
         # Per n: n-gram -> the position just past its latest occurrence.
         self._ends: dict[int, dict[tuple[int, ...], int]] = {}
+        self.grammar: GrammarState | None = None
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
+        found = self._find(token_ids, k)
+        # What the text repeated may not follow the grammar here: up to the first token it refuses.
+        return found[: self.grammar.valid_prefix(found)] if self.grammar is not None and found else found
+
+    def _find(self, token_ids: Sequence[int], k: int) -> list[int]:
         # A lookup has no confidence to cut on: p_min does not apply.
         if k <= 0 or len(token_ids) < 2:
             return []
@@ -284,6 +339,17 @@ class _HybridSession:
         # A lookup proposes what the text holds, penalties or not; the model draft is the one to penalise.
         if isinstance(self._model, PenalizedSession):
             self._model.penalty = penalty
+
+    @property
+    def grammar(self) -> GrammarState | None:
+        return self._lookup.grammar
+
+    @grammar.setter
+    def grammar(self, grammar: GrammarState | None) -> None:
+        # The lookup stops at a token the grammar refuses (and then the model drafts), the model proposes in it.
+        self._lookup.grammar = grammar
+        if isinstance(self._model, ConstrainedSession):
+            self._model.grammar = grammar
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
         found = self._lookup.propose(token_ids, k)

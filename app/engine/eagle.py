@@ -26,7 +26,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from app.engine import kernels
-from app.engine.drafters import Randomness, choose_draft_token
+from app.engine.defaults import MAX_DRAFT_TOKENS
+from app.engine.drafters import Randomness, choose_draft_token, drawn, one_hot
+from app.engine.grammar import GrammarState
 from app.engine.loading import LoadedModel
 from app.engine.model import (
     DecoderBlock,
@@ -263,6 +265,7 @@ class _EagleSession:
         self._cache = self._draft.new_cache(capacity, dtype, device)
         self._true_len = 0  # draft positions computed from the target's states, never to be rolled back
         self.penalty: Penalty | None = None  # the request's penalties, set by the generation
+        self.grammar: GrammarState | None = None  # the request's grammar, set by the generation
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
         return self._run(token_ids, k, p_min, None, None)[0]
@@ -352,12 +355,23 @@ class _EagleSession:
         states, tokens, pos = first[0][None], first[1][None], first[2]
         out: list[int] = []
         dists: list[Tensor] = []
-        for i in range(k):
+        # Tokens the grammar forces do not count against k (`own` does): `limit` bounds them all.
+        own, limit = 0, min(max(k, MAX_DRAFT_TOKENS), self._cache.capacity - len(token_ids))
+        while own < k and len(out) < limit:
             guess = draft(states, tokens, pos, self._cache)[:, -1:]  # [1, 1, dim]
             pos += states.shape[1]
+            forced = self.grammar.forced(out) if self.grammar is not None else None
+            if forced is not None:  # no choice to make: the head need not run
+                if drawn(params, rng):
+                    dists.append(one_hot(forced, self._target_vocab, device))
+                out.append(forced)
+                states = guess
+                tokens = torch.tensor([[forced]], dtype=torch.long, device=device)
+                continue
+            own += 1
             logits = draft.draft_logits(guess[0, 0]).float()
             choice = choose_draft_token(
-                logits, params, rng, p_min, len(token_ids) + i, draft.vocab_ids, self.penalty, out
+                logits, params, rng, p_min, len(token_ids) + len(out), draft.vocab_ids, self.penalty, out, self.grammar
             )
             if choice is None:
                 break
@@ -409,6 +423,12 @@ class EagleDrafter:
         `propose` gives each alone, up to the last bits of the products)."""
         draft = self.draft
         out: list[list[int]] = [[] for _ in sessions]
+        # As in `_run`: forced tokens do not count against k, `limits` bounds them all.
+        own = [0] * len(sessions)
+        limits = [
+            min(max(k, MAX_DRAFT_TOKENS), s._cache.capacity - len(ids))
+            for s, ids, k in zip(sessions, token_ids, ks, strict=True)
+        ]
         # (request, states [T, dim], tokens [T], start position) of the sessions still drafting.
         active = []
         for i, (session, ids, k) in enumerate(zip(sessions, token_ids, ks, strict=True)):
@@ -421,14 +441,25 @@ class EagleDrafter:
             logits = draft.draft_logits(last).float()
             going = []
             for row, ((i, states, _, pos), guess) in enumerate(zip(active, guesses, strict=True)):
-                choice = choose_draft_token(
-                    logits[row], None, None, p_mins[i], ids=draft.vocab_ids, penalty=sessions[i].penalty, drafted=out[i]
-                )
-                if choice is None:
-                    continue
-                tok = int(draft.vocab_ids[choice[0]])
+                grammar = sessions[i].grammar
+                tok = grammar.forced(out[i]) if grammar is not None else None
+                if tok is None:
+                    choice = choose_draft_token(
+                        logits[row],
+                        None,
+                        None,
+                        p_mins[i],
+                        ids=draft.vocab_ids,
+                        penalty=sessions[i].penalty,
+                        drafted=out[i],
+                        grammar=grammar,
+                    )
+                    if choice is None:
+                        continue
+                    tok = int(draft.vocab_ids[choice[0]])
+                    own[i] += 1
                 out[i].append(tok)
-                if len(out[i]) < ks[i]:
+                if own[i] < ks[i] and len(out[i]) < limits[i]:
                     feed = torch.tensor([tok], dtype=torch.long, device=last.device)
                     going.append((i, guess[-1:], feed, pos + states.shape[0]))
             active = going

@@ -20,7 +20,14 @@ import torch
 from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SAMPLERS
 from app.engine.detokenizer import Detokenizer
 from app.engine.draft_length import SCHEDULES, DraftLength, StepCosts
-from app.engine.drafters import Drafter, DraftSession, FeatureSession, PenalizedSession, SamplingSession
+from app.engine.drafters import (
+    ConstrainedSession,
+    Drafter,
+    DraftSession,
+    FeatureSession,
+    PenalizedSession,
+    SamplingSession,
+)
 from app.engine.grammar import GrammarError, Grammars, GrammarSpec, GrammarState, mask_logits
 from app.engine.logprobs import TokenLogprob, token_logprobs
 from app.engine.model import KVCache, Transformer
@@ -83,6 +90,10 @@ class GenerationParams:
     # The output's grammar (app.engine.grammar): every chosen token is one it allows, drafts it refuses end
     # acceptance, and its end ends the generation. Engine.start compiles it.
     grammar: GrammarSpec | None = None
+    # With a grammar: a token it forces (the only one its mask allows, so the target's masked choice whatever
+    # its logits) is proposed as it is, within a draft and after it, target-only too, without counting against
+    # the draft length; the target still runs its row. False: only the draft proposes (to measure the gain).
+    forced_tokens: bool = True
 
 
 @dataclass
@@ -93,6 +104,7 @@ class GenerationStats:
     generated_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    forced: int = 0  # tokens kept that the grammar forced (never counted as drafted or accepted)
     target_passes: int = 0  # every target forward, the prefill included
     verify_passes: int = 0  # target forwards that checked at least one drafted token
     accepted_per_position: list[int] = field(default_factory=list)
@@ -123,6 +135,7 @@ class GenerationStats:
             "generated_tokens": self.generated_tokens,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "forced": self.forced,
             "target_passes": self.target_passes,
             "verify_passes": self.verify_passes,
             "acceptance_rate": round(self.acceptance_rate, 4),
@@ -154,6 +167,7 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     # When asked, on the step that ends the prefill: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    forced: int = 0  # tokens kept that the grammar forced (not in drafted or accepted)
 
 
 class BatchStep(Sequence[StepOutput | Exception]):
@@ -187,6 +201,8 @@ class StepPlan:
     feed: torch.Tensor  # long [rows]
     draft_seconds: float
     refused: int = 0  # drafts cut, before verification, from the first one the request's grammar refuses
+    # Per draft: whether the grammar forced it (the only token it allowed there), proposed at no draft's cost.
+    forced: list[bool] = field(default_factory=list)
 
 
 # Spare cache slots of every request: a verification of the longest draft allowed (k + 1 rows), so that every
@@ -282,6 +298,8 @@ class Generation:
         if (params.grammar is None) != (grammar is None):
             raise GenerationError("a grammar state comes with its spec: Engine.start builds both")
         self._grammar = grammar
+        if grammar is not None and isinstance(self._draft, ConstrainedSession):
+            self._draft.grammar = grammar
         # With a grammar an end-of-sequence token comes only once it is complete, and then it ends the generation
         # whatever ignore_eos and min_tokens say (the grammar allows nothing after it).
         self._grammar_end = tokenizer.eos_token_ids if grammar is not None else frozenset()
@@ -407,10 +425,22 @@ class Generation:
             drafts, q = self._propose(k)
             draft_seconds = time.perf_counter() - t0
         refused = 0
-        if self._grammar is not None and drafts:
+        forced: list[bool] = []
+        if self._grammar is not None:
             # Drafts from the first one the grammar refuses on could never be kept: the target does not run them.
             valid = self._grammar.valid_prefix(drafts)
             drafts, q, refused = drafts[:valid], None if q is None else q[:valid], len(drafts) - valid
+            if self._grammar.forcing:
+                # The tokens the grammar forces after the drafts (after the last token, target-only) are verified
+                # with them: rows the target's masked choice agrees with whatever its logits, no draft's guess.
+                limit = min(remaining - 1, max(self._k, MAX_DRAFT_TOKENS))
+                more = self._grammar.forced_tokens(drafts, limit - len(drafts)) if len(drafts) < limit else []
+                if more and q is not None:  # a forced token's q is one-hot, as a lookup's
+                    q = torch.cat([q, torch.nn.functional.one_hot(torch.tensor(more), q.shape[-1]).to(q)])
+                # (Forced tokens within a draft do not count against k: cut what could not be kept.)
+                drafts = [*drafts, *more][:limit]
+                q = None if q is None else q[:limit]
+                forced = self._grammar.forced_flags(drafts)
         start = len(self.ids) - 1
         real = 1 + len(drafts)
         # Padded to at least `width` rows, so each real row is computed by the same kernels whether it is a plain
@@ -419,7 +449,7 @@ class Generation:
         # sits after the real rows, so causality keeps it from touching them.
         pad = max(0, min(width, self._cache.capacity - start) - real)
         feed = torch.tensor([self.ids[-1], *drafts, *[0] * pad], dtype=torch.long, device=self.target.device)
-        return StepPlan(k, drafts, q, start, real, feed, draft_seconds, refused)
+        return StepPlan(k, drafts, q, start, real, feed, draft_seconds, refused, forced)
 
     def verify(
         self, plan: StepPlan, hidden: torch.Tensor, logits: torch.Tensor, forward_seconds: float, solo: bool
@@ -456,13 +486,17 @@ class Generation:
         self._cache.truncate(start + 1 + accepted)
         verify_seconds = forward_seconds + time.perf_counter() - t0
         self.stats.target_passes += 1
-        # Drafts the grammar refused before verification count as drafted and rejected.
-        proposed = len(drafts) + plan.refused
-        self.stats.verify_passes += bool(drafts)
+        # Drafts the grammar refused before verification count as drafted and rejected; tokens it forced count
+        # apart (the draft did not guess them), the kept ones in `forced`.
+        kept_forced = sum(plan.forced[:accepted])
+        own, kept_own = len(drafts) - sum(plan.forced), accepted - kept_forced
+        proposed = own + plan.refused
+        self.stats.verify_passes += bool(own)
+        self.stats.forced += kept_forced
         if proposed:
             self.stats.drafted += proposed
-            self.stats.accepted += accepted
-            for i in range(accepted):
+            self.stats.accepted += kept_own
+            for i in range(kept_own):
                 self.stats.accepted_per_position[i] += 1
         self.stats.draft_seconds += plan.draft_seconds
         self.stats.verify_seconds += verify_seconds
@@ -470,7 +504,7 @@ class Generation:
         if k > 0:
             self.stats.draft_lengths[k] += 1
             self.stats.p_min_stops += proposed < k
-            self._length.update(proposed, accepted)
+            self._length.update(proposed, kept_own)
         elif self._k and self.params.max_new_tokens - self.stats.generated_tokens > 1:
             # A batch chose not to draft for this request (alone, k is 0 only for the very last token).
             self._length.rest()
@@ -483,7 +517,9 @@ class Generation:
         # Row i of the target's logits predicted new[i]: the accepted drafts' rows, then the row that chose nxt.
         n = self.params.logprobs
         logprobs = None if n is None else token_logprobs(logits[: len(new)], new, n)
-        return self._emit(new, len(drafts), accepted, plan.draft_seconds, verify_seconds, logprobs)
+        out = self._emit(new, own, kept_own, plan.draft_seconds, verify_seconds, logprobs)
+        out.forced = kept_forced
+        return out
 
     def _plan_tree(self, k: int) -> TreePlan:
         """Draft this step's tree (depth at most `k`) and lay out its rows, root first."""
@@ -755,7 +791,7 @@ class Engine:
         grammar = None
         if params.grammar is not None:
             try:
-                grammar = self.grammars.start(params.grammar)
+                grammar = self.grammars.start(params.grammar, params.forced_tokens)
             except GrammarError as exc:
                 raise GenerationError(f"the grammar cannot be compiled: {exc}") from exc
         return Generation(

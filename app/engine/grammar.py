@@ -111,47 +111,168 @@ class Grammars:
         """Raise GrammarError when `spec` cannot be compiled."""
         self.compile(spec)
 
-    def start(self, spec: GrammarSpec) -> GrammarState:
-        """A fresh state of `spec` for one request; raises GrammarError."""
+    def start(self, spec: GrammarSpec, forcing: bool = True) -> GrammarState:
+        """A fresh state of `spec` for one request (`forcing`: see GrammarState); raises GrammarError."""
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._ll_tokenizer(), self.compile(spec), log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return GrammarState(matcher, self.vocab_size)
+        return GrammarState(matcher, self.vocab_size, forcing, self.tokenizer.eos_token_ids)
 
 
 class GrammarState:
-    """One request's position in its grammar: the masks of the next positions, advanced by accepted tokens."""
+    """One request's position in its grammar: the masks of the next positions, advanced by accepted tokens.
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    Drafting and verification move the matcher past the accepted text tentatively (`_path`), through the
+    tokens of the step at hand, and keep the masks computed on the way, so a mask the draft computed for a
+    position serves the verification of that position too. `accept` commits tokens; everything else leaves
+    the accepted text as it was.
+
+    `forcing`: whether tokens the grammar forces (the only token its mask allows) are proposed as they are,
+    without a draft's guess and free of the draft length (`forced_tokens`, `forced`)."""
+
+    def __init__(
+        self, matcher: Any, vocab_size: int, forcing: bool = True, eos_token_ids: frozenset[int] = frozenset()
+    ) -> None:
         self._matcher = matcher
+        self._eos = eos_token_ids
         self._vocab = vocab_size
         self._words = (vocab_size + 31) // 32
+        self.forcing = forcing
+        self._path: list[int] = []  # tokens consumed past the accepted text, for the step at hand
+        # _bits[i]: the packed mask [words] after the accepted text plus _path[:i], None until computed.
+        self._bits: list[np.ndarray | None] = [None]
+
+    def _goto(self, tokens: Sequence[int]) -> int:
+        """Move the matcher to the accepted text plus tokens[:n], n the most the grammar allows in a row; n."""
+        path = self._path
+        p = 0
+        limit = min(len(path), len(tokens))
+        while p < limit and path[p] == tokens[p]:
+            p += 1
+        if p < len(path):
+            if not self._matcher.rollback(len(path) - p):
+                raise RuntimeError(f"the grammar could not roll back: {self._matcher.get_error()}")
+            del path[p:]
+            del self._bits[p + 1 :]
+        if p == len(tokens):
+            return p
+        rest = list(tokens[p:])
+        # Only tokens the grammar allows are consumed: a refused one would leave the matcher in its error state.
+        n = int(self._matcher.validate_tokens(rest))
+        self._consume_path(rest[:n])
+        # llguidance 1.9.1's validate_tokens does not count an end-of-sequence token first in its list, even where
+        # the grammar is complete and its mask allows one: it is taken here (and nothing after it).
+        if n < len(rest) and rest[n] in self._eos and self._matcher.is_accepting() and not self._ended:
+            self._consume_path(rest[n : n + 1])
+        return len(path)
+
+    @property
+    def _ended(self) -> bool:
+        """Whether the matcher stands after an end-of-sequence token (drafted: the accepted text never has one)."""
+        return bool(self._path) and self._path[-1] in self._eos
+
+    def _consume_path(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self._consume(t)
+            self._path.append(t)
+            self._bits.append(None)
+
+    def _packed(self) -> np.ndarray:
+        """The packed mask after the matcher's position (the accepted text plus `_path`), computed once."""
+        i = len(self._path)
+        bits = self._bits[i]
+        if bits is None:
+            bits = np.empty(self._words, dtype=np.int32)
+            if self._ended:
+                # After an end-of-sequence token (a verification row nothing will be kept from): those alone.
+                bits[:] = 0
+                for t in self._eos:
+                    bits[t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(2**31))
+            else:
+                self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, self._words * 4)
+            self._bits[i] = bits
+        return bits
+
+    def _unpack(self, bits: np.ndarray) -> Tensor:
+        # Bit j of word w allows token 32 w + j (little-endian within each int32, as llguidance writes them).
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[..., : self._vocab]
+        return torch.from_numpy(unpacked.view(np.bool_))
+
+    @staticmethod
+    def _single(bits: np.ndarray) -> int | None:
+        """The one token a packed mask allows, None when it allows none or several."""
+        words = np.flatnonzero(bits)
+        if len(words) != 1:
+            return None
+        w = int(words[0])
+        word = int(bits[w]) & 0xFFFFFFFF
+        return None if word & (word - 1) else 32 * w + word.bit_length() - 1
 
     def masks(self, drafts: Sequence[int] = ()) -> tuple[Tensor, int]:
         """(allowed bool [n + 1, V], n): n is how many of `drafts` the grammar accepts in a row, and row i the
-        tokens allowed after the accepted text plus drafts[:i]. The state is left as it was."""
-        n = self.valid_prefix(drafts) if drafts else 0
-        bits = torch.empty((n + 1, self._words), dtype=torch.int32)
-        for i in range(n + 1):
-            if i:
-                self._consume(drafts[i - 1])
-            self._matcher.unsafe_compute_mask_ptr(bits[i].data_ptr(), self._words * 4)
-        if n and not self._matcher.rollback(n):
-            raise RuntimeError(f"the grammar could not roll back {n} tokens: {self._matcher.get_error()}")
-        # Bit j of word w allows token 32 w + j (little-endian within each int32, as llguidance writes them).
-        unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")[:, : self._vocab]
-        return torch.from_numpy(unpacked.view(np.bool_)), n
+        tokens allowed after the accepted text plus drafts[:i]. The accepted text stays as it was."""
+        n = self._goto(drafts)
+        return self._unpack(np.stack(self._rows(drafts, n))), n
+
+    def _rows(self, tokens: Sequence[int], n: int) -> list[np.ndarray]:
+        """The packed masks after the accepted text plus tokens[:i], i = 0..n (tokens[:n] allowed in a row),
+        computing those not kept; leaves the matcher after tokens[:n]."""
+        self._goto(tokens[:n])
+        missing = next((i for i in range(n + 1) if self._bits[i] is None), None)
+        if missing is not None:
+            # Back to the first row not computed (the rows after it are dropped), then forward row by row.
+            for i in range(missing, n + 1):
+                self._goto(tokens[:i])
+                self._packed()
+        return [bits for bits in self._bits[: n + 1] if bits is not None]
+
+    def allowed(self, drafted: Sequence[int] = ()) -> Tensor | None:
+        """Tokens allowed (bool [V]) after the accepted text plus `drafted`; None when the grammar refuses
+        `drafted` itself or it ends with an end-of-sequence token (nothing comes after one)."""
+        if self._goto(drafted) < len(drafted) or self._ended:
+            return None
+        return self._unpack(self._packed())
+
+    def forced(self, drafted: Sequence[int] = ()) -> int | None:
+        """With `forcing`, the token the grammar forces after the accepted text plus `drafted` (the only one
+        its mask allows); else, or when it allows several (or refuses `drafted`), None."""
+        if not self.forcing or self._goto(drafted) < len(drafted) or self._ended:
+            return None
+        return self._single(self._packed())
+
+    def forced_tokens(self, drafted: Sequence[int], limit: int) -> list[int]:
+        """With `forcing`, the tokens the grammar forces in a row after the accepted text plus `drafted`, at
+        most `limit` (none past an end-of-sequence token: nothing comes after one)."""
+        out: list[int] = []
+        path = list(drafted)
+        while len(out) < limit:
+            token = self.forced(path)
+            if token is None:
+                break
+            out.append(token)
+            path.append(token)
+        return out
+
+    def forced_flags(self, drafts: Sequence[int]) -> list[bool]:
+        """Per draft (all of them allowed in a row), whether the grammar allowed it alone there: a forced
+        token, which the target's masked choice is whatever its logits."""
+        # The row after the last draft too: the verification masks with it.
+        rows = self._rows(drafts, len(drafts))
+        return [self._single(bits) == token for bits, token in zip(rows, drafts, strict=False)]
 
     def valid_prefix(self, drafts: Sequence[int]) -> int:
         """How many of `drafts`, in a row from the first, the grammar allows after the accepted text."""
-        return int(self._matcher.validate_tokens(list(drafts)))
+        return self._goto(drafts)
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Consume tokens appended to the accepted text (each one a mask allowed)."""
-        for t in tokens:
-            self._consume(t)
+        if self._goto(tokens) < len(tokens):
+            raise RuntimeError(f"the grammar refused a token of {list(tokens)}")
+        # The masks after the new accepted text stay: row 0 is the one after all of them.
+        del self._bits[: len(tokens)]
+        self._path.clear()
 
     def _consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):
@@ -159,7 +280,8 @@ class GrammarState:
 
     @property
     def complete(self) -> bool:
-        """Whether the grammar is satisfied: an end-of-sequence token may come next."""
+        """Whether the grammar is satisfied after the accepted text: an end-of-sequence token may come next."""
+        self._goto(())
         return bool(self._matcher.is_accepting())
 
 
