@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from app.engine import kernels
-from app.engine.model import PackedLinear
+from app.engine.model import PackedLinear, Transformer
 from tests.conftest import assert_same_on_1_and_2_threads, use_kernel
 
 HERE = kernels.available()
@@ -181,6 +181,28 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
         _attend(kern, q, kc, vc, 250),
         _attend(kern, q[:, :1], kc, vc, 3),
     ]
+
+
+def assert_layer_stack_gives_layer_by_layer_bits(model: Transformer) -> None:
+    """`model` (packed on a kernel) runs its layers in one call (`kernels.LayerStack`) and gets the hidden states
+    and cache contents of the layer-by-layer calls, bit for bit: a prompt of several rows, then a step."""
+    assert model._stack is not None
+    stack = model._stack
+    ids = torch.tensor([[1, 504, 3, 2288, 9, 6056, 16, 1017, 30]])
+    runs = []
+    for fused in (stack, None):
+        model._stack = fused
+        cache = model.new_cache(32)
+        try:
+            runs.append([model.hidden(ids, 0, cache), model.hidden(ids[:, :1], 9, cache), cache.k, cache.v])
+        finally:
+            model._stack = stack
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_the_layer_stack_gives_the_layer_by_layer_bits(packed_target) -> None:
+    for name in HERE:
+        assert_layer_stack_gives_layer_by_layer_bits(packed_target(name).model)
 
 
 @pytest.mark.parametrize("name", PORTABLE)

@@ -25,6 +25,7 @@ from app.engine.loading import load_model
 from app.engine.quantized import FORMATS, QuantizedWeight
 from app.engine.weights import held_weights
 from tests.conftest import TARGET_NAME, assert_same_on_1_and_2_threads, use_kernel
+from tests.test_kernels import assert_layer_stack_gives_layer_by_layer_bits
 from tests.test_weights import IDS, _gguf_source_model, _our_logits, _write_gguf
 
 HERE = kernels.available()
@@ -222,6 +223,7 @@ def test_the_default_target_decodes_natively_with_its_promises(target_path) -> N
     engine, loaded = build_engine(TARGET_NAME, num_draft_tokens=6, dtype="auto", device="cpu", weights="native")
     assert loaded.weights == "Q8_0+Q4_1" and engine.batching and loaded.model.rows_independent()
     assert loaded.weight_bytes <= 1.2 * target_path.stat().st_size
+    assert_layer_stack_gives_layer_by_layer_bits(loaded.model)
     tok = engine.tokenizer
     turns = ["Write a haiku about rain.", "List three uses of copper.", "Repeat after me: the cat sat on the mat."]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in turns]

@@ -38,7 +38,7 @@ MAX_LOGPROBS = 20
 # on by the CPU kernels; `bf16` / `float32` dequantized at load; `auto` the default (loading.AUTO_NATIVE says which).
 WEIGHTS = ("auto", "native", "bf16", "float32")
 WEIGHTS_HELP = (
-    "a GGUF's quantized matrices: `native` computed on as the file's blocks by the CPU kernels (bfloat16 "
-    "activations; a third of bf16's memory for Q4), `bf16` or `float32` dequantized at load; `auto`: dequantized "
-    "to the dtype"
+    "a GGUF's quantized matrices: `native` computed on as the file's blocks by the CPU kernels (8-bit activations "
+    "for Q4_0-Q8_0, as llama.cpp; a third of bf16's memory for Q4), `bf16` or `float32` dequantized at load; "
+    "`auto`: dequantized to the dtype"
 )

@@ -482,6 +482,7 @@ class Transformer(nn.Module):
         self._sin = torch.empty(0)
         self._packed_head: PackedLinear | None = None
         self.kernel: Kernel | None = None  # what pack() laid the products out for; its caches attend on it too
+        self._stack: kernels.LayerStack | None = None  # every layer in one kernel call (see `hidden`)
 
     def pack(self) -> bool:
         """Reorder every bf16 weight for oneDNN once (see `PackedLinear`); inference only, irreversible.
@@ -500,7 +501,25 @@ class Transformer(nn.Module):
             self._packed_head = self.lm_head
         else:
             self._packed_head = PackedLinear(self._head_weight(), None)
+        self._stack = self._layer_stack()
         return True
+
+    def _layer_stack(self) -> kernels.LayerStack | None:
+        # Every product and the attention on the kernel: one call runs all the layers of a sequence's forward
+        # (per-call overhead of a dozen small calls per layer cost about as much as a decoding step's products).
+        cfg = self.config
+        if self.kernel is None or not kernels.attention_fits(self.kernel, cfg.head_dim, self.dtype, self.device):
+            return None
+        if not all(block._fusable() for block in self.layers):
+            return None
+        layers = [
+            (b.attn.wqkv.fused, b.attn.wo.fused, b.w13.fused, b.w2.fused, b.attn_norm.weight, b.ffn_norm.weight)
+            for b in self.layers
+        ]
+        try:
+            return kernels.LayerStack(self.kernel, layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps)
+        except ValueError:  # padded products, or more segments than the stack takes: layer by layer
+            return None
 
     def load_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
         """Put GGUF quantized matrices in place (names as the state dict's: `layers.0.w13.weight`, `embed.weight`,
@@ -611,8 +630,13 @@ class Transformer(nn.Module):
         if cache is not None and (mask is not None or cache.needs_mask(t)):
             mask = self._cache_mask(cache, start_pos, t, mask)
         x = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, cache, start_pos, mask)
+        stack = self._stack if mask is None and cache is not None and cache.kernel is self.kernel else None
+        if stack is not None and stack.n_layers == len(self.layers):
+            # The layers below in one call, bit for bit (the cache has one sequence and attends on the kernel).
+            x = stack(x, cos, sin, cache.k, cache.v, start_pos)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, i, cache, start_pos, mask)
         if cache is not None:
             cache.length = end
         return self.norm(x)

@@ -61,7 +61,7 @@ _FLAGS = {
 }
 _COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # What every kernel's source includes (part of the build key).
-_HEADERS = ("common.h", "quant.h", "quant_avx2.h")
+_HEADERS = ("common.h", "quant.h", "quant_avx2.h", "layers.h")
 
 
 class KernelUnavailable(RuntimeError):
@@ -186,6 +186,9 @@ class Kernel:
         lib.sk_qlinear.argtypes += [pointer, ctypes.c_float, pointer, pointer]
         lib.sk_attention.restype = None
         lib.sk_attention.argtypes = [pointer, *[integer] * 7, ctypes.c_float, integer]
+        lib.sk_layers.restype = None
+        lib.sk_layers.argtypes = [pointer, integer, pointer, *[integer] * 6, *[pointer] * 4]
+        lib.sk_layers.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_float] * 2 + [integer]
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"
@@ -259,6 +262,108 @@ class _Part(ctypes.Structure):
         (name, ctypes.c_int64) for name in ("cap", "t", "start")
     ]
     _fields_ += [("parent", ctypes.c_void_p)]
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("nseg", ctypes.c_int64)]
+    _fields_ += [(name, ctypes.c_int64 * 4) for name in ("type", "rows", "row_bytes")]
+    _fields_ += [("data", ctypes.c_void_p * 4)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _Product) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p)]
+
+
+Product = "KernelLinear | QuantLinear"
+
+
+class LayerStack:
+    """A decoder's layers run in one kernel call (layers.h): the products, RMS norms, RoPE, cached attention and
+    residuals of every layer, each value with the bits the layer-by-layer calls give (the same kernels, the
+    same arguments), without a Python or torch call between them.
+
+    `layers`: per layer (qkv, o, gate_up, down, attn_norm weight [dim], ffn_norm weight [dim]), the products
+    `KernelLinear` or `QuantLinear` of one kernel, none padded; `heads`, `kv_heads`, `head_dim` and `eps` as
+    the model's."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        layers: Sequence[tuple[Product, Product, Product, Product, Tensor, Tensor]],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+    ) -> None:
+        self.kernel = kernel
+        self._keep: list[Tensor] = []  # what the table points into
+        self._table = (_Layer * len(layers))()
+        for i, (qkv, o, gate_up, down, attn_norm, ffn_norm) in enumerate(layers):
+            entry = self._table[i]
+            for name, product in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down)):
+                self._product(getattr(entry, name), product)
+            norms = [attn_norm.contiguous(), ffn_norm.contiguous()]
+            self._keep += norms
+            entry.attn_norm, entry.ffn_norm = norms[0].data_ptr(), norms[1].data_ptr()
+        self.n_layers = len(layers)
+        self.dim = layers[0][0].in_features
+        self.inter = layers[0][3].in_features
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+
+    def _product(self, out: _Product, product: Product) -> None:
+        if product.kernel is not self.kernel:
+            raise ValueError("every product of a layer stack runs on its kernel")
+        out.n = product.out_features
+        if product.bias is not None:
+            self._keep.append(product.bias)
+            out.bias = product.bias.data_ptr()
+        if isinstance(product, KernelLinear):
+            if product._padded != product.out_features:
+                raise ValueError("a layer stack takes unpadded products")
+            self._keep.append(product.weight)
+            out.w, out.nseg = product.weight.data_ptr(), 0
+            return
+        if not 1 <= len(product.segments) <= 4:
+            raise ValueError("a layer stack takes products of at most 4 segments")
+        out.nseg = len(product.segments)
+        for s, (qtype, data) in enumerate(product.segments):
+            self._keep.append(data)
+            out.type[s], out.rows[s], out.row_bytes[s] = qtype, data.shape[0], data.shape[1]
+            out.data[s] = data.data_ptr()
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, start: int) -> Tensor:
+        """x [1, T, dim] bf16 through every layer at positions start..start+T-1; returns the new x [1, T, dim].
+        cos, sin: [T, 1, head_dim] (`rope_tables`'); k_cache, v_cache: [layers, 1, kv_heads, capacity, head_dim]
+        bf16, written at those positions as the layers' attention does."""
+        x = x.contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        t = x.shape[1]
+        cap = k_cache.shape[3]
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == 1):
+            raise ValueError("a layer stack runs on one sequence's contiguous cache")
+        self.kernel._lib.sk_layers(
+            self._table,
+            self.n_layers,
+            x.data_ptr(),
+            t,
+            self.dim,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.inter,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.stride(0),
+            cap,
+            start,
+            self.eps,
+            1.0 / math.sqrt(self.head_dim),
+            torch.get_num_threads(),
+        )
+        return x
 
 
 def fits(weight: Tensor) -> bool:

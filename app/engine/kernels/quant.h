@@ -329,3 +329,6 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
 }
 
 #endif
+
+/* The layers in one call, on this library's products and attention (after the #endif: layers.h includes this). */
+#include "layers.h"

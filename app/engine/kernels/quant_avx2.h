@@ -371,6 +371,10 @@ QINLINE __m256i q8_weights(int type, const uint8_t *b, float *d, float *m) {
     return q;
 }
 
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 2
+#endif
+
 /* R rows (from r0) x C columns (w: row_bytes apart) -> sums [R][C]. */
 QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
     int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
@@ -384,7 +388,11 @@ QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
         __m256i wq[4], wa[4];
         float d[4], m[4];
         for (int c = 0; c < C; c++) {
-            wq[c] = q8_weights(type, w + c * row_bytes + (size_t)b * bytes, &d[c], &m[c]);
+            const uint8_t *blk = w + c * row_bytes + (size_t)b * bytes;
+            /* A column's row is a few cache lines, too short a stream for the hardware prefetcher to learn:
+               ask for the columns two tiles ahead. */
+            _mm_prefetch((const char *)(blk + Q8_AHEAD * C * row_bytes), _MM_HINT_T0);
+            wq[c] = q8_weights(type, blk, &d[c], &m[c]);
             if (type == SK_Q8_0) wa[c] = _mm256_abs_epi8(wq[c]);
         }
         for (int r = 0; r < R; r++) {
