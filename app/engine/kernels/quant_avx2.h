@@ -131,6 +131,10 @@ QINLINE float q_tree(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+#ifndef Q_AHEAD
+#define Q_AHEAD 2
+#endif
+
 /* R rows (x: k floats apart) x C columns (w: row_bytes apart) -> sums [R][C]. */
 QINLINE void q_tile(int type, int R, int C, const uint8_t *w, long row_bytes, const float *x, int k, float *sums) {
     __m256 acc[4][4][2];
@@ -139,6 +143,10 @@ QINLINE void q_tile(int type, int R, int C, const uint8_t *w, long row_bytes, co
     int qk = sk_q_block(type), bytes = sk_q_bytes(type);
     for (int blk = 0; blk < k / qk; blk++) {
         q_kscales ks[4];
+        /* The same block of the columns two tiles ahead, line by line (see q8_tile). */
+        for (int c = 0; c < C; c++)
+            for (int off = 0; off < bytes; off += 64)
+                _mm_prefetch((const char *)(w + (Q_AHEAD * C + c) * row_bytes + (size_t)blk * bytes + off), _MM_HINT_T0);
         if (qk == 256)
             for (int c = 0; c < C; c++) q_k_scales(type, w + c * row_bytes + (size_t)blk * bytes, &ks[c]);
         for (int s = 0; s < qk / 32; s++) {
