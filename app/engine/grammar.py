@@ -152,20 +152,22 @@ class GrammarState:
         while p < limit and path[p] == tokens[p]:
             p += 1
         if p < len(path):
-            if not self._matcher.rollback(len(path) - p):
+            # An end-of-sequence token is never consumed by the matcher (see _consume_path): not rolled back either.
+            back = sum(t not in self._eos for t in path[p:])
+            if back and not self._matcher.rollback(back):
                 raise RuntimeError(f"the grammar could not roll back: {self._matcher.get_error()}")
             del path[p:]
             del self._bits[p + 1 :]
         if p == len(tokens):
             return p
-        rest = list(tokens[p:])
-        # Only tokens the grammar allows are consumed: a refused one would leave the matcher in its error state.
-        n = int(self._matcher.validate_tokens(rest))
-        self._consume_path(rest[:n])
-        # llguidance 1.9.1's validate_tokens does not count an end-of-sequence token first in its list, even where
-        # the grammar is complete and its mask allows one: it is taken here (and nothing after it).
-        if n < len(rest) and rest[n] in self._eos and self._matcher.is_accepting() and not self._ended:
-            self._consume_path(rest[n : n + 1])
+        # Each token is checked against the mask at its position (the very masks verification uses) before it is
+        # consumed: a refused one would leave the matcher in its error state. (llguidance 1.9.1's validate_tokens
+        # disagrees with its masks where the grammar is complete: it takes neither an end-of-sequence token nor
+        # trailing whitespace that the mask allows.) Nothing follows an end-of-sequence token.
+        for t in tokens[p:]:
+            if self._ended or not (int(self._packed()[t >> 5]) >> (t & 31)) & 1:
+                break
+            self._consume_path([t])
         return len(path)
 
     @property
@@ -175,7 +177,10 @@ class GrammarState:
 
     def _consume_path(self, tokens: Sequence[int]) -> None:
         for t in tokens:
-            self._consume(t)
+            # llguidance takes an end-of-sequence token without counting it in what rollback undoes, so it stays
+            # on the path alone (the masks after it allow end-of-sequence tokens only).
+            if t not in self._eos:
+                self._consume(t)
             self._path.append(t)
             self._bits.append(None)
 
