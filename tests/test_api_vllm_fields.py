@@ -147,7 +147,6 @@ REFUSED = {
     "/v1/completions": [
         ("guided_grammar", "root ::= 'a'"),
         ("guided_whitespace_pattern", " *"),
-        ("structured_outputs", {"json": {"type": "object"}}),
         ("structural_tag", "{}"),
         ("logits_processors", ["my.processor"]),
         ("min_p", 0.1),
