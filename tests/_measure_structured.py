@@ -8,40 +8,15 @@ import json
 import statistics
 import time
 
+from app.bench import STRUCTURED
 from app.engine.factory import build_engine
 from app.engine.generation import GenerationParams
 from app.engine.grammar import GrammarSpec
 
 engine, _ = build_engine(dtype="bfloat16", device="cpu")
 tok = engine.tokenizer
-person = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "city": {"type": "string"},
-        "role": {"enum": ["engineer", "doctor", "teacher", "artist"]},
-    },
-    "required": ["name", "age", "city", "role"],
-    "additionalProperties": False,
-}
-book = {
-    "type": "object",
-    "properties": {
-        "title": {"type": "string"},
-        "author": {"type": "string"},
-        "year": {"type": "integer"},
-        "genres": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
-    },
-    "required": ["title", "author", "year", "genres"],
-    "additionalProperties": False,
-}
-cases = [
-    ("Describe a fictional engineer from Paris as JSON.", person),
-    ("Describe a doctor named Ana who is 41 and lives in Lisbon, as JSON.", person),
-    ("Give a classic novel as JSON with its title, author, year and genres.", book),
-    ("Give a science fiction book as JSON.", book),
-]
+# The JSON-schema prompts of `specserve bench --structured` (its tool-call prompts came later).
+cases = STRUCTURED[:4]
 
 
 def chat(text: str) -> list[int]:
