@@ -32,6 +32,9 @@ def step_batch(self: Engine, gens: Sequence[Generation]) -> list[StepOutput | Ex
         fault = TRIGGER.read_text().strip()
     except FileNotFoundError:
         return _step_batch(self, gens)
+    if not fault:
+        # write_text truncates before it writes: an empty file is one the test is still writing.
+        return _step_batch(self, gens)
     TRIGGER.unlink()
     if fault == "fatal":
         raise InjectedFatal("injected fatal fault")
