@@ -70,6 +70,12 @@ class Metrics:
         self.num_accepted_tokens = Counter(
             p + "spec_decode_num_accepted_tokens", "Drafted tokens the target accepted.", labels, registry=r
         ).labels(m)
+        self.num_forced_tokens = Counter(
+            p + "spec_decode_num_forced_tokens",
+            "Tokens a grammar allowed alone, proposed without the draft and kept (not counted as drafted).",
+            labels,
+            registry=r,
+        ).labels(m)
         self._accepted_per_pos = Counter(
             p + "spec_decode_num_accepted_tokens_per_pos",
             "Drafted tokens accepted at each draft position (0 is the first drafted token).",
@@ -280,11 +286,20 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens)
 
     def step(
-        self, tokens: int, drafted: int, accepted: int, draft_seconds: float, target_seconds: float, prefill: bool
+        self,
+        tokens: int,
+        drafted: int,
+        accepted: int,
+        draft_seconds: float,
+        target_seconds: float,
+        prefill: bool,
+        forced: int = 0,
     ) -> None:
         """One target pass of one generation: it produced `tokens`, verifying `drafted` tokens drafted at
-        positions 0..drafted-1, of which the first `accepted` were accepted."""
+        positions 0..drafted-1, of which the first `accepted` were accepted, and kept `forced` tokens a grammar
+        forced."""
         self.target_passes.inc()
+        self.num_forced_tokens.inc(forced)
         self.generation_tokens.inc(tokens)
         self.tokens_per_pass.observe(tokens)
         self.target_time.observe(target_seconds)

@@ -544,7 +544,9 @@ class Scheduler:
         if job.first_token is None and tokens:
             job.first_token = now
         if self.metrics is not None:
-            self.metrics.step(len(tokens), out.drafted, out.accepted, out.draft_seconds, out.verify_seconds, first)
+            self.metrics.step(
+                len(tokens), out.drafted, out.accepted, out.draft_seconds, out.verify_seconds, first, out.forced
+            )
             self.metrics.tokens_delivered(now - job.last_delivery, len(tokens), first)
         job.last_delivery = now
         finished = None

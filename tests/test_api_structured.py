@@ -79,9 +79,17 @@ async def test_every_api_constrains_the_output(api_client) -> None:
                 "parameters": {"max_new_tokens": 8, "grammar": {"type": "regex", "value": r" [0-9]{4}\."}},
             },
         )
+        metrics = (await client.get("/metrics")).text
     answer = spec["choices"][0]
     assert answer["finish_reason"] == "stop" and _valid(json.loads(answer["message"]["content"]), PERSON)
     assert alone["choices"][0]["message"]["content"] == answer["message"]["content"]
+    # Tokens the grammar forced (a key's rest after its quote) are counted apart from the draft's, in the answer's
+    # details and in Prometheus: each verify pass keeps its accepted drafts, its forced tokens and the target's own.
+    details = spec["speculative"]
+    assert details["forced"] >= 1 and alone["speculative"]["forced"] >= 1
+    assert details["target_passes"] + details["accepted"] + details["forced"] == spec["usage"]["completion_tokens"]
+    counted = re.search(r"^specserve_spec_decode_num_forced_tokens_total\{[^}]*\} (\S+)$", metrics, re.M)
+    assert counted is not None and float(counted.group(1)) >= details["forced"] + alone["speculative"]["forced"]
     assert isinstance(json.loads(anything["choices"][0]["message"]["content"]), dict)
     assert choice["choices"][0]["message"]["content"] in ("yes", "no")
     assert re.fullmatch(r" [0-9]{4}\.", regex["choices"][0]["text"]), regex

@@ -284,6 +284,7 @@ def speculative_details(prepared: Prepared, finished: Finished) -> SpeculativeDe
         num_draft_tokens=prepared.num_draft_tokens,
         drafted=int(s["drafted"]),
         accepted=int(s["accepted"]),
+        forced=int(s["forced"]),
         target_passes=int(s["target_passes"]),
         verify_passes=int(s["verify_passes"]),
         acceptance_rate=float(s["acceptance_rate"]),

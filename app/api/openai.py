@@ -157,6 +157,7 @@ def _speculative(runs: Sequence[jobs.Prepared], results: Sequence[Finished]) -> 
         update={
             "drafted": drafted,
             "accepted": accepted,
+            "forced": sum(d.forced for d in each),
             "target_passes": passes,
             "verify_passes": sum(d.verify_passes for d in each),
             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,

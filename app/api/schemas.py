@@ -318,6 +318,9 @@ class SpeculativeDetails(BaseModel):
     num_draft_tokens: int = Field(description="tokens drafted per step at most")
     drafted: int = Field(description="tokens the draft proposed")
     accepted: int = Field(description="drafted tokens the target accepted")
+    forced: int = Field(
+        0, description="tokens the grammar allowed alone, proposed without the draft and kept (not in drafted)"
+    )
     target_passes: int = Field(description="target forward passes, prefill included")
     verify_passes: int = Field(description="target passes that verified at least one drafted token")
     acceptance_rate: float = Field(description="accepted / drafted (0 when nothing was drafted)")
