@@ -62,30 +62,36 @@ static float sum_squares(const uint16_t *x, int k) {
     return tree(lo, hi);
 }
 
-/* R rows x B blocks of 16 columns (blocks blk..blk+B-1), every input in order; R * B <= 6. Sums into
-   out [R][B * 16]. */
+/* R rows x B blocks of 16 columns (blocks blk..blk+B-1), every input in order; R * B <= 6 (R * B * 2
+   accumulators, the lone row's 8 enough to keep the multiply-adds in flight). Sums into
+   out [R][B * 16]. The accumulators are named variables, slot i = r * B + b, not an array: gcc writes an
+   array of them back to the stack at every input, even where it also keeps them in registers. */
 INLINE void tile(int R, int B, const uint16_t *w, const float *x, int k, int blk, float *out) {
-    __m256 acc[6][4][2];
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+    const __m256 z = _mm256_setzero_ps();
+    __m256 l0 = z, h0 = z, l1 = z, h1 = z, l2 = z, h2 = z, l3 = z, h3 = z, l4 = z, h4 = z, l5 = z, h5 = z;
     const uint16_t *wb = sk_block(w, k, 16, blk);
     const size_t stride = (size_t)k * 16;
     for (int kk = 0; kk < k; kk++) {
+        __m256 lo[4], hi[4];
         for (int b = 0; b < B; b++) {
             __m256i v = load16bf(wb + b * stride + (size_t)kk * 16);
-            __m256 lo = even8(v), hi = odd8(v);
-            for (int r = 0; r < R; r++) {
-                __m256 xb = _mm256_broadcast_ss(x + (size_t)r * k + kk);
-                acc[r][b][0] = _mm256_fmadd_ps(xb, lo, acc[r][b][0]);
-                acc[r][b][1] = _mm256_fmadd_ps(xb, hi, acc[r][b][1]);
-            }
+            lo[b] = even8(v), hi[b] = odd8(v);
         }
+#define SLOT(i)                                                                             \
+    if (i < R * B) {                                                                        \
+        __m256 xb = _mm256_broadcast_ss(x + (size_t)(i / B) * k + kk);                      \
+        l##i = _mm256_fmadd_ps(xb, lo[i % B], l##i);                                        \
+        h##i = _mm256_fmadd_ps(xb, hi[i % B], h##i);                                        \
     }
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) {
-            _mm256_storeu_ps(out + r * B * 16 + b * 16, acc[r][b][0]);
-            _mm256_storeu_ps(out + r * B * 16 + b * 16 + 8, acc[r][b][1]);
-        }
+        SLOT(0) SLOT(1) SLOT(2) SLOT(3) SLOT(4) SLOT(5)
+#undef SLOT
+    }
+    /* Slot i holds row i / B, block i % B: out [R][B * 16] is slot order. */
+    __m256 all[12] = {l0, h0, l1, h1, l2, h2, l3, h3, l4, h4, l5, h5};
+    for (int i = 0; i < R * B; i++) {
+        _mm256_storeu_ps(out + i * 16, all[2 * i]);
+        _mm256_storeu_ps(out + i * 16 + 8, all[2 * i + 1]);
+    }
 }
 
 /* The rows r..r+R-1 (R = 1-5) over blocks blk..blk+B-1. */
@@ -95,7 +101,6 @@ static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, in
         case 1 * 8 + 1: tile(1, 1, w, x, k, blk, sums); break;
         case 2 * 8 + 2: tile(2, 2, w, x, k, blk, sums); break;
         case 2 * 8 + 1: tile(2, 1, w, x, k, blk, sums); break;
-        case 3 * 8 + 2: tile(3, 2, w, x, k, blk, sums); break;
         case 3 * 8 + 1: tile(3, 1, w, x, k, blk, sums); break;
         case 4 * 8 + 1: tile(4, 1, w, x, k, blk, sums); break;
         default: tile(5, 1, w, x, k, blk, sums); break;
@@ -103,8 +108,8 @@ static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, in
 }
 
 /* Blocks b0..b1-1 of 16 columns, every row: rows 6 at a time over one block (6 broadcasts and a weight load
-   feed 12 fused multiply-adds); the 1-5 rows left over go over several blocks at once, so that a lone row
-   still keeps 8 accumulators in flight. */
+   feed 12 fused multiply-adds); of the 1-5 rows left over, one goes over 4 blocks at once and two over 2, so
+   that they still keep 8 accumulators in flight; 3-5 over one block (past 12 accumulators gcc spills). */
 static void blocks(const uint16_t *w, const float *xf, uint16_t *y, const float *bias, int m, int k, int n, int b0,
                    int b1, const uint16_t *residual) {
     float sums[6 * 64];
@@ -118,7 +123,7 @@ static void blocks(const uint16_t *w, const float *xf, uint16_t *y, const float 
                 sk_finish_tile(sums, 6, 16, r, 16 * blk, y, bias, n, residual);
             }
         if (rest == 0) continue;
-        int B = rest == 1 ? 4 : rest <= 3 ? 2 : 1, blk = b0;
+        int B = rest == 1 ? 4 : rest == 2 ? 2 : 1, blk = b0;
         for (; blk + B <= b1; blk += B) {
             rest_tile(rest, B, w, xf + (size_t)full * k, k, blk, sums);
             sk_finish_tile(sums, rest, B * 16, full, 16 * blk, y, bias, n, residual);
