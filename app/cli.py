@@ -107,10 +107,14 @@ def _runs_as(path: Path, weights: str) -> str:
     """What a fetched model's weights run as on this CPU's kernels under `weights`, and their memory."""
     import torch
 
-    from app.engine.loading import AUTO_NATIVE
+    from app.engine import kernels
+    from app.engine.loading import auto_native
     from app.engine.weights import held_weights
 
-    native = weights == "native" or (weights == "auto" and AUTO_NATIVE)
+    # The kernel SPECSERVE_KERNEL would select (not built here: listing compiles nothing).
+    choice = kernels.setting()
+    kernel = next(iter(kernels.available()), "torch") if choice == "auto" else choice
+    native = weights == "native" or (weights == "auto" and auto_native(kernel))
     kind, size = held_weights(path, native, torch.float32 if weights == "float32" else torch.bfloat16)
     return f"{kind}, {_human_size(size)}"
 

@@ -327,11 +327,22 @@ def test_cli_list(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert proc.returncode == 0, proc.stderr
     header, row = proc.stdout.splitlines()[:2]
     assert header.split()[:9] == ["NAME", "ROLE", "FORMAT", "SIZE", "LICENSE", "FETCHED", "RUNS", "AS", "(weights"]
-    # What the weights run as, and their memory: dequantized to bf16 (the tied head packed apart), or the blocks.
-    assert row.split()[:10] == [NAME, "target", "gguf", "93.8", "MiB", "Apache-2.0", "yes", "bfloat16,", "310.6", "MiB"]
-    monkeypatch.setenv("SPECSERVE_WEIGHTS", "native")
-    row = _cli("models", "list").stdout.splitlines()[1]
-    assert row.split()[7:10] == ["Q8_0+Q4_1,", "92.0", "MiB"]
+    assert row.split()[:7] == [NAME, "target", "gguf", "93.8", "MiB", "Apache-2.0", "yes"]
+    # What the weights run as, and their memory: the blocks, or dequantized to bf16 (the tied head packed apart);
+    # `auto` keeps the blocks on the avx2 and avx512 kernels only (named here, so the answer is every machine's).
+    blocks, bf16 = ["Q8_0+Q4_1,", "92.0", "MiB"], ["bfloat16,", "310.6", "MiB"]
+    for weights, kernel, runs_as in [
+        ("native", "generic", blocks),
+        ("auto", "avx2", blocks),
+        ("auto", "generic", bf16),
+    ]:
+        monkeypatch.setenv("SPECSERVE_WEIGHTS", weights)
+        monkeypatch.setenv("SPECSERVE_KERNEL", kernel)
+        row = _cli("models", "list").stdout.splitlines()[1]
+        assert row.split()[7:10] == runs_as, (weights, kernel)
+    from app.engine.loading import auto_native
+
+    assert [auto_native(k) for k in ("amx", "avx512", "avx2", "generic", "torch")] == [False, True, True, False, False]
 
 
 def test_cli_unknown_name_is_one_error_line(empty_cache: Path) -> None:

@@ -21,9 +21,16 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # How a GGUF's quantized matrices are held: `native` as the file's blocks, computed on by the CPU kernels
-# (activations bfloat16); `bf16` / `float32` dequantized at load to that dtype; `auto`: native where
-# AUTO_NATIVE says so and it can run (a CPU kernel, dtype auto or bfloat16), else dequantized to the dtype.
-AUTO_NATIVE = False
+# (activations bfloat16); `bf16` / `float32` dequantized at load to that dtype; `auto`: native on the kernels
+# below (dtype auto or bfloat16), else dequantized to the dtype. The generic kernel's integer products are plain
+# C, three times slower than its bf16 ones (docs/bench); amx multiplies bf16 rows in tiles, so a verification's
+# rows cost little there, while the integer products cost per row (docs/bench, issue 22).
+AUTO_NATIVE_KERNELS = frozenset({"avx2", "avx512"})
+
+
+def auto_native(kernel: str) -> bool:
+    """Whether `weights=auto` keeps a GGUF's quantized matrices quantized on kernel `kernel` (`torch`: none)."""
+    return kernel in AUTO_NATIVE_KERNELS
 
 
 @dataclass
@@ -115,13 +122,14 @@ def _weights_plan(
         if dtype not in ("auto", want, str(want).removeprefix("torch.")):
             raise WeightsError(f"weights {weights} run in {want}, which dtype {dtype} contradicts")
         return False, want
-    if weights == "auto" and not (AUTO_NATIVE and dev.type == "cpu" and bf16):
+    if weights == "auto" and not (dev.type == "cpu" and bf16):
         return False, dtype
     if dev.type != "cpu" or not bf16:
         raise WeightsError(f"native weights run on the CPU kernels with bfloat16 activations, not {dtype} on {dev}")
-    if kernels.kernel(None if cache_dir is None else Path(cache_dir) / "kernels") is None:
-        if weights == "native":
-            raise WeightsError("native weights need a CPU kernel (SPECSERVE_KERNEL is torch, or none could be built)")
+    chosen = kernels.kernel(None if cache_dir is None else Path(cache_dir) / "kernels")
+    if chosen is None and weights == "native":
+        raise WeightsError("native weights need a CPU kernel (SPECSERVE_KERNEL is torch, or none could be built)")
+    if weights == "auto" and not auto_native("torch" if chosen is None else chosen.name):
         return False, dtype
     return True, torch.bfloat16
 
