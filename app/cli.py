@@ -673,6 +673,9 @@ def _add_train_draft_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (1200)")
     parser.add_argument("--draft-vocab", type=_positive_int, default=None, help="tokens the draft proposes (8192)")
     parser.add_argument("--seed", type=int, default=None, help="seed of everything (0)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the target answers and the draft trains: cpu (default), cuda, cuda:N"
+    )
     parser.set_defaults(func=_cmd_train_draft)
 
 
@@ -681,10 +684,20 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     import json
     import logging
 
+    import torch
+
     from app import store
     from app.distill.recipe import Recipe, train_draft
     from app.engine.factory import DEFAULT_TARGET
 
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise CliError(f"--device {args.device!r}: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__})")
+    if device.type not in ("cpu", "cuda"):
+        raise CliError(f"--device {args.device}: choose cpu, cuda or cuda:N")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = Path(args.out)
     name = args.name or out.name
@@ -701,7 +714,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         if value is not None
     }
     recipe = dataclasses.replace(Recipe(), **changes)
-    card = train_draft(args.target or DEFAULT_TARGET, out, work, recipe, name)
+    card = train_draft(args.target or DEFAULT_TARGET, out, work, recipe, name, args.device)
     print(json.dumps(card["held_out_measurement"], indent=2))
     print(f"draft written to {out} (card: {out / 'card.json'})")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -97,3 +98,36 @@ def test_training_lowers_the_loss_and_raises_agreement(tiny, tmp_path):
     assert seen[-1]["loss"] < 0.7 * seen[0]["loss"]
     assert seen[-1]["agree1"] > seen[0]["agree1"]
     assert checkpoint.exists()
+
+
+def test_train_draft_device_flag_is_checked_before_anything_runs(monkeypatch, capsys, tmp_path):
+    """`specserve train-draft --device`: cpu (default), cuda or cuda:N; one error line for a device torch does
+    not have here or does not know, before any model is loaded or any file written."""
+    from app.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device, says in [("cuda", "no CUDA device"), ("cuda:1", "no CUDA device"), ("tpu", "--device 'tpu'")]:
+        assert main(["train-draft", "--out", str(tmp_path / "out"), "--device", device]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
+    assert main(["train-draft", "--out", str(tmp_path / "out"), "--device", "meta"]) == 1
+    assert "choose cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_follows_the_draft_device(tiny, tmp_path):
+    """What runs on a GPU with `--device cuda`, on the CPU here: the corpus comes back to the CPU whatever the
+    model's device, batches go to the draft's, and a checkpoint resumes onto the draft's device."""
+    gen = torch.Generator().manual_seed(3)
+    samples = corpus.generate_batch(tiny, [[5, 6, 7, 8]] * 2, 6, 0.7, gen)
+    assert all(s.features.device.type == "cpu" and s.tokens.device.type == "cpu" for s in samples)
+    cfg = training.TrainConfig(steps=2, lr=1e-3, seed=0, seq_len=8, tokens_per_batch=16, checkpoint_every=1)
+    batch = training.make_batches(samples, cfg, random.Random(0))[0]
+    moved = batch.to(torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(vars(moved).values(), vars(batch).values(), strict=True))
+    draft = EagleDraft(EagleConfig.for_target(tiny.model.config, V)).to(tiny.model.device)
+    draft.attach(tiny.model)
+    training.train(draft, tiny.model, samples, cfg, tmp_path / "c.pt")
+    more = dataclasses.replace(cfg, steps=3)
+    training.train(draft, tiny.model, samples, more, tmp_path / "c.pt")  # resumes at step 2, on the draft's device
+    assert torch.load(tmp_path / "c.pt", weights_only=False)["step"] == 3

@@ -54,6 +54,7 @@ def generate_batch(
     `max_new_tokens` tokens; greedy when temperature is 0. Padding shifts positions, which RoPE's
     relative form makes harmless."""
     model = loaded.model
+    dev = model.device  # the model's (a GPU's); what is kept (tokens, states) comes back to the CPU
     eos = torch.tensor(sorted(loaded.tokenizer.eos_token_ids) or [-1])
     b = len(prompts)
     width = max(len(p) for p in prompts)
@@ -62,7 +63,7 @@ def generate_batch(
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
     cache = model.new_cache(width + max_new_tokens, batch=b)
-    feats = [model.hidden(ids, 0, cache, _batch_mask(pad, width, 0))]
+    feats = [model.hidden(ids.to(dev), 0, cache, _batch_mask(pad, width, 0).to(dev))]
     new: list[Tensor] = []
     done = torch.zeros(b, dtype=torch.bool)
     ended_at = torch.full((b,), max_new_tokens)
@@ -70,18 +71,20 @@ def generate_batch(
     for step in range(max_new_tokens):
         logits = model.logits(feats[-1][:, -1]).float()
         if temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+            # Drawn on the CPU from the CPU generator: the same corpus for a seed on any device's logits.
+            probs = torch.softmax(logits / temperature, -1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
         else:
-            nxt = logits.argmax(-1)
+            nxt = logits.argmax(-1).cpu()
         new.append(nxt)
         hit = torch.isin(nxt, eos) & ~done
         ended_at[hit] = step + 1
         done |= hit
         if bool(done.all()) or step + 1 == max_new_tokens:
             break
-        feats.append(model.hidden(nxt[:, None], pos, cache, _batch_mask(pad, 1, pos)))
+        feats.append(model.hidden(nxt[:, None].to(dev), pos, cache, _batch_mask(pad, 1, pos).to(dev)))
         pos += 1
-    hidden = torch.cat(feats, dim=1)  # [B, width + fed, dim]: a state for every token fed
+    hidden = torch.cat(feats, dim=1).cpu()  # [B, width + fed, dim]: a state for every token fed
     gen = torch.stack(new, dim=1)
     out = []
     for i in range(b):

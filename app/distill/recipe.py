@@ -98,7 +98,7 @@ def train_stage(
     covered = sum(int(torch.isin(s.tokens[s.prompt_len :].long(), vocab).sum()) for s in samples)
     coverage = covered / max(1, answer_tokens)
     log.info("draft vocabulary: %d tokens cover %.2f%% of answer tokens", len(vocab), 100 * coverage)
-    draft = EagleDraft(EagleConfig.for_target(target.config, len(vocab), name))
+    draft = EagleDraft(EagleConfig.for_target(target.config, len(vocab), name)).to(target.device)
     draft.vocab_ids.copy_(vocab)
     draft.attach(target)
     cfg = training.TrainConfig(
@@ -160,13 +160,17 @@ def measure(loaded: LoadedModel, drafter: EagleDrafter, prompts: list[str], max_
     return out
 
 
-def train_draft(target_name: str, out_dir: Path, work: Path, recipe: Recipe, name: str) -> dict[str, Any]:
-    """The whole recipe: corpus, vocabulary, training, measurement, card. Returns the card's figures."""
+def train_draft(
+    target_name: str, out_dir: Path, work: Path, recipe: Recipe, name: str, device: str = "cpu"
+) -> dict[str, Any]:
+    """The whole recipe: corpus, vocabulary, training, measurement, card, on `device` (`cpu`, `cuda`, `cuda:N`
+    or `auto`). Returns the card's figures."""
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     path = store.resolve(target_name)
-    # The target runs as it serves (bfloat16, packed): training only borrows its embedding and output rows.
-    loaded = load_model(path, "bfloat16", "cpu", cache_dir=store.cache_dir())
+    # The target in bfloat16 (packed on a CPU kernel), a quantized GGUF dequantized: training borrows its
+    # embedding and output rows, whose products must carry gradients back to the draft.
+    loaded = load_model(path, "bfloat16", device, cache_dir=store.cache_dir(), weights="bf16")
     t0 = time.perf_counter()
     shards = build_data(loaded, recipe, work)
     corpus_seconds = time.perf_counter() - t0
@@ -194,6 +198,7 @@ def train_draft(target_name: str, out_dir: Path, work: Path, recipe: Recipe, nam
         "held_out_measurement": measured,
         "total_seconds": round(time.perf_counter() - started),
         "torch": torch.__version__,
+        "device": str(loaded.model.device),
         "threads": torch.get_num_threads(),
     }
     (out_dir / "card.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -233,7 +238,8 @@ def card_markdown(card: dict[str, Any]) -> str:
         f"{card['training']['seconds']} s; final loss {card['training']['loss']}, top-1 agreement with the target "
         f"{card['training']['agree1']} (reading true states) / {card['training']['agree2']} (reading its own guesses); "
         f"draft vocabulary covers {100 * card['training']['vocab_coverage']:.1f} % of answer tokens",
-        f"- whole recipe: {card['total_seconds']} s with {card['threads']} threads, torch {card['torch']}",
+        f"- whole recipe: {card['total_seconds']} s with {card['threads']} threads on "
+        f"{card.get('device', 'cpu')}, torch {card['torch']}",
         "",
         f"## Measured on {m['prompts']} held-out seed instructions "
         f"(greedy, {m['max_new_tokens']} new tokens, bfloat16)",

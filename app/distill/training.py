@@ -46,6 +46,12 @@ class Batch:
     goal: Tensor  # [B, T, dim]: h_(p+1)
     weight: Tensor  # [B, T]: 1 where the loss counts (answer positions), 0 on prompt and padding
 
+    def to(self, device: torch.device) -> Batch:
+        """The batch on `device` (batches are made on the CPU, where the corpus is)."""
+        return Batch(
+            *(t.to(device, non_blocking=True) for t in (self.states, self.next_tokens, self.goal, self.weight))
+        )
+
 
 def make_batches(samples: Sequence[Sample], cfg: TrainConfig, rng: random.Random) -> list[Batch]:
     """One epoch of batches: sequences cut to seq_len, grouped by length, `tokens_per_batch` positions each."""
@@ -107,14 +113,16 @@ def train(
     progress: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, float]:
     """Train `draft` (float32, attached to `target`) for cfg.steps optimizer steps, resuming from
-    `checkpoint` when it exists and writing it every cfg.checkpoint_every steps. Returns the final
+    `checkpoint` when it exists and writing it every cfg.checkpoint_every steps. Trains on the draft's device
+    (the target's: a GPU's when it runs on one), the batches moved there one by one. Returns the final
     running figures (loss, top-1 agreement of the first and second pass)."""
+    dev = next(draft.parameters()).device
     torch.manual_seed(cfg.seed)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = 0
     if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, map_location=dev, weights_only=False)
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
@@ -127,11 +135,11 @@ def train(
     while step < cfg.steps:
         if not batches:
             batches = make_batches(samples, cfg, rng)
-        batch = batches.pop()
+        batch = batches.pop().to(dev)
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             with torch.no_grad():
                 teacher = torch.softmax(draft.draft_logits(batch.goal).float(), -1)
             loss1, agree1, guess = _pass_loss(draft, batch.states, batch, teacher, cfg.regression_weight)

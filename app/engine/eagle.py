@@ -210,7 +210,7 @@ def save_draft(draft: EagleDraft, out_dir: Path) -> None:
     cfg = {"architecture": ARCHITECTURE, **asdict(draft.config)}
     (out_dir / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
     state = {
-        k: v.detach().to(torch.float32 if v.is_floating_point() else torch.int64).contiguous()
+        k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else torch.int64).contiguous()
         for k, v in draft.state_dict().items()
     }
     save_file(state, str(out_dir / WEIGHTS_FILE))
