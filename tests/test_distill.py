@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from app.distill import corpus, instructions, training
+from app.engine import kernels
 from app.engine.eagle import EagleConfig, EagleDraft
 from app.engine.loading import LoadedModel
 from app.engine.reference import greedy_decode
@@ -83,7 +84,9 @@ def test_choose_vocab_keeps_the_most_frequent_answer_tokens_and_eos(tiny):
     assert vocab.tolist() == [0, 3]  # 3 is the commonest answer token; 9 is only in the prompt
 
 
-def test_training_lowers_the_loss_and_raises_agreement(tiny, tmp_path):
+# float32 is what `auto` trains in on a CPU without bf16 arithmetic (AVX2), bfloat16 on AMX and GPUs: both here.
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_training_lowers_the_loss_and_raises_agreement(tiny, tmp_path, precision):
     gen = torch.Generator().manual_seed(2)
     rng = random.Random(1)
     prompts = [[rng.randrange(1, V) for _ in range(6)] for _ in range(24)]
@@ -91,13 +94,16 @@ def test_training_lowers_the_loss_and_raises_agreement(tiny, tmp_path):
     torch.manual_seed(0)
     draft = EagleDraft(EagleConfig.for_target(tiny.model.config, V))
     draft.attach(tiny.model)
-    cfg = training.TrainConfig(steps=60, lr=3e-3, seq_len=64, tokens_per_batch=256, seed=0, warmup=5)
+    cfg = training.TrainConfig(
+        steps=60, lr=3e-3, seq_len=64, tokens_per_batch=256, seed=0, warmup=5, precision=precision
+    )
     seen: list[dict[str, float]] = []
     checkpoint = tmp_path / "checkpoint.pt"
     training.train(draft, tiny.model, samples, cfg, checkpoint, lambda step, r: seen.append(dict(r)))
     assert seen[-1]["loss"] < 0.7 * seen[0]["loss"]
     assert seen[-1]["agree1"] > seen[0]["agree1"]
     assert checkpoint.exists()
+    assert training.compute_dtype(precision, torch.device("cpu")) == getattr(torch, precision)
 
 
 def test_train_draft_device_flag_is_checked_before_anything_runs(monkeypatch, capsys, tmp_path):
@@ -131,3 +137,7 @@ def test_training_follows_the_draft_device(tiny, tmp_path):
     more = dataclasses.replace(cfg, steps=3)
     training.train(draft, tiny.model, samples, more, tmp_path / "c.pt")  # resumes at step 2, on the draft's device
     assert torch.load(tmp_path / "c.pt", weights_only=False)["step"] == 3
+    fast = kernels.bf16_arithmetic()
+    assert training.compute_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if fast else torch.float32)
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        training.compute_dtype("fp8", torch.device("cpu"))

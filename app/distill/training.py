@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from app.distill.corpus import Sample
+from app.engine import kernels
 from app.engine.eagle import EagleDraft
 from app.engine.model import Transformer
 
@@ -37,6 +38,21 @@ class TrainConfig:
     regression_weight: float = 0.2
     warmup: int = 50
     checkpoint_every: int = 200
+    # `bfloat16`: autocast; `float32`: no autocast, the corpus states and the borrowed output rows in float32
+    # too; `auto`: bfloat16 on a GPU that has it and a CPU that multiplies it in hardware, else float32 (an
+    # AVX2 CPU's emulated bf16 products are several times slower than its float32 ones).
+    precision: str = "auto"
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype training computes in for `precision` (TrainConfig's) on `device`."""
+    if precision not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"precision {precision!r}: choose auto, bfloat16 or float32")
+    if precision != "auto":
+        return torch.bfloat16 if precision == "bfloat16" else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if kernels.bf16_arithmetic() else torch.float32
 
 
 @dataclass
@@ -46,11 +62,11 @@ class Batch:
     goal: Tensor  # [B, T, dim]: h_(p+1)
     weight: Tensor  # [B, T]: 1 where the loss counts (answer positions), 0 on prompt and padding
 
-    def to(self, device: torch.device) -> Batch:
-        """The batch on `device` (batches are made on the CPU, where the corpus is)."""
-        return Batch(
-            *(t.to(device, non_blocking=True) for t in (self.states, self.next_tokens, self.goal, self.weight))
-        )
+    def to(self, device: torch.device, states_dtype: torch.dtype | None = None) -> Batch:
+        """The batch on `device` (batches are made on the CPU, where the corpus is), its states and goals in
+        `states_dtype` (None: as stored, bf16)."""
+        states, goal = (t.to(device, states_dtype) for t in (self.states, self.goal))
+        return Batch(states, self.next_tokens.to(device), goal, self.weight.to(device))
 
 
 def make_batches(samples: Sequence[Sample], cfg: TrainConfig, rng: random.Random) -> list[Batch]:
@@ -117,6 +133,10 @@ def train(
     (the target's: a GPU's when it runs on one), the batches moved there one by one. Returns the final
     running figures (loss, top-1 agreement of the first and second pass)."""
     dev = next(draft.parameters()).device
+    dtype = compute_dtype(cfg.precision, dev)
+    if dtype == torch.float32:
+        # The borrowed output rows (the target's, bf16, never trained) in float32 with everything else.
+        draft._head_rows = draft._head_rows.float()
     torch.manual_seed(cfg.seed)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -135,11 +155,11 @@ def train(
     while step < cfg.steps:
         if not batches:
             batches = make_batches(samples, cfg, rng)
-        batch = batches.pop().to(dev)
+        batch = batches.pop().to(dev, dtype)
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             with torch.no_grad():
                 teacher = torch.softmax(draft.draft_logits(batch.goal).float(), -1)
             loss1, agree1, guess = _pass_loss(draft, batch.states, batch, teacher, cfg.regression_weight)

@@ -101,6 +101,12 @@ def runs_here(name: str) -> bool:
     return _X86 and _NEEDS[name] <= _cpu()[1]
 
 
+def bf16_arithmetic() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX): elsewhere torch's bf16 matrix
+    products are emulated, several times slower than float32 ones."""
+    return _X86 and bool({"avx512_bf16", "amx_bf16"} & _cpu()[1])
+
+
 def available() -> list[str]:
     """The kernels this CPU can run, best first (whether gcc builds them is found out by `load`)."""
     return [name for name in KERNELS if runs_here(name)]
