@@ -88,8 +88,10 @@ def test_step_batch_gives_every_request_its_tokens_alone(packed_target, target_f
     assert engine.batching == (kernel != "torch")
     params = GenerationParams(max_new_tokens=MAX_NEW)
     jobs = [(p, d) for p, d in zip(prompts, ["f32", "ngram", "none", "f32", "ngram"], strict=True)]
-    if kernel == "torch":  # slow products on some CPUs; three requests show it steps them apart
-        jobs = jobs[:3]
+    if (
+        kernel == "torch"
+    ):  # slow products on some CPUs (the float32 draft most): three requests show it steps them apart
+        jobs = [jobs[1], jobs[2], jobs[4]]
     alone = [_run_alone(engine, p, params, d) for p, d in jobs]
     gens: list[Generation] = []
     batched_forwards = 0
@@ -169,6 +171,8 @@ def test_seeded_sampling_is_target_only_sampling_whatever_the_draft_and_the_batc
         (prompts[3], eagle, "heuristic", 14),
         (prompts[4], "none", None, 15),
     ]
+    if kernel != kernels.available()[0]:  # a lower kernel's bits are generic's (test_kernels): three requests
+        jobs = [jobs[0], jobs[1], jobs[4]]
 
     def params(schedule, seed):
         return GenerationParams(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.95, draft_schedule=schedule, seed=seed)
