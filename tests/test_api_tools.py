@@ -107,7 +107,29 @@ def test_reader_finds_calls_in_every_mode() -> None:
     required = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"city": "X"}}]'
     content, calls, as_whole = _read(_request(tool_choice="required"), list(required))
     assert content is None and calls == [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "X"}')] and as_whole
-    assert _read(_request(tool_choice="required"), ['[{"name": "add", "argu'])[:2] == ('[{"name": "add", "argu', None)
+    # Cut short (max_tokens): the calls as far as they went, the last one's arguments cut (as a named call's);
+    # text that never completed a first name is content. Piece by piece, each call goes out once its name is whole.
+    cut = {
+        '[{"name": "add", "argu': (None, [("add", "")]),
+        '[{"name":"add","arguments":{"a":1,': (None, [("add", '{"a":1,')]),
+        '[{"name":"add","arguments":{"a":"}{\\"","b":2}},{"name":"get_w': (None, [("add", '{"a":"}{\\"","b":2}')]),
+        '[{"name":"ad': ('[{"name":"ad', None),
+        "": ("", None),
+    }
+    for text, expected in cut.items():
+        for pieces in ([text], list(text)):
+            assert _read(_request(tool_choice="required"), pieces) == (*expected, True), text
+    reader = tools.ToolCallReader(_request(tool_choice="required"))
+    assert reader.feed('[{"name":"ad').calls == []
+    head, args = reader.feed('d","arguments":{"a"').calls
+    assert (head.index, head.function.name, head.id is not None, args.function.arguments) == (0, "add", True, '{"a"')
+    assert [c.function.arguments for c in reader.feed(":1}},").calls] == [":1}"]
+    single = '{"name":"add","arguments":{"a":1}}'
+    assert _read(_request(tool_choice="required", parallel_tool_calls=False), list(single)) == (
+        None,
+        [("add", '{"a":1}')],
+        True,
+    )
     named = _request(tool_choice={"type": "function", "function": {"name": "add"}})
     assert _read(named, ['{"a": 1,', ' "b": 2}']) == (None, [("add", '{"a": 1, "b": 2}')], True)
 

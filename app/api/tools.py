@@ -15,7 +15,8 @@ result comes back in a user turn inside ``<tool_response></tool_response>``. Ans
   that does not parse, or names no tool, leaves the whole text as content;
 - `required`: the output is decoded under a JSON schema: an array (one item or more) of
   ``{"name": <a tool's name>, "arguments": <its parameters' schema>}``, a single such object with
-  `parallel_tool_calls` false;
+  `parallel_tool_calls` false; read as it comes: a call is sent once its name is complete, its arguments' text
+  piece by piece (as vLLM streams forced calls);
 - a named function: the output is that function's arguments, decoded under its parameters' schema.
 
 A forced call is compact JSON (no white space between its tokens).
@@ -189,10 +190,111 @@ def _longest_open_prefix(text: str) -> int:
     return 0
 
 
+@dataclass
+class _Forced:
+    """One call of a `required` answer as far as it goes: its name once complete, its arguments' text so far."""
+
+    name: str | None = None
+    arguments: str = ""
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Where the JSON value starting at text[i] ends (the index after it); None when the text ends first."""
+    if i >= len(text):
+        return None
+    if text[i] == '"':
+        j = i + 1
+        while j < len(text):
+            if text[j] == "\\":
+                j += 2
+                continue
+            if text[j] == '"':
+                return j + 1
+            j += 1
+        return None
+    if text[i] in "{[":
+        depth, j, in_string = 0, i, False
+        while j < len(text):
+            c = text[j]
+            if in_string:
+                if c == "\\":
+                    j += 1
+                elif c == '"':
+                    in_string = False
+            elif c == '"':
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(text) and text[j] not in ",}] \t\r\n":
+        j += 1
+    return j if j < len(text) else None  # a number may still go on
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _forced_calls(text: str) -> list[_Forced]:
+    """The calls of a `required` answer's text so far (an array of {"name", "arguments"} objects, or one such
+    object): every call begun, each with its name when that string is complete and its arguments' text, whole
+    or as far as it goes."""
+    calls: list[_Forced] = []
+    i = _skip_space(text, 0)
+    array = i < len(text) and text[i] == "["
+    i = _skip_space(text, i + 1) if array else i
+    while i < len(text) and text[i] == "{":
+        call = _Forced()
+        calls.append(call)
+        i = _skip_space(text, i + 1)
+        while i < len(text) and text[i] == '"':
+            key_end = _value_end(text, i)
+            if key_end is None:
+                return calls
+            try:
+                key = json.loads(text[i:key_end])
+            except json.JSONDecodeError:  # not from the grammar's output; read no further
+                return calls
+            i = _skip_space(text, key_end)
+            if i >= len(text) or text[i] != ":":
+                return calls
+            i = _skip_space(text, i + 1)
+            end = _value_end(text, i)
+            if key == "arguments":
+                call.arguments = text[i : len(text) if end is None else end]
+            elif key == "name" and end is not None:
+                try:
+                    name = json.loads(text[i:end])
+                except json.JSONDecodeError:
+                    return calls
+                call.name = name if isinstance(name, str) else None
+            if end is None:
+                return calls
+            i = _skip_space(text, end)
+            if i < len(text) and text[i] == ",":
+                i = _skip_space(text, i + 1)
+        if i >= len(text) or text[i] != "}" or not array:
+            return calls
+        i = _skip_space(text, i + 1)
+        if i >= len(text) or text[i] != ",":
+            return calls
+        i = _skip_space(text, i + 1)
+    return calls
+
+
 class ToolCallReader:
     """Reads one choice's text, piece by piece as it is generated, into content and tool calls (see the module's
     docstring for each mode). Content that may still turn out to begin a call is held back until it cannot:
-    with `auto`, trailing white space and a partial ``<tool_call>``; with `required`, everything."""
+    with `auto`, trailing white space and a partial ``<tool_call>``; with `required`, the text until the first
+    call's name is complete (then it is all calls)."""
 
     def __init__(self, body: ChatCompletionRequest) -> None:
         self.mode = body.tool_mode()
@@ -203,6 +305,7 @@ class ToolCallReader:
         self._held = ""  # auto: text not yet sent as content; required: the whole output
         self._in_call = False  # auto: a <tool_call> began
         self._gap = ""  # auto: the white space before it, content again if no call parses
+        self._sent: list[int] = []  # required: per call sent, how much of its arguments' text was
 
     def feed(self, text: str) -> Delta:
         """The content and call pieces `text`, the next piece of the output, makes sure of."""
@@ -217,7 +320,9 @@ class ToolCallReader:
                 return Delta(calls=[head, *self._arguments(text)])
             return Delta(calls=self._arguments(text))
         self._held += text
-        if self.mode == "required" or self._in_call:
+        if self.mode == "required":
+            return Delta(calls=self._forced_pieces())
+        if self._in_call:
             return Delta()
         start = self._held.find(OPEN)
         if start >= 0:
@@ -234,17 +339,37 @@ class ToolCallReader:
     def _arguments(self, text: str) -> list[ToolCallDelta]:
         return [ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))] if text else []
 
+    def _forced_pieces(self) -> list[ToolCallDelta]:
+        """`required`: what the held text adds to the calls sent so far (a new call once its name is complete)."""
+        out: list[ToolCallDelta] = []
+        calls = _forced_calls(self._held)
+        for i, call in enumerate(calls[:1] if self.single else calls):
+            if call.name is None:
+                break  # calls go out in order, each once its name is known
+            if i == len(self._sent):
+                self._sent.append(0)
+                self.called = True
+                head = FunctionCallDelta(name=call.name, arguments="")
+                out.append(ToolCallDelta(index=i, id=_call_id(), type="function", function=head))
+            piece = call.arguments[self._sent[i] :]
+            if piece:
+                self._sent[i] = len(call.arguments)
+                out.append(ToolCallDelta(index=i, function=FunctionCallDelta(arguments=piece)))
+        return out
+
     def finish(self) -> Delta:
         """What is left at the end of the output: the held text as calls, or as content when it is none."""
         if self.mode == "named":
             return self.feed("") if not self.called else Delta()
         if self.mode == "none":
             return Delta()
+        if self.mode == "required":
+            # Calls went out as they came (the last one's arguments cut if the output was); text that never
+            # became a call (cut before the first name was complete) is the answer's content.
+            return Delta(content="" if self._sent else self._held)
         held, self._held = self._held, ""
-        calls = _required_calls(held, self.names) if self.mode == "required" else _auto_calls(held, self.names)
+        calls = _auto_calls(held, self.names)
         if calls is None:
-            if self.mode == "required":
-                return Delta(content=held)
             return Delta(content=self._gap + held if self._in_call else held.rstrip())
         if self.single:
             calls = calls[:1]
@@ -266,15 +391,6 @@ def _one_call(value: Any, names: set[str]) -> tuple[str, str] | None:
     if not isinstance(args, dict):
         return None
     return value["name"], json.dumps(args, ensure_ascii=False)
-
-
-def _required_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None  # cut short (length, a stop string)
-    calls = [_one_call(v, names) for v in (value if isinstance(value, list) else [value])]
-    return None if not calls or None in calls else calls  # type: ignore[return-value]
 
 
 def _auto_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None:
