@@ -243,51 +243,39 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-def _forced_calls(text: str) -> list[_Forced]:
-    """The calls of a `required` answer's text so far (an array of {"name", "arguments"} objects, or one such
-    object): every call begun, each with its name when that string is complete and its arguments' text, whole
-    or as far as it goes."""
-    calls: list[_Forced] = []
-    i = _skip_space(text, 0)
-    array = i < len(text) and text[i] == "["
-    i = _skip_space(text, i + 1) if array else i
-    while i < len(text) and text[i] == "{":
-        call = _Forced()
-        calls.append(call)
+def _forced_call(text: str, i: int) -> tuple[_Forced, int | None]:
+    """The call of a `required` answer whose object begins at text[i] (``{``): its name once that string is
+    complete and its arguments' text, whole or as far as it goes; and the index after its closing brace (None
+    while the text has not closed it)."""
+    call = _Forced()
+    i = _skip_space(text, i + 1)
+    while i < len(text) and text[i] == '"':
+        key_end = _value_end(text, i)
+        if key_end is None:
+            return call, None
+        try:
+            key = json.loads(text[i:key_end])
+        except json.JSONDecodeError:  # not from the grammar's output; read no further
+            return call, None
+        i = _skip_space(text, key_end)
+        if i >= len(text) or text[i] != ":":
+            return call, None
         i = _skip_space(text, i + 1)
-        while i < len(text) and text[i] == '"':
-            key_end = _value_end(text, i)
-            if key_end is None:
-                return calls
+        end = _value_end(text, i)
+        if key == "arguments":
+            call.arguments = text[i : len(text) if end is None else end]
+        elif key == "name" and end is not None:
             try:
-                key = json.loads(text[i:key_end])
-            except json.JSONDecodeError:  # not from the grammar's output; read no further
-                return calls
-            i = _skip_space(text, key_end)
-            if i >= len(text) or text[i] != ":":
-                return calls
+                name = json.loads(text[i:end])
+            except json.JSONDecodeError:
+                return call, None
+            call.name = name if isinstance(name, str) else None
+        if end is None:
+            return call, None
+        i = _skip_space(text, end)
+        if i < len(text) and text[i] == ",":
             i = _skip_space(text, i + 1)
-            end = _value_end(text, i)
-            if key == "arguments":
-                call.arguments = text[i : len(text) if end is None else end]
-            elif key == "name" and end is not None:
-                try:
-                    name = json.loads(text[i:end])
-                except json.JSONDecodeError:
-                    return calls
-                call.name = name if isinstance(name, str) else None
-            if end is None:
-                return calls
-            i = _skip_space(text, end)
-            if i < len(text) and text[i] == ",":
-                i = _skip_space(text, i + 1)
-        if i >= len(text) or text[i] != "}" or not array:
-            return calls
-        i = _skip_space(text, i + 1)
-        if i >= len(text) or text[i] != ",":
-            return calls
-        i = _skip_space(text, i + 1)
-    return calls
+    return call, (i + 1 if i < len(text) and text[i] == "}" else None)
 
 
 class ToolCallReader:
@@ -305,7 +293,13 @@ class ToolCallReader:
         self._held = ""  # auto: text not yet sent as content; required: the whole output
         self._in_call = False  # auto: a <tool_call> began
         self._gap = ""  # auto: the white space before it, content again if no call parses
-        self._sent: list[int] = []  # required: per call sent, how much of its arguments' text was
+        # required: whether the answer is an array of calls (None until its first character); the calls closed so
+        # far and where the text after the last of them begins (a closed call is read once, not at every piece);
+        # how much of the open call's arguments was sent (None: not even its head)
+        self._array: bool | None = None
+        self._closed = 0
+        self._after = 0
+        self._open_sent: int | None = None
 
     def feed(self, text: str) -> Delta:
         """The content and call pieces `text`, the next piece of the output, makes sure of."""
@@ -342,20 +336,36 @@ class ToolCallReader:
     def _forced_pieces(self) -> list[ToolCallDelta]:
         """`required`: what the held text adds to the calls sent so far (a new call once its name is complete)."""
         out: list[ToolCallDelta] = []
-        calls = _forced_calls(self._held)
-        for i, call in enumerate(calls[:1] if self.single else calls):
+        text = self._held
+        if self._array is None:
+            i = _skip_space(text, 0)
+            if i == len(text):
+                return out
+            self._array = text[i] == "["
+            self._after = i + 1 if self._array else i
+        while True:
+            i = _skip_space(text, self._after)
+            if self._closed:  # another call only in an array, once its comma has come
+                if self.single or not self._array or i >= len(text) or text[i] != ",":
+                    return out
+                i = _skip_space(text, i + 1)
+            if i >= len(text) or text[i] != "{":
+                return out
+            call, end = _forced_call(text, i)
             if call.name is None:
-                break  # calls go out in order, each once its name is known
-            if i == len(self._sent):
-                self._sent.append(0)
+                return out  # calls go out in order, each once its name is known
+            if self._open_sent is None:
+                self._open_sent = 0
                 self.called = True
                 head = FunctionCallDelta(name=call.name, arguments="")
-                out.append(ToolCallDelta(index=i, id=_call_id(), type="function", function=head))
-            piece = call.arguments[self._sent[i] :]
+                out.append(ToolCallDelta(index=self._closed, id=_call_id(), type="function", function=head))
+            piece = call.arguments[self._open_sent :]
             if piece:
-                self._sent[i] = len(call.arguments)
-                out.append(ToolCallDelta(index=i, function=FunctionCallDelta(arguments=piece)))
-        return out
+                out.append(ToolCallDelta(index=self._closed, function=FunctionCallDelta(arguments=piece)))
+            if end is None:
+                self._open_sent = len(call.arguments)
+                return out
+            self._closed, self._after, self._open_sent = self._closed + 1, end, None
 
     def finish(self) -> Delta:
         """What is left at the end of the output: the held text as calls, or as content when it is none."""
@@ -366,7 +376,7 @@ class ToolCallReader:
         if self.mode == "required":
             # Calls went out as they came (the last one's arguments cut if the output was); text that never
             # became a call (cut before the first name was complete) is the answer's content.
-            return Delta(content="" if self._sent else self._held)
+            return Delta(content="" if self.called else self._held)
         held, self._held = self._held, ""
         calls = _auto_calls(held, self.names)
         if calls is None:
