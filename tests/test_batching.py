@@ -88,9 +88,8 @@ def test_step_batch_gives_every_request_its_tokens_alone(packed_target, target_f
     assert engine.batching == (kernel != "torch")
     params = GenerationParams(max_new_tokens=MAX_NEW)
     jobs = [(p, d) for p, d in zip(prompts, ["f32", "ngram", "none", "f32", "ngram"], strict=True)]
-    if (
-        kernel == "torch"
-    ):  # slow products on some CPUs (the float32 draft most): three requests show it steps them apart
+    # torch's path: slow products on some CPUs (the float32 draft most); three requests show it steps them apart.
+    if kernel == "torch":
         jobs = [jobs[1], jobs[2], jobs[4]]
     alone = [_run_alone(engine, p, params, d) for p, d in jobs]
     gens: list[Generation] = []
