@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.model import KVCache, ModelConfig
+from app.engine import model as model_module
+from app.engine.model import KVCache, ModelConfig, PackedLinear
+from tests.conftest import use_kernel
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -193,3 +195,23 @@ def test_model_config_defaults_validation_and_round_trip():
     d = full.to_dict()
     assert d["eos_token_ids"] == [2, 7]
     assert ModelConfig.from_dict(d) == full
+
+
+def test_weights_counts_onednn_packed_weights_without_touching_their_storage(make_tiny_model, monkeypatch):
+    """Where oneDNN reorders bf16 weights (AVX512-BF16, AMX CPUs), the torch path's packed weights are opaque
+    tensors, whose storage cannot be asked about (issue 29: `weights()` raised, so loading and `bench --kernels`
+    failed there). Any CPU makes such tensors (`to_mkldnn`), so the pack is made to produce them, as there."""
+    model = make_tiny_model(seed=0, tie_embeddings=True).to(torch.bfloat16)
+    cfg = model.config
+    unpacked = sum(p.numel() for p in model.parameters()) * 2  # bf16 bytes; the tied head is the embedding
+    monkeypatch.setattr(model_module, "_onednn_packs", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda weight: weight.to_mkldnn())
+    with use_kernel("torch"):
+        assert model.pack()
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 4 * cfg.n_layers + 1
+    assert all(m.packed is not None and m.packed.is_mkldnn and m.weight is None for m in packed)
+    with pytest.raises(NotImplementedError):  # what the old count did with them
+        packed[0].packed.untyped_storage()
+    # Every matrix once, as its packed copy, plus the head's own copy of the embedding it was tied to.
+    assert model.weights() == ("bfloat16", unpacked + cfg.vocab_size * cfg.dim * 2)

@@ -554,7 +554,7 @@ class Transformer(nn.Module):
         """What the decoder's weights run as (`bfloat16`, `float32`, or the GGUF formats computed on, as
         `Q8_0+Q4_1`, with `+bfloat16` where some matrices are not) and the bytes they hold (each memory once:
         a tied head computed on the embedding's blocks costs nothing more)."""
-        held: dict[int, int] = {}
+        held: dict[tuple[str, int], int] = {}
         formats: dict[str, None] = {}
         plain = False
         for module in self.modules():
@@ -571,8 +571,14 @@ class Transformer(nn.Module):
                 formats.update(dict.fromkeys(quantized.formats))
                 tensors += [data for _, data in quantized.segments]
             for t in tensors:
-                if t.device.type != "meta":
-                    held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                if t.device.type == "meta":
+                    continue
+                if t.is_mkldnn:
+                    # oneDNN's opaque layout (a weight it reordered) has no storage to ask about (asking raises)
+                    # and shares its memory with no other tensor: the tensor itself is the memory.
+                    held["opaque", id(t)] = t.numel() * t.element_size()
+                else:
+                    held["storage", t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         dtype = str(self.dtype).removeprefix("torch.")
         if not formats:
             return dtype, sum(held.values())
