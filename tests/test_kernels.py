@@ -221,13 +221,13 @@ def test_amx_stays_within_a_stated_bound_of_the_generic_kernel() -> None:
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=0.02 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("name", kernels.KERNELS)
+@pytest.mark.parametrize("name", [*kernels.KERNELS, *kernels.STAND_INS])
 def test_every_kernel_source_compiles(name: str, tmp_path: Path) -> None:
     """Kernels this CPU cannot run are still compiled, so that a change that breaks one shows here too."""
     gcc = shutil.which("gcc")
     assert gcc is not None, "the kernels need gcc (the Makefile and the Docker image install it)"
     here = Path(kernels.__file__).parent
-    cmd = [gcc, *kernels._COMMON, *kernels._FLAGS[name], f"-I{here}", str(here / f"{name}.c")]
+    cmd = [gcc, *kernels._COMMON, *kernels._FLAGS[name], f"-I{here}", str(here / f"{kernels.source(name)}.c")]
     done = subprocess.run([*cmd, "-o", str(tmp_path / "k.so"), "-Wall", "-Werror"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 

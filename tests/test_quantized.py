@@ -14,6 +14,10 @@ super-block scales in a range that keeps the values O(1)).
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -152,6 +156,8 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
         bias = torch.randn(40, generator=g).bfloat16()
         out += [kern.qlinear(weight, bias)(x), kern.qlinear(weight, None)(x[:11], norm=norm_w, eps=1e-5)]
         out.append(kern.qlinear(weight, None)(gate_up, swiglu=True, residual=residual))
+        # Every tile shape of a step and a verification: 1 row (4 columns), 2, 5 and 6 (4 + a rest).
+        out += [kern.qlinear(weight, bias)(x[:rows]) for rows in (1, 2, 5, 6)]
     return out
 
 
@@ -160,6 +166,83 @@ def test_portable_kernels_give_the_generic_kernels_bits(name: str) -> None:
     """Every format, plain and fused, few rows and many: the SIMD kernels compute quant.h's arithmetic exactly."""
     for got, want in zip(_everything(kernels.load(name)), _everything(kernels.load("generic")), strict=True):
         assert torch.equal(got, want)
+
+
+def test_the_vnni_kernels_code_gives_the_generic_kernels_bits_through_its_stand_in() -> None:
+    """The VNNI kernels' integer tiles, run on any AVX2 CPU: the avx2 source built with dot4.h's plain-integer
+    twin of VPDPBUSD (exact for any bytes) in place of the instruction gives the generic kernel's bits. Where the
+    CPU has VNNI, the kernels themselves run in the test above (and their instruction below)."""
+    if not kernels.runs_here("vnni-twin"):
+        assert "avx2" not in HERE
+        return  # no AVX2: the stand-in cannot run (its source still compiles: test_kernels)
+    twin = kernels.load("vnni-twin")
+    assert twin.dot == "twin" and kernels.load("avx2").dot == "avx2"
+    for got, want in zip(_everything(twin), _everything(kernels.load("generic")), strict=True):
+        assert torch.equal(got, want)
+
+
+# The flags that select each of dot4.h's ways, and the CPU flag it needs to run.
+_DOT_WAYS = {
+    "avx2": (["-mavx2"], "avx2"),
+    "twin": (["-mavx2", "-DSK_DOT_TWIN"], "avx2"),
+    "avxvnni": (["-mavx2", "-mavxvnni"], "avx_vnni"),
+    "avx512vnni": (["-mavx512f", "-mavx512vl", "-mavx512vnni", "-mavx2"], "avx512_vnni"),
+}
+
+_DOT_PROGRAM = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include "dot4.h"
+int main(int argc, char **argv) {
+    int limited = atoi(argv[1]), bad = 0;
+    srand(7);
+    for (int t = 0; t < 20000; t++) {
+        uint8_t a[32]; int8_t b[32]; int32_t acc[8], got[8];
+        for (int i = 0; i < 32; i++) {
+            /* limited: the operands of quant.h's formats (|w| <= 128 unsigned, |x| <= 127), where the AVX2 way is
+               exact; else any bytes, extremes included. */
+            a[i] = limited ? (uint8_t)(rand() % 129) : (uint8_t)(t % 7 == 0 ? 255 : rand());
+            b[i] = limited ? (int8_t)(rand() % 255 - 127) : (int8_t)(t % 5 == 0 ? -128 : rand());
+        }
+        for (int j = 0; j < 8; j++) acc[j] = rand() - RAND_MAX / 2;
+        __m256i r = q_dot4(_mm256_loadu_si256((const __m256i *)acc), _mm256_loadu_si256((const __m256i *)a),
+                           _mm256_loadu_si256((const __m256i *)b));
+        _mm256_storeu_si256((__m256i *)got, r);
+        for (int j = 0; j < 8; j++) {
+            int32_t want = acc[j];
+            for (int i = 4 * j; i < 4 * j + 4; i++) want += (int32_t)a[i] * (int32_t)b[i];
+            bad += got[j] != want;
+        }
+    }
+    printf("%s %d\n", sk_dot_kind(), bad);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("way", list(_DOT_WAYS))
+def test_each_way_to_the_dot_products_is_exact(way: str, tmp_path: Path) -> None:
+    """dot4.h's q_dot4 against plain integers: VPDPBUSD (AVX512-VNNI, AVX-VNNI) and its stand-in for any bytes, the
+    AVX2 pair of instructions for the operands the formats give. Built on every CPU; run where it has the
+    instruction."""
+    flags, needs = _DOT_WAYS[way]
+    gcc = shutil.which("gcc")
+    assert gcc is not None
+    source = tmp_path / "dot.c"
+    source.write_text(_DOT_PROGRAM)
+    here = Path(kernels.__file__).parent
+    exe = tmp_path / "dot"
+    built = subprocess.run(
+        [gcc, "-O2", *flags, f"-I{here}", str(source), "-o", str(exe)], capture_output=True, text=True
+    )
+    assert built.returncode == 0, built.stderr
+    if needs not in kernels._cpu()[1]:
+        return  # compiled; this CPU cannot run the instruction
+    for limited in ("1", "0") if way != "avx2" else ("1",):
+        ran = subprocess.run([str(exe), limited], capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.split() == [way, "0"]
 
 
 # One tiny model per format (tied and untied heads alternating), the oracle running its exact values in float32.

@@ -342,7 +342,8 @@ def test_cli_list(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert row.split()[7:10] == runs_as, (weights, kernel)
     from app.engine.loading import auto_native
 
-    assert [auto_native(k) for k in ("amx", "avx512", "avx2", "generic", "torch")] == [False, True, True, False, False]
+    kinds = ("amx", "avx512vnni", "avx512", "avxvnni", "avx2", "generic", "torch")
+    assert [auto_native(k) for k in kinds] == [False, True, True, True, True, False, False]
 
 
 def test_cli_unknown_name_is_one_error_line(empty_cache: Path) -> None:

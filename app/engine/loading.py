@@ -24,8 +24,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # (activations bfloat16); `bf16` / `float32` dequantized at load to that dtype; `auto`: native on the kernels
 # below (dtype auto or bfloat16), else dequantized to the dtype. The generic kernel's integer products are plain
 # C, three times slower than its bf16 ones (docs/bench); amx multiplies bf16 rows in tiles, so a verification's
-# rows cost little there, while the integer products cost per row (docs/bench, issue 22).
-AUTO_NATIVE_KERNELS = frozenset({"avx2", "avx512"})
+# rows cost little there, while the integer products cost per row (docs/bench, issue 22). The VNNI builds of
+# avx2 and avx512 take the integer products' dot products in one instruction.
+AUTO_NATIVE_KERNELS = frozenset({"avx2", "avxvnni", "avx512", "avx512vnni"})
 
 
 def auto_native(kernel: str) -> bool:

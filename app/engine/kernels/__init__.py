@@ -40,28 +40,46 @@ from app.engine.quantized import FORMATS, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("amx", "avx512", "avx2", "generic")
+KERNELS = ("amx", "avx512vnni", "avx512", "avxvnni", "avx2", "generic")
 CHOICES = ("auto", *KERNELS, "torch")
+# A test-only build: the avx2 source with dot4.h's exact plain-integer stand-in for VPDPBUSD, so that the code the
+# VNNI kernels run is checked bit for bit on a CPU without VNNI. Loadable by `load`, never selected.
+STAND_INS = ("vnni-twin",)
 
 _HERE = Path(__file__).parent
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
+# The C file each kernel compiles (the VNNI kernels are their family's source built with VPDPBUSD; dot4.h).
+_SOURCE = {"avx512vnni": "avx512", "avxvnni": "avx2", "vnni-twin": "avx2"}
 # CPU flags (as /proc/cpuinfo names them) each kernel needs.
 _NEEDS = {
-    "amx": {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"},
+    "amx": {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512_vnni", "avx512vl"},
+    "avx512vnni": {"avx512f", "avx512_vnni", "avx512vl", "avx2", "fma", "f16c"},
     "avx512": {"avx512f", "avx2", "fma", "f16c"},
+    "avxvnni": {"avx_vnni", "avx2", "fma", "f16c"},
     "avx2": {"avx2", "fma", "f16c"},
+    "vnni-twin": {"avx2", "fma", "f16c"},
     "generic": set(),
 }
 # -ffp-contract=off: the portable kernels' bits are defined by explicit fused multiply-adds only.
+_AVX512 = ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 _FLAGS = {
-    "amx": ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma", "-mf16c"],
-    "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
+    "amx": ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma", "-mf16c", "-mavx512vnni", "-mavx512vl"],
+    "avx512vnni": [*_AVX512, "-mavx512vnni", "-mavx512vl"],
+    "avx512": _AVX512,
+    "avxvnni": [*_AVX2, "-mavxvnni"],
+    "avx2": _AVX2,
+    "vnni-twin": [*_AVX2, "-DSK_DOT_TWIN"],
     "generic": ["-ffp-contract=off"],
 }
 _COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # What every kernel's source includes (part of the build key).
-_HEADERS = ("common.h", "quant.h", "quant_avx2.h", "layers.h")
+_HEADERS = ("common.h", "quant.h", "quant_avx2.h", "dot4.h", "layers.h")
+
+
+def source(name: str) -> str:
+    """The C source (without .c) kernel `name` compiles: its own, or its family's for a VNNI build."""
+    return _SOURCE.get(name, name)
 
 
 class KernelUnavailable(RuntimeError):
@@ -159,7 +177,7 @@ def _build(name: str, gcc: str, flags: list[str], target: Path) -> None:
         out = Path(tmp) / target.name
         # Link the libgomp torch loaded, by path: one OpenMP runtime, one pool of threads.
         openmp = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else ["-lgomp"]
-        cmd = [gcc, *_COMMON, *flags, f"-I{_HERE}", str(_HERE / f"{name}.c"), "-o", str(out), *openmp, "-lm"]
+        cmd = [gcc, *_COMMON, *flags, f"-I{_HERE}", str(_HERE / f"{source(name)}.c"), "-o", str(out), *openmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise KernelUnavailable(f"gcc failed to build the {name} kernel: {done.stderr.strip()[:500]}")
@@ -182,6 +200,9 @@ class Kernel:
 
     def __init__(self, name: str, lib: ctypes.CDLL, path: Path) -> None:
         self.name = name
+        # The C source it was built from: what decides the weights' layout (a VNNI build lays them out as its
+        # family does).
+        self.source = source(name)
         self.path = path
         self._lib = lib
         pointer, integer = ctypes.c_void_p, ctypes.c_int
@@ -206,6 +227,17 @@ class Kernel:
     def qlinear(self, weight: QuantizedWeight, bias: Tensor | None) -> QuantLinear:
         """`weight` [N, K]: GGUF blocks (see `app.engine.quantized`), computed on as they are."""
         return QuantLinear(self, weight, bias)
+
+    @property
+    def dot(self) -> str | None:
+        """How its integer products take their 4-byte dot products (dot4.h): `avx512vnni`, `avxvnni`, `avx2`
+        or `twin`; None for the generic kernel (plain C)."""
+        try:
+            kind = self._lib.sk_dot_kind
+        except AttributeError:
+            return None
+        kind.restype = ctypes.c_char_p
+        return kind().decode()
 
     @property
     def trees(self) -> bool:
@@ -394,13 +426,13 @@ class KernelLinear:
         pad = -n % 64
         if pad:  # zero columns, cut off again in __call__
             weight = torch.cat([weight, weight.new_zeros(pad, k)])
-        if kernel.name == "amx":
+        if kernel.source == "amx":
             # [N, K] -> [N/16, K/2, 16, 2]: for each 16-column block, input pairs of each column side by side.
             self.weight = weight.reshape(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         else:
             # [N, K] -> [N/W, K, W/2, 2] (see common.h): a block of W columns read as one stream, input by input,
             # columns i and W/2 + i side by side.
-            width = 32 if kernel.name == "avx512" else 16
+            width = 32 if kernel.source == "avx512" else 16
             self.weight = weight.reshape(-1, 2, width // 2, k).permute(0, 3, 2, 1).contiguous()
         self.bias = None
         if bias is not None:
@@ -515,7 +547,7 @@ class QuantLinear:
 def load(name: str, cache_dir: Path | None = None) -> Kernel:
     """Kernel `name`, built at first use into `cache_dir` (None: a private temporary directory) and kept there,
     loaded once per directory; raises KernelUnavailable where it cannot run here."""
-    if name not in KERNELS:
+    if name not in KERNELS and name not in STAND_INS:
         raise ValueError(f"unknown kernel {name!r}; kernels: {', '.join(KERNELS)}")
     if not runs_here(name):
         need = " ".join(sorted(_NEEDS[name])) if _X86 else "an x86-64 CPU"
@@ -523,7 +555,7 @@ def load(name: str, cache_dir: Path | None = None) -> Kernel:
         raise KernelUnavailable(f"the {name} kernel needs {need}; this CPU ({cpu}) lacks it")
     gcc, version = _compiler()
     flags = _flags(name, gcc)
-    sources = "".join((_HERE / f).read_text() for f in (*_HEADERS, f"{name}.c"))
+    sources = "".join((_HERE / f).read_text() for f in (*_HEADERS, f"{source(name)}.c"))
     key_text = f"{sources}{_COMMON}{flags}{version}{_cpu()}{_torch_gomp()}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = (cache_dir or _private_dir()) / f"{name}_{key}.so"

@@ -178,25 +178,41 @@ static inline int sk_q_int(int type) {
 }
 
 /* Quantized activation rows: xq [m][k], and per row and block dx, S [m][k / 32]; x4 [m][k / 32][8]: the sums
-   of xq over each lane's 4 inputs (what Q4_0 and Q5_0 subtract 8 or 16 times). One allocation, freed by
+   of xq over each lane's 4 inputs (what Q4_0 and Q5_0 subtract 8 or 16 times); dt, st [k / 32][mp]: dx and S
+   again, block-major with the rows side by side (mp: m rounded up to 4, zeros past m), so that a SIMD tile
+   loads a block's values for 4 rows at once (sk_qrows_transpose fills them). One allocation, freed by
    sk_qrows_free. */
 typedef struct {
     int8_t *q;
-    float *d, *s;
+    float *d, *s, *dt, *st;
     int32_t *x4;
-    int k;
+    int k, mp;
 } sk_qrows;
 
 static inline sk_qrows sk_qrows_alloc(int m, int k) {
-    size_t blocks = (size_t)m * (k / 32), bytes = (size_t)m * k + blocks * (8 + 32);
+    size_t nb = (size_t)(k / 32), blocks = (size_t)m * nb, mp = ((size_t)m + 3) / 4 * 4;
+    size_t bytes = (size_t)m * k + blocks * (8 + 32) + nb * mp * 8;
     uint8_t *p = aligned_alloc(64, (bytes + 127) / 64 * 64 + 64);
     sk_qrows r;
     r.x4 = (int32_t *)p;
     r.d = (float *)(p + blocks * 32);
     r.s = r.d + blocks;
-    r.q = (int8_t *)(r.s + blocks);
+    r.dt = r.s + blocks;
+    r.st = r.dt + nb * mp;
+    r.q = (int8_t *)(r.st + nb * mp);
     r.k = k;
+    r.mp = (int)mp;
     return r;
+}
+
+/* dt, st from d, s (after every row is quantized). */
+static inline void sk_qrows_transpose(sk_qrows *r, int m) {
+    int nb = r->k / 32;
+    for (int b = 0; b < nb; b++)
+        for (int i = 0; i < r->mp; i++) {
+            r->dt[(size_t)b * r->mp + i] = i < m ? r->d[(size_t)i * nb + b] : 0.0f;
+            r->st[(size_t)b * r->mp + i] = i < m ? r->s[(size_t)i * nb + b] : 0.0f;
+        }
 }
 
 static inline void sk_qrows_free(sk_qrows *r) { free(r->x4); }
@@ -306,6 +322,7 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
     if (integer) {
         xq = sk_qrows_alloc(m, k);
         for (int r = 0; r < m; r++) quantize(x + (size_t)r * k, &xq, r);
+        sk_qrows_transpose(&xq, m);
     } else {
         xf = aligned_alloc(64, (sizeof(float) * (size_t)m * k + 63) / 64 * 64);
         sk_widen_rows(x, (size_t)m * k, xf);

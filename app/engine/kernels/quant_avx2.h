@@ -10,6 +10,7 @@
 #define SPECSERVE_KERNEL_QUANT_AVX2_H
 
 #include <immintrin.h>
+#include "dot4.h"
 #include "quant.h"
 
 #define QINLINE static inline __attribute__((always_inline))
@@ -348,25 +349,15 @@ static void q8_quantize_row(const uint16_t *x, const sk_qrows *rows, int r) {
     }
 }
 
-/* Block b's weights as 32 bytes in input order (unsigned q for all but Q8_0, whose are signed), d and m. */
-QINLINE __m256i q8_weights(int type, const uint8_t *b, float *d, float *m) {
-    if (type == SK_Q8_0) {
-        *d = q_half(b);
-        return _mm256_loadu_si256((const __m256i *)(b + 2));
-    }
+/* Block b's weights as 32 bytes in input order (unsigned q for all but Q8_0, whose are signed); its scale d
+   (and offset m) are the tile's to read. */
+QINLINE __m256i q8_weights(int type, const uint8_t *b) {
+    if (type == SK_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
     int off = type == SK_Q4_0 ? 2 : type == SK_Q4_1 ? 4 : type == SK_Q5_0 ? 6 : 8;
-    if (type == SK_Q4_1 || type == SK_Q5_1) {
-        int32_t both;
-        memcpy(&both, b, 4);
-        __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
-        *d = _mm_cvtss_f32(f);
-        *m = _mm_cvtss_f32(_mm_movehdup_ps(f));
-    } else {
-        *d = q_half(b);
-    }
-    __m128i v = _mm_loadu_si128((const __m128i *)(b + off)), low = _mm_set1_epi8(15);
-    __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, low)),
-                                        _mm_and_si128(_mm_srli_epi16(v, 4), low), 1);
+    /* The 16 bytes in both halves, the upper half shifted right by 4 (its 64-bit words: each byte's high
+       nibble lands in its own low nibble), then every byte's low nibble: inputs 0-15, then 16-31. */
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + off)));
+    __m256i q = _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
     if (type == SK_Q5_0 || type == SK_Q5_1) {
         uint32_t qh;
         memcpy(&qh, b + (type == SK_Q5_0 ? 2 : 4), 4);
@@ -379,52 +370,87 @@ QINLINE __m256i q8_weights(int type, const uint8_t *b, float *d, float *m) {
     return q;
 }
 
+#ifndef Q8_ROWS
+#define Q8_ROWS 4
+#endif
+
 #ifndef Q8_AHEAD
 #define Q8_AHEAD 2
 #endif
 
-/* R rows (from r0) x C columns (w: row_bytes apart) -> sums [R][C]. */
+/* Lane i of v in every lane. */
+QINLINE __m256 q8_lane(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
+
+/* R rows (from r0) x C columns (w: row_bytes apart) -> sums [R][C], R <= 4, C <= 4, R * C <= 8.
+
+   Per block: each column's weights are unpacked once for the R rows; the R * C scales d * dx come from one
+   vector product (lane c * R + r: column c's d times row r's dx, rounded once as quant.h's scalar) and go
+   through memory to be broadcast by loads, so that a (row, column) costs one q_dot4 (dot4.h), one conversion
+   and one fused multiply-add. Q4_0 and Q5_0 start the integer sum at -8 or -16 times the lane's activation
+   sum (x4): the weights' zero point costs nothing per column with VNNI. Q4_1 and Q5_1's offsets run as one
+   more vector of the same lanes, each the scalar chain o = fma(m, S, o) of its (row, column). The
+   accumulators are named variables, slot i = r * C + c, not an array: gcc writes an array of them back to
+   the stack at every block. */
 QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
-    int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
-    int offset = type == SK_Q4_1 || type == SK_Q5_1, shift = type == SK_Q4_0 ? 3 : 4;
-    __m256 acc[4][4];
-    float o[4][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps(), o[r][c] = 0.0f;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type), mp = xq->mp;
+    const int offset = type == SK_Q4_1 || type == SK_Q5_1, zeroed = type == SK_Q4_0 || type == SK_Q5_0;
+    const int shift = type == SK_Q4_0 ? 3 : 4;
+    const int8_t *xrows = xq->q + (size_t)r0 * k;          /* row r, block b: xrows + r * k + 32 b */
+    const float *dxt = xq->dt + r0, *st = xq->st + r0;     /* block b, row r: [b * mp + r] */
+    const int32_t *x4 = xq->x4 + (size_t)r0 * nb * 8;       /* row r, block b: x4 + (r * nb + b) * 8 */
+    const __m256 z = _mm256_setzero_ps();
+    __m256 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, ov = z;
+    /* Lane i = c * R + r: its row r (among a block's rows' dx and S) and the places of column c's d and m
+       among the columns' [d, m] float16 pairs (2c, 2c + 1). */
+    int row_of[8], d_of[8], m_of[8];
+    for (int i = 0; i < 8; i++) row_of[i] = i % R, d_of[i] = 2 * ((i / R) % C), m_of[i] = d_of[i] + 1;
+    const __m256i lrow = _mm256_loadu_si256((const __m256i *)row_of);
+    const __m256i ld = _mm256_loadu_si256((const __m256i *)d_of), lm = _mm256_loadu_si256((const __m256i *)m_of);
+    float dd[8] __attribute__((aligned(32)));
     for (int b = 0; b < nb; b++) {
-        __m256i wq[4], wa[4];
-        float d[4], m[4];
+        __m256i wq[4], wa[4], init[4];
+        int32_t head[4] = {0, 0, 0, 0};
         for (int c = 0; c < C; c++) {
             const uint8_t *blk = w + c * row_bytes + (size_t)b * bytes;
             /* A column's row is a few cache lines, too short a stream for the hardware prefetcher to learn:
                ask for the columns two tiles ahead. */
             _mm_prefetch((const char *)(blk + Q8_AHEAD * C * row_bytes), _MM_HINT_T0);
-            wq[c] = q8_weights(type, blk, &d[c], &m[c]);
+            wq[c] = q8_weights(type, blk);
             if (type == SK_Q8_0) wa[c] = _mm256_abs_epi8(wq[c]);
+            memcpy(&head[c], blk, 4);  /* d, and m where the format has one (else two bytes of quants) */
+        }
+        __m256 pairs = _mm256_cvtph_ps(_mm_setr_epi32(head[0], head[1], head[2], head[3]));
+        __m256 rows = _mm256_castps128_ps256(_mm_loadu_ps(dxt + (size_t)b * mp));
+        _mm256_store_ps(dd, _mm256_mul_ps(_mm256_permutevar8x32_ps(pairs, ld), _mm256_permutevar8x32_ps(rows, lrow)));
+        if (offset) {
+            __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(st + (size_t)b * mp)), lrow);
+            ov = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(pairs, lm), sv, ov);
         }
         for (int r = 0; r < R; r++) {
-            size_t at = (size_t)(r0 + r) * nb + b;
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq->q + (size_t)(r0 + r) * k + 32 * b));
-            float dx = xq->d[at];
-            __m256i x4 = _mm256_setzero_si256();
-            if (type == SK_Q4_0 || type == SK_Q5_0) x4 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xq->x4 + at * 8)), shift);
-            for (int c = 0; c < C; c++) {
-                __m256i p = type == SK_Q8_0 ? _mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(x, wq[c]))
-                                            : _mm256_maddubs_epi16(wq[c], x);
-                __m256i i32 = _mm256_madd_epi16(p, ones);
-                if (type == SK_Q4_0 || type == SK_Q5_0) i32 = _mm256_sub_epi32(i32, x4);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c] * dx), _mm256_cvtepi32_ps(i32), acc[r][c]);
-                if (offset) o[r][c] = fmaf(m[c], xq->s[at], o[r][c]);
-            }
+            init[r] = _mm256_setzero_si256();
+            if (zeroed)
+                init[r] = _mm256_sub_epi32(init[r], _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x4 + ((size_t)r * nb + b) * 8)), shift));
         }
+#define Q8_SLOT(i)                                                                                                 \
+        if (i < R * C) {                                                                                           \
+            const int r = i / C, c = i % C;                                                                        \
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xrows + (size_t)r * k + 32 * b));                     \
+            __m256i i32 = type == SK_Q8_0 ? q_dot4(init[r], wa[c], _mm256_sign_epi8(x, wq[c]))                     \
+                                          : q_dot4(init[r], wq[c], x);                                             \
+            a##i = _mm256_fmadd_ps(_mm256_set1_ps(dd[c * R + r]), _mm256_cvtepi32_ps(i32), a##i);                \
+        }
+        Q8_SLOT(0) Q8_SLOT(1) Q8_SLOT(2) Q8_SLOT(3) Q8_SLOT(4) Q8_SLOT(5) Q8_SLOT(6) Q8_SLOT(7)
+#undef Q8_SLOT
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-            __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            sums[r * C + c] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) + o[r][c];
-        }
+    __m256 all[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    float o[8];
+    _mm256_storeu_ps(o, ov);
+    for (int i = 0; i < R * C; i++) {
+        int r = i / C, c = i % C;
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(all[i]), _mm256_extractf128_ps(all[i], 1));
+        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        sums[r * C + c] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) + o[c * R + r];
+    }
 }
 
 #define Q8_TILES(T)                                                                                           \
@@ -460,8 +486,8 @@ static void q8_cols(int type, const uint8_t *w, long row_bytes, const sk_qrows *
     int C = m == 1 ? 4 : 2;
     for (int col = c0; col < c1;) {
         int cc = col + C <= c1 ? C : 1;
-        for (int r = 0; r < m; r += 4) {
-            int R = r + 4 <= m ? 4 : m - r;
+        for (int r = 0; r < m; r += Q8_ROWS) {
+            int R = r + Q8_ROWS <= m ? Q8_ROWS : m - r;
             tile(R, cc, w + (size_t)col * row_bytes, row_bytes, xq, r, sums);
             for (int i = 0; i < R; i++)
                 for (int j = 0; j < cc; j++) {
