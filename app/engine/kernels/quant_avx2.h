@@ -381,7 +381,8 @@ QINLINE __m256i q8_weights(int type, const uint8_t *b) {
 /* Lane i of v in every lane. */
 QINLINE __m256 q8_lane(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
 
-/* R rows (from r0) x C columns (w: row_bytes apart) -> sums [R][C], R <= 4, C <= 4, R * C <= 8.
+/* R rows (from r0) x C columns (w: row_bytes apart) -> sums [R][C], R * C <= 8 (R <= 4, C <= 4; or one row of 8
+   columns, a decoding step's tile).
 
    Per block: each column's weights are unpacked once for the R rows; the R * C scales d * dx come from one
    vector product (lane c * R + r: column c's d times row r's dx, rounded once as quant.h's scalar) and go
@@ -408,8 +409,8 @@ QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
     const __m256i ld = _mm256_loadu_si256((const __m256i *)d_of), lm = _mm256_loadu_si256((const __m256i *)m_of);
     float dd[8] __attribute__((aligned(32)));
     for (int b = 0; b < nb; b++) {
-        __m256i wq[4], wa[4], init[4];
-        int32_t head[4] = {0, 0, 0, 0};
+        __m256i wq[8], wa[8], init[4];
+        int32_t head[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int c = 0; c < C; c++) {
             const uint8_t *blk = w + c * row_bytes + (size_t)b * bytes;
             /* A column's row is a few cache lines, too short a stream for the hardware prefetcher to learn:
@@ -419,12 +420,23 @@ QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
             if (type == SK_Q8_0) wa[c] = _mm256_abs_epi8(wq[c]);
             memcpy(&head[c], blk, 4);  /* d, and m where the format has one (else two bytes of quants) */
         }
-        __m256 pairs = _mm256_cvtph_ps(_mm_setr_epi32(head[0], head[1], head[2], head[3]));
+        __m256 pairs = _mm256_cvtph_ps(_mm_setr_epi32(head[0], head[1], head[2], head[3])), dvec, mvec;
+        if (C > 4) {
+            /* Eight columns' [d, m]: the d's and the m's picked out of both halves, then put in column order. */
+            __m256 more = _mm256_cvtph_ps(_mm_setr_epi32(head[4], head[5], head[6], head[7]));
+            dvec = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(pairs, more, 0x88)), 0xd8));
+            mvec = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(pairs, more, 0xdd)), 0xd8));
+        } else {
+            dvec = _mm256_permutevar8x32_ps(pairs, ld), mvec = _mm256_permutevar8x32_ps(pairs, lm);
+        }
         __m256 rows = _mm256_castps128_ps256(_mm_loadu_ps(dxt + (size_t)b * mp));
-        _mm256_store_ps(dd, _mm256_mul_ps(_mm256_permutevar8x32_ps(pairs, ld), _mm256_permutevar8x32_ps(rows, lrow)));
+        _mm256_store_ps(dd, _mm256_mul_ps(dvec, _mm256_permutevar8x32_ps(rows, lrow)));
+        /* Read back by broadcast loads, not shuffles of the register (which gcc prefers, at two shuffles each);
+           measured by instruction counts, except Q8_0's one-row tile, which gcc schedules better unfenced. */
+        if (type != SK_Q8_0 || R > 1) __asm__ volatile("" ::: "memory");
         if (offset) {
             __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(st + (size_t)b * mp)), lrow);
-            ov = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(pairs, lm), sv, ov);
+            ov = _mm256_fmadd_ps(mvec, sv, ov);
         }
         for (int r = 0; r < R; r++) {
             init[r] = _mm256_setzero_si256();
@@ -456,6 +468,7 @@ QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
 #define Q8_TILES(T)                                                                                           \
     static void q8_tile_##T(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s) { \
         switch (R * 8 + C) {                                                                                  \
+            case 1 * 8 + 8: q8_tile(T, 1, 8, w, rb, xq, r0, s); break;                                        \
             case 1 * 8 + 4: q8_tile(T, 1, 4, w, rb, xq, r0, s); break;                                        \
             case 4 * 8 + 2: q8_tile(T, 4, 2, w, rb, xq, r0, s); break;                                        \
             case 3 * 8 + 2: q8_tile(T, 3, 2, w, rb, xq, r0, s); break;                                        \
@@ -475,7 +488,7 @@ Q8_TILES(SK_Q8_0)
 
 typedef void (*q8_tile_fn)(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s);
 
-/* Columns c0..c1-1 for every row: columns 4 at a time for a lone row, else 2 at a time over rows 4 at a time
+/* Columns c0..c1-1 for every row: columns 8 at a time for a lone row, else 2 at a time over rows 4 at a time
    (the weights unpacked once for the rows of a tile); the last columns one at a time. */
 static void q8_cols(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
                     const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
@@ -483,9 +496,9 @@ static void q8_cols(int type, const uint8_t *w, long row_bytes, const sk_qrows *
     q8_tile_fn tile = type == SK_Q4_0 ? q8_tile_SK_Q4_0 : type == SK_Q4_1 ? q8_tile_SK_Q4_1 : type == SK_Q5_0 ? q8_tile_SK_Q5_0
                     : type == SK_Q5_1 ? q8_tile_SK_Q5_1 : q8_tile_SK_Q8_0;
     float sums[16];
-    int C = m == 1 ? 4 : 2;
+    int C = m == 1 ? 8 : 2;
     for (int col = c0; col < c1;) {
-        int cc = col + C <= c1 ? C : 1;
+        int cc = col + C <= c1 ? C : C > 4 && col + 4 <= c1 ? 4 : 1;
         for (int r = 0; r < m; r += Q8_ROWS) {
             int R = r + Q8_ROWS <= m ? Q8_ROWS : m - r;
             tile(R, cc, w + (size_t)col * row_bytes, row_bytes, xq, r, sums);
