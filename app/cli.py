@@ -10,6 +10,7 @@ as one ``error: ...`` line on stderr with exit status 1.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ from app.engine.defaults import (
     WEIGHTS_HELP,
 )
 from app.store import ModelStoreError
+from app.synthetic import FORMATS as SYNTHETIC_FORMATS
+from app.synthetic import SHAPES as SYNTHETIC_SHAPES
 
 # `specserve bench`'s default prompts: 13 of the project's own, one per Spec-Bench category, shipped in the
 # package so that the command runs from any checkout or install; Spec-Bench files come in with --input.
@@ -426,12 +429,35 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="only time one target step per CPU kernel (1, 8 and 16 rows) against the memory-bandwidth limit",
     )
     parser.add_argument(
+        "--rows",
+        action="store_true",
+        help="only time what 1-16 verification rows cost (one target forward and its head, 300 tokens cached) per "
+        "CPU kernel and weight format (native and bf16; --weights picks one) beside the weights' read time "
+        "(rows.json, rows.md)",
+    )
+    parser.add_argument(
         "--structured",
         action="store_true",
         help="only the structured-output set: greedy answers to our own JSON-schema and tool-call prompts, "
         "constrained target-only and with each draft, without and with forced tokens, unconstrained beside; "
         "tokens/s and the grammar's own cost per token (structured.json, structured.md)",
     )
+    parser.add_argument(
+        "--synthetic",
+        choices=list(SYNTHETIC_SHAPES),
+        default=None,
+        help="time decoding on a random-weight target of that model's shape (1.7b: SmolLM2-1.7B's), written "
+        "once into the model store's cache: target-only and each draft (default ngram), to max-new-tokens on "
+        "4 prompts unless --limit/--per-category, llama.cpp beside where installed; speed only (random weights "
+        "show no acceptance); with --rows or --kernels, their timings on it",
+    )
+    parser.add_argument(
+        "--synthetic-format",
+        choices=list(SYNTHETIC_FORMATS),
+        default="q8_0",
+        help="the synthetic target's GGUF: q8_0, or q4_k_m (Q4_K with Q6_K where llama.cpp's Q4_K_M puts it)",
+    )
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     _add_sampling_arguments(parser, samplers=True)
     parser.set_defaults(func=_cmd_bench)
@@ -440,17 +466,31 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import json
 
+    import torch
+
     from app.bench import Config, markdown, per_prompt_medians, plots, read_prompts, run_bench, summarize
     from app.engine.factory import DEFAULT_TARGET, HYBRID, build_engine, default_draft_name
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sampling = _sampling_kwargs(args)
     if args.temperature > 0 and sampling["seed"] is None:
         sampling["seed"] = 0  # one seed for every configuration, so gumbel outputs can be compared to target-only
+    synthetic = None
+    if args.synthetic:
+        if args.target:
+            raise CliError("--synthetic makes its own target; leave out --target")
+        if args.temperature > 0:
+            raise CliError("--synthetic decodes greedily")
+        synthetic = _synthetic_target(args.synthetic, args.synthetic_format)
+    target = str(synthetic) if synthetic else args.target or DEFAULT_TARGET
+    if args.rows:
+        return _bench_rows(args, target)
     if args.kernels:
         from app import store
         from app.bench import kernel_steps
 
-        bandwidth, weight_bytes, table = kernel_steps(store.resolve(args.target or DEFAULT_TARGET))
+        bandwidth, weight_bytes, table = kernel_steps(store.resolve(target))
         floor = weight_bytes / bandwidth * 1e3
         print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; a step reads {weight_bytes / 1e6:.0f} MB of weights, ")
         print(f"so it cannot take less than {floor:.2f} ms ({1e3 / floor:.0f} tokens/s at 1 row)")
@@ -463,9 +503,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     path = Path(args.input)
     if not path.is_file():
         raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
-    prompts = read_prompts(path, args.per_category, args.limit)
-    target = args.target or DEFAULT_TARGET
-    drafts = args.draft or ["default", "ngram"]
+    limit = 4 if synthetic and args.limit is None and args.per_category is None else args.limit
+    prompts = read_prompts(path, args.per_category, limit)
+    drafts = args.draft or (["ngram"] if synthetic else ["default", "ngram"])
     fallback = default_draft_name(target)
     drafts = [(HYBRID if fallback != "ngram" else "ngram") if d == "default" else d for d in drafts]
     model_drafts = list(dict.fromkeys(d for d in drafts if d not in ("ngram", "none", HYBRID)))
@@ -480,12 +520,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from app.bench import run_structured, structured_markdown
 
         rows, runs = run_structured(engine, list(dict.fromkeys(drafts)), args.max_new_tokens, args.num_draft_tokens)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "structured.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
-        table = structured_markdown(rows)
-        (out / "structured.md").write_text(table + "\n")
-        print(table)
+        _write_tables(Path(args.out), "structured", {"rows": rows, "runs": runs}, structured_markdown(rows))
         return 0
     schedules = args.schedule or [DEFAULT_DRAFT_SCHEDULE]
     configs = [
@@ -495,11 +530,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for sched in (schedules if d != "ngram" else ["fixed"])
         for rows in (dict.fromkeys(args.tree_rows or [None]) if d != "ngram" else [None])
     ]
-    import torch
-
     threads = torch.get_num_threads()
     baselines = {}
-    if args.llama_cpp:
+    llama_cpp = args.llama_cpp or (["gguf"] if synthetic else None)
+    if synthetic and llama_cpp and importlib.util.find_spec("llama_cpp") is None:
+        print("llama.cpp: not installed (pip install llama-cpp-python), not measured", file=sys.stderr)
+        llama_cpp = None
+    if llama_cpp:
         from app import llamacpp, store
 
         if args.temperature > 0:
@@ -508,7 +545,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise CliError(f"--llama-cpp needs a GGUF target; {loaded.source} is not one")
         try:
             baselines = llamacpp.runners(
-                Path(loaded.source), list(dict.fromkeys(args.llama_cpp)), store.cache_dir() / "gguf", threads
+                Path(loaded.source), list(dict.fromkeys(llama_cpp)), store.cache_dir() / "gguf", threads
             )
         except RuntimeError as exc:
             raise CliError(str(exc)) from exc
@@ -519,9 +556,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         configs,
         args.max_new_tokens,
         args.num_draft_tokens,
-        not args.no_hf,
+        not args.no_hf and synthetic is None,
         **sampling,
         baselines=baselines,
+        ignore_eos=synthetic is not None,
     )
     summary = summarize(runs, args.num_draft_tokens, sampled=args.temperature > 0)
     out = Path(args.out)
@@ -538,6 +576,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "prompts": len(prompts),
         "threads": threads,
     }
+    if synthetic:
+        meta["synthetic"] = f"{args.synthetic} {args.synthetic_format}: random weights, speed only"
+        meta["llama_cpp"] = "measured" if baselines else "not installed"
     medians = per_prompt_medians(runs)
     (out / "results.json").write_text(
         json.dumps(
@@ -553,6 +594,41 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print("median tokens/s per prompt: " + ", ".join(f"{c} {v:.1f}" for c, v in medians.items()))
     print("plots: " + (", ".join(map(str, pictures)) if pictures else "none (pip install 'specserve[bench]')"))
     return 0
+
+
+def _bench_rows(args: argparse.Namespace, target: str) -> int:
+    """`specserve bench --rows`: what 1-16 verification rows cost per kernel and weight format."""
+    from app import store
+    from app.bench import ROW_WEIGHTS, row_costs, rows_markdown
+
+    if args.weights not in ("auto", *ROW_WEIGHTS):
+        raise CliError(f"--rows times {' and '.join(ROW_WEIGHTS)} weights (--weights auto: both)")
+    weights = ROW_WEIGHTS if args.weights == "auto" else (args.weights,)
+    result = row_costs(store.resolve(target), weights=weights)
+    _write_tables(Path(args.out), "rows", result, rows_markdown(result))
+    return 0
+
+
+def _write_tables(out: Path, name: str, data: Any, table: str) -> None:
+    """A bench mode's results: `data` as out/NAME.json, the markdown `table` as out/NAME.md, and printed."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{name}.md").write_text(table + "\n")
+    print(table)
+
+
+def _synthetic_target(shape: str, fmt: str) -> Path:
+    """The synthetic target's GGUF in the model store's cache (written the first time, with the default
+    target's tokenizer)."""
+    from app import store, synthetic
+    from app.engine.factory import DEFAULT_TARGET
+
+    path = synthetic.synthetic_path(store.cache_dir(), shape, fmt)
+    if not path.exists():
+        print(f"writing {path} (once; random weights)", file=sys.stderr)
+    return synthetic.ensure(shape, fmt, store.cache_dir(), store.resolve(DEFAULT_TARGET))
 
 
 # --- specserve serve --------------------------------------------------------------------------------------
