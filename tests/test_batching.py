@@ -68,12 +68,14 @@ def _run_alone(engine: Engine, prompt, params, draft) -> list[int]:
 
 
 # Both schedules on the best kernel; the lower kernels and torch's path (bf16 products without oneDNN on some CPUs:
-# slow) once each: the schedule and the kernel are independent choices.
+# slow) once each, with the fixed schedule: the schedule and the kernel are independent choices, and only a fixed
+# length is sure to draft (the adaptive one drafts nothing where drafting does not pay: here a float32 draft's
+# step costs several of the target's, and these prompts give lookups little to find).
 @pytest.mark.parametrize(
     ("schedule", "kernel"),
     [
         *((s, kernels.available()[0]) for s in ("adaptive", "fixed")),
-        *(("adaptive", k) for k in kernels.available()[1:]),
+        *(("fixed", k) for k in kernels.available()[1:]),
         ("fixed", "torch"),
     ],
 )
@@ -103,7 +105,7 @@ def test_step_batch_gives_every_request_its_tokens_alone(packed_target, target_f
         assert not [o for o in outs if isinstance(o, Exception)]
     assert [g.generated_ids for g in gens] == alone
     assert batched_forwards >= MAX_NEW // 5
-    assert sum(g.stats.drafted for g in gens) > 0
+    assert sum(g.stats.drafted for g in gens) > 0 or schedule == "adaptive"
 
 
 class _BrokenSession:

@@ -1,10 +1,18 @@
-"""Draft-length schedules: the cost model's choice, HF's heuristic, and fixed."""
+"""Draft-length schedules: the cost model's choice (drafting nothing included), HF's heuristic, and fixed."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.engine.draft_length import DraftLength, StepCosts, batch_draft_lengths, expected_tokens
+from app.engine.draft_length import (
+    _PROBE_AFTER,
+    _PROBE_MAX,
+    Acceptance,
+    DraftLength,
+    StepCosts,
+    batch_draft_lengths,
+    expected_tokens,
+)
 
 
 def _costs(draft_step: float, verify: dict[int, float]) -> StepCosts:
@@ -14,53 +22,213 @@ def _costs(draft_step: float, verify: dict[int, float]) -> StepCosts:
     return c
 
 
+def _cpu_costs(draft_step: float = 0.0015, step: float = 0.010, row: float = 0.45) -> StepCosts:
+    """Costs as measured on an AVX2 CPU: each verification row after the first adds `row` of a 1-row step."""
+    return _costs(draft_step, {r: step * (1 + row * (r - 1)) for r in range(1, 9)})
+
+
+def _set(policy: DraftLength, first: float, then: float, kind: str | None = None, weight: float = 1000.0) -> None:
+    """Give `policy` a request's acceptance of `kind` as though measured on many steps."""
+    seen = policy.estimate(kind)
+    seen.first = [weight * first, weight * (1 - first)]
+    seen.then = [weight * then, weight * (1 - then)]
+
+
 def test_expected_tokens_per_pass():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 5) == 6.0
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
-def _run(policy: DraftLength, accepted_fraction: float, steps: int = 20) -> None:
+def _run(policy: DraftLength, accepted_fraction: float, steps: int = 20, kind: str | None = None) -> list[int]:
+    """`steps` steps of a request whose drafts are accepted in that fraction; the lengths chosen."""
+    ks = []
     for _ in range(steps):
-        k = policy.next_k(100)
-        policy.update(k, round(k * accepted_fraction))
+        k = policy.next_k(100, kind)
+        if k:
+            policy.update(k, round(k * accepted_fraction), kind)
+        else:
+            policy.idle(kind)
+        ks.append(k)
+    return ks
 
 
 def test_adaptive_drafts_long_when_drafting_is_cheap_and_accepted():
-    policy = DraftLength("adaptive", 7, _costs(0.001, {8: 0.030}))
+    policy = DraftLength("adaptive", 7, _costs(0.001, {1: 0.028, 8: 0.030}))
     _run(policy, 1.0)
     assert policy.next_k(100) == 7
     assert policy.acceptance > 0.9
 
 
-def test_adaptive_drafts_short_when_rejected_or_expensive():
-    rejected = DraftLength("adaptive", 7, _costs(0.004, {8: 0.030}))
+def test_adaptive_drafts_short_or_nothing_when_rejected_or_expensive():
+    rejected = DraftLength("adaptive", 7, _costs(0.004, {1: 0.028, 8: 0.030}))
     _run(rejected, 0.0)
-    assert rejected.next_k(100) == 1
+    assert rejected.next_k(100) == 0  # a plain step yields as much, sooner
     # Accepted often, but a draft step costs as much as a verification: short drafts pay best.
     costly = DraftLength("adaptive", 7, _costs(0.030, {2: 0.030, 8: 0.030}))
     _run(costly, 0.6)
     assert costly.next_k(100) <= 2
 
 
+def test_expected_tokens_per_pass_with_a_first_token_rate_and_a_rate_after_it():
+    # The same two rates: a geometric draw, the one-rate formula.
+    same = Acceptance(0.6, weight=100.0)
+    assert [same.expected(k) for k in range(7)] == pytest.approx([expected_tokens(0.6, k) for k in range(7)])
+    # A lookup's draw: often wrong at once, but once right it goes on matching.
+    lookup = Acceptance(0.4, 0.9, weight=100.0)
+    assert lookup.expected(0) == 1.0
+    assert lookup.expected(1) == pytest.approx(1.4)
+    assert lookup.expected(3) == pytest.approx(1 + 0.4 * (1 + 0.9 + 0.81))
+    assert Acceptance(0.5, 1.0, weight=100.0).expected(4) == pytest.approx(3.0)
+    # Counting: one draft of 4 of which 2 kept is a first token accepted, then one accepted and one rejected.
+    seen = Acceptance()
+    seen.observe(4, 2, decay=1.0)
+    assert seen.first == [1.0, 0.0] and seen.then == [1.0, 1.0]
+    seen.observe(3, 0, decay=1.0)
+    assert seen.first == [1.0, 1.0] and seen.then == [1.0, 1.0]
+    seen.observe(2, 2, decay=1.0)  # all kept: no rejection to count
+    assert seen.first == [2.0, 1.0] and seen.then == [2.0, 1.0]
+    # Before any token after an accepted one was tried, the rate after the first is the first's.
+    fresh = Acceptance()
+    fresh.observe(1, 1, decay=1.0)
+    fresh.observe(1, 1, decay=1.0)
+    assert fresh.p_first == 1.0 and fresh.p_then == 1.0
+
+
 def test_adaptive_picks_the_k_that_maximises_expected_tokens_per_second():
     costs = _costs(0.003, {2: 0.020, 8: 0.035})
     policy = DraftLength("adaptive", 7, costs)
-    a = policy.acceptance
-    rates = {k: expected_tokens(a, k) / (k * 0.003 + costs.verify_cost(k + 1)) for k in range(1, 8)}
-    assert policy.next_k(100) == max(rates, key=rates.get)
+    _set(policy, 0.7, 0.8)
+
+    def by_hand(k: int) -> float:
+        tokens = 1 + 0.7 * (1 - 0.8**k) / (1 - 0.8)
+        seconds = k * 0.003 + (0.020 + (k + 1 - 2) * 0.015 / 6)  # the line through the two measurements
+        return tokens / seconds
+
+    assert [policy.rate(k) for k in range(8)] == pytest.approx([by_hand(k) for k in range(8)])
+    rates = {k: by_hand(k) for k in range(8)}
+    assert policy.next_k(100) == max(rates, key=rates.get) > 0
     assert policy.next_k(2) <= 2  # never more than the room left
+    assert policy.next_k(100, available=1) == 1  # nor than a lookup found
 
 
-def test_adaptive_without_measurements_uses_the_configured_length():
-    assert DraftLength("adaptive", 5, StepCosts()).next_k(100) == 5
+def test_adaptive_drafts_nothing_when_no_length_pays_and_the_threshold_is_the_arithmetic():
+    """With rows at 0.45 of a step, a free lookup pays from a first-token acceptance of 0.45 on (1 + p tokens
+    for 1.45 steps' time); a model draft that costs 0.15 of a step per token from 0.6 (1 + p for 1.6)."""
+    policy = DraftLength("adaptive", 6, _cpu_costs(draft_step=0.0015))
+    assert policy.rate(0) == pytest.approx(1 / 0.010)
+    for p, lookup_k, model_k in ((0.40, 0, 0), (0.50, 1, 0), (0.59, 1, 0), (0.65, 1, 1), (0.95, 6, 4)):
+        for kind in ("lookup", "model"):
+            _set(policy, p, p, kind)
+        assert policy.rate(1, "lookup") == pytest.approx((1 + p) / 0.0145)
+        assert policy.rate(1, "model") == pytest.approx((1 + p) / (0.0015 + 0.0145))
+        assert (policy.next_k(100, "lookup"), policy.next_k(100, "model")) == (lookup_k, model_k), p
+    # A lookup that either runs long or fails at once, first token at 0.4, then 0.95: no length pays (one token
+    # gives 1.4 tokens for 1.45 steps' time, six 1 + 0.4 * 5.3 = 3.1 for 3.7). At 0.55 first, a longer draft
+    # does (three: 1 + 0.55 * 2.85 = 2.57 tokens for 2.35 steps), where one rate of 0.55 would draft one token.
+    _set(policy, 0.4, 0.95, "lookup")
+    assert policy.next_k(100, "lookup") == 0
+    _set(policy, 0.55, 0.95, "lookup")
+    assert policy.next_k(100, "lookup") == 3
+    _set(policy, 0.55, 0.55, "lookup")
+    assert policy.next_k(100, "lookup") == 1
+    _set(policy, 0.55, 0.95, "lookup")
+    assert policy.next_k(100, "lookup", available=2) == 2
+    assert policy.next_k(100, "lookup", available=0) == 0
+
+
+def test_the_cost_model_probes_when_it_drafts_nothing_and_waits_longer_after_each_failed_probe():
+    policy = DraftLength("adaptive", 6, _cpu_costs())
+    _set(policy, 0.0, 0.0)
+    waits = []
+    idle = 0
+    for _ in range(300):
+        k = policy.next_k(100)
+        assert policy.next_k(100) == k  # choosing has no side effect: steps are counted when they happen
+        if k == 0:
+            policy.idle()
+            idle += 1
+            continue
+        assert k == 1  # a probe: one token, the cheapest evidence
+        waits.append(idle)
+        idle = 0
+        policy.update(1, 0)
+    assert waits[:5] == [_PROBE_AFTER, 2 * _PROBE_AFTER, 4 * _PROBE_AFTER, 8 * _PROBE_AFTER, _PROBE_MAX]
+    assert set(waits[4:]) == {_PROBE_MAX}
+    # A probe that is accepted: at this request's acceptance then, drafting pays again (a lookup's first token
+    # at 0.78 > 0.45), and a later stretch without drafts waits the first wait again.
+    while not policy.probing():
+        policy.idle()
+    _set(policy, 0.5, 0.5, weight=1.0)
+    assert policy.next_k(100) == 1
+    policy.update(1, 1)
+    assert policy.estimate().p_first == pytest.approx(1.4 / 1.8) and policy.next_k(100) >= 1
+    _set(policy, 0.0, 0.0)
+    ks = []
+    for _ in range(_PROBE_AFTER + 1):
+        ks.append(policy.next_k(100))
+        policy.idle()
+    assert ks == [0] * _PROBE_AFTER + [1]
+
+
+def test_a_draft_that_never_agrees_costs_less_than_3_percent():
+    """Simulated on the CPU's costs (a row at 0.45 of a step; a model draft step at 0.15): a request whose drafts
+    are never accepted, from its first step, keeps within 0.97 of target-only decoding's tokens per second."""
+    for kind, draft_step in (("lookup", 0.0), ("model", 0.0015)):
+        costs = _cpu_costs(draft_step=draft_step)
+        policy = DraftLength("adaptive", 6, costs, kind)
+        seconds = 0.0
+        for _ in range(128):
+            k = policy.next_k(100)
+            seconds += k * draft_step + costs.verify[k + 1]
+            if k:
+                policy.update(k, 0)
+            else:
+                policy.idle()
+        assert 128 * costs.verify[1] / seconds >= 0.97, kind
+
+
+def test_adaptive_without_measurements_starts_short():
+    assert DraftLength("adaptive", 5, StepCosts()).next_k(100) == 2
+    assert DraftLength("adaptive", 1, StepCosts()).next_k(100) == 1
+    # Verification measured, a model draft's step not: still the short start; a lookup needs no draft step.
+    policy = DraftLength("adaptive", 5, _costs(0.0, {1: 0.01, 2: 0.0101}))
+    policy.costs.draft_step = None
+    _set(policy, 0.9, 0.9, "lookup")
+    assert policy.next_k(100) == 2 and policy.next_k(100, "lookup") == 5
+
+
+def test_lookup_and_model_drafts_keep_their_own_acceptance():
+    costs = _cpu_costs()
+    hybrid = DraftLength("adaptive", 6, costs)  # a hybrid: model drafts unless a step says "lookup"
+    for _ in range(10):
+        hybrid.update(6, 6, "lookup")
+        hybrid.update(3, 0)
+    assert hybrid.estimate("lookup").p_first > 0.9 and hybrid.estimate("model").p_first < 0.15
+    assert hybrid.next_k(100, "lookup", available=6) == 6 and hybrid.next_k(100) == 0
+    # The drafter-wide figures too, which the next request of this drafter starts from.
+    assert costs.acceptance["lookup"].p_first > 0.9 and costs.acceptance["model"].p_first < 0.1
+    following = DraftLength("adaptive", 6, costs)
+    assert following.estimate("lookup").p_first > 0.9 and following.estimate("model").p_first < 0.1
 
 
 def test_verify_cost_interpolates_and_extrapolates_a_line():
     c = _costs(0.001, {2: 0.010, 6: 0.030})
     assert c.verify_cost(4) == pytest.approx(0.020)
     assert c.verify_cost(8) == pytest.approx(0.040)
-    assert _costs(0.001, {5: 0.02}).verify_cost(2) == 0.02
+    # One row count measured: each further row is taken to cost half a 1-row step, not nothing.
+    one = _costs(0.001, {5: 0.03})
+    assert one.verify_cost(1) == pytest.approx(0.01) and one.verify_cost(3) == pytest.approx(0.02)
+
+
+def test_a_slow_first_measurement_is_forgotten_quickly_and_a_slow_spell_slowly():
+    c = StepCosts()
+    c.observe(0, 0.0, 2, 0.100)  # a shape's first forward
+    for _ in range(4):
+        c.observe(0, 0.0, 2, 0.010)
+    assert c.verify[2] < 0.017
+    c.observe(0, 0.0, 2, 0.100)  # another process took the cores for a moment
+    assert c.verify[2] < 0.027
 
 
 def test_heuristic_is_huggingface_schedule():
@@ -87,7 +255,8 @@ def test_fixed_and_unknown_schedules():
 
 
 def test_costs_and_acceptance_are_shared_by_the_requests_of_a_drafter():
-    costs = StepCosts()
+    verify: dict[int, float] = {}
+    costs = StepCosts(verify)
     first = DraftLength("adaptive", 7, costs)
     for _ in range(30):
         first.update(4, 4)
@@ -95,6 +264,9 @@ def test_costs_and_acceptance_are_shared_by_the_requests_of_a_drafter():
     assert costs.draft_step == pytest.approx(0.001) and costs.verify[5] == pytest.approx(0.03)
     second = DraftLength("adaptive", 7, costs)
     assert second.acceptance > 0.9  # starts from what the drafter has shown, not from a blank 0.5
+    # The verification seconds are the target's: another drafter's costs on the same table see them.
+    other = StepCosts(verify)
+    assert other.verify_cost(5) == pytest.approx(0.03) and other.draft_step is None
 
 
 def _policy(schedule: str, acceptance_steps: int, accepted_fraction: float, draft_step: float) -> DraftLength:
@@ -141,14 +313,35 @@ def test_a_request_the_batch_stopped_drafting_for_drifts_back_to_the_drafters_ac
     # and the batch tries it again.
     for _ in range(30):
         unlucky.rest()
-    assert unlucky.acceptance == pytest.approx(unlucky.prior(), abs=0.02)
-    assert batch_draft_lengths([unlucky, others], [100, 100], batch, 2)[0] > 0
+    drafter = costs.acceptance["model"]
+    assert unlucky.estimate().p_first == pytest.approx(drafter.p_first, abs=0.02)
+    assert unlucky.estimate().p_then == pytest.approx(drafter.p_then, abs=0.02)
+    assert batch_draft_lengths([unlucky, others], [100, 100], batch, 2)[0] > 1  # more than a probe's one token
+
+
+def test_a_batch_probes_a_request_it_keeps_from_drafting_unless_its_draft_could_never_pay():
+    batch = _costs(0.0, {8: 0.060, 16: 0.070, 24: 0.080, 32: 0.090})
+    hopeless, dear = DraftLength("adaptive", 6, _cpu_costs()), DraftLength("adaptive", 6, _cpu_costs(0.050))
+    for length in (hopeless, dear):
+        _set(length, 0.0, 0.0, weight=1e6)  # so much evidence that resting does not move it
+    ks = []
+    for _ in range(4 * _PROBE_AFTER):
+        ks.append(batch_draft_lengths([hopeless, dear], [100, 100], batch, 2))
+        for length, k in zip((hopeless, dear), ks[-1], strict=True):
+            if k:
+                length.update(k, 0)
+            else:
+                length.rest()
+    probes = [i for i, (k, _) in enumerate(ks) if k]
+    assert probes == [_PROBE_AFTER, 3 * _PROBE_AFTER + 1] and all(ks[i][0] == 1 for i in probes)
+    # A draft step five times a target step's: no length pays even if every token is accepted, no probe.
+    assert all(k == 0 for _, k in ks)
+    assert not dear.could_pay(6) and hopeless.could_pay(6)
 
 
 def _half_accepted(max_k: int = 6) -> DraftLength:
     policy = DraftLength("adaptive", max_k, _costs(0.005, {8: 0.030}))
-    for _ in range(20):
-        policy.update(2, 1)  # one of two accepted: about 0.5 per token
+    _set(policy, 0.5, 0.5)  # half of the tokens accepted, at every position
     return policy
 
 

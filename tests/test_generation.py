@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from hypothesis import strategies as st
 
 from app.engine import kernels
 from app.engine.defaults import MAX_DRAFT_TOKENS
-from app.engine.drafters import DraftError, ModelDrafter, NgramDrafter
+from app.engine.draft_length import StepCosts
+from app.engine.drafters import DraftError, HybridDrafter, ModelDrafter, NgramDrafter
 from app.engine.generation import (
     Engine,
     Generation,
@@ -534,6 +536,107 @@ def test_a_draft_with_a_shorter_context_drafts_while_the_sequence_fits(make_tiny
     assert gen.stats.accepted > 0
     lengths = [len(PROMPT) + sum(len(s.token_ids) for s in steps[:i]) for i in range(len(steps))]
     assert all(step.drafted == 0 for step, n in zip(steps, lengths, strict=True) if n > 16)
+
+
+# --- the adaptive draft length: no draft makes a request slower than target-only decoding ------------------
+
+
+def _fixed_costs(engine: Engine, monkeypatch, step: float = 0.010, row: float = 0.45) -> dict[int, float]:
+    """The engine's verification costs as a CPU measures them (each row after the first adds `row` of a 1-row
+    step; AVX2: 0.45), and none of this machine's measurements: the choices are the cost model's on these alone."""
+    monkeypatch.setattr(StepCosts, "observe", lambda self, *args: None)
+    costs = {r: step * (1 + row * (r - 1)) for r in range(1, MAX_DRAFT_TOKENS + 2)}
+    engine._verify_costs.update(costs)
+    return costs
+
+
+def _run_engine(engine: Engine, params: GenerationParams, draft_step: float | None = None) -> tuple[Generation, list]:
+    gen = engine.start(PROMPT, params)
+    if draft_step is not None:
+        gen.draft_length.costs.draft_step = draft_step
+    steps = []
+    while not gen.finished:
+        steps.append(gen.step())
+    return gen, steps
+
+
+def test_adaptive_drafts_nothing_on_most_steps_when_the_draft_never_agrees_and_rows_cost(tiny_target, tok, monkeypatch):
+    drafter = WrongDrafter(tiny_target, V)
+    engine = Engine(tiny_target, tok, {"wrong": drafter}, "wrong", 4, draft_schedule="adaptive")
+    verify = _fixed_costs(engine, monkeypatch)
+    params = GenerationParams(max_new_tokens=48, ignore_eos=True)
+    gen, steps = _run_engine(engine, params, draft_step=0.0015)
+    assert gen.generated_ids == expected_greedy(tiny_target, PROMPT, 48, set())
+    # At the drafter's starting acceptance (0.5) a token does not pay (1.5 tokens for 1.6 steps' time): no
+    # draft, then a one-token probe after 8 steps without, and, that one rejected, after 16 more.
+    assert [i for i, step in enumerate(steps) if step.drafted] == [9, 26]
+    assert drafter.calls == 2 and gen.stats.drafted == 2 and gen.stats.accepted == 0
+
+    # Priced on the costs it chose from, the request runs within 3 % of target-only decoding's speed; the fixed
+    # schedule's 4 tokens a step take over three times as long.
+    def speed(steps: list) -> float:
+        seconds = sum(verify[1 + step.drafted] + 0.0015 * step.drafted for step in steps[1:])
+        return 47 * verify[1] / seconds
+
+    assert speed(steps) >= 0.97
+    fixed, fixed_steps = _run_engine(engine, replace(params, draft_schedule="fixed"))
+    assert fixed.generated_ids == gen.generated_ids and all(step.drafted == 4 for step in fixed_steps[1:-4])
+    assert speed(fixed_steps) < 0.33
+
+
+def test_adaptive_hybrid_prices_its_lookup_and_its_model_apart(tiny_target, tok, monkeypatch):
+    """This target repeats one token: prompt lookup is right every time, while the model part is never."""
+    wrong = WrongDrafter(tiny_target, V)
+    drafters = {"hybrid": HybridDrafter("hybrid", wrong)}
+    engine = Engine(tiny_target, tok, drafters, "hybrid", 4, draft_schedule="adaptive")
+    _fixed_costs(engine, monkeypatch)
+    gen, steps = _run_engine(engine, GenerationParams(max_new_tokens=40, ignore_eos=True), draft_step=0.0015)
+    assert gen.generated_ids == expected_greedy(tiny_target, PROMPT, 40, set())
+    # The lookup finds a match (of one token) from the second decoding step on; it is verified (free to propose,
+    # 0.5 at the start is enough for its row), the model is never asked (at 0.5 its step and row do not pay).
+    assert steps[1].drafted == 0 and all(step.drafted == 1 for step in steps[2:-1])
+    assert wrong.calls == 0 and gen.stats.drafted == gen.stats.accepted
+    assert gen.draft_length.estimate("lookup").p_first > 0.95
+    assert gen.draft_length.estimate("model").p_first == pytest.approx(0.5)
+
+
+def test_adaptive_hybrid_drafts_with_its_model_where_that_pays_more(tiny_target, tok, monkeypatch):
+    """Rows nearly free (AMX-like) and a model part that is the target itself: four model tokens a step pay
+    more than the one token the lookup finds in a repeated token."""
+    self_draft = ModelDrafter("self", _loaded(tiny_target, tok), _loaded(tiny_target, tok))
+    engine = Engine(tiny_target, tok, {"hybrid": HybridDrafter("hybrid", self_draft)}, "hybrid", 4)
+    _fixed_costs(engine, monkeypatch, row=0.02)
+    params = GenerationParams(max_new_tokens=40, ignore_eos=True, draft_schedule="adaptive")
+    gen, steps = _run_engine(engine, params, draft_step=0.0005)
+    assert gen.generated_ids == expected_greedy(tiny_target, PROMPT, 40, set())
+    # 3 tokens at the starting acceptance (0.5), 4 once they are all accepted; the lookup's one token never.
+    assert steps[1].drafted == 3 and all(step.drafted == 4 for step in steps[2:-1])
+    assert gen.stats.accepted == gen.stats.drafted
+    assert gen.draft_length.estimate("model").p_first > 0.95
+
+
+def test_calibrate_seeds_the_verification_costs_every_drafter_and_target_only_request_share(tiny_target, tok):
+    drafters = {"ngram": NgramDrafter(), "wrong": WrongDrafter(tiny_target, V)}
+    engine = Engine(tiny_target, tok, drafters, "ngram", 4, draft_schedule="adaptive")
+    # Nothing measured: the first draft is short, not the configured 4.
+    _, steps = _run_engine(engine, GenerationParams(max_new_tokens=3, ignore_eos=True))
+    assert 0 < steps[1].drafted <= 2
+    seconds = engine.calibrate()
+    assert sorted(seconds) == [1, 2, 3, 4, 5] and all(s > 0 for s in seconds.values())
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    gens = [engine.start(PROMPT, params, draft) for draft in ("ngram", "wrong", "none")]
+    tables = [gen.draft_length.costs.verify for gen in gens]
+    assert tables[0] is tables[1] is tables[2] and tables[0] == seconds
+    # Draft steps and acceptance stay each drafter's.
+    assert gens[0].draft_length.costs is not gens[1].draft_length.costs
+    while not gens[2].finished:
+        gens[2].step()
+    assert tables[0][1] != seconds[1]  # a target-only request's plain steps are measurements for every drafter
+    for gen in gens[:2]:
+        while not gen.finished:
+            gen.step()
+    assert gens[0].generated_ids == gens[1].generated_ids == gens[2].generated_ids
+    assert sorted(Engine(tiny_target, tok, {}, verify_width=8).calibrate(rows=3)) == [1, 2, 3]
 
 
 # --- the property: speculative == target-only greedy, for random tiny models and drafts ----------------------

@@ -3,13 +3,28 @@
 Three schedules:
 - "fixed": always the request's num_draft_tokens;
 - "heuristic": HuggingFace assisted generation's schedule: +2 after a fully accepted draft, -1 otherwise;
-- "adaptive": the k that maximises expected tokens per second, from this request's recent acceptance and
-  the measured cost of a draft step and of verifying j tokens (shared by every request of a drafter).
+- "adaptive": the k in 0..num_draft_tokens that maximises expected tokens per second, 0 (a plain target step,
+  no draft) included.
 
-With a per-token acceptance a, a draft of k tokens yields (1 - a^(k+1)) / (1 - a) tokens per target pass
-(the accepted prefix plus the target's own next token) and costs k draft steps plus one verification of
-k+1 rows. In bfloat16 the verification is padded to a fixed width, so its cost hardly depends on k and the
-choice is driven by the draft step's cost; in float32 it grows with k and longer drafts pay less.
+The adaptive arithmetic. A draft of k tokens costs k draft steps plus one verification of k+1 rows and yields
+1 + p (1 - q^k) / (1 - q) tokens per target pass, p being the probability that its first token is accepted and
+q that a token after an accepted one is; k = 0 yields 1 token for the cost of a 1-row step. Two rates, not one
+per-token rate, because a prompt lookup either continues a passage the text repeats, and then goes on matching,
+or is wrong at once: one rate would overrate its short drafts and underrate its long ones. The rates are each
+request's own (recent steps weigh most), per kind of draft (a model's, a lookup's: a hybrid has both), starting
+from what the drafter has shown on earlier requests. The costs are measured: seconds of a verification per row
+count are the target's (one table per `Engine`, which every drafter and target-only request fills and
+`Engine.calibrate` may seed), seconds of a draft step the drafter's, and a lookup counts as free (it is made
+before the choice and costs microseconds).
+
+Rows are not free on CPUs (on AVX2 a verification row costs about 0.45 of a 1-row step): a draft accepted
+too rarely makes a request slower than target-only decoding, and the schedule then drafts nothing. Since
+acceptance cannot be learnt from drafts not made, it probes: after `_PROBE_AFTER` steps on which it could
+have drafted and chose not to (alone, or left out by a batch), it drafts one token, the cheapest evidence; a
+probe that fails doubles that wait, up to `_PROBE_MAX` steps, so a draft that never agrees costs one row every
+so many steps (under 3 % at 0.45 a row), and one accepted brings the first wait back. No probe where no length
+would pay even if every token were accepted: then the draft's cost keeps it out, which evidence of acceptance
+cannot change. Before a cost was measured it drafts `_START_K` tokens, not num_draft_tokens: that step measures.
 """
 
 from __future__ import annotations
@@ -17,44 +32,115 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 SCHEDULES = ("adaptive", "heuristic", "fixed")
+# Kinds of draft, each with its own acceptance: a model's, and a lookup's in the text (free to propose).
+KINDS = ("model", "lookup")
 
-_DECAY = 0.8  # weight of the past in the running figures (about the last five steps count)
-_PRIOR_STEPS = 2.0  # how many steps' worth of weight the drafter-wide acceptance gets at the start
+_DECAY = 0.8  # weight of the past in a request's figures (about the last five steps count)
+_DRAFTER_DECAY = 0.99  # the same in the drafter-wide figures (each new request's starting point)
+_PRIOR_STEPS = 2.0  # how many steps' worth of weight the drafter-wide figures get at a request's start
+_START_K = 2  # drafted while a cost is still unknown: enough to measure, little to lose
+# Until two row counts were timed, each row after the first is taken to cost this much of a 1-row step (AVX2
+# measured 0.45): a single measurement says nothing of the slope, and flat would mean rows for free.
+_ROW_PRIOR = 0.5
+_PROBE_AFTER = 8  # steps without a draft (though one was possible) before a one-token probe
+_PROBE_MAX = 64  # the longest wait between probes after failed ones
+
+
+def _smooth(old: float | None, new: float) -> float:
+    """A running time that follows a drop at once and a rise slowly: other work on the machine only ever
+    lengthens a measurement, and a shape's first forward can be slow, which left as it was would price that
+    row count out of use (and unused, it would never be measured again)."""
+    if old is None:
+        return new
+    return old + (0.5 if new < old else 0.1) * (new - old)
+
+
+class Acceptance:
+    """How drafted tokens fared, as decayed counts: a draft's first token (`first`: [accepted, rejected]) and
+    each token after an accepted one (`then`), up to the first rejection."""
+
+    def __init__(self, first: float = 0.5, then: float | None = None, weight: float = 0.0) -> None:
+        then = first if then is None else then
+        self.first = [weight * first, weight * (1.0 - first)]
+        self.then = [weight * then, weight * (1.0 - then)]
+
+    def observe(self, drafted: int, accepted: int, decay: float) -> None:
+        """A verification of `drafted` tokens of which the first `accepted` were kept."""
+        for counts in (self.first, self.then):
+            counts[0] *= decay
+            counts[1] *= decay
+        if drafted <= 0:
+            return
+        self.first[0 if accepted else 1] += 1.0
+        if accepted:
+            self.then[0] += accepted - 1
+            self.then[1] += float(accepted < drafted)
+
+    def drift(self, toward: Acceptance, decay: float, weight: float) -> None:
+        """A step without evidence: the counts move toward `toward`'s rates, held at `weight` steps."""
+        for own, rate in ((self.first, toward.p_first), (self.then, toward.p_then)):
+            own[0] = decay * own[0] + weight * rate
+            own[1] = decay * own[1] + weight * (1.0 - rate)
+
+    @property
+    def p_first(self) -> float:
+        accepted, rejected = self.first
+        return accepted / (accepted + rejected) if accepted + rejected > 0 else 0.5
+
+    @property
+    def p_then(self) -> float:
+        # Until a token after an accepted one was tried, lean on the first token's rate (a geometric draw):
+        # drafts of one token would otherwise never show whether longer ones pay.
+        accepted, tried = self.then[0], self.then[0] + self.then[1]
+        lean = max(0.0, 1.0 - tried)
+        return (accepted + lean * self.p_first) / (tried + lean) if tried + lean > 0 else self.p_first
+
+    @property
+    def per_token(self) -> float:
+        """Accepted over tried, all positions together (what `expected_tokens` takes)."""
+        accepted = self.first[0] + self.then[0]
+        tried = accepted + self.first[1] + self.then[1]
+        return accepted / tried if tried > 0 else 0.5
+
+    def expected(self, k: int) -> float:
+        """Tokens per target pass with a draft of `k` tokens: the accepted ones plus the target's own."""
+        if k <= 0:
+            return 1.0
+        p, q = self.p_first, self.p_then
+        return 1.0 + p * (k if q >= 1.0 else (1.0 - q**k) / (1.0 - q))
 
 
 class StepCosts:
-    """Running seconds of one draft step and of one verification per number of rows, for one drafter."""
+    """Running seconds of one draft step of a drafter and of one target verification per number of rows, and
+    the drafter's acceptance per kind. `verify` may be a table shared with other drafters of the same target."""
 
-    def __init__(self) -> None:
+    def __init__(self, verify: dict[int, float] | None = None) -> None:
         self.draft_step: float | None = None
-        self.verify: dict[int, float] = {}
+        self.verify: dict[int, float] = {} if verify is None else verify
         # Drafter-wide acceptance, the starting point of each new request's estimate.
-        self.accepted = 0.0
-        self.rejected = 0.0
+        self.acceptance: dict[str, Acceptance] = {kind: Acceptance() for kind in KINDS}
 
     def observe(self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float | None) -> None:
         """One step's measured times; `verify_seconds` None when the verification was not this request's alone."""
         if draft_steps > 0:
-            per = draft_seconds / draft_steps
-            self.draft_step = per if self.draft_step is None else 0.9 * self.draft_step + 0.1 * per
+            self.draft_step = _smooth(self.draft_step, draft_seconds / draft_steps)
         if verify_seconds is None:
             return
-        old = self.verify.get(rows)
-        self.verify[rows] = verify_seconds if old is None else 0.9 * old + 0.1 * verify_seconds
+        self.verify[rows] = _smooth(self.verify.get(rows), verify_seconds)
 
-    def observe_acceptance(self, accepted: int, rejected: bool) -> None:
-        self.accepted = 0.99 * self.accepted + accepted
-        self.rejected = 0.99 * self.rejected + float(rejected)
+    def observe_acceptance(self, drafted: int, accepted: int, kind: str = "model") -> None:
+        self.acceptance[kind].observe(drafted, accepted, _DRAFTER_DECAY)
 
     def verify_cost(self, rows: int) -> float | None:
-        """Seconds to verify `rows` rows: measured, or a line through what was measured."""
+        """Seconds to verify `rows` rows: measured, or a line through what was measured (None: nothing was)."""
         if rows in self.verify:
             return self.verify[rows]
         if not self.verify:
             return None
         xs = sorted(self.verify)
         if len(xs) == 1:
-            return self.verify[xs[0]]
+            x = xs[0]
+            return self.verify[x] * (1.0 + _ROW_PRIOR * (rows - 1)) / (1.0 + _ROW_PRIOR * (x - 1))
         n = len(xs)
         mx = sum(xs) / n
         my = sum(self.verify[x] for x in xs) / n
@@ -71,70 +157,112 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class DraftLength:
-    """The draft-length schedule of one request."""
+    """The draft-length schedule of one request. `kind`: what its drafter drafts unless told ("lookup" for
+    prompt lookup alone, else "model"); a hybrid's steps say which of its parts drafted."""
 
-    def __init__(self, schedule: str, max_k: int, costs: StepCosts) -> None:
+    def __init__(self, schedule: str, max_k: int, costs: StepCosts, kind: str = "model") -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {', '.join(SCHEDULES)}")
+        if kind not in KINDS:
+            raise ValueError(f"draft kind must be one of {', '.join(KINDS)}")
         self.schedule = schedule
         self.max_k = max_k
         self.costs = costs
+        self.kind = kind
         self._k = max_k  # the heuristic's current length
-        # Pseudo-counts: the drafter-wide acceptance, worth a couple of steps, until this request's own count.
-        prior = self.prior()
-        self._acc = _PRIOR_STEPS * 2 * prior
-        self._rej = _PRIOR_STEPS * 2 * (1.0 - prior)
+        # The drafter-wide rates, worth a couple of steps, until this request's own evidence outweighs them.
+        self._seen = {
+            kind: Acceptance(seen.p_first, seen.p_then, _PRIOR_STEPS) for kind, seen in costs.acceptance.items()
+        }
+        # Per kind: steps on which it could have drafted and drafted nothing, and how many before a probe.
+        self._idle = dict.fromkeys(KINDS, 0)
+        self._wait = dict.fromkeys(KINDS, _PROBE_AFTER)
 
-    def prior(self) -> float:
-        c = self.costs
-        return c.accepted / (c.accepted + c.rejected) if c.accepted + c.rejected > 0 else 0.5
+    def estimate(self, kind: str | None = None) -> Acceptance:
+        """This request's acceptance of drafts of `kind` (default: its drafter's)."""
+        return self._seen[kind or self.kind]
 
     @property
     def acceptance(self) -> float:
-        """The current estimate of the probability that a drafted token is accepted."""
-        total = self._acc + self._rej
-        return self._acc / total if total > 0 else 0.5
+        """The current estimate of the probability that a drafted token (of the drafter's kind) is accepted."""
+        return self.estimate().per_token
 
-    def next_k(self, limit: int) -> int:
-        """How many tokens to draft now, at most `limit`."""
+    def expected(self, k: int, kind: str | None = None) -> float:
+        """Expected tokens per target pass with a draft of `k` tokens of `kind`."""
+        return self.estimate(kind).expected(k)
+
+    def rate(self, k: int, kind: str | None = None) -> float | None:
+        """Expected tokens per second with a draft of `k` tokens of `kind` (k = 0: a plain target step); None
+        while a cost it needs was not measured. A lookup's proposal counts as free: it is made before the choice."""
+        kind = kind or self.kind
+        draft = 0.0 if kind == "lookup" or k == 0 else self.costs.draft_step
+        verify = self.costs.verify_cost(k + 1)
+        if draft is None or verify is None:
+            return None
+        return self.expected(k, kind) / max(k * draft + verify, 1e-9)
+
+    def next_k(self, limit: int, kind: str | None = None, available: int | None = None) -> int:
+        """How many tokens to draft now, at most `limit`. The adaptive schedule's choice, for drafts of `kind`,
+        of which at most `available` can be had (a lookup's match), may be 0: drafting does not pay."""
         if self.schedule == "fixed":
             return min(self.max_k, limit)
         if self.schedule == "heuristic":
             return min(self._k, limit)
-        return min(self._best_k(), limit)
+        kind = kind or self.kind
+        cap = min(self.max_k, limit, self.max_k if available is None else available)
+        if cap <= 0:
+            return 0
+        rates = [self.rate(k, kind) for k in range(cap + 1)]
+        if any(r is None for r in rates):
+            return min(_START_K, cap)
+        best = max(range(cap + 1), key=lambda k: rates[k] or 0.0)  # the first best: the shorter on a tie
+        return 1 if best == 0 and self.probing(kind) and self.could_pay(cap, kind) else best
 
-    def _best_k(self) -> int:
-        c_draft = self.costs.draft_step
-        if c_draft is None or not self.costs.verify:
-            return self.max_k  # nothing measured yet: the configured length, until a step is timed
-        a = min(self.acceptance, 0.995)
-        best_k, best_rate = 1, 0.0
-        for k in range(1, self.max_k + 1):
-            cost = k * c_draft + (self.costs.verify_cost(k + 1) or 0.0)
-            rate = expected_tokens(a, k) / max(cost, 1e-9)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+    def could_pay(self, cap: int, kind: str | None = None) -> bool:
+        """Whether a draft of `kind` of at most `cap` tokens would pay were every token accepted. If not, what
+        keeps it from paying is its cost, not its acceptance, and a probe could not change the choice (a draft
+        step dearer than a target step, say)."""
+        kind = kind or self.kind
+        plain = self.rate(0, kind)
+        draft = 0.0 if kind == "lookup" else self.costs.draft_step
+        if plain is None or draft is None:
+            return True
+        return any(
+            (k + 1) / max(k * draft + (self.costs.verify_cost(k + 1) or 0.0), 1e-9) > plain for k in range(1, cap + 1)
+        )
+
+    def probing(self, kind: str | None = None) -> bool:
+        """Whether the next draft of `kind` would be a probe: enough steps went without one."""
+        kind = kind or self.kind
+        return self._idle[kind] >= self._wait[kind]
+
+    def idle(self, kind: str | None = None) -> None:
+        """A step on which this request could have drafted (`kind`) and the schedule chose not to."""
+        self._idle[kind or self.kind] += 1
 
     def rest(self) -> None:
         """A step on which a batch gave this request nothing to draft: with no new evidence, the estimate
         drifts back toward the drafter-wide acceptance, so that a request is not kept from drafting for the rest
-        of its life by the misses that once made the batch skip it."""
-        prior = self.prior()
-        weight = (1.0 - _DECAY) * _PRIOR_STEPS * 2
-        self._acc = _DECAY * self._acc + weight * prior
-        self._rej = _DECAY * self._rej + weight * (1.0 - prior)
+        of its life by the misses that once made the batch skip it; and it counts toward a probe."""
+        for kind, seen in self._seen.items():
+            seen.drift(self.costs.acceptance[kind], _DECAY, (1.0 - _DECAY) * _PRIOR_STEPS)
+        self.idle()
 
-    def update(self, drafted: int, accepted: int) -> None:
-        """After a verification of `drafted` tokens of which the first `accepted` were kept."""
+    def update(self, drafted: int, accepted: int, kind: str | None = None) -> None:
+        """After a step that asked for a draft: `drafted` tokens of `kind` verified, the first `accepted` kept."""
+        kind = kind or self.kind
+        if self.probing(kind):
+            # A probe that failed (or found nothing to propose) makes the next one wait longer.
+            self._wait[kind] = _PROBE_AFTER if accepted else min(2 * self._wait[kind], _PROBE_MAX)
+        else:
+            self._wait[kind] = _PROBE_AFTER
+        self._idle[kind] = 0
         if drafted == 0:
             return
-        rejected = accepted < drafted
-        # Per-token acceptance from a truncated geometric draw: accepted successes, one failure if rejected.
-        self._acc = _DECAY * self._acc + accepted
-        self._rej = _DECAY * self._rej + float(rejected)
-        self.costs.observe_acceptance(accepted, rejected)
+        self._seen[kind].observe(drafted, accepted, _DECAY)
+        self.costs.observe_acceptance(drafted, accepted, kind)
         if self.schedule == "heuristic":
+            rejected = accepted < drafted
             self._k = min(self.max_k, self._k + 2) if not rejected else max(1, self._k - 1)
 
 
@@ -168,10 +296,9 @@ def batch_draft_lengths(
     free = [i for i, length in enumerate(lengths) if length.schedule == "adaptive" and caps[i] > 0]
     for i in free:
         ks[i] = 0
-    accept = [min(length.acceptance, 0.995) for length in lengths]
 
     def rate(ks: list[int]) -> float:
-        tokens = sum(expected_tokens(a, k) for a, k in zip(accept, ks, strict=True))
+        tokens = sum(length.expected(k) for length, k in zip(lengths, ks, strict=True))
         rows = sum(max(min_rows, k + 1) for k in ks)
         draft = 0.0
         depth: dict[Hashable, tuple[int, float]] = {}
@@ -210,4 +337,9 @@ def batch_draft_lengths(
                 ks[i] += 1
                 break
             best = r
+    # A request left without drafts long enough probes, as it would alone: a batch that never drafts for it would
+    # never learn that its drafts are accepted again.
+    for i in free:
+        if ks[i] == 0 and lengths[i].probing() and lengths[i].could_pay(caps[i]):
+            ks[i] = 1
     return ks

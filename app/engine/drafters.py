@@ -78,6 +78,21 @@ class ConstrainedSession(Protocol):
     grammar: GrammarState | None
 
 
+@runtime_checkable
+class LookupSession(Protocol):
+    """A session whose first resort is prompt lookup, a continuation found in the text at next to no cost. A
+    generation on the adaptive schedule looks first (`lookup`), then chooses how many of the found tokens are
+    worth verifying, and when none are (or nothing was found) how long a draft `model` should make (None: the
+    session has nothing but the lookup). `used_lookup`: whether its last proposal was the lookup's."""
+
+    model: DraftSession | None
+    used_lookup: bool
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the sequence's last tokens."""
+        ...
+
+
 class Drafter(Protocol):
     name: str
 
@@ -266,6 +281,9 @@ class _NgramSession:
     The index grows with the sequence (a few dict writes per new token), so a step's lookup costs
     microseconds where scanning the whole sequence cost 100-350 us per request for 100-2,000 tokens."""
 
+    model = None  # a lookup and nothing else (`LookupSession`)
+    used_lookup = True
+
     def __init__(self, drafter: NgramDrafter) -> None:
         self._d = drafter
         self._seen: list[int] = []  # the tokens indexed: every window within them is in `_ends`
@@ -277,6 +295,9 @@ class _NgramSession:
         found = self._find(token_ids, k)
         # What the text repeated may not follow the grammar here: up to the first token it refuses.
         return found[: self.grammar.valid_prefix(found)] if self.grammar is not None and found else found
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
+        return self.propose(token_ids, k)
 
     def _find(self, token_ids: Sequence[int], k: int) -> list[int]:
         # A lookup has no confidence to cut on: p_min does not apply.
@@ -329,6 +350,18 @@ class _HybridSession:
         # A feature draft's buffer, which the generation fills; None for a draft that needs no states.
         self.features: Tensor | None = self._model.features if isinstance(self._model, FeatureSession) else None
         self.lookups = 0  # steps the lookup proposed
+        self.used_lookup = False
+
+    @property
+    def model(self) -> DraftSession:
+        """The model draft's session, which drafts where the lookup finds nothing (`LookupSession`)."""
+        return self._model
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
+        found = self._lookup.propose(token_ids, k)
+        self.lookups += bool(found)
+        self.used_lookup = bool(found)
+        return found
 
     @property
     def penalty(self) -> Penalty | None:
@@ -352,11 +385,8 @@ class _HybridSession:
             self._model.grammar = grammar
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
-        found = self._lookup.propose(token_ids, k)
-        if found:
-            self.lookups += 1
-            return found
-        return self._model.propose(token_ids, k, p_min)
+        found = self.lookup(token_ids, k)
+        return found if found else self._model.propose(token_ids, k, p_min)
 
     def propose_tree(
         self,
@@ -370,8 +400,7 @@ class _HybridSession:
     ) -> DraftTree:
         """Both proposals in one tree (`app.engine.tree.build_tree`): the lookup's continuation as a branch, the
         model draft's chain and its next choices; the lookup's first where rows run short."""
-        found = self._lookup.propose(token_ids, k)
-        self.lookups += bool(found)
+        found = self.lookup(token_ids, k)
         if isinstance(self._model, CandidateSession):
             chain = self._model.propose_candidates(token_ids, k, max_rows - 1, params, noise, p_min)
         elif params is None or params.greedy or not isinstance(self._model, SamplingSession):
@@ -388,9 +417,8 @@ class _HybridSession:
         rng: Randomness,
         p_min: float = 0.0,
     ) -> tuple[list[int], Tensor | None]:
-        found = self._lookup.propose(token_ids, k)
+        found = self.lookup(token_ids, k)
         if found:  # a lookup is deterministic: q is one-hot, which rejection sampling takes as None
-            self.lookups += 1
             return found, None
         if not isinstance(self._model, SamplingSession):
             return self._model.propose(token_ids, k, p_min), None
@@ -423,9 +451,7 @@ class HybridDrafter:
     ) -> list[list[int]]:
         """Greedy drafts for several requests: lookups first, the model draft for the rest, batched when
         it can be."""
-        out = [s._lookup.propose(ids, k) for s, ids, k in zip(sessions, token_ids, ks, strict=True)]
-        for session, found in zip(sessions, out, strict=True):
-            session.lookups += bool(found)
+        out = [s.lookup(ids, k) for s, ids, k in zip(sessions, token_ids, ks, strict=True)]
         rest = [i for i, found in enumerate(out) if not found and ks[i] > 0]
         if isinstance(self.model, BatchDrafter) and len(rest) > 1:
             drafts = self.model.propose_batch(

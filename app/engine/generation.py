@@ -25,6 +25,7 @@ from app.engine.drafters import (
     Drafter,
     DraftSession,
     FeatureSession,
+    LookupSession,
     PenalizedSession,
     SamplingSession,
 )
@@ -203,6 +204,7 @@ class StepPlan:
     refused: int = 0  # drafts cut, before verification, from the first one the request's grammar refuses
     # Per draft: whether the grammar forced it (the only token it allowed there), proposed at no draft's cost.
     forced: list[bool] = field(default_factory=list)
+    kind: str = "model"  # what drafted: "model" or "lookup" (app.engine.draft_length.KINDS)
 
 
 # Spare cache slots of every request: a verification of the longest draft allowed (k + 1 rows), so that every
@@ -277,7 +279,6 @@ class Generation:
         self.stats.draft_schedule = schedule if self._k else "none"
         self.stats.draft_p_min = p_min if self._k else 0.0
         self._p_min = p_min
-        self._length = DraftLength(schedule, self._k, costs or StepCosts())
         # Spare slots past the last token: a verification writes k+1 entries (at least the padded width) before
         # rolling back. With a fixed span attention reduces over the whole capacity, and a different span
         # changes the last bits, so the capacity must not depend on the draft: the same slack for every request.
@@ -288,6 +289,8 @@ class Generation:
         self._cache.fixed_span = verify_width > 0
         self.drafter = drafter
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
+        lookup_only = isinstance(self._draft, LookupSession) and self._draft.model is None
+        self._length = DraftLength(schedule, self._k, costs or StepCosts(), "lookup" if lookup_only else "model")
         # A feature-conditioned draft reads the target's final hidden state of every verified position.
         self._features = self._draft.features if isinstance(self._draft, FeatureSession) else None
         self._penalty: Penalty | None = None
@@ -320,6 +323,13 @@ class Generation:
             else:
                 self._rng = torch.Generator(device=target.device).manual_seed(self.seed)
         self._tree_rows = self._tree_rows_allowed(params.tree_rows or 0)
+        # On the adaptive schedule a lookup is made before the draft length is chosen: what it found, and whether
+        # it pays to verify, decide the step (a tree takes the lookup's continuation in with the model's).
+        self._lookup_first = schedule == "adaptive" and isinstance(self._draft, LookupSession) and not self._tree_rows
+        # The kind of the last step's draft (None: it drafted nothing). A draft step's seconds are measured only
+        # after a step that drafted the same kind: a model draft that did not run last step first catches up on
+        # the tokens since (the whole prompt, the first time), which is no cost of the tokens it drafts now.
+        self._last_kind: str | None = None
         # The prompt's log-probabilities gathered chunk by chunk, sent with the first token (None: not asked).
         self._prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self._started = time.perf_counter()
@@ -413,17 +423,31 @@ class Generation:
         `width`: rows to pad to (0: none); `k`: the draft length when a batch chose it, else this request's
         own schedule chooses; `drafted`: (tokens, seconds) when a batch drafted them (greedy) already."""
         remaining = self.params.max_new_tokens - self.stats.generated_tokens
+        t0 = time.perf_counter()
+        found: list[int] | None = None  # a lookup's tokens, chosen before any draft ran
+        kind = self._length.kind
+        chosen = k is None and self._lookup_first  # the kind is known from the choice
         if k is None:
             # A step adds up to k+1 tokens; never draft what could not be kept.
-            k = self._length.next_k(remaining - 1) if self._k else 0
+            if chosen:
+                k, kind, found = self._choose_with_lookup(remaining - 1)
+            else:
+                k = self._length.next_k(remaining - 1) if self._k else 0
+                if k == 0 and self._k and remaining > 1:
+                    self._length.idle()
         if self._tree_rows and k > 0 and drafted is None:
             return self._plan_tree(k)
         if drafted is not None:
             (drafts, draft_seconds), q = drafted, None
         else:
-            t0 = time.perf_counter()
-            drafts, q = self._propose(k)
+            if found is not None:
+                drafts, q = found, None
+            else:
+                session = self._draft.model if chosen and isinstance(self._draft, LookupSession) else None
+                drafts, q = self._propose(k, session)
             draft_seconds = time.perf_counter() - t0
+        if not chosen and k > 0 and isinstance(self._draft, LookupSession) and self._draft.used_lookup:
+            kind = "lookup"  # a hybrid asked for k tokens (a batch's, or a fixed length) and its lookup had them
         refused = 0
         forced: list[bool] = []
         if self._grammar is not None:
@@ -449,7 +473,30 @@ class Generation:
         # sits after the real rows, so causality keeps it from touching them.
         pad = max(0, min(width, self._cache.capacity - start) - real)
         feed = torch.tensor([self.ids[-1], *drafts, *[0] * pad], dtype=torch.long, device=self.target.device)
-        return StepPlan(k, drafts, q, start, real, feed, draft_seconds, refused, forced)
+        return StepPlan(k, drafts, q, start, real, feed, draft_seconds, refused, forced, kind)
+
+    def _choose_with_lookup(self, limit: int) -> tuple[int, str, list[int] | None]:
+        """The adaptive choice of a session that looks up first: (k, its kind, the lookup's tokens to verify or
+        None). Verifying some of the lookup's tokens (free to propose: only their rows cost) and a model draft
+        are priced each with its own acceptance; the one expected to yield more tokens per second is drafted,
+        neither when a plain step yields more (bar a probe). A lookup wins a tie, and while the model's step
+        is not yet measured."""
+        session = self._draft
+        assert isinstance(session, LookupSession)
+        found = session.lookup(self.ids, min(self._k, limit)) if limit > 0 else []
+        options: list[tuple[float, int, str]] = []
+        for kind, available in (("lookup", len(found)), ("model", None if session.model is not None else 0)):
+            if available == 0 or limit <= 0:
+                continue  # nothing to draft of this kind
+            k = self._length.next_k(limit, kind, available)
+            if k:
+                options.append((self._length.rate(k, kind) or 0.0, k, kind))
+            else:
+                self._length.idle(kind)
+        if not options:
+            return 0, self._length.kind, None
+        _, k, kind = max(options, key=lambda option: option[0])
+        return k, kind, found[:k] if kind == "lookup" else None
 
     def verify(
         self, plan: StepPlan, hidden: torch.Tensor, logits: torch.Tensor, forward_seconds: float, solo: bool
@@ -504,13 +551,16 @@ class Generation:
         if k > 0:
             self.stats.draft_lengths[k] += 1
             self.stats.p_min_stops += proposed < k
-            self._length.update(proposed, kept_own)
-        elif self._k and self.params.max_new_tokens - self.stats.generated_tokens > 1:
-            # A batch chose not to draft for this request (alone, k is 0 only for the very last token).
+            self._length.update(proposed, kept_own, plan.kind)
+        elif not solo and self._k and self.params.max_new_tokens - self.stats.generated_tokens > 1:
+            # A batch chose not to draft for this request. (Alone, the schedule's own 0 was counted by `plan`.)
             self._length.rest()
         # A draft that stopped for lack of confidence still ran one more step than it proposed. A batch's
         # times are the whole batch's: they say nothing of what drafting or verifying this request alone costs.
-        steps = min(k, proposed + 1)
+        # A hybrid's draft step is its model's: the lookup's microseconds would make the model look free.
+        warm = plan.kind == self._last_kind == self._length.kind
+        steps = min(k, proposed + 1) if warm else 0
+        self._last_kind = plan.kind if k > 0 else None
         if solo:
             self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
         new = [*drafts[:accepted], nxt]
@@ -568,22 +618,28 @@ class Generation:
             self.stats.p_min_stops += tree.depth < plan.k
             # Acceptance along the depth, as a chain of the tree's depth would count it.
             self._length.update(tree.depth, accepted)
+        warm = plan.kind == self._last_kind == self._length.kind
+        self._last_kind = plan.kind
         if solo:
-            self._length.costs.observe(min(plan.k, tree.depth + 1), plan.draft_seconds, tree.rows, verify_seconds)
+            steps = min(plan.k, tree.depth + 1) if warm else 0
+            self._length.costs.observe(steps, plan.draft_seconds, tree.rows, verify_seconds)
         new = [*(tree.tokens[r] for r in path), nxt]
         # The rows that chose them: the root's (the first), then each accepted node's.
         n = self.params.logprobs
         logprobs = None if n is None else token_logprobs(logits[rows], new, n)
         return self._emit(new, tree.nodes, accepted, plan.draft_seconds, verify_seconds, logprobs)
 
-    def _propose(self, k: int) -> tuple[list[int], torch.Tensor | None]:
-        if self._draft is None or k <= 0:
+    def _propose(self, k: int, session: DraftSession | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """Up to `k` drafted tokens (and their q when sampling with a generator), from `session` (default: the
+        request's draft session; a hybrid's model part when its lookup was passed over)."""
+        draft = session if session is not None else self._draft
+        if draft is None or k <= 0:
             return [], None
         if self.sampling.greedy:
-            return self._draft.propose(self.ids, k, p_min=self._p_min), None
-        if not isinstance(self._draft, SamplingSession):  # a deterministic proposer: q is one-hot on what it proposes
-            return self._draft.propose(self.ids, k, p_min=self._p_min), None
-        return self._draft.propose_sampled(self.ids, k, self.sampling, self._rng, p_min=self._p_min)
+            return draft.propose(self.ids, k, p_min=self._p_min), None
+        if not isinstance(draft, SamplingSession):  # a deterministic proposer: q is one-hot on what it proposes
+            return draft.propose(self.ids, k, p_min=self._p_min), None
+        return draft.propose_sampled(self.ids, k, self.sampling, self._rng, p_min=self._p_min)
 
     @staticmethod
     def _checked(logits: torch.Tensor) -> torch.Tensor:
@@ -752,8 +808,12 @@ class Engine:
         self.tree_rows = tree_rows
         # Compiles requests' output grammars (their library loads at the first one).
         self.grammars = Grammars(tokenizer, target.config.vocab_size)
-        # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length).
+        # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length). The
+        # seconds of a verification per row count are the target's: one table for every drafter, which
+        # target-only requests fill too (their steps are 1-row verifications), and `calibrate` may seed.
+        self._verify_costs: dict[int, float] = {}
         self._costs: dict[int, StepCosts] = {}
+        self._target_costs = StepCosts(self._verify_costs)
         # None: pad decoding forwards to 8 rows in half precision, where a 1-row forward's bits differ (see
         # Generation._plan; on this CPU 2 rows would do, and measured no faster end to end), and not at all in
         # float32, where results differ too little to flip a token and padding would cost, nor on the AMX
@@ -787,7 +847,9 @@ class Engine:
             draft_p_min=self.draft_p_min if params.draft_p_min is None else params.draft_p_min,
             tree_rows=self.tree_rows if params.tree_rows is None else params.tree_rows,
         )
-        costs = self._costs.setdefault(id(drafter), StepCosts()) if drafter is not None else None
+        costs = self._target_costs
+        if drafter is not None:
+            costs = self._costs.setdefault(id(drafter), StepCosts(self._verify_costs))
         grammar = None
         if params.grammar is not None:
             try:
@@ -797,6 +859,35 @@ class Engine:
         return Generation(
             self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs, grammar=grammar
         )
+
+    @torch.inference_mode()
+    def calibrate(self, rows: int | None = None, context: int = 32) -> dict[int, float]:
+        """Time a verification of 1..`rows` rows (default num_draft_tokens + 1: a plain step up to the longest
+        draft's) once, and seed the verification costs every drafter's adaptive schedule reads with them, so
+        that the first requests choose their draft lengths from this machine's costs rather than from a short
+        first draft and a guessed cost per row. Optional (without it the first steps measure) and cheap (0.3 s
+        for the 135M target on AVX2): a `context`-token prompt, then two forwards of each row count, padded as
+        decoding pads them, the faster kept (the first of a shape can be slow). Replaces what was measured for
+        those row counts; returns the seconds."""
+        rows = max(1, min(rows or self.num_draft_tokens + 1, _SLACK))
+        cache = self.target.new_cache(min(self.target.config.max_seq_len, context + rows + _SLACK))
+        cache.fixed_span = self.verify_width > 0
+        device = self.target.device
+        self.target.hidden(torch.ones((1, context), dtype=torch.long, device=device), 0, cache)
+        seconds: dict[int, float] = {}
+        for _ in range(2):
+            for r in range(1, rows + 1):
+                feed = torch.ones((1, max(r, self.verify_width)), dtype=torch.long, device=device)
+                t0 = time.perf_counter()
+                hidden = self.target.hidden(feed, context, cache)[0]
+                # What a verification does after the forward: the head on every row, and a reduction that waits
+                # for the result (on an accelerator too).
+                float(self.target.logits(hidden).float().sum())
+                elapsed = time.perf_counter() - t0
+                cache.truncate(context)
+                seconds[r] = min(seconds.get(r, elapsed), elapsed)
+        self._verify_costs.update(seconds)
+        return seconds
 
     @torch.inference_mode()
     def step_batch(self, gens: Sequence[Generation]) -> BatchStep:
