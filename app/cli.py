@@ -527,7 +527,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         Config(d, sched, args.p_min, sampler, rows)
         for sampler in dict.fromkeys(args.sampler or ["gumbel"])
         for d in dict.fromkeys(drafts)
-        for sched in (schedules if d != "ngram" else ["fixed"])
+        for sched in schedules
         for rows in (dict.fromkeys(args.tree_rows or [None]) if d != "ngram" else [None])
     ]
     threads = torch.get_num_threads()

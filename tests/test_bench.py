@@ -134,8 +134,8 @@ def test_synthetic_bench_end_to_end(target_path: Path, tmp_path: Path, monkeypat
     assert meta["synthetic"].startswith("1.7b q8_0")
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
     assert meta["llama_cpp"] == ("measured" if has_llama_cpp else "not installed")
-    ours = [r for r in result["runs"] if r["config"] in ("none", "ngram/fixed")]
-    assert {r["config"] for r in ours} == {"none", "ngram/fixed"} and all(r["tokens"] == 6 for r in ours)
+    ours = [r for r in result["runs"] if r["config"] in ("none", "ngram/adaptive")]
+    assert {r["config"] for r in ours} == {"none", "ngram/adaptive"} and all(r["tokens"] == 6 for r in ours)
     assert all(
         r["token_ids"] == next(o for o in ours if o["question_id"] == r["question_id"])["token_ids"] for r in ours
     )

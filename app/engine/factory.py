@@ -92,4 +92,7 @@ def build_engine(
         prefill_chunk=prefill_chunk,
         prefill_step_seconds=prefill_step_seconds,
     )
+    if drafters and draft_schedule == "adaptive":
+        # The first requests then choose their draft lengths from this machine's costs (a fraction of a second).
+        engine.calibrate()
     return engine, loaded
