@@ -388,7 +388,8 @@ QINLINE __m256 q8_lane(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm
    vector product (lane c * R + r: column c's d times row r's dx, rounded once as quant.h's scalar) and go
    through memory to be broadcast by loads, so that a (row, column) costs one q_dot4 (dot4.h), one conversion
    and one fused multiply-add. Q4_0 and Q5_0 start the integer sum at -8 or -16 times the lane's activation
-   sum (x4): the weights' zero point costs nothing per column with VNNI. Q4_1 and Q5_1's offsets run as one
+   sum (x4): the weights' zero point costs nothing per column with VNNI; so does Q8_0's with VNNI, its weights
+   taken as w + 128 from -128 times x4. Q4_1 and Q5_1's offsets run as one
    more vector of the same lanes, each the scalar chain o = fma(m, S, o) of its (row, column). The
    accumulators are named variables, slot i = r * C + c, not an array: gcc writes an array of them back to
    the stack at every block. */
@@ -417,7 +418,9 @@ QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
                ask for the columns two tiles ahead. */
             _mm_prefetch((const char *)(blk + Q8_AHEAD * C * row_bytes), _MM_HINT_T0);
             wq[c] = q8_weights(type, blk);
-            if (type == SK_Q8_0) wa[c] = _mm256_abs_epi8(wq[c]);
+            /* Q8_0's signed weights: as w + 128 (unsigned) where q_dot4 takes any bytes, else their magnitudes
+               (the signs go onto the activations). */
+            if (type == SK_Q8_0) wa[c] = SK_DOT_ANY_BYTES ? _mm256_xor_si256(wq[c], _mm256_set1_epi8(-128)) : _mm256_abs_epi8(wq[c]);
             memcpy(&head[c], blk, 4);  /* d, and m where the format has one (else two bytes of quants) */
         }
         __m256 pairs = _mm256_cvtph_ps(_mm_setr_epi32(head[0], head[1], head[2], head[3])), dvec, mvec;
@@ -440,15 +443,16 @@ QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
         }
         for (int r = 0; r < R; r++) {
             init[r] = _mm256_setzero_si256();
-            if (zeroed)
-                init[r] = _mm256_sub_epi32(init[r], _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x4 + ((size_t)r * nb + b) * 8)), shift));
+            if (zeroed || (type == SK_Q8_0 && SK_DOT_ANY_BYTES))
+                init[r] = _mm256_sub_epi32(init[r], _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x4 + ((size_t)r * nb + b) * 8)),
+                                                                      type == SK_Q8_0 ? 7 : shift));
         }
 #define Q8_SLOT(i)                                                                                                 \
         if (i < R * C) {                                                                                           \
             const int r = i / C, c = i % C;                                                                        \
             __m256i x = _mm256_loadu_si256((const __m256i *)(xrows + (size_t)r * k + 32 * b));                     \
-            __m256i i32 = type == SK_Q8_0 ? q_dot4(init[r], wa[c], _mm256_sign_epi8(x, wq[c]))                     \
-                                          : q_dot4(init[r], wq[c], x);                                             \
+            __m256i i32 = type != SK_Q8_0 || SK_DOT_ANY_BYTES ? q_dot4(init[r], type == SK_Q8_0 ? wa[c] : wq[c], x) \
+                                                              : q_dot4(init[r], wa[c], _mm256_sign_epi8(x, wq[c]));  \
             a##i = _mm256_fmadd_ps(_mm256_set1_ps(dd[c * R + r]), _mm256_cvtepi32_ps(i32), a##i);                \
         }
         Q8_SLOT(0) Q8_SLOT(1) Q8_SLOT(2) Q8_SLOT(3) Q8_SLOT(4) Q8_SLOT(5) Q8_SLOT(6) Q8_SLOT(7)
