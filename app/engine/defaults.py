@@ -35,12 +35,12 @@ SAMPLERS = ("gumbel", "rejection")
 MAX_LOGPROBS = 20
 
 # How a GGUF's quantized matrices are held (app.engine.loading.load_model): `native` as the file's blocks, computed
-# on by the CPU kernels; `bf16` / `float32` dequantized at load; `auto` the default: native on the avx2
-# and avx512 kernels, else dequantized (loading.AUTO_NATIVE_KERNELS).
+# on by the CPU kernels; `bf16` / `float32` dequantized at load; `auto` the default: native on the avx2,
+# avx512 and VNNI kernels, else dequantized (loading.AUTO_NATIVE_KERNELS).
 WEIGHTS = ("auto", "native", "bf16", "float32")
 WEIGHTS_HELP = (
     "a GGUF's quantized matrices: `native` computed on as the file's blocks by the CPU kernels (8-bit activations "
     "for Q4_0-Q8_0, as llama.cpp; a third of bf16's memory for Q4), `bf16` or `float32` dequantized at load; "
-    "`auto` (default): native on the avx2 and avx512 kernels with dtype auto or bfloat16, else dequantized to "
+    "`auto` (default): native on the avx2, avx512 and VNNI kernels with dtype auto or bfloat16, else dequantized to "
     "the dtype"
 )
