@@ -61,15 +61,30 @@ QINLINE void q_fifth(const uint8_t *p, __m256i *q) {
    chunk's scale and offset come from ks (see q_k_scales). */
 typedef struct { float ds[8], dm[8]; } q_kscales;
 
+/* The 8 sub-blocks' 6-bit scales and minimums (sk_k_scale_min) unpacked in 8 lanes at once: for j < 4 the low 6
+   bits of bytes j and j + 4; for j >= 4 the nibbles of byte j + 4 under the top 2 bits of bytes j - 4 and j. The
+   products d * sc and -(dmin * mn) are the scalar ones, lane by lane. */
 QINLINE void q_k_scales(int type, const uint8_t *b, q_kscales *ks) {
     if (type == SK_Q6_K) return;
-    float d = q_half(b), dmin = q_half(b + 2);
-    for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        sk_k_scale_min(b + 4, j, &sc, &mn);
-        ks->ds[j] = d * (float)sc;
-        ks->dm[j] = -(dmin * (float)mn);
-    }
+    __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)b));  /* d, dmin */
+    __m128i v = _mm_loadu_si128((const __m128i *)(b + 4));                    /* the 12 packed bytes (and 4 more) */
+    const __m128i low = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i high = _mm_setr_epi8(4, 5, 6, 7, 0, 1, 2, 3, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i mins = _mm_setr_epi8(4, 5, 6, 7, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i top = _mm_setr_epi8(0, 0, 0, 0, 4, 5, 6, 7, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i a = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, low));   /* j < 4: scale byte; else: its nibbles' byte */
+    __m256i hs = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, high)); /* j >= 4: byte j - 4 (top bits of the scale) */
+    __m256i c = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, mins));  /* the minimum's byte, or nibbles' byte */
+    __m256i hm = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, top));  /* j >= 4: byte j (top bits of the minimum) */
+    const __m256i upper = _mm256_setr_epi32(0, 0, 0, 0, -1, -1, -1, -1);
+    const __m256i six = _mm256_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15);
+    __m256i sc = _mm256_or_si256(_mm256_and_si256(a, six),
+                                 _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(hs, 6), 4), upper));
+    __m256i mn = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(c, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), six),
+                                 _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(hm, 6), 4), upper));
+    __m256 d = _mm256_broadcastss_ps(halves), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(halves));
+    _mm256_storeu_ps(ks->ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+    _mm256_storeu_ps(ks->dm, _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)), _mm256_set1_ps(-0.0f)));
 }
 
 QINLINE void q_chunk(int type, const uint8_t *b, int s, const q_kscales *ks, __m256 *w) {
