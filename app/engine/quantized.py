@@ -69,6 +69,9 @@ class QuantizedWeight:
     def rows(self, ids: Tensor) -> Tensor:
         """The exact values of rows `ids` (long [...]), float32 [..., K] (an embedding lookup)."""
         flat = ids.reshape(-1)
+        if len(self.segments) == 1:  # an embedding: one row per decoding step, no masks to build
+            qtype, data = self.segments[0]
+            return _dequantize(qtype, data[flat]).reshape(*ids.shape, self.in_features)
         out = torch.empty(flat.shape[0], self.in_features)
         start = 0
         for qtype, data in self.segments:
@@ -111,7 +114,30 @@ class QuantizedWeight:
 
 
 def _dequantize(qtype: str, data: Tensor) -> Tensor:
+    if qtype in _IN_TORCH:
+        return _IN_TORCH[qtype](data)
     import gguf
 
     values = gguf.quants.dequantize(np.ascontiguousarray(data.numpy()), gguf.GGMLQuantizationType[qtype])
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def _q8_0(data: Tensor) -> Tensor:
+    blocks = data.reshape(data.shape[0], -1, 34)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()
+    return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(data.shape[0], -1)
+
+
+def _q4_1(data: Tensor) -> Tensor:
+    blocks = data.reshape(data.shape[0], -1, 20)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    qs = blocks[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # inputs 0-15: low nibbles, 16-31: high
+    return (d * q + m).reshape(data.shape[0], -1)
+
+
+# The formats of the default target's embedding and layers, dequantized with torch's ops: the same float32
+# products and sums as gguf's numpy code (checked bit for bit by the tests), without its per-call overhead, which
+# was about 5 % of a decoding step for the one embedding row a step looks up.
+_IN_TORCH = {"Q8_0": _q8_0, "Q4_1": _q4_1}
