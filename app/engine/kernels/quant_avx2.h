@@ -66,7 +66,8 @@ typedef struct { float ds[8], dm[8]; } q_kscales;
    products d * sc and -(dmin * mn) are the scalar ones, lane by lane. */
 QINLINE void q_k_scales(int type, const uint8_t *b, q_kscales *ks) {
     if (type == SK_Q6_K) return;
-    __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)b));  /* d, dmin */
+    __m256 d, dmin;
+    q_halves(b, &d, &dmin);
     __m128i v = _mm_loadu_si128((const __m128i *)(b + 4));                    /* the 12 packed bytes (and 4 more) */
     const __m128i low = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m128i high = _mm_setr_epi8(4, 5, 6, 7, 0, 1, 2, 3, -1, -1, -1, -1, -1, -1, -1, -1);
@@ -82,7 +83,6 @@ QINLINE void q_k_scales(int type, const uint8_t *b, q_kscales *ks) {
                                  _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(hs, 6), 4), upper));
     __m256i mn = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(c, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), six),
                                  _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(hm, 6), 4), upper));
-    __m256 d = _mm256_broadcastss_ps(halves), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(halves));
     _mm256_storeu_ps(ks->ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
     _mm256_storeu_ps(ks->dm, _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)), _mm256_set1_ps(-0.0f)));
 }
@@ -385,10 +385,6 @@ QINLINE __m256i q8_weights(int type, const uint8_t *b) {
     return q;
 }
 
-#ifndef Q8_ROWS
-#define Q8_ROWS 4
-#endif
-
 #ifndef Q8_AHEAD
 #define Q8_AHEAD 2
 #endif
@@ -518,8 +514,8 @@ static void q8_cols(int type, const uint8_t *w, long row_bytes, const sk_qrows *
     int C = m == 1 ? 8 : 2;
     for (int col = c0; col < c1;) {
         int cc = col + C <= c1 ? C : C > 4 && col + 4 <= c1 ? 4 : 1;
-        for (int r = 0; r < m; r += Q8_ROWS) {
-            int R = r + Q8_ROWS <= m ? Q8_ROWS : m - r;
+        for (int r = 0; r < m; r += 4) {
+            int R = r + 4 <= m ? 4 : m - r;
             tile(R, cc, w + (size_t)col * row_bytes, row_bytes, xq, r, sums);
             for (int i = 0; i < R; i++)
                 for (int j = 0; j < cc; j++) {
