@@ -191,15 +191,21 @@ class DraftLength:
         """Expected tokens per target pass with a draft of `k` tokens of `kind`."""
         return self.estimate(kind).expected(k)
 
-    def rate(self, k: int, kind: str | None = None) -> float | None:
-        """Expected tokens per second with a draft of `k` tokens of `kind` (k = 0: a plain target step); None
-        while a cost it needs was not measured. A lookup's proposal counts as free: it is made before the choice."""
-        kind = kind or self.kind
-        draft = 0.0 if kind == "lookup" or k == 0 else self.costs.draft_step
+    def seconds(self, k: int, kind: str | None = None) -> float | None:
+        """Seconds of a step with a draft of `k` tokens of `kind`: k draft steps and a verification of k + 1 rows
+        (k = 0: a plain target step); None while a cost it needs was not measured. A lookup's proposal counts
+        as free: it is made before the choice."""
+        draft = 0.0 if (kind or self.kind) == "lookup" or k == 0 else self.costs.draft_step
         verify = self.costs.verify_cost(k + 1)
         if draft is None or verify is None:
             return None
-        return self.expected(k, kind) / max(k * draft + verify, 1e-9)
+        return max(k * draft + verify, 1e-9)
+
+    def rate(self, k: int, kind: str | None = None) -> float | None:
+        """Expected tokens per second with a draft of `k` tokens of `kind` (k = 0: a plain target step); None
+        while a cost it needs was not measured."""
+        seconds = self.seconds(k, kind)
+        return None if seconds is None else self.expected(k, kind) / seconds
 
     def next_k(self, limit: int, kind: str | None = None, available: int | None = None) -> int:
         """How many tokens to draft now, at most `limit`. The adaptive schedule's choice, for drafts of `kind`,
@@ -222,14 +228,11 @@ class DraftLength:
         """Whether a draft of `kind` of at most `cap` tokens would pay were every token accepted. If not, what
         keeps it from paying is its cost, not its acceptance, and a probe could not change the choice (a draft
         step dearer than a target step, say)."""
-        kind = kind or self.kind
         plain = self.rate(0, kind)
-        draft = 0.0 if kind == "lookup" else self.costs.draft_step
-        if plain is None or draft is None:
+        seconds = [self.seconds(k, kind) for k in range(1, cap + 1)]
+        if plain is None or any(t is None for t in seconds):
             return True
-        return any(
-            (k + 1) / max(k * draft + (self.costs.verify_cost(k + 1) or 0.0), 1e-9) > plain for k in range(1, cap + 1)
-        )
+        return any((k + 1) / t > plain for k, t in enumerate(seconds, 1) if t is not None)
 
     def probing(self, kind: str | None = None) -> bool:
         """Whether the next draft of `kind` would be a probe: enough steps went without one."""

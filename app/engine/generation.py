@@ -557,10 +557,7 @@ class Generation:
             self._length.rest()
         # A draft that stopped for lack of confidence still ran one more step than it proposed. A batch's
         # times are the whole batch's: they say nothing of what drafting or verifying this request alone costs.
-        # A hybrid's draft step is its model's: the lookup's microseconds would make the model look free.
-        warm = plan.kind == self._last_kind == self._length.kind
-        steps = min(k, proposed + 1) if warm else 0
-        self._last_kind = plan.kind if k > 0 else None
+        steps = self._timed_draft_steps(plan, min(k, proposed + 1))
         if solo:
             self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
         new = [*drafts[:accepted], nxt]
@@ -618,16 +615,22 @@ class Generation:
             self.stats.p_min_stops += tree.depth < plan.k
             # Acceptance along the depth, as a chain of the tree's depth would count it.
             self._length.update(tree.depth, accepted)
-        warm = plan.kind == self._last_kind == self._length.kind
-        self._last_kind = plan.kind
+        steps = self._timed_draft_steps(plan, min(plan.k, tree.depth + 1))
         if solo:
-            steps = min(plan.k, tree.depth + 1) if warm else 0
             self._length.costs.observe(steps, plan.draft_seconds, tree.rows, verify_seconds)
         new = [*(tree.tokens[r] for r in path), nxt]
         # The rows that chose them: the root's (the first), then each accepted node's.
         n = self.params.logprobs
         logprobs = None if n is None else token_logprobs(logits[rows], new, n)
         return self._emit(new, tree.nodes, accepted, plan.draft_seconds, verify_seconds, logprobs)
+
+    def _timed_draft_steps(self, plan: StepPlan, steps: int) -> int:
+        """The draft steps whose seconds `plan.draft_seconds` measures: `steps`, or 0 where they measure no draft
+        step of this request's drafter: after a step that drafted another kind or nothing (see `_last_kind`), and
+        a hybrid's lookup (its microseconds would make the model draft look free)."""
+        warm = plan.kind == self._last_kind == self._length.kind
+        self._last_kind = plan.kind if plan.k > 0 else None
+        return steps if warm else 0
 
     def _propose(self, k: int, session: DraftSession | None = None) -> tuple[list[int], torch.Tensor | None]:
         """Up to `k` drafted tokens (and their q when sampling with a generator), from `session` (default: the
