@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SYSPY ?= python3
 
-.PHONY: install fetch serve test lint generate
+.PHONY: install fetch serve test lint generate docker-test
 PROMPT ?= Explain speculative decoding in two sentences.
 TARGET ?= smollm2-135m-instruct
 # Test processes: two share a 2-core CI machine best (see tests/conftest.py); more each load the models again.
@@ -39,3 +39,8 @@ test: fetch
 lint: install
 	$(VENV)/bin/ruff check app tests docker
 	$(VENV)/bin/ruff format --check app tests docker
+
+# The image and the compose stack built and run for real (docker/ci/test.sh: as root, with Debian's packages
+# and PyPI; no Docker Hub needed). No venv needed either.
+docker-test:
+	bash docker/ci/test.sh
