@@ -6,7 +6,9 @@ already loaded (tests) does not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import time
+from dataclasses import dataclass, field
 
 from app import __version__
 from app.engine.generation import Engine
@@ -39,7 +41,11 @@ class ModelInfo:
     has_chat_template: bool
     kernel: str  # the CPU kernel the products and attention run on ("torch": oneDNN/SDPA), or the device type
     batched_decoding: bool  # requests share target forwards (only where rows are independent of the batch)
+    # the OpenAI routes' temperature when a request sends none (settings.default_temperature, else the target's
+    # generation config, else 1.0 as vLLM and OpenAI)
+    default_temperature: float = 1.0
     version: str = __version__
+    created: int = field(default_factory=lambda: int(time.time()))  # when the models were loaded (/v1/models)
 
 
 @dataclass
@@ -56,8 +62,11 @@ class Runtime:
         return self.scheduler.engine.grammars
 
     @classmethod
-    def from_engine(cls, engine: Engine, settings: Settings, metrics: Metrics | None) -> Runtime:
-        """Wrap a loaded engine and start its worker."""
+    def from_engine(
+        cls, engine: Engine, settings: Settings, metrics: Metrics | None, generation_temperature: float | None = None
+    ) -> Runtime:
+        """Wrap a loaded engine and start its worker; `generation_temperature` is the target's generation config's
+        (the OpenAI routes' default temperature unless the settings give one)."""
         config = engine.target.config
         context = config.max_seq_len
         # A prompt leaves room for at least one new token.
@@ -81,6 +90,9 @@ class Runtime:
             has_chat_template=engine.tokenizer.chat_template is not None,
             kernel=engine.kernel,
             batched_decoding=engine.batching,
+            default_temperature=next(
+                t for t in (settings.default_temperature, generation_temperature, 1.0) if t is not None
+            ),
         )
         if metrics is not None:
             k = engine.num_draft_tokens if engine.drafters else 0
@@ -106,8 +118,27 @@ class Runtime:
             prefill_step_seconds=settings.prefill_step_seconds,
             weights=settings.weights,
         )
-        return cls.from_engine(engine, settings, metrics)
+        return cls.from_engine(engine, settings, metrics, generation_temperature(settings.target))
 
     def close(self) -> None:
         """Stop the worker; requests still held fail with 503."""
         self.scheduler.stop()
+
+
+def generation_temperature(target: str) -> float | None:
+    """The temperature of the target's generation config (`generation_config.json` of an HF checkpoint
+    directory), which vLLM takes as its default; None when there is none (a GGUF carries no such config)."""
+    from app import store
+
+    try:
+        path = store.resolve(target)
+    except Exception:  # the engine's own load reports a target it cannot find
+        return None
+    config = path / "generation_config.json" if path.is_dir() else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("temperature")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and 0 <= value <= 100 else None

@@ -105,6 +105,19 @@ class Settings(BaseSettings):
         "keep it some seconds under the orchestrator's own (Kubernetes terminationGracePeriodSeconds, compose "
         "stop_grace_period: 30 s in docker/)",
     )
+    default_temperature: float | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="the OpenAI routes' temperature when a request sends none; unset: the target's generation config "
+        "(its generation_config.json), else 1.0, as vLLM and OpenAI; 0: such requests decode greedily",
+    )
+    closed_response_schemas: bool = Field(
+        True,
+        description="response_format's, guided_json's, structured_outputs' and TGI's JSON schemas compiled closed, "
+        "as vLLM compiles them: an object that declares properties takes no others unless it says "
+        "(additionalProperties); off: as written, open (JSON Schema's default). Tool schemas are always closed",
+    )
     log_format: Literal["text", "json"] = Field("text", description="`text` lines or one JSON object per line")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="lowest level logged")
     api_key: SecretStr | None = Field(

@@ -3,7 +3,8 @@ while another request runs beside it; different seeds differ; `details.seed` rep
 requests stay greedy (seed null); bad sampling parameters are a 4xx naming the field.
 
 Which parameters ask for sampling: on the native routes TGI's rule (`do_sample`, a temperature other than
-1.0, `top_k`, or `top_p` < 1); on the OpenAI routes a temperature > 0 (unset is greedy here).
+1.0, `top_k`, or `top_p` < 1); on the OpenAI routes a temperature > 0, and an unset one is the server's default
+(the model's generation config, else 1.0, as vLLM; `default_temperature` 0 keeps such requests greedy).
 """
 
 from __future__ import annotations
@@ -121,18 +122,25 @@ async def test_greedy_requests_stay_greedy(api_client, sse_data) -> None:
         ]
         r = await client.post("/generate_stream", json=_native(seed=7))
         streamed = json.loads(sse_data(r.text)[-1])
-        # OpenAI: unset temperature is greedy here (OpenAI's default is 1.0); top_p, top_k, seed alone change nothing.
+        # OpenAI: temperature 0 is greedy, whatever top_p, top_k and seed say.
         openai = [
-            await _completion(client),
             await _completion(client, temperature=0),
-            await _completion(client, top_p=0.5, top_k=3, seed=11),
+            await _completion(client, temperature=0, top_p=0.5, top_k=3, seed=11),
         ]
+        # Unset, it is the server's default: 1.0 here (a GGUF has no generation config), as vLLM and OpenAI.
+        unset = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": N, "seed": 11})
+        at_one = await _completion(client, temperature=1.0, seed=11)
+    async with api_client(default_temperature=0) as client:
+        kept_greedy = await _completion(client, top_p=0.5, seed=11)
+    assert unset.json()["seed"] == 11 and unset.json()["speculative"]["sampler"] == "gumbel"
+    assert unset.json()["choices"][0]["text"] == at_one
+    assert kept_greedy == plain["generated_text"]
     assert plain["details"]["seed"] is None
     for v in variants:
         assert v["generated_text"] == plain["generated_text"]
         assert v["details"]["seed"] is None
     assert streamed["generated_text"] == plain["generated_text"] and streamed["details"]["seed"] is None
-    assert openai == [plain["generated_text"]] * 3
+    assert openai == [plain["generated_text"]] * 2
 
 
 async def test_sampled_stream_adds_up_to_the_text(api_client, sse_data) -> None:
@@ -239,3 +247,16 @@ async def test_openai_answers_report_the_seed_and_the_sampler(api_client, sse_da
     assert chunks[-1]["seed"] == 8
     assert greedy["seed"] is None and greedy["speculative"]["sampler"] == "greedy"
     assert bad.status_code in (400, 422) and "sampler" in bad.text
+
+
+def test_the_default_temperature_comes_from_the_generation_config(tmp_path, target_path) -> None:
+    """An HF checkpoint's generation_config.json gives the OpenAI routes' default temperature (as vLLM takes it);
+    a GGUF, a config without one, or a target that is not there give none (the server then takes 1.0)."""
+    from app.runtime import generation_temperature
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.9}')
+    assert generation_temperature(str(tmp_path)) == 0.6
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2}')
+    assert generation_temperature(str(tmp_path)) is None
+    assert generation_temperature(str(target_path)) is None
+    assert generation_temperature(str(tmp_path / "missing")) is None

@@ -121,8 +121,9 @@ def test_reader_finds_calls_in_every_mode() -> None:
             assert _read(_request(tool_choice="required"), pieces) == (*expected, True), text
     reader = tools.ToolCallReader(_request(tool_choice="required"))
     assert reader.feed('[{"name":"ad').calls == []
-    head, args = reader.feed('d","arguments":{"a"').calls
-    assert (head.index, head.function.name, head.id is not None, args.function.arguments) == (0, "add", True, '{"a"')
+    # the head and the first piece of arguments are one entry (one entry per index per chunk, as OpenAI's)
+    [head] = reader.feed('d","arguments":{"a"').calls
+    assert (head.index, head.function.name, head.id is not None, head.function.arguments) == (0, "add", True, '{"a"')
     assert [c.function.arguments for c in reader.feed(":1}},").calls] == [":1}"]
     single = '{"name":"add","arguments":{"a":1}}'
     assert _read(_request(tool_choice="required", parallel_tool_calls=False), list(single)) == (
@@ -298,6 +299,84 @@ async def test_tool_calls_through_the_openai_client(api_client) -> None:
     text = whole["none"].choices[0]
     assert text.message.tool_calls is None and text.message.content and text.finish_reason == "length"
     assert streamed["none"] == (text.message.content, [], "length")
+
+
+class Add(BaseModel):
+    a: int
+    b: int
+
+
+# The 135M target copies this call, whose arguments a strict Weather parses.
+COPY_UNIT = [
+    {
+        "role": "user",
+        "content": 'Repeat exactly, nothing else: <tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+    }
+]
+
+
+def _nulls(value) -> list[str]:
+    """Where `value` (a chunk's delta) holds a null."""
+    if isinstance(value, dict):
+        return [f"{k}{p}" for k, v in value.items() for p in ([""] if v is None else _nulls(v))]
+    if isinstance(value, list):
+        return [f"[{i}]{p}" for i, v in enumerate(value) for p in _nulls(v)]
+    return []
+
+
+async def test_streamed_tool_calls_in_openais_shape(api_client, sse_data) -> None:
+    """Every streamed chunk as OpenAI sends it: one entry per call index per chunk, the head (id, type, name) on a
+    call's first entry only, no null field in a delta, the role on the first chunk only and the finish reason in
+    a chunk of its own with an empty delta; so the openai SDK's stream helper fires each call's
+    arguments.delta and .done events and parses its arguments (named, required, auto)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    asks = {
+        "named": dict(messages=ASK, tool_choice=named, max_tokens=24),
+        "required": dict(messages=ASK, tool_choice="required", max_tokens=40),
+        "auto": dict(messages=COPY_UNIT, tool_choice="auto", max_tokens=40),
+    }
+    strict = [
+        openai.pydantic_function_tool(Weather, name="get_weather"),
+        openai.pydantic_function_tool(Add, name="add"),
+    ]
+    async with api_client() as client:
+        sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+        for mode, ask in asks.items():
+            r = await client.post(
+                "/v1/chat/completions", json={"tools": [WEATHER, ADD], "stream": True, "temperature": 0, **ask}
+            )
+            chunks = [json.loads(d) for d in sse_data(r.text)[:-1]]
+            choices = [c["choices"][0] for c in chunks]
+            assert [c["delta"].get("role") for c in choices] == ["assistant"] + [None] * (len(choices) - 1), mode
+            assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["tool_calls"], mode
+            assert choices[-1]["delta"] == {} and choices[-1]["logprobs"] is None, mode
+            seen: set[int] = set()
+            for c in choices:
+                assert _nulls(c["delta"]) == [], (mode, c)
+                entries = c["delta"].get("tool_calls", [])
+                assert len({e["index"] for e in entries}) == len(entries), (mode, c)
+                for e in entries:
+                    head = e["index"] not in seen
+                    seen.add(e["index"])
+                    fields = {"index", "id", "type", "function"} if head else {"index", "function"}
+                    assert set(e) == fields and set(e["function"]) == ({"name", "arguments"} if head else {"arguments"})
+            assert seen, mode
+            async with sdk.chat.completions.stream(
+                model="smollm2-135m-instruct", tools=strict, temperature=0, **ask
+            ) as stream:
+                events = [event async for event in stream]
+                final = await stream.get_final_completion()
+            calls = final.choices[0].message.tool_calls
+            done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+            assert [(e.index, e.name, e.arguments) for e in done] == [
+                (i, c.function.name, c.function.arguments) for i, c in enumerate(calls)
+            ], mode
+            pieces = [d.arguments_delta for d in events if d.type == "tool_calls.function.arguments.delta"]
+            for e in done:
+                assert isinstance(e.parsed_arguments, Weather if e.name == "get_weather" else Add), (mode, e)
+            assert "".join(pieces) == "".join(c.function.arguments for c in calls), mode
+            assert final.choices[0].finish_reason == "tool_calls", mode
 
 
 async def test_bad_tools_are_400_naming_the_field(api_client) -> None:

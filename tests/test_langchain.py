@@ -7,8 +7,10 @@ pydantic model (a nested model and an enum), the calls name the right function."
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Iterator
 from enum import Enum
+from functools import reduce
 from pathlib import Path
 
 import openai
@@ -64,6 +66,34 @@ def test_langchain_with_structured_output_every_method(server: str) -> None:
         person = llm.with_structured_output(Person, method=method).invoke(prompt)
         assert isinstance(person, Person), (method, person)
         assert isinstance(person.home.country, Country), (method, person)
+
+
+def test_langchain_streams_tool_calls(server: str) -> None:
+    """`.stream()` of a tool-bound model adds its chunks up to one valid call (required, named, auto: no nameless
+    call, nothing in invalid_tool_calls), and `with_structured_output(method="function_calling").stream()`
+    ends with the Person (issue 32: the streamed deltas were not in OpenAI's shape)."""
+    llm = ChatOpenAI(
+        base_url=f"{server}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=40, max_retries=0
+    )
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current temperature in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}},
+        },
+    }
+    copy = 'Repeat exactly: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    asks = {"any": "What is the weather in Paris?", "get_weather": "What is the weather in Paris?", "auto": copy}
+    for choice, prompt in asks.items():
+        total = reduce(operator.add, llm.bind_tools([weather], tool_choice=choice).stream(prompt))
+        assert total.invalid_tool_calls == [], (choice, total)
+        [call] = total.tool_calls
+        assert call["name"] == "get_weather" and call["id"].startswith("call_"), (choice, call)
+        assert set(call["args"]) == {"city"} and isinstance(call["args"]["city"], str), (choice, call)
+    ask = "Describe Marie Curie: her name, age and home."
+    *_, person = llm.with_structured_output(Person, method="function_calling").stream(ask)
+    assert isinstance(person, Person) and isinstance(person.home.country, Country), person
 
 
 def test_openai_tool_round_trip(server: str) -> None:

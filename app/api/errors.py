@@ -132,6 +132,9 @@ def describe_validation_errors(errors: list[dict[str, Any]] | Any) -> str:
             general.append(f"missing field '{field}'" if field else "the request body is missing (send a JSON object)")
         elif kind == "model_attributes_type" and not loc:
             general.append("the body must be a JSON object")
+        elif kind == "extra_forbidden":
+            # A field inside an object that we do not know: refused rather than dropped unread.
+            by_field.setdefault(field, ["unknown field: not supported here, leave it out"])
         else:
             # Pydantic prefixes custom errors with "Value error, "; the rest of the message is ours.
             msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")

@@ -6,6 +6,7 @@ one /generate response, ``stream: true`` answers as /generate_stream.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -21,15 +22,18 @@ from app.api.schemas import (
     ErrorResponse,
     GenerateRequest,
     GenerateResponse,
+    Grammar,
     InputToken,
     StreamDetails,
     StreamResponse,
     Token,
+    closed_grammar,
 )
 from app.runtime import Runtime
 from app.settings import Settings
 from app.worker import Finished, RequestFailed, TokenOut
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["native (TGI-compatible)"])
 
 # Engine finish reasons as TGI names them.
@@ -53,7 +57,16 @@ Runtime_ = Annotated[Runtime, Depends(get_runtime)]
 Settings_ = Annotated[Settings, Depends(get_settings)]
 
 
+def _grammar(grammar: Grammar, settings: Settings) -> Grammar:
+    """TGI's grammar, its JSON schema closed unless the server keeps schemas as written (as TGI's outlines
+    compiles them: only the declared properties)."""
+    return closed_grammar(grammar) or grammar if settings.closed_response_schemas else grammar
+
+
 async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, stream: bool) -> jobs.Prepared:
+    ignored = body.ignored_fields()
+    if ignored:  # ignored, as TGI ignores them, but said
+        log.warning("the request's fields %s are unknown and were ignored", ", ".join(ignored))
     p = body.parameters
     if stream and p.decoder_input_details:
         raise APIError("validation", "parameters.decoder_input_details: not supported when streaming (as TGI)")
@@ -72,7 +85,7 @@ async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, 
         penalties=p.penalties(),
         logprobs=(p.top_n_tokens or 0) if shown else None,
         prompt_logprobs=0 if p.details and p.decoder_input_details and not stream else None,
-        grammar=p.grammar.grammar() if p.grammar is not None else None,
+        grammar=_grammar(p.grammar.grammar(), settings) if p.grammar is not None else None,
     )
     return await jobs.prepare(runtime, settings, spec)
 

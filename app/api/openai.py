@@ -35,12 +35,14 @@ from app.api.schemas import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    Grammar,
     ModelCard,
     ModelList,
     OpenAIErrorResponse,
     Sampling,
     SpeculativeDetails,
     Usage,
+    closed_grammar,
 )
 from app.engine.tokenizer import TokenizerError
 from app.runtime import Runtime
@@ -87,13 +89,14 @@ Runtime_ = Annotated[Runtime, Depends(get_runtime)]
 Settings_ = Annotated[Settings, Depends(get_settings)]
 
 
-# TGI's Python client's chat() always sends this name (TGI's server takes any): accepted, never listed.
-_TGI_CLIENT_MODEL = "tgi"
+# The names TGI's clients send when they are not told a model (TGI's server takes any): text-generation's
+# chat() always sends "tgi", huggingface_hub's InferenceClient(base_url=...) "dummy". Accepted, never listed.
+_TGI_CLIENT_MODELS = frozenset({"tgi", "dummy"})
 
 
 def check_model(name: str | None, runtime: Runtime) -> None:
     """Refuse a `model` this server does not serve, as vLLM does (404 NotFoundError); no `model` is fine."""
-    if name is not None and name != _TGI_CLIENT_MODEL and name not in runtime.info.served_model_names:
+    if name is not None and name not in _TGI_CLIENT_MODELS and name not in runtime.info.served_model_names:
         raise APIError("model_not_found", f"The model `{name}` does not exist.", param="model", code=404)
 
 
@@ -102,6 +105,20 @@ def _log_ignored(body: CompletionRequest | ChatCompletionRequest) -> None:
     ignored = body.ignored_fields()
     if ignored:
         log.warning("the request's fields %s are unknown and were ignored", ", ".join(ignored))
+
+
+def _output_grammar(body: CompletionRequest | ChatCompletionRequest, settings: Settings) -> Grammar | None:
+    """The request's output constraint, its JSON schema closed unless the server keeps them as written."""
+    grammar = body.grammar()
+    return closed_grammar(grammar) if settings.closed_response_schemas else grammar
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest, runtime: Runtime) -> Sampling:
+    """How the request samples: its temperature, or the server's default when it sends none."""
+    try:
+        return body.sampling(runtime.info.default_temperature)
+    except ValueError as exc:
+        raise APIError("validation", str(exc), param="n") from exc
 
 
 def _usage(prompt_tokens: int, results: Sequence[Finished]) -> Usage:
@@ -183,33 +200,54 @@ def _stream(
     first: Sequence[CompletionResponse] = (),
     lead: Callable[[int, StepEvent], Sequence[CompletionResponse]] | None = None,
     logprobs: bool = False,
+    continuous_usage: bool = False,
 ) -> StreamingResponse:
     """SSE of a request's generations: `chunk(index, text, finish_reason, tokens)` per step of choice `index` that
     adds text, or tokens whose `logprobs` were asked for (a speculative step's accepted tokens share one chunk, as
     vLLM sends them: one event to write and parse instead of one per token), each choice's last with the reason,
     its speculative figures and seed; the choices' chunks interleave as they come, after `lead(index, step)`'s
-    events. Then the usage when asked, then ``[DONE]``."""
+    events. A chat choice's finish reason comes in a chunk of its own (an empty delta), after its last piece, as
+    OpenAI sends it: the openai SDK's stream helper closes a tool call (`.done`, its parsed arguments) only when a
+    later chunk says so. Then the usage when asked, then ``[DONE]``. With `continuous_usage` (vLLM's
+    `stream_options.continuous_usage_stats`) every chunk carries the usage so far."""
+    generated = [0] * len(tickets)
+
+    def sent(event: CompletionResponse | ChatCompletionChunk) -> str:
+        if continuous_usage:
+            completion = sum(generated)
+            event.usage = Usage(
+                prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+            )
+        return jobs.sse(event)
 
     async def events() -> AsyncIterator[str]:
         done: list[Finished] = []
         try:
             for event in first:
-                yield jobs.sse(event)
+                yield sent(event)
             async for index, step in jobs.merged_events(tickets):
                 for event in lead(index, step) if lead is not None else ():
-                    yield jobs.sse(event)
+                    yield sent(event)
+                generated[index] += len(step.tokens)
                 text = "".join(tok.text for tok in step.tokens)
                 if step.finished is not None:
                     event = chunk(index, text, _FINISH[step.finished.finish_reason], step.tokens)
                     assert event is not None  # a choice's last chunk always goes
+                    if isinstance(event, ChatCompletionChunk):
+                        choice = event.choices[0]
+                        if choice.delta.model_dump() or choice.logprobs is not None:
+                            last_piece = event.model_copy(deep=True)
+                            last_piece.choices[0].finish_reason = None
+                            yield sent(last_piece)
+                            choice.delta, choice.logprobs = ChatDelta(), None
                     event.speculative = jobs.speculative_details(runs[index], step.finished)
                     event.seed = step.finished.seed
-                    yield jobs.sse(event)
+                    yield sent(event)
                     done.append(step.finished)
                 elif text or (logprobs and step.tokens):
                     event = chunk(index, text, None, step.tokens)
                     if event is not None:
-                        yield jobs.sse(event)
+                        yield sent(event)
             if include_usage:
                 usage = chunk(0, None, None, ())
                 assert usage is not None
@@ -243,7 +281,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
     prompts: list[str | list[int]] = body.prompt  # type: ignore[assignment]  # a list, by its validator
     n = body.n or 1
     _check_choices(len(prompts) * n, settings)
-    sampling = body.sampling()
+    sampling = _sampling(body, runtime)
     # echo with logprobs: the prompt's log-probabilities come first, with as many alternatives.
     echoed = body.logprobs if body.echo else None
     wanted = [n for n in (echoed, body.prompt_logprobs) if n is not None]
@@ -263,7 +301,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             truncate=body.truncate_prompt_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=max(wanted) if wanted else None,
-            grammar=body.grammar(),
+            grammar=_output_grammar(body, settings),
         )
         prepared.append(await jobs.prepare(runtime, settings, spec))
     runs = [_seeded(p, seed) for p in prepared for seed in _seeds(sampling, n)]
@@ -286,12 +324,19 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
         )
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, continuous = body.usage_streamed()
         if echoed is None:
             # Each echoed prompt goes first, as a chunk of its own.
             first = [chunk(i, echo[i // n], None) for i in range(len(runs)) if echo[i // n]]
             return _stream(
-                tickets, runs, chunk, include_usage, prompt_tokens, first, logprobs=body.logprobs is not None
+                tickets,
+                runs,
+                chunk,
+                include_usage,
+                prompt_tokens,
+                first,
+                logprobs=body.logprobs is not None,
+                continuous_usage=continuous,
             )
         pending = set(range(len(runs)))
 
@@ -307,7 +352,9 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             choice.logprobs = completion_logprobs(names, (), step.prompt_logprobs, ids, n=echoed)
             return [echo_chunk]
 
-        return _stream(tickets, runs, chunk, include_usage, prompt_tokens, lead=lead, logprobs=True)
+        return _stream(
+            tickets, runs, chunk, include_usage, prompt_tokens, lead=lead, logprobs=True, continuous_usage=continuous
+        )
     try:
         outcomes = await jobs.run_all_to_end(tickets, request)
     except jobs.ClientGone:
@@ -365,7 +412,7 @@ async def chat_completions(
         raise APIError("validation", f"messages: {exc}") from exc
     for parameters in tools.parameter_grammars(body):
         await jobs.check_grammar(runtime, parameters)
-    sampling = body.sampling()
+    sampling = _sampling(body, runtime)
     spec = jobs.JobSpec(
         prompt=prompt,
         # max_tokens is the deprecated name: the new one wins when both are given.
@@ -380,7 +427,7 @@ async def chat_completions(
         truncate=body.truncate_prompt_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
-        grammar=tools.grammar(body) or body.grammar(),
+        grammar=tools.grammar(body) or _output_grammar(body, settings),
     )
     prepared = await jobs.prepare(runtime, settings, spec)
     runs = [_seeded(prepared, seed) for seed in _seeds(sampling, n)]
@@ -392,6 +439,8 @@ async def chat_completions(
     def logprobs(tokens: Sequence[TokenOut]) -> ChatLogprobs | None:
         return ChatLogprobs(content=chat_logprobs(names, tokens)) if body.logprobs else None
 
+    started: set[int] = set()  # the choices whose first chunk (the one naming the role) went
+
     def chunk(
         index: int, text: str | None, finish: str | None, tokens: Sequence[TokenOut] = ()
     ) -> ChatCompletionChunk | None:
@@ -400,11 +449,14 @@ async def chat_completions(
             reader = readers[index]
             parts = [reader.feed(text), *([reader.finish()] if finish is not None else [])]
             delta.content = "".join(p.content for p in parts) or None
-            delta.tool_calls = [c for p in parts for c in p.calls] or None
+            delta.tool_calls = tools.merged([c for p in parts for c in p.calls]) or None
             if finish is not None:
                 finish = tools.finish_reason(reader, finish)
             elif delta.content is None and delta.tool_calls is None and not (body.logprobs and tokens):
                 return None  # text held back until it is known to be content or a call
+            if index not in started:
+                started.add(index)
+                delta.role = "assistant"
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)  # type: ignore[arg-type]
         if text is not None:
             choice.logprobs = logprobs(tokens)
@@ -413,8 +465,16 @@ async def chat_completions(
         )
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(tickets, runs, chunk, include_usage, len(prepared.prompt_ids), logprobs=bool(body.logprobs))
+        include_usage, continuous = body.usage_streamed()
+        return _stream(
+            tickets,
+            runs,
+            chunk,
+            include_usage,
+            len(prepared.prompt_ids),
+            logprobs=bool(body.logprobs),
+            continuous_usage=continuous,
+        )
     try:
         outcomes = await jobs.run_all_to_end(tickets, request)
     except jobs.ClientGone:
@@ -450,7 +510,7 @@ def _chat_choice(
 
 def _card(name: str, runtime: Runtime) -> ModelCard:
     info = runtime.info
-    return ModelCard(id=name, created=0, root=info.model_id, max_model_len=info.context_length)
+    return ModelCard(id=name, created=info.created, root=info.model_id, max_model_len=info.context_length)
 
 
 @router.get("/models", response_model=ModelList, summary="The served model's names (OpenAI models)")

@@ -3,8 +3,8 @@
 Requests are validated strictly (a string is not a number, NaN is not a temperature) so that a wrong type is
 a 4xx naming the field, never a guess. Fields that TGI's and OpenAI's clients always send, and vLLM's extra
 fields that would change the output, are accepted at their neutral values and refused, with a message, at any
-value we cannot honour. Unknown fields are ignored, as TGI and vLLM ignore them (the OpenAI routes log them),
-except inside our own ``speculative`` object.
+value we cannot honour. Unknown fields at a request's top level are ignored, as TGI and vLLM ignore them, and
+logged; inside any object they are refused, naming the field's path (`messages.0.x`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS
 
-_REQUEST = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+# Nested objects refuse a field they do not know (a 4xx naming its path): a field we do not read would be
+# dropped without a word. The top levels of the requests keep theirs to log them (see `ignored_fields`).
+_REQUEST = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 # --- sampling ----------------------------------------------------------------------------------------------
@@ -148,18 +150,50 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: plain text, any JSON object, or JSON that follows a schema."""
+    """OpenAI's `response_format` (plain text, any JSON object, or JSON that follows `json_schema.schema`) and TGI's
+    chat forms, which carry a `value` (huggingface_hub's InferenceClient sends them): `json` and `json_object` with
+    a JSON schema, `regex` with a pattern, `json_schema` with `{"name", "schema"}`."""
 
     model_config = _REQUEST
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
     json_schema: JsonSchemaFormat | None = None
+    value: dict[str, Any] | str | None = Field(
+        None,
+        description="TGI's: json and json_object: the JSON schema (an object, or its JSON text); regex: the pattern; "
+        'json_schema: {"name", "schema"}',
+    )
 
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
+        if self.json_schema is not None and self.type != "json_schema":
             raise ValueError("json_schema is sent with type json_schema, and only with it")
+        if self.type == "json_schema" and (self.json_schema is None) == (self.value is None):
+            raise ValueError("type json_schema takes json_schema (OpenAI's form) or value (TGI's), one of them")
+        tgi_schema = self.type == "json_schema" and self.value is not None
+        if tgi_schema and not (isinstance(self.value, dict) and isinstance(self.value.get("schema"), dict)):
+            raise ValueError('value: TGI\'s json_schema value is {"name": ..., "schema": {...}}')
+        if self.type in ("json", "regex") and self.value is None:
+            raise ValueError(f"type {self.type} takes its {'schema' if self.type == 'json' else 'pattern'} in value")
+        if self.type == "regex" and not isinstance(self.value, str):
+            raise ValueError("value: a regex is a string")
+        if self.type == "text" and self.value is not None:
+            raise ValueError("value: not with type text")
         return self
+
+    def grammar(self) -> Grammar | None:
+        """The engine's constraint; `field` names where it came from."""
+        if self.type == "text":
+            return None
+        if self.json_schema is not None:
+            return Grammar("json_schema", json.dumps(self.json_schema.schema_), "response_format.json_schema.schema")
+        if self.type == "regex":
+            return Grammar("regex", str(self.value), "response_format.value")
+        if self.value is None:
+            return Grammar("json_object", "", "response_format")
+        schema = self.value["schema"] if self.type == "json_schema" else self.value  # type: ignore[index]
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return Grammar("json_schema", text, "response_format.value")
 
 
 def _no_additional_properties(schema: Any) -> Any:
@@ -173,6 +207,51 @@ def _no_additional_properties(schema: Any) -> Any:
     if ("properties" in schema or schema.get("type") == "object") and "additionalProperties" not in schema:
         out["additionalProperties"] = False
     return out
+
+
+# Where a JSON schema holds schemas: one, a list of them, or a map of names to them.
+_ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema: Any, _in_all_of: bool = False) -> Any:
+    """`schema` with every object schema that declares `properties` and says nothing of others closed to them
+    (`additionalProperties: false`), as vLLM's default backend (xgrammar's strict mode) compiles schemas: open,
+    a small model invents keys until max_tokens. A schema that says (`additionalProperties`,
+    `unevaluatedProperties`, `patternProperties`) keeps its word; `{"type": "object"}` without properties stays any
+    object; the branches of an `allOf` stay open, since each names only its share of the properties. Only places
+    that hold schemas are walked, so a property named `properties` is a name, not a keyword."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub) for sub in out[key]]
+    for key in (*_ONE_SCHEMA, "additionalProperties", "unevaluatedProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_schema(sub, _in_all_of=True) for sub in out["allOf"]]
+    says = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    if "properties" in schema and not _in_all_of and not any(key in schema for key in says):
+        out["additionalProperties"] = False
+    return out
+
+
+def closed_grammar(grammar: Grammar | None) -> Grammar | None:
+    """A JSON-schema grammar with its schema closed (`closed_schema`); any other grammar as it is. A schema
+    that is not JSON is left for the engine to refuse, naming the field."""
+    if grammar is None or grammar.kind != "json_schema":
+        return grammar
+    try:
+        schema = json.loads(grammar.spec)
+    except json.JSONDecodeError:
+        return grammar
+    return grammar._replace(spec=json.dumps(closed_schema(schema)))
 
 
 class StructuredOutputs(BaseModel):
@@ -422,13 +501,18 @@ class GenerateParameters(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """A TGI generation request."""
+    """A TGI generation request. Fields of its top level that no field names are kept to be logged, as the OpenAI
+    requests' (TGI ignores them)."""
 
-    model_config = _REQUEST
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     inputs: str = Field(description="the prompt, sent as is (no chat template)", json_schema_extra={"minLength": 1})
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = Field(False, description="only for `POST /`: answer as `/generate_stream` does")
+
+    def ignored_fields(self) -> list[str]:
+        """The top-level fields no field names: ignored, and logged."""
+        return sorted(self.model_extra or {})
 
 
 _LOGPROB = "log-probability under the target's raw distribution (log-softmax of its logits, temperature 1)"
@@ -492,7 +576,11 @@ class StreamResponse(BaseModel):
 class StreamOptions(BaseModel):
     model_config = _REQUEST
 
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="a last chunk with the usage and no choices")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: with include_usage, every chunk also carries the usage so far"
+    )
+    include_obfuscation: _neutral_only(bool | None, None, False) = None
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -549,6 +637,11 @@ OUTPUT_NEUTRAL_FIELDS = frozenset(
 )
 
 
+_GREEDY_N = (
+    "n: {n} samples need sampling (temperature > 0); greedy decoding (temperature 0, sent or the server's "
+    "default) would give the same text n times"
+)
+
 _CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
 
 
@@ -562,7 +655,9 @@ class _OpenAISampling(BaseModel):
         None, description="a served name (GET /v1/models), else 404; may be left out; answers report the served model"
     )
     temperature: Temperature | None = Field(
-        None, description="> 0 samples; 0 or unset (our default, unlike OpenAI's 1.0) decodes greedily"
+        None,
+        description="> 0 samples, 0 decodes greedily; unset: the server's default (the model's generation config, "
+        "else 1.0, as vLLM and OpenAI; see --default-temperature)",
     )
     top_p: float | None = Field(
         None, gt=0, le=1, description="nucleus sampling mass, in (0, 1]; only with temperature > 0"
@@ -628,7 +723,9 @@ class _OpenAISampling(BaseModel):
     bad_words: _neutral_only(list[Any] | None, None, []) = None
     add_special_tokens: _neutral_only(bool | None, None) = None
     response_format: ResponseFormat | None = Field(
-        None, description="json_object: any JSON object; json_schema: JSON that follows `json_schema.schema`"
+        None,
+        description="json_object: any JSON object; json_schema: JSON that follows `json_schema.schema`; TGI's "
+        "forms with `value`: json or json_object (a schema), regex (a pattern)",
     )
     guided_json: dict[str, Any] | str | None = Field(
         None, description="vLLM's: the output follows this JSON schema (an object, or its JSON text)"
@@ -651,11 +748,8 @@ class _OpenAISampling(BaseModel):
 
     @model_validator(mode="after")
     def _n_needs_sampling(self) -> _OpenAISampling:
-        if (self.n or 1) > 1 and not self.temperature:
-            raise ValueError(
-                f"n: {self.n} samples need sampling (temperature > 0); greedy decoding (temperature 0 or unset) "
-                "would give the same text n times"
-            )
+        if (self.n or 1) > 1 and self.temperature == 0:
+            raise ValueError(_GREEDY_N.format(n=self.n))
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available when streaming (as vLLM): send stream false")
         constraints = [name for name in _CONSTRAINTS if self._constraint(name) is not None]
@@ -669,11 +763,8 @@ class _OpenAISampling(BaseModel):
 
     def grammar(self) -> Grammar | None:
         """The output constraint asked for, if any (the validator let one at most through)."""
-        rf = self.response_format
-        if rf is not None and rf.json_schema is not None:
-            return Grammar("json_schema", json.dumps(rf.json_schema.schema_), "response_format.json_schema.schema")
-        if rf is not None and rf.type == "json_object":
-            return Grammar("json_object", "", "response_format")
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.grammar()
         if self.structured_outputs is not None:
             return self.structured_outputs.grammar_spec()
         if self.guided_json is not None:
@@ -685,12 +776,16 @@ class _OpenAISampling(BaseModel):
             return Grammar("choice", json.dumps(self.guided_choice), "guided_choice")
         return None
 
-    def sampling(self) -> Sampling:
-        """Greedy unless temperature > 0 (top_p, top_k and seed alone change nothing)."""
-        if not self.temperature:
+    def sampling(self, default_temperature: float) -> Sampling:
+        """Sampling at the request's temperature, or `default_temperature` (the server's) when it sends none;
+        greedy at 0 (top_p, top_k and seed then change nothing). `n` > 1 at temperature 0 is refused."""
+        temperature = self.temperature if self.temperature is not None else default_temperature
+        if (self.n or 1) > 1 and temperature == 0:
+            raise ValueError(_GREEDY_N.format(n=self.n))
+        if not temperature:
             return GREEDY
         seed = None if self.seed is None else self.seed & MAX_SEED  # a negative seed, as two's complement
-        return Sampling(self.temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p, seed)
+        return Sampling(temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p, seed)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -713,6 +808,12 @@ class _OpenAISampling(BaseModel):
             self.include_stop_str_in_output,
             self.skip_special_tokens,
         )
+
+    def usage_streamed(self) -> tuple[bool, bool]:
+        """Whether a stream ends with a usage chunk, and whether every chunk carries the usage so far (vLLM's
+        continuous_usage_stats, which it honours only beside include_usage)."""
+        options = self.stream_options or StreamOptions()
+        return options.include_usage, options.include_usage and options.continuous_usage_stats
 
     def ignored_fields(self) -> list[str]:
         """The fields of the request that no model field names and that are not known to change nothing."""
@@ -789,6 +890,11 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant message's tool calls")
     tool_call_id: str | None = Field(None, description="a tool message's: the call it answers")
+    # What an assistant message of OpenAI's own answers may carry when a client sends it back: only empty.
+    refusal: _neutral_only(str | None, None) = None
+    function_call: _neutral_only(Any, None) = None
+    audio: _neutral_only(Any, None) = None
+    annotations: _neutral_only(list[Any] | None, None, []) = None
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
@@ -1027,22 +1133,32 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: when the request sent prompt_logprobs")
 
 
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _delta_field(description: str | None = None) -> Any:
+    """A field of a streamed delta that is left out of the JSON when None, as OpenAI sends deltas: clients add
+    each field of a delta to what they have (the openai SDK copies a `type` even when it is null)."""
+    return Field(None, exclude_if=_unset, description=description)
+
+
 class FunctionCallDelta(BaseModel):
-    name: str | None = Field(None, description="on a call's first delta")
+    name: str | None = _delta_field("on a call's first delta only")
     arguments: str = Field(description="the next piece of the arguments' JSON text")
 
 
 class ToolCallDelta(BaseModel):
-    index: int = Field(description="which call of the answer this piece belongs to")
-    id: str | None = Field(None, description="on a call's first delta")
-    type: Literal["function"] | None = Field(None, description="on a call's first delta")
+    index: int = Field(description="which call of the answer this piece belongs to (one entry per call per chunk)")
+    id: str | None = _delta_field("on a call's first delta only")
+    type: Literal["function"] | None = _delta_field("on a call's first delta only")
     function: FunctionCallDelta
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
+    role: Literal["assistant"] | None = _delta_field("on each choice's first chunk only")
+    content: str | None = _delta_field()
+    tool_calls: list[ToolCallDelta] | None = _delta_field()
 
 
 class ChatChunkChoice(BaseModel):

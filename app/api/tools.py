@@ -38,6 +38,7 @@ from app.api.schemas import (
     ToolCall,
     ToolCallDelta,
     ToolDefinition,
+    closed_schema,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -55,8 +56,9 @@ _INSTRUCTIONS = (
 
 
 def parameters(tool: ToolDefinition) -> dict[str, Any]:
-    """The JSON schema of a tool's arguments."""
-    return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
+    """The JSON schema of a tool's arguments, closed as vLLM compiles it (`closed_schema`: an object that
+    declares properties takes no others unless it says so)."""
+    return closed_schema(tool.function.parameters) if tool.function.parameters is not None else ANY_OBJECT
 
 
 def _signature(tool: ToolDefinition) -> str:
@@ -308,10 +310,12 @@ class ToolCallReader:
         if self.mode == "named":
             if not self.called:
                 self.called = True
+                # The call's head and its first piece of arguments are one entry, as OpenAI sends them: a
+                # second entry of the same index in one chunk is read by clients as a call of its own.
                 head = ToolCallDelta(
-                    index=0, id=_call_id(), type="function", function=FunctionCallDelta(name=self.named, arguments="")
+                    index=0, id=_call_id(), type="function", function=FunctionCallDelta(name=self.named, arguments=text)
                 )
-                return Delta(calls=[head, *self._arguments(text)])
+                return Delta(calls=[head])
             return Delta(calls=self._arguments(text))
         self._held += text
         if self.mode == "required":
@@ -354,13 +358,13 @@ class ToolCallReader:
             call, end = _forced_call(text, i)
             if call.name is None:
                 return out  # calls go out in order, each once its name is known
+            piece = call.arguments[self._open_sent or 0 :]
             if self._open_sent is None:
-                self._open_sent = 0
+                # the head and the first piece as one entry (see feed)
                 self.called = True
-                head = FunctionCallDelta(name=call.name, arguments="")
+                head = FunctionCallDelta(name=call.name, arguments=piece)
                 out.append(ToolCallDelta(index=self._closed, id=_call_id(), type="function", function=head))
-            piece = call.arguments[self._open_sent :]
-            if piece:
+            elif piece:
                 out.append(ToolCallDelta(index=self._closed, function=FunctionCallDelta(arguments=piece)))
             if end is None:
                 self._open_sent = len(call.arguments)
@@ -420,6 +424,19 @@ def _auto_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None:
             return None
         calls.append(call)
     return calls or None
+
+
+def merged(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """`calls` with one entry per index (the pieces of one call joined, its head's fields kept), in order of
+    first appearance: OpenAI's clients take each entry of a chunk as a new piece, and an entry repeating an
+    index as a call without its head."""
+    by_index: dict[int, ToolCallDelta] = {}
+    for c in calls:
+        if c.index not in by_index:
+            by_index[c.index] = c.model_copy(deep=True)
+        else:
+            by_index[c.index].function.arguments += c.function.arguments
+    return list(by_index.values())
 
 
 def message_parts(reader: ToolCallReader, text: str) -> tuple[str | None, list[ToolCall] | None]:
