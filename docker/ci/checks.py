@@ -177,7 +177,7 @@ def check_spread(lb: str, prom: str, replicas: int, logs: Sequence[str]) -> None
     up = 'up{job="specserve"} == 1'
     # Prometheus looks the alias up again every 5 s and scrapes every 5 s.
     wait_until(f"Prometheus scraping {replicas} containers", 60, lambda: len(prom_query(prom, up)) == replicas)
-    addresses = {r["labels"]["instance"] for r in prom_query(prom, up)}
+    addresses = {r["metric"]["instance"] for r in prom_query(prom, up)}
     reached: set[str] = set()
     sent = 0
     while reached != addresses and sent < 60:

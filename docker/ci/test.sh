@@ -78,11 +78,12 @@ cleanup() {
   set +e
   if [ "$rc" -ne 0 ]; then
     echo "FAILED at: $FAILED_AT (exit $rc)" >&2
-    if [ -S /var/run/docker.sock ]; then
-      compose logs --no-color --tail=40 2>/dev/null | tail -n 120 >&2
-      $DOCKER logs --tail=40 "$HARDENED" 2>&1 | tail -n 40 >&2
+    if $DOCKER info >/dev/null 2>&1; then
+      $DOCKER logs --tail=20 "$HARDENED" 2>/dev/null >&2
+      compose logs --no-color --tail=15 2>/dev/null >&2
+    elif [ -n "$DOCKERD_PID" ]; then
+      tail -n 20 "$WORK/dockerd.log" >&2
     fi
-    [ -n "$DOCKERD_PID" ] && tail -n 20 "$WORK/dockerd.log" >&2
   fi
   if $DOCKER info >/dev/null 2>&1; then
     compose down --volumes --remove-orphans --timeout 5 >/dev/null 2>&1
