@@ -123,7 +123,7 @@ OPENAI_CASES = {
     ),
     "chat max_tokens over the limit": (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000, "temperature": 0},
         400,
         ["max_tokens must be at most 2048"],
     ),
@@ -133,16 +133,27 @@ OPENAI_CASES = {
         400,
         ["temperature", "0 (greedy) or at least 1e-06"],
     ),
-    "n of 2": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2}, 400, ["n"]),
+    "n of 2 greedy": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "temperature": 0},
+        400,
+        ["n: 2 samples need sampling"],
+    ),
+    "unknown nested field": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi", "x": 1}]},
+        400,
+        ["messages.0.x: unknown field"],
+    ),
     "missing prompt": ("/v1/completions", {"model": "m"}, 400, ["missing", "prompt"]),
     "empty prompt": ("/v1/completions", {"prompt": ""}, 400, ["prompt: must not be empty"]),
     "an empty prompt in a list": ("/v1/completions", {"prompt": ["a", ""]}, 400, ["prompt 1 of the list", "empty"]),
     "no prompts": ("/v1/completions", {"prompt": []}, 400, ["prompt: must not be empty"]),
     "more prompts than places": ("/v1/completions", {"prompt": ["a"] * 21}, 400, ["21 generations", "(20:"]),
-    "n greedy": ("/v1/completions", {"prompt": "Hi", "n": 2}, 400, ["n: 2 samples need sampling"]),
+    "n greedy": ("/v1/completions", {"prompt": "Hi", "n": 2, "temperature": 0}, 400, ["n: 2 samples need sampling"]),
     "best_of over n": ("/v1/completions", {"prompt": "Hi", "best_of": 2}, 400, ["best_of: only best_of = n (1)"]),
     "token id out of range": ("/v1/completions", {"prompt": [1, 10**6]}, 400, ["token ids must lie in"]),
-    "max_tokens 0": ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, ["max_tokens"]),
+    "max_tokens 0": ("/v1/completions", {"prompt": "Hi", "max_tokens": 0, "temperature": 0}, 400, ["max_tokens"]),
     "top_p over 1": ("/v1/completions", {"prompt": "Hi", "top_p": 2}, 400, ["top_p"]),
     "stop of a wrong type": ("/v1/completions", {"prompt": "Hi", "stop": 3}, 400, ["stop"]),
     "non-UTF-8 bytes": ("/v1/completions", b'{"prompt": "\xff"}', 400, ["not valid UTF-8"]),
@@ -319,7 +330,7 @@ async def test_overload_is_429_at_once_with_retry_after(api_client) -> None:
             await asyncio.sleep(0.01)
         t0 = time.monotonic()
         refused = await client.post("/generate", json=body)
-        refused_oai = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        refused_oai = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
         waited = time.monotonic() - t0
         first, second = await running, await queued
         after = await client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})

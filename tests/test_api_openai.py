@@ -23,13 +23,16 @@ def _chunks(sse_data, body: str) -> list[dict]:
 async def test_completions_streamed_and_not_match_native(api_client, sse_data) -> None:
     async with api_client() as client:
         native = (await client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 10}})).json()
-        whole = await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 10})
+        whole = await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+        )
         streamed = await client.post(
             "/v1/completions",
             json={
                 "model": MODEL,
                 "prompt": [PROMPT],
                 "max_tokens": 10,
+                "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },
@@ -51,10 +54,12 @@ async def test_completions_streamed_and_not_match_native(api_client, sse_data) -
 
 async def test_chat_streamed_and_not_agree(api_client, api_engine, sse_data) -> None:
     async with api_client() as client:
-        whole = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 10})
+        whole = await client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 10, "temperature": 0}
+        )
         streamed = await client.post(
             "/v1/chat/completions",
-            json={"model": MODEL, "messages": CHAT, "max_completion_tokens": 10, "stream": True},
+            json={"model": MODEL, "messages": CHAT, "max_completion_tokens": 10, "temperature": 0, "stream": True},
         )
     assert whole.status_code == 200, whole.text
     w = whole.json()
@@ -65,14 +70,14 @@ async def test_chat_streamed_and_not_agree(api_client, api_engine, sse_data) -> 
     assert w["usage"]["completion_tokens"] == 10
     chunks = _chunks(sse_data, streamed.text)
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks) == answer["content"]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == answer["content"]
     assert chunks[-1]["choices"][0]["finish_reason"] == w["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["speculative"]["draft"] == "ngram"
 
 
 async def test_chat_stop_string_and_content_parts(api_client) -> None:
     async with api_client() as client:
-        base = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10})
+        base = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10, "temperature": 0})
         text = base.json()["choices"][0]["message"]["content"]
         stop = text.split()[1]  # the second word: the answer ends before it
         parts = [
@@ -82,7 +87,9 @@ async def test_chat_stop_string_and_content_parts(api_client) -> None:
                 "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": " of France?"}],
             },
         ]
-        stopped = await client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 10, "stop": stop})
+        stopped = await client.post(
+            "/v1/chat/completions", json={"messages": parts, "max_tokens": 10, "temperature": 0, "stop": stop}
+        )
     got = stopped.json()["choices"][0]
     assert got["message"]["content"] == text[: text.index(stop)]
     assert got["finish_reason"] == "stop"
@@ -91,10 +98,12 @@ async def test_chat_stop_string_and_content_parts(api_client) -> None:
 async def test_completion_echo_and_token_prompt(api_client, api_engine, sse_data) -> None:
     ids = api_engine.tokenizer.encode(PROMPT)
     async with api_client() as client:
-        echoed = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "echo": True})
-        by_ids = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 4})
+        echoed = await client.post(
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True}
+        )
+        by_ids = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0})
         streamed = await client.post(
-            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "echo": True, "stream": True}
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True, "stream": True}
         )
     text = by_ids.json()["choices"][0]["text"]
     assert echoed.json()["choices"][0]["text"] == PROMPT + text
@@ -136,8 +145,8 @@ async def test_only_served_model_names_are_accepted(api_client) -> None:
             "code": 404,
         }
     }
-    short = {"prompt": PROMPT, "max_tokens": 2}
-    chat = {"messages": CHAT, "max_tokens": 2}
+    short = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    chat = {"messages": CHAT, "max_tokens": 2, "temperature": 0}
     async with api_client(model_name="smol", served_model_name="alias-a, org/alias-b") as client:
         listed = (await client.get("/v1/models")).json()
         one = await client.get("/v1/models/org/alias-b")
@@ -148,12 +157,14 @@ async def test_only_served_model_names_are_accepted(api_client) -> None:
         by_alias = await client.post("/v1/chat/completions", json={**chat, "model": "org/alias-b"})
         by_name = await client.post("/v1/completions", json={**short, "model": "smol"})
         unnamed = await client.post("/v1/completions", json=short)
-        # TGI's Python client's chat() always sends "tgi": accepted, not listed.
+        # TGI's Python client's chat() always sends "tgi", huggingface_hub's InferenceClient(base_url=...)
+        # "dummy": accepted, not listed.
         tgi_client = await client.post("/v1/chat/completions", json={**chat, "model": "tgi"})
+        hub_client = await client.post("/v1/chat/completions", json={**chat, "model": "dummy"})
         info = (await client.get("/info")).json()
         sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
-            await sdk.completions.create(model="gpt-4o-mini", prompt=PROMPT, max_tokens=2)
+            await sdk.completions.create(model="gpt-4o-mini", prompt=PROMPT, max_tokens=2, temperature=0)
         assert (await sdk.models.retrieve("alias-a")).id == "alias-a"
         assert [m.id async for m in sdk.models.list()] == ["smol", "alias-a", "org/alias-b"]
     assert [m["id"] for m in listed["data"]] == ["smol", "alias-a", "org/alias-b"]
@@ -164,6 +175,9 @@ async def test_only_served_model_names_are_accepted(api_client) -> None:
         assert refused.status_code == 404 and refused.json() == missing
     assert target.status_code == 404
     assert by_alias.status_code == by_name.status_code == unnamed.status_code == tgi_client.status_code == 200
+    assert hub_client.status_code == 200 and hub_client.json()["model"] == "smol"
+    # created: when the models were loaded (not 0), the same on every card
+    assert len({m["created"] for m in listed["data"]}) == 1 and listed["data"][0]["created"] > 1_700_000_000
     assert by_alias.json()["model"] == by_name.json()["model"] == unnamed.json()["model"] == "smol"
     assert by_name.json()["choices"] == unnamed.json()["choices"]
     assert info["served_model_names"] == ["smol", "alias-a", "org/alias-b"]
@@ -175,12 +189,23 @@ async def test_several_prompts_are_one_choice_each(api_client, api_engine, sse_d
     prompts = [PROMPT, "Once upon a time"]
     ids = [api_engine.tokenizer.encode(p) for p in prompts]
     async with api_client() as client:
-        alone = [(await client.post("/v1/completions", json={"prompt": p, "max_tokens": 3})).json() for p in prompts]
-        texts = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3})
-        tokens = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "echo": True})
+        alone = [
+            (await client.post("/v1/completions", json={"prompt": p, "max_tokens": 3, "temperature": 0})).json()
+            for p in prompts
+        ]
+        texts = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3, "temperature": 0})
+        tokens = await client.post(
+            "/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True}
+        )
         streamed = await client.post(
             "/v1/completions",
-            json={"prompt": ids, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+            json={
+                "prompt": ids,
+                "max_tokens": 3,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
         )
     assert texts.status_code == 200, texts.text
     got = texts.json()
@@ -237,7 +262,7 @@ async def test_n_samples_are_seeded_one_after_the_other(api_client, sse_data) ->
     chunks = _chunks(sse_data, chat_streamed.text)
     for i, choice in enumerate(chat["choices"]):
         mine = [c for c in chunks if c["choices"][0]["index"] == i]
-        assert "".join(c["choices"][0]["delta"]["content"] or "" for c in mine) == choice["message"]["content"]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in mine) == choice["message"]["content"]
         assert mine[-1]["seed"] == 5 + i and mine[-1]["choices"][0]["finish_reason"] is not None
     assert replayed["choices"][0]["text"] == unseeded["choices"][1]["text"]
 
@@ -254,10 +279,10 @@ async def test_several_choices_are_admitted_together_or_not_at_all(api_client) -
         )
         while scheduler.holding < 1:
             await asyncio.sleep(0.01)
-        refused = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+        refused = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "temperature": 0})
         holding_after = scheduler.holding
         assert (await running).status_code == 200
-        served = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+        served = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "temperature": 0})
     assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_exceeded"
     assert holding_after == 1
     assert served.status_code == 200 and len(served.json()["choices"]) == 2

@@ -263,10 +263,10 @@ async def test_tool_calls_through_the_openai_client(api_client) -> None:
     arguments into its pydantic model."""
     named = {"type": "function", "function": {"name": "get_weather"}}
     asks = {
-        "named": dict(messages=ASK, tool_choice=named, max_tokens=24),
-        "required": dict(messages=ASK, tool_choice="required", parallel_tool_calls=False, max_tokens=32),
-        "auto": dict(messages=COPY, tool_choice="auto", max_tokens=32),
-        "none": dict(messages=ASK, tool_choice="none", max_tokens=8),
+        "named": dict(messages=ASK, tool_choice=named, max_tokens=24, temperature=0),
+        "required": dict(messages=ASK, tool_choice="required", parallel_tool_calls=False, max_tokens=32, temperature=0),
+        "auto": dict(messages=COPY, tool_choice="auto", max_tokens=32, temperature=0),
+        "none": dict(messages=ASK, tool_choice="none", max_tokens=8, temperature=0),
     }
     async with api_client() as client:
         sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
@@ -284,6 +284,7 @@ async def test_tool_calls_through_the_openai_client(api_client) -> None:
             tools=[openai.pydantic_function_tool(Weather, name="get_weather")],
             tool_choice=named,
             max_tokens=24,
+            temperature=0,
         )
     for mode in ("named", "required", "auto"):
         choice = whole[mode].choices[0]
@@ -332,9 +333,9 @@ async def test_streamed_tool_calls_in_openais_shape(api_client, sse_data) -> Non
     arguments.delta and .done events and parses its arguments (named, required, auto)."""
     named = {"type": "function", "function": {"name": "get_weather"}}
     asks = {
-        "named": dict(messages=ASK, tool_choice=named, max_tokens=24),
-        "required": dict(messages=ASK, tool_choice="required", max_tokens=40),
-        "auto": dict(messages=COPY_UNIT, tool_choice="auto", max_tokens=40),
+        "named": dict(messages=ASK, tool_choice=named, max_tokens=24, temperature=0),
+        "required": dict(messages=ASK, tool_choice="required", max_tokens=40, temperature=0),
+        "auto": dict(messages=COPY_UNIT, tool_choice="auto", max_tokens=40, temperature=0),
     }
     strict = [
         openai.pydantic_function_tool(Weather, name="get_weather"),
@@ -362,9 +363,7 @@ async def test_streamed_tool_calls_in_openais_shape(api_client, sse_data) -> Non
                     fields = {"index", "id", "type", "function"} if head else {"index", "function"}
                     assert set(e) == fields and set(e["function"]) == ({"name", "arguments"} if head else {"arguments"})
             assert seen, mode
-            async with sdk.chat.completions.stream(
-                model="smollm2-135m-instruct", tools=strict, temperature=0, **ask
-            ) as stream:
+            async with sdk.chat.completions.stream(model="smollm2-135m-instruct", tools=strict, **ask) as stream:
                 events = [event async for event in stream]
                 final = await stream.get_final_completion()
             calls = final.choices[0].message.tool_calls
@@ -404,6 +403,8 @@ async def test_bad_tools_are_400_naming_the_field(api_client) -> None:
     }
     async with api_client() as client:
         for expected, fields in cases.items():
-            r = await client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **fields})
+            r = await client.post(
+                "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "temperature": 0, **fields}
+            )
             assert r.status_code == 400, (expected, r.text)
             assert expected in r.json()["error"]["message"], (expected, r.text)

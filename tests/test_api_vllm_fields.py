@@ -5,6 +5,7 @@ are a 400 naming the field; fields that change nothing are accepted, and unknown
 
 from __future__ import annotations
 
+import json
 import logging
 
 import openai
@@ -17,13 +18,13 @@ HI = [{"role": "user", "content": "Hi!"}]  # greedy: "Hello! How can I assist yo
 
 
 async def _chat(client, **fields) -> dict:
-    r = await client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 14, **fields})
+    r = await client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 14, "temperature": 0, **fields})
     assert r.status_code == 200, r.text
     return r.json()
 
 
 async def _complete(client, **fields) -> dict:
-    r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **fields})
+    r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **fields})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -43,7 +44,7 @@ async def test_end_of_sequence_fields(api_client) -> None:
         stop_late = await _chat(client, stop="How", min_tokens=5)
         sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
         via_sdk = await sdk.chat.completions.create(
-            model="smollm2-135m-instruct", messages=HI, max_tokens=14, extra_body={"ignore_eos": True}
+            model="smollm2-135m-instruct", messages=HI, max_tokens=14, temperature=0, extra_body={"ignore_eos": True}
         )
     answer = _text(plain)
     assert plain["choices"][0]["finish_reason"] == "stop" and plain["usage"]["completion_tokens"] == 10
@@ -97,11 +98,12 @@ async def test_penalties_are_honoured_in_every_api(api_client, api_engine) -> No
     ids = api_engine.tokenizer.encode(prompt)
     async with api_client() as client:
         sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
-        plain = await sdk.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=10)
+        plain = await sdk.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=10, temperature=0)
         penalised = await sdk.completions.create(
             model="smollm2-135m-instruct",
             prompt=prompt,
             max_tokens=10,
+            temperature=0,
             presence_penalty=0.5,
             frequency_penalty=1.0,
             extra_body={"repetition_penalty": 1.3, "return_tokens_as_token_ids": True, "logprobs": 0},
@@ -172,7 +174,10 @@ REFUSED = {
 
 
 async def test_fields_that_would_change_the_output_are_refused(api_client) -> None:
-    bodies = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 2}, "/v1/chat/completions": {"messages": HI}}
+    bodies = {
+        "/v1/completions": {"prompt": PROMPT, "max_tokens": 2, "temperature": 0},
+        "/v1/chat/completions": {"messages": HI},
+    }
     async with api_client() as client:
         for path, cases in REFUSED.items():
             for field, value in cases:
@@ -182,7 +187,11 @@ async def test_fields_that_would_change_the_output_are_refused(api_client) -> No
         sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
         with pytest.raises(openai.BadRequestError, match="guided_grammar"):
             await sdk.completions.create(
-                model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=2, extra_body={"guided_grammar": "a"}
+                model="smollm2-135m-instruct",
+                prompt=PROMPT,
+                max_tokens=2,
+                temperature=0,
+                extra_body={"guided_grammar": "a"},
             )
         for body, message in [
             ({"min_tokens": 5}, "min_tokens (5) exceeds max_tokens (2)"),
@@ -214,3 +223,39 @@ async def test_neutral_and_unknown_fields_are_accepted(api_client, caplog: pytes
             unknown = await _complete(client, frobnicate=3, also_this="x")
     assert _text(accepted) == _text(unknown) == _text(plain)
     assert "the request's fields also_this, frobnicate are unknown and were ignored" in caplog.text
+
+
+async def test_unknown_fields_inside_objects_are_refused_and_top_level_ones_logged(
+    api_client, sse_data, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A field no object of the request knows is a 400 naming its path at any depth (messages, tools, stream
+    options, TGI's parameters: 422); top-level ones are ignored and logged on both APIs (nothing goes unsaid);
+    vLLM's stream_options.continuous_usage_stats is honoured: every chunk carries the usage so far."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    nested = {
+        "messages.0.x": {"messages": [{"role": "user", "content": "Hi", "x": 1}]},
+        "tools.0.function.x": {"tools": [{**tool, "function": {**tool["function"], "x": 1}}]},
+        "stream_options.y": {"stream": True, "stream_options": {"include_usage": True, "y": 1}},
+        "response_format.json_schema.z": {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "z": 1}}
+        },
+    }
+    async with api_client() as client:
+        refused = {
+            path: await client.post("/v1/chat/completions", json={**chat, **body}) for path, body in nested.items()
+        }
+        native = await client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2, "x": 1}})
+        with caplog.at_level(logging.WARNING, logger="app.api.native"):
+            logged = await client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}, "q": 1})
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        r = await client.post("/v1/chat/completions", json={**chat, "stream": True, "stream_options": options})
+    for path, answer in refused.items():
+        assert answer.status_code == 400, (path, answer.text)
+        assert f"{path}: unknown field" in answer.json()["error"]["message"], (path, answer.text)
+    assert native.status_code == 422 and "parameters.x: unknown field" in native.json()["error"]
+    assert logged.status_code == 200 and "the request's fields q are unknown and were ignored" in caplog.text
+    chunks = [json.loads(d) for d in sse_data(r.text)[:-1]]
+    used = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
+    assert used == sorted(used) and used[-1] == 3 and chunks[-1]["choices"] == []

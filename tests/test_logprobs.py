@@ -141,7 +141,9 @@ async def test_openai_completions_logprobs(api_client, api_engine, sse_data) -> 
     ids = api_engine.tokenizer.encode(PROMPT)
     async with api_client() as client:
         sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
-        plain = await sdk.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=5, logprobs=3)
+        plain = await sdk.completions.create(
+            model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3
+        )
         # lm-eval's loglikelihood: the prompt's log-probabilities, nothing generated (older lm-eval), or one token
         loglik = await sdk.completions.create(
             model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0
@@ -150,15 +152,19 @@ async def test_openai_completions_logprobs(api_client, api_engine, sse_data) -> 
             model="smollm2-135m-instruct", prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0
         )
         stopped = await sdk.completions.create(
-            model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=6, stop=".", logprobs=0
+            model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=6, temperature=0, stop=".", logprobs=0
         )
-        body = {"prompt": PROMPT, "max_tokens": 5, "logprobs": 3, "echo": True, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 3, "echo": True, "stream": True}
         streamed = await client.post("/v1/completions", json=body)
-        body = {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2, "echo": True, "logprobs": 1}
+        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2, "echo": True, "logprobs": 1}
         vllm = await client.post("/v1/completions", json=body)
         refused = [
             await client.post("/v1/completions", json={"prompt": PROMPT, **fields})
-            for fields in ({"max_tokens": 0}, {"logprobs": 21}, {"prompt_logprobs": 1, "stream": True})
+            for fields in (
+                {"max_tokens": 0, "temperature": 0},
+                {"logprobs": 21},
+                {"prompt_logprobs": 1, "stream": True},
+            )
         ]
     choice = plain.choices[0]
     lp = choice.logprobs
@@ -211,10 +217,16 @@ async def test_chat_and_tgi_logprobs(api_client, api_engine, sse_data) -> None:
     async with api_client() as client:
         sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
         chat = await sdk.chat.completions.create(
-            model="smollm2-135m-instruct", messages=HI, max_tokens=12, logprobs=True, top_logprobs=2
+            model="smollm2-135m-instruct", messages=HI, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
         )
         stream = await sdk.chat.completions.create(
-            model="smollm2-135m-instruct", messages=HI, max_tokens=12, logprobs=True, top_logprobs=2, stream=True
+            model="smollm2-135m-instruct",
+            messages=HI,
+            max_tokens=12,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
         )
         chunks = [c async for c in stream]
         no_top = await client.post("/v1/chat/completions", json={"messages": HI, "top_logprobs": 2})
@@ -227,7 +239,7 @@ async def test_chat_and_tgi_logprobs(api_client, api_engine, sse_data) -> None:
         events = [json.loads(d) for d in sse_data((await client.post("/generate_stream", json=tgi_body)).text)]
         too_many = await client.post("/generate", json={"inputs": PROMPT, "parameters": {"top_n_tokens": 21}})
         echo = await client.post(
-            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0}
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "temperature": 0, "echo": True, "logprobs": 0}
         )
     content = chat.choices[0].logprobs.content
     # every generated token, the end-of-turn token included (as usage counts it), its text as the top list names it

@@ -130,7 +130,10 @@ def test_prometheus_reads_the_acceptance_rate(stack: tuple[str, str, Path]) -> N
     repeat = "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the quiet river bank."
     requests = [
         ("/generate", {"inputs": "a b c d a b c d a b c d a b", "parameters": {"max_new_tokens": 16}}),
-        ("/v1/chat/completions", {"max_tokens": 24, "messages": [{"role": "user", "content": repeat}]}),
+        (
+            "/v1/chat/completions",
+            {"max_tokens": 24, "temperature": 0, "messages": [{"role": "user", "content": repeat}]},
+        ),
         ("/generate", {"inputs": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "parameters": {"max_new_tokens": 16}}),
     ]
     for i, (path, body) in enumerate(requests):
@@ -189,7 +192,7 @@ def test_vllms_dashboard_reads_specserve(stack: tuple[str, str, Path]) -> None:
     model, k = info["served_model_name"], info["num_draft_tokens"]
     requests = [
         ("/generate", {"inputs": "a b c d a b c d a b c d a b", "parameters": {"max_new_tokens": 6}}),
-        ("/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 5}),
+        ("/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 5, "temperature": 0}),
     ]
     for path, body in requests:
         assert httpx.post(f"{server}{path}", json=body, timeout=120).status_code == 200

@@ -77,17 +77,20 @@ def test_real_clients_agree(server: str) -> None:
     completion = oai.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=12, temperature=0)
     assert completion.choices[0].text == generated.generated_text
     assert completion.usage.completion_tokens == 12
-    stream = oai.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=12, stream=True)
+    stream = oai.completions.create(
+        model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == generated.generated_text
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    chat = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12)
+    chat = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12, temperature=0)
     answer = chat.choices[0].message.content
     assert answer and 1 <= chat.usage.completion_tokens <= 12
     chunks = oai.chat.completions.create(
         model="smollm2-135m-instruct",
         messages=messages,
         max_tokens=12,
+        temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
