@@ -29,7 +29,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
 from app import __version__
-from app.api import native, openai, ops
+from app.api import native, openai, ops, tokenize
 from app.api.body import BodyGuard
 from app.api.errors import OPENAI_PREFIX, install_error_handlers
 from app.api.schemas import ChatCompletionChunk
@@ -205,6 +205,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.include_router(native.router)
     app.include_router(openai.router)
     app.include_router(ops.router)
+    app.include_router(tokenize.router)
     # The last added runs first: request id, CORS (a preflight carries no key), API key, then the body guard
     # (so that a client without the key never gets to send a body).
     app.add_middleware(
