@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS
+from app.engine.grammar import MAX_SCHEMA_DEPTH, json_depth
 
 # Nested objects refuse a field they do not know (a 4xx naming its path): a field we do not read would be
 # dropped without a word. The top levels of the requests keep theirs to log them (see `ignored_fields`).
@@ -297,10 +298,14 @@ class StructuredOutputs(BaseModel):
         schema: Any = {"type": "object"} if self.json_ is None else self.json_
         field = "structured_outputs.json" if self.json_ is not None else "structured_outputs.json_object"
         if isinstance(schema, str):
+            text = schema
             try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError:
-                return Grammar("json_schema", schema, field)  # the engine says why it is not JSON
+                schema = json.loads(text)
+            except (json.JSONDecodeError, RecursionError):
+                return Grammar("json_schema", text, field)  # the engine says why it is not JSON
+            if json_depth(schema) > MAX_SCHEMA_DEPTH:
+                # Refused by the engine, before the recursive rewriting below (or json.dumps) overflows on it.
+                return Grammar("json_schema", text, field)
         if isinstance(schema, dict):
             if self.disable_additional_properties:
                 schema = _no_additional_properties(schema)

@@ -9,8 +9,10 @@ tokens are then consumed for good. Once the grammar is complete only an end-of-s
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,69 @@ from torch import Tensor
 from app.engine.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
+
+# Deepest a JSON schema may nest (objects and arrays): llguidance's JSON reader stops at 128 levels, and
+# Python's own recursive helpers (json.dumps) at about a thousand; a clear refusal comes first.
+MAX_SCHEMA_DEPTH = 100
+# Most strings of a choice and branches of a schema's anyOf or oneOf: llguidance's parser holds at most 2,000
+# live alternatives at a position, and compiling many more takes minutes (100,000 choices: 168 s, then a panic).
+MAX_ALTERNATIVES = 2000
+# Grammars checked before queueing whose matchers wait for the worker to start them (it then compiles nothing).
+_CHECKED_KEPT = 16
+# Tokens a grammar is walked through when it is checked (each time the shortest token it allows): llguidance's
+# parser refuses, at its first tokens, a position with more than 2,000 live alternatives (a choice of 2,500
+# strings, an anyOf of 3,000 objects, an object of 500 optional properties), which compiling does not find.
+PROBE_TOKENS = 16
+
+
+# llguidance's limits, its defaults but for the error messages: verbose ones carry the whole grammar and the
+# parser's state (hundreds of kilobytes for a large schema), which must reach neither a client nor the log.
+@functools.cache
+def _limits() -> Any:
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
+
+
+def json_depth(value: object) -> int:
+    """How deep `value` (parsed JSON) nests: 0 for a scalar, 1 for a flat list or object; without recursion, so
+    that any depth can be measured."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _widest_branching(schema: object) -> tuple[str, int]:
+    """The longest anyOf or oneOf list of a schema (its keyword and length), found without recursion."""
+    widest = ("", 0)
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key in ("anyOf", "oneOf"):
+                branches = item.get(key)
+                if isinstance(branches, list) and len(branches) > widest[1]:
+                    widest = (key, len(branches))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return widest
+
+
+def _short(message: str, limit: int = 300) -> str:
+    """llguidance's message on one line and cut: the first lines name the problem, the rest is its context."""
+    text = " ".join(line.strip() for line in message.replace("<non-verbose/>", "").splitlines() if line.strip())
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class GrammarError(ValueError):
@@ -49,6 +114,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
         self._lltok: Any = None
+        self._shortest_first: np.ndarray | None = None  # token ids, shortest text first (the probe's order)
+        self._checked: OrderedDict[GrammarSpec, Any] = OrderedDict()  # matchers `check` made, for `start`
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
@@ -67,14 +134,23 @@ class Grammars:
         """llguidance's grammar text for `spec`, checked against the vocabulary; raises GrammarError."""
         from llguidance import LLMatcher
 
+        grammar = self._text(spec)
         try:
-            grammar = self._grammar(spec)
-            error = LLMatcher.validate_grammar(grammar, self._ll_tokenizer())
+            error = LLMatcher.validate_grammar(grammar, self._ll_tokenizer(), limits=_limits())
         except (ValueError, TypeError, RuntimeError) as exc:  # what llguidance raises on input it cannot read
-            raise GrammarError(str(exc)) from exc
+            raise GrammarError(_short(str(exc))) from exc
         if error:
-            raise GrammarError(error.strip())
+            raise GrammarError(_short(error))
         return grammar
+
+    def _text(self, spec: GrammarSpec) -> str:
+        """llguidance's grammar text for `spec`, unchecked; raises GrammarError."""
+        try:
+            return self._grammar(spec)
+        except GrammarError:
+            raise
+        except (ValueError, TypeError, RuntimeError) as exc:  # what llguidance raises on input it cannot read
+            raise GrammarError(_short(str(exc))) from exc
 
     @staticmethod
     def _grammar(spec: GrammarSpec) -> str:
@@ -85,8 +161,15 @@ class Grammars:
                 schema = json.loads(spec.spec)
             except json.JSONDecodeError as exc:
                 raise GrammarError(f"the schema is not JSON: {exc}") from exc
+            except RecursionError as exc:
+                raise GrammarError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from exc
             if not isinstance(schema, dict):
                 raise GrammarError("the schema must be a JSON object")
+            if (depth := json_depth(schema)) > MAX_SCHEMA_DEPTH:
+                raise GrammarError(f"the schema nests {depth} levels deep, over the limit of {MAX_SCHEMA_DEPTH}")
+            keyword, width = _widest_branching(schema)
+            if width > MAX_ALTERNATIVES:
+                raise GrammarError(f"an {keyword} of {width} schemas, over the limit of {MAX_ALTERNATIVES}")
             grammar = LLMatcher.grammar_from_json_schema(schema)
         elif spec.kind == "json_object":
             grammar = LLMatcher.grammar_from_json_schema({"type": "object"})
@@ -99,6 +182,8 @@ class Grammars:
                 raise GrammarError(f"the choices are not JSON: {exc}") from exc
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
                 raise GrammarError("the choices must be a non-empty list of non-empty strings")
+            if len(choices) > MAX_ALTERNATIVES:
+                raise GrammarError(f"{len(choices)} choices, over the limit of {MAX_ALTERNATIVES}")
             # Lark's string literals take JSON's escapes.
             grammar = LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -108,16 +193,63 @@ class Grammars:
         return grammar
 
     def check(self, spec: GrammarSpec) -> None:
-        """Raise GrammarError when `spec` cannot be compiled."""
-        self.compile(spec)
+        """Raise GrammarError when `spec` cannot be compiled, or cannot run its first `PROBE_TOKENS` tokens.
+
+        The matcher is kept for `start`, so that the worker, which runs every request's steps, does not compile
+        the grammar a second time (a large one takes a second)."""
+        matcher = self._matcher(self._text(spec))
+        self._probe(matcher.deep_copy())
+        with self._lock:
+            self._checked[spec] = matcher
+            while len(self._checked) > _CHECKED_KEPT:
+                self._checked.popitem(last=False)
+
+    def _matcher(self, grammar: str) -> Any:
+        """A matcher of `grammar` (llguidance's text; its constructor checks it as `validate_grammar` would)."""
+        from llguidance import LLMatcher
+
+        try:
+            matcher = LLMatcher(self._ll_tokenizer(), grammar, log_level=0, limits=_limits())
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise GrammarError(_short(str(exc))) from exc
+        if matcher.is_error():
+            raise GrammarError(_short(matcher.get_error()))
+        return matcher
+
+    def _probe(self, matcher: Any) -> None:
+        """Walk `matcher` through up to PROBE_TOKENS tokens, each the shortest it allows: short tokens keep the
+        most alternatives alive, where llguidance's parser meets its limits. Raises GrammarError there."""
+        order = self._probe_order()
+        words = (self.vocab_size + 31) // 32
+        bits = np.empty(words, dtype=np.int32)
+        eos = self.tokenizer.eos_token_ids
+        for _ in range(PROBE_TOKENS):
+            matcher.unsafe_compute_mask_ptr(bits.ctypes.data, words * 4)
+            if matcher.is_error():
+                break
+            allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(np.bool_)
+            token = next((int(t) for t in order[allowed[order]] if int(t) not in eos), None)
+            if token is None or not matcher.consume_token(token):
+                break  # complete (only an end-of-sequence token is left), or refused: is_error says which
+        if matcher.is_error():
+            raise GrammarError(f"the grammar cannot run: {_short(matcher.get_error())}")
+
+    def _probe_order(self) -> np.ndarray:
+        with self._lock:
+            if self._shortest_first is None:
+                lengths = np.full(self.vocab_size, np.iinfo(np.int32).max, dtype=np.int64)
+                for text, token in self.tokenizer.backend.get_vocab().items():
+                    if 0 <= token < self.vocab_size:
+                        lengths[token] = len(text)
+                self._shortest_first = np.argsort(lengths, kind="stable")
+            return self._shortest_first
 
     def start(self, spec: GrammarSpec, forcing: bool = True) -> GrammarState:
         """A fresh state of `spec` for one request (`forcing`: see GrammarState); raises GrammarError."""
-        from llguidance import LLMatcher
-
-        matcher = LLMatcher(self._ll_tokenizer(), self.compile(spec), log_level=0)
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+        with self._lock:
+            matcher = self._checked.pop(spec, None)
+        if matcher is None:
+            matcher = self._matcher(self._text(spec))
         return GrammarState(matcher, self.vocab_size, forcing, self.tokenizer.eos_token_ids)
 
 
