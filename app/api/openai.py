@@ -94,10 +94,15 @@ Settings_ = Annotated[Settings, Depends(get_settings)]
 _TGI_CLIENT_MODELS = frozenset({"tgi", "dummy"})
 
 
-def check_model(name: str | None, runtime: Runtime) -> None:
-    """Refuse a `model` this server does not serve, as vLLM does (404 NotFoundError); no `model` is fine."""
-    if name is not None and name not in _TGI_CLIENT_MODELS and name not in runtime.info.served_model_names:
-        raise APIError("model_not_found", f"The model `{name}` does not exist.", param="model", code=404)
+def check_model(name: str | None, runtime: Runtime, tgi_client: bool = True) -> None:
+    """Refuse a `model` this server does not serve, as vLLM does (404 NotFoundError); no `model` is fine, and so
+    are the names TGI's client sends where `tgi_client` (on requests; they are no served name, so no model
+    card answers to them)."""
+    if name is None or name in runtime.info.served_model_names or (tgi_client and name in _TGI_CLIENT_MODELS):
+        return
+    # The name quoted cut short: a client may send a megabyte of it.
+    quoted = name if len(name) <= 80 else f"{name[:80]}... ({len(name)} characters)"
+    raise APIError("model_not_found", f"The model `{quoted}` does not exist.", param="model", code=404)
 
 
 def _log_ignored(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -528,5 +533,5 @@ async def models(runtime: Runtime_) -> ModelList:
 )
 async def model(model_id: str, runtime: Runtime_) -> ModelCard:
     """The model under one of its served names; any other name is 404, as in `POST` requests."""
-    check_model(model_id, runtime)
+    check_model(model_id, runtime, tgi_client=False)
     return _card(model_id, runtime)
