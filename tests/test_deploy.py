@@ -422,6 +422,18 @@ def test_nginx_spreads_requests_over_the_replicas_it_looks_up_again() -> None:
     assert "proxy_set_header X-Request-ID" in NGINX
 
 
+def test_nginx_bounds_slow_clients_and_connections_per_client() -> None:
+    # What docs/deploy.md recommends for an exposed server: uvicorn has no timeout for a request's headers.
+    server = NGINX[NGINX.index("server {") :]
+    for directive in ("client_header_timeout", "client_body_timeout", "keepalive_timeout"):
+        [value] = re.findall(rf"^\s*{directive}\s+(\d+)s;", server, re.M)
+        assert int(value) <= 15, directive
+    [zone] = re.findall(r"^\s*limit_conn_zone\s+\$binary_remote_addr\s+zone=(\w+):\d+m;", NGINX, re.M)
+    assert re.search(rf"^\s*limit_conn\s+{zone}\s+\d+;", server, re.M)
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    assert "client_header_timeout 10s" in deploy and "limit_conn perip 32" in deploy
+
+
 # --- Kubernetes --------------------------------------------------------------------------------------------
 
 
