@@ -250,8 +250,10 @@ def closed_grammar(grammar: Grammar | None) -> Grammar | None:
         return grammar
     try:
         schema = json.loads(grammar.spec)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return grammar
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        return grammar  # the engine refuses it, before closed_schema's recursion (or json.dumps) overflows on it
     return grammar._replace(spec=json.dumps(closed_schema(schema)))
 
 
