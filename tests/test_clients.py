@@ -1,8 +1,10 @@
-"""Structured output and tool calls as agent frameworks use them, against one real `specserve serve` process:
-LangChain's `with_structured_output` with each of its three methods (json_schema, json_mode, function_calling)
-through langchain-openai, and a tool round trip with the openai client (a call, the tool's result sent back, a
-final answer). The 135M target's answers are not checked for sense, only for structure: they parse into the
-pydantic model (a nested model and an enum), the calls name the right function."""
+"""The client matrix: real libraries, used as a new user would, against one real `specserve serve` process
+(TGI's text-generation client is in tests/test_server_process.py). LangChain's `with_structured_output` with
+each of its three methods (json_schema, json_mode, function_calling) and its `.stream()` of tool calls through
+langchain-openai; a tool round trip and the stream helper with the openai client; huggingface_hub's
+InferenceClient (its "dummy" model, TGI's response_format form, streamed chat). The 135M target's answers are
+not checked for sense, only for structure: they parse into the pydantic model (a nested model and an enum), the
+calls name the right function."""
 
 from __future__ import annotations
 
@@ -83,11 +85,13 @@ def test_langchain_streams_tool_calls(server: str) -> None:
             "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}},
         },
     }
-    copy = 'Repeat exactly: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    copy = f"Repeat exactly, nothing else: {call}"
     asks = {"any": "What is the weather in Paris?", "get_weather": "What is the weather in Paris?", "auto": copy}
     for choice, prompt in asks.items():
         total = reduce(operator.add, llm.bind_tools([weather], tool_choice=choice).stream(prompt))
         assert total.invalid_tool_calls == [], (choice, total)
+        assert len(total.tool_calls) == 1, (choice, total)
         [call] = total.tool_calls
         assert call["name"] == "get_weather" and call["id"].startswith("call_"), (choice, call)
         assert set(call["args"]) == {"city"} and isinstance(call["args"]["city"], str), (choice, call)
@@ -127,3 +131,25 @@ def test_openai_tool_round_trip(server: str) -> None:
     answer = final.choices[0]
     assert answer.message.tool_calls is None and answer.message.content, answer
     assert answer.finish_reason in ("stop", "length")
+
+
+def test_huggingface_hub_inference_client(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """InferenceClient(base_url=...) as it comes: chat sends model "dummy" (accepted), its response_format
+    json_schema form is TGI's `json_object` with the schema in `value` (honoured: the answer follows it), and a
+    streamed chat adds up to the whole answer."""
+    from huggingface_hub import InferenceClient, constants
+
+    # The suite keeps the hub offline (conftest), which huggingface_hub applies to every URL, ours included.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    client = InferenceClient(base_url=server)
+    ask = [{"role": "user", "content": "Describe Marie Curie: her name, age and home."}]
+    schema = Person.model_json_schema()
+    answer = client.chat_completion(
+        ask, max_tokens=64, temperature=0, response_format={"type": "json_object", "value": schema}
+    )
+    person = Person.model_validate_json(answer.choices[0].message.content)
+    assert isinstance(person.home.country, Country), person
+    whole = client.chat_completion(ask, max_tokens=12, temperature=0).choices[0].message.content
+    pieces = client.chat_completion(ask, max_tokens=12, temperature=0, stream=True)
+    assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == whole
