@@ -506,3 +506,22 @@ def test_k8s_autoscaler_follows_an_exported_queue_metric(exported: set[str]) -> 
     assert rule["name"]["as"] == name
     assert promql_metrics(rule["seriesQuery"]) == {name}
     assert re.fullmatch(rule["name"]["matches"], name)
+
+
+# --- make docker-test (docker/ci/) -------------------------------------------------------------------------
+
+
+def test_docker_test_sets_only_variables_compose_reads() -> None:
+    """What docker/ci/test.sh exports to compose (local images, the wheel, free ports) is what the compose file
+    reads: a name that drifted would leave compose on Docker Hub's image or the default port."""
+    script = (DOCKER / "ci" / "test.sh").read_text()
+    exported = {name for line in re.findall(r"^export (.+)$", script, re.M) for name in line.split()}
+    compose_text = (ROOT / "docker-compose.yml").read_text()
+    read = set(re.findall(r"\$\{(\w+)", compose_text))
+    assert {"BASE_IMAGE", "TORCH_WHEEL", "PROMETHEUS_IMAGE", "NGINX_IMAGE", "API_PORT", "LB_PORT"} <= exported
+    assert exported <= read, exported - read
+    # The stand-in images build from targets of one Dockerfile; Prometheus' takes compose's flags as prom/prometheus.
+    services = (DOCKER / "ci" / "services.Dockerfile").read_text()
+    assert set(re.findall(r"^FROM \S+ AS (\w+)$", services, re.M)) == {"packages", "prometheus", "nginx"}
+    assert 'ENTRYPOINT ["/usr/bin/prometheus"]' in services
+    assert all(flag.startswith("--") for flag in SERVICES["prometheus"]["command"])

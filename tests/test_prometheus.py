@@ -259,3 +259,17 @@ def test_acceptance_by_position_counts_the_positions_drafted() -> None:
     assert per_position("draft") == [3.0, 2.0, 2.0, 1.0, 1.0]
     assert per_position("accepted") == [3.0, 2.0, 1.0, 1.0, None]
     assert metrics.registry.get_sample_value("specserve_spec_decode_num_drafts_total", {"model_name": "m"}) == 3
+
+
+def test_docker_ci_checks_pass_on_a_real_stack(stack: tuple[str, str, Path]) -> None:
+    """docker/ci/checks.py (what `make docker-test` asks of the containers) holds for a server and Prometheus
+    run without Docker, so that a failure there is the containers', not the checks'."""
+    import importlib.util
+
+    server, prom, _ = stack
+    spec = importlib.util.spec_from_file_location("docker_ci_checks", ROOT / "docker" / "ci" / "checks.py")
+    assert spec is not None and spec.loader is not None
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    assert checks.main(["server", server]) == 0
+    assert checks.main(["prometheus", prom, server]) == 0
