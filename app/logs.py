@@ -32,6 +32,15 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
+class _NotTwice(logging.Filter):
+    """Drop a record whose exception was logged already: the app's handler of unexpected errors logs the
+    traceback under the request's id, then Starlette raises it again and uvicorn would log it a second time."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not getattr(exc, "specserve_logged", False)
+
+
 class _JSONFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -52,6 +61,7 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
     """Send every logger (uvicorn's included) to stderr in `log_format` (``text`` or ``json``)."""
     handler = logging.StreamHandler()
     handler.addFilter(_RequestIdFilter())
+    handler.addFilter(_NotTwice())
     if log_format == "json":
         handler.setFormatter(_JSONFormatter())
     else:

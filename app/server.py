@@ -23,15 +23,17 @@ from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app import __version__
 from app.api import native, openai, ops, tokenize
 from app.api.body import BodyGuard
-from app.api.errors import OPENAI_PREFIX, install_error_handlers
+from app.api.errors import OPENAI_PREFIX, error_body, install_error_handlers
 from app.api.schemas import ChatCompletionChunk
 from app.api.security import REQUEST_ID_HEADER, APIKeyGuard, RequestID
 from app.engine.generation import Engine
@@ -298,13 +300,44 @@ class _DrainingServer(uvicorn.Server):
             self.should_exit = True  # uvicorn's shutdown from here
 
 
+class _JSONErrorsH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, whose answer to a request it cannot parse (a malformed Content-Length, a
+    broken request line) is the API's JSON error, in the shape of the API its request line names, rather than a
+    line of plain text."""
+
+    _request_line = b""
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # a request begins: its first line says which API it was for
+            self._request_line = data.split(b"\r\n", 1)[0][:200]
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        openai = b" " + OPENAI_PREFIX.encode() in self._request_line
+        message = "the HTTP request is malformed: its request line or a header (Content-Length, say) cannot be parsed"
+        body = json.dumps(error_body("validation", message, openai)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
+
+
 def serve(settings: Settings) -> bool:
     """Serve the models `settings` name over HTTP until SIGTERM or SIGINT, then drain (`drain`) and stop.
 
     False when the server could not start (the port taken, say)."""
     app = create_app(settings)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, timeout_graceful_shutdown=_CLOSE_SECONDS
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        timeout_graceful_shutdown=_CLOSE_SECONDS,
+        http=_JSONErrorsH11,
     )
     server = _DrainingServer(config, app, settings.shutdown_grace_period)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the signal again after a forced exit

@@ -196,7 +196,8 @@ class Ticket:
                         raise asyncio.TimeoutError
                     item = await asyncio.wait_for(job.queue.get(), remaining)
                 except asyncio.TimeoutError:
-                    self._scheduler._end(job, "timeout")
+                    if self._scheduler._end(job, "timeout"):  # else the worker ended it first, and logged it
+                        log.warning("request %d: %s", job.id, _timeout_message(job), extra=job.log_extra)
                     raise RequestFailed("timeout", _timeout_message(job)) from None
                 if isinstance(item, RequestFailed):
                     raise item
@@ -305,6 +306,17 @@ class Scheduler:
         if self._thread is not None and timeout > 0:
             self._thread.join(timeout)
 
+    def check_room(self) -> None:
+        """Raise Overloaded when every place is taken, as `submit` would: a request's work before admission
+        (tokenizing, compiling its grammar) is then not done for nothing. `submit` checks again."""
+        if len(self._held) >= self.max_running + self.max_waiting:
+            if self.metrics is not None:
+                self.metrics.request_ended("overloaded")
+            raise Overloaded(self._overloaded_message(), self.retry_after)
+
+    def _overloaded_message(self) -> str:
+        return f"the server is at capacity ({self.max_running} running, {self.max_waiting} queued); retry later"
+
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None, timeout: float) -> Ticket:
         """Admit a request, or raise Overloaded at once. Call from the event loop that will read its events.
 
@@ -324,10 +336,7 @@ class Scheduler:
             if len(self._held) >= self.max_running + self.max_waiting:
                 if self.metrics is not None:
                     self.metrics.request_ended("overloaded")
-                raise Overloaded(
-                    f"the server is at capacity ({self.max_running} running, {self.max_waiting} queued); retry later",
-                    self.retry_after,
-                )
+                raise Overloaded(self._overloaded_message(), self.retry_after)
             self._held.add(job)
             self._waiting.append(job)
             self._wake.notify()
@@ -359,10 +368,12 @@ class Scheduler:
             self.metrics.generation_ended(record, outcome, finish_reason)
         return True
 
-    def _fail(self, job: _Job, outcome: str, kind: str, message: str) -> None:
-        """End `job` as `outcome` and tell its client why, unless it had already ended."""
+    def _fail(self, job: _Job, outcome: str, kind: str, message: str) -> bool:
+        """End `job` as `outcome` and tell its client why, unless it had already ended (then False)."""
         if self._end(job, outcome):
             job.post(RequestFailed(kind, message))
+            return True
+        return False
 
     def _publish_load(self) -> None:
         if self.metrics is not None:
@@ -521,8 +532,8 @@ class Scheduler:
         if job.ended:
             return False
         if time.monotonic() >= job.deadline:
-            log.warning("request %d: timed out after %g s", job.id, job.timeout, extra=job.log_extra)
-            self._fail(job, "timeout", "timeout", _timeout_message(job))
+            if self._fail(job, "timeout", "timeout", _timeout_message(job)):  # else its route ended it, and logged it
+                log.warning("request %d: %s", job.id, _timeout_message(job), extra=job.log_extra)
             return False
         return True
 

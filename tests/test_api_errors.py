@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
@@ -304,8 +305,9 @@ async def test_a_failing_request_fails_alone(api_client, fragile_engine, sse_dat
     assert f'{ENDED}"error"}} 2.0' in metrics
 
 
-async def test_timeout_ends_with_an_error(api_client, sse_data) -> None:
+async def test_timeout_ends_with_an_error(api_client, sse_data, caplog) -> None:
     body = {"inputs": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "parameters": {"max_new_tokens": 1000}}
+    caplog.set_level(logging.INFO)
     async with api_client(request_timeout=0.5) as client:
         t0 = time.monotonic()
         r = await client.post("/generate", json=body)
@@ -318,6 +320,13 @@ async def test_timeout_ends_with_an_error(api_client, sse_data) -> None:
     assert last["error_type"] == "timeout"
     assert elapsed < 10
     assert f'{ENDED}"timeout"}} 2.0' in metrics
+    # One log line each, under its request's id, whichever side saw the deadline first (the worker or the route).
+    for answer in (r, s):
+        rid = answer.headers["x-request-id"]
+        lines = [rec for rec in caplog.records if getattr(rec, "request_id", None) == rid]
+        assert [rec.getMessage().split(": ", 1)[1] for rec in lines] == [
+            "the request did not finish within the timeout of 0.5 s"
+        ]
 
 
 async def test_overload_is_429_at_once_with_retry_after(api_client) -> None:

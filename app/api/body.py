@@ -4,7 +4,7 @@ JSON depth, integers Python cannot read.
 It reads the whole body first (at most the limit, within the read timeout), so that a body too large is
 refused with 413 before any of it is parsed, and one that does not arrive in time (a client that stops
 sending, a chunked body never ended) with 408 instead of holding the connection for ever. Bytes that are not
-UTF-8, JSON nested past the parser's recursion limit, escaped lone surrogates (which the tokenizer cannot
+UTF-8, JSON nested deeper than `MAX_JSON_DEPTH` levels, escaped lone surrogates (which the tokenizer cannot
 take) and integers longer than Python converts (4,300 digits) are refused with a message that says so, and
 names the field, rather than a parse error or a crash. The body is then handed on unchanged; after it, the
 app receives the client's own messages, so that a disconnect still reaches the routes.
@@ -19,10 +19,16 @@ from typing import Any
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import error_response
+from app.api import admission
+from app.api.errors import error_response, log_refusal
+from app.engine.grammar import json_depth
 from app.metrics import Metrics
 
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
+# Deepest a body may nest (objects and arrays). No field needs more (a JSON schema may nest 100 levels, and
+# sits a few levels down), and Python's recursive helpers (json.dumps, a schema's rewriting) reach their own
+# limit near a thousand: past it a request would be a 500, not a 4xx.
+MAX_JSON_DEPTH = 128
 
 
 def _is_json(content_type: str) -> bool:
@@ -77,6 +83,36 @@ def _huge_int(value: object) -> tuple[str, _HugeInt] | None:
     return None
 
 
+def inspect_body(body: bytes) -> str | None:
+    """What is wrong with a request body the routes could not take (not UTF-8, nested too deeply, an integer
+    Python cannot read, a lone surrogate), or None; a body that is not JSON at all is the routes' to refuse."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the request body is not valid UTF-8 (byte 0x{body[exc.start]:02x} at offset {exc.start})"
+    nested = f"the JSON body is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)"
+    try:
+        # Python's own integers first: a hook per integer costs a second on a megabyte of them.
+        value = json.loads(text)
+    except RecursionError:
+        return nested
+    except json.JSONDecodeError:
+        value = None  # not JSON: the route's own parser says where
+    except ValueError:  # an integer longer than Python converts: parsed again, to name its field
+        try:
+            value = json.loads(text, parse_int=_parse_int)
+        except RecursionError:
+            return nested
+        if (huge := _huge_int(value)) is not None:
+            field, number = huge
+            return f"{field or 'the body'}: an integer of {number.digits} digits is out of range"
+    if (depth := json_depth(value)) > MAX_JSON_DEPTH:
+        return f"the JSON body is nested too deeply ({depth} levels; the limit is {MAX_JSON_DEPTH})"
+    if "\\u" in text and (surrogate := _lone_surrogate(value)) is not None:
+        return f"the request body escapes a lone UTF-16 surrogate (\\u{ord(surrogate):04x}), which is not a character"
+    return None
+
+
 class BodyGuard:
     """ASGI middleware: refuse bodies over `max_bytes`, slower than `read_timeout` seconds, not JSON, or not
     UTF-8, in the API's error shape."""
@@ -99,7 +135,9 @@ class BodyGuard:
         async def refuse(kind: str, message: str, headers: dict[str, str] | None = None) -> None:
             if self.metrics is not None:
                 self.metrics.request_ended("invalid")
-            await error_response(path, kind, message, headers)(scope, receive, send)
+            response = error_response(path, kind, message, headers)
+            log_refusal(scope["method"], path, response.status_code, kind, message)
+            await response(scope, receive, send)
 
         declared = headers.get("content-length")
         # Compared by length first: int() refuses a string of more than 4,300 digits.
@@ -142,30 +180,11 @@ class BodyGuard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            await refuse(
-                "validation",
-                f"the request body is not valid UTF-8 (byte 0x{body[exc.start]:02x} at offset {exc.start})",
-            )
-            return
-        try:
-            value = json.loads(text, parse_int=_parse_int)
-        except RecursionError:
-            await refuse("validation", "the JSON body is nested too deeply")
-            return
-        except ValueError:
-            value = None  # not JSON: the route's own parser says where
-        if (huge := _huge_int(value)) is not None:
-            field, number = huge
-            await refuse("validation", f"{field or 'the body'}: an integer of {number.digits} digits is out of range")
-            return
-        if "\\u" in text and (surrogate := _lone_surrogate(value)) is not None:
-            await refuse(
-                "validation",
-                f"the request body escapes a lone UTF-16 surrogate (\\u{ord(surrogate):04x}), which is not a character",
-            )
+        # Parsing a megabyte of JSON and walking it takes a second of CPU: in the pre-admission pool, not on
+        # the event loop, where it would hold every stream's next event.
+        problem = await admission.run(inspect_body, body)
+        if problem is not None:
+            await refuse("validation", problem)
             return
 
         delivered = False

@@ -22,6 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger(__name__)
 
 OPENAI_PREFIX = "/v1/"
+# Longest error message a body carries: each quotes what it needs (`shown` cuts values), and this bounds what
+# slips through (a library's message quoting its input), so that no error answer runs to more than a few KB.
+MAX_MESSAGE = 1000
+# Kinds logged where they happen, with the request's id (the worker's failed step, a deadline): not again here.
+_LOGGED_ELSEWHERE = frozenset({"generation", "timeout", "internal"})
 
 # error_type -> (status on the native routes, status on the OpenAI routes, OpenAI error type)
 _KINDS: dict[str, tuple[int, int, str]] = {
@@ -76,7 +81,9 @@ def status_of(kind: str, openai: bool) -> int:
 def error_body(
     kind: str, message: str, openai: bool, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:
-    """The JSON body of an error, in the shape the API's clients parse (also used inside SSE streams)."""
+    """The JSON body of an error, in the shape the API's clients parse (also used inside SSE streams); a message
+    over MAX_MESSAGE characters is cut."""
+    message = cut(message)
     if openai:
         code = kind if code is None else code
         return {"error": {"message": message, "type": _KINDS[kind][2], "param": param, "code": code}}
@@ -110,6 +117,20 @@ def shown(value: object, limit: int = 40) -> str:
         digits = len(text.lstrip("-"))
         return f"{text[: limit // 2]}... (an integer of {digits} digits)"
     return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def cut(message: str, limit: int = MAX_MESSAGE) -> str:
+    """`message` cut to about `limit` characters, saying how long it was."""
+    return message if len(message) <= limit else f"{message[:limit]}... ({len(message)} characters)"
+
+
+def log_refusal(method: str, path: str, status: int, kind: str, message: str) -> None:
+    """One log line for a request answered with an error (its id comes with the record), unless the place
+    where it failed logged it already."""
+    if kind in _LOGGED_ELSEWHERE:
+        return
+    # repr: a path or a message may hold line breaks, which must not start a log line of their own.
+    log.info("%s %r refused with %d %s: %r", method, cut(path, 80), status, kind, cut(message, 300))
 
 
 # Union members show up in pydantic's error locations as type tags ("str", "list[ContentPart]"): not fields.
@@ -163,13 +184,18 @@ async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     if exc.kind in ("validation", "model_not_found"):
         _count_invalid(request)
-    return error_response(request.url.path, exc.kind, exc.message, exc.headers, exc.param, exc.code)
+    response = error_response(request.url.path, exc.kind, exc.message, exc.headers, exc.param, exc.code)
+    log_refusal(request.method, request.url.path, response.status_code, exc.kind, exc.message)
+    return response
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     _count_invalid(request)
-    return error_response(request.url.path, "validation", describe_validation_errors(exc.errors()))
+    message = describe_validation_errors(exc.errors())
+    response = error_response(request.url.path, "validation", message)
+    log_refusal(request.method, request.url.path, response.status_code, "validation", message)
+    return response
 
 
 _HTTP_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "too_large", 415: "unsupported_media_type"}
@@ -179,20 +205,26 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = _HTTP_KINDS.get(exc.status_code, "validation" if exc.status_code < 500 else "internal")
     detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    path = cut(request.url.path, 200)  # a path may be as long as the server reads a request line
     if exc.status_code == 404:
-        detail = f"no route {request.method} {request.url.path}"
+        detail = f"no route {request.method} {path}"
     elif exc.status_code == 405:
-        detail = f"method {request.method} is not allowed on {request.url.path}"
+        detail = f"method {request.method} is not allowed on {path}"
     response = error_response(request.url.path, kind, detail, dict(exc.headers or {}))
     # Report the status Starlette chose, even where our table would pick another for that kind.
     response.status_code = exc.status_code
+    log_refusal(request.method, request.url.path, exc.status_code, kind, detail)
     return response
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     # The traceback goes to the log, never to the client: the answer names the exception's type only. This
     # handler runs outside the middleware, so it adds the request id header itself.
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    # Once: this handler may see the same exception twice, and Starlette raises it again for the server, whose
+    # own log line would repeat the traceback (app.logs drops that one).
+    if not getattr(exc, "specserve_logged", False):
+        log.exception("unhandled error on %s %r", request.method, cut(request.url.path, 80))
+        exc.specserve_logged = True  # type: ignore[attr-defined]
     rid = request.scope.get("state", {}).get("request_id")
     headers = {"X-Request-ID": rid} if rid else None
     return error_response(request.url.path, "internal", f"internal error: {type(exc).__name__}", headers)

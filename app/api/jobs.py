@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
+from app.api import admission
 from app.api.errors import APIError, shown
 from app.api.schemas import (
     GREEDY,
@@ -80,6 +80,10 @@ def _invalid(message: str) -> APIError:
 async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepared:
     """Tokenize the prompt and check the request against every limit; raises APIError (4xx)."""
     info = runtime.info
+    try:  # a full server answers 429 before tokenizing or compiling anything
+        runtime.scheduler.check_room()
+    except Overloaded as exc:
+        raise APIError("overloaded", str(exc), {"Retry-After": str(exc.retry_after)}) from exc
     if len(spec.stop) > settings.max_stop_sequences:
         raise _invalid(f"at most {settings.max_stop_sequences} stop strings are allowed, got {len(spec.stop)}")
     check_max_new_tokens(spec.max_new_tokens, spec.max_new_tokens_field, settings)
@@ -93,8 +97,8 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     if isinstance(spec.prompt, str):
         if not spec.prompt:
             raise _invalid(f"{spec.prompt_field} must not be empty")
-        # A long prompt takes a while to tokenize: not on the event loop.
-        ids = await anyio.to_thread.run_sync(runtime.tokenizer.encode, spec.prompt)
+        # A long prompt takes a while to tokenize: in the bounded pre-admission pool, not on the event loop.
+        ids = await admission.run(runtime.tokenizer.encode, spec.prompt)
     else:
         ids = list(spec.prompt)
         if any(not 0 <= t < info.vocab_size for t in ids):
@@ -151,11 +155,11 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
 
 
 async def check_grammar(runtime: Runtime, grammar: Grammar) -> GrammarSpec:
-    """The engine's spec of an output constraint, compiled once here (off the event loop) so that one the
-    engine cannot compile is a 4xx naming its field before anything is queued."""
+    """The engine's spec of an output constraint, compiled once here (in the bounded pre-admission pool) so that
+    one the engine cannot compile or run is a 4xx naming its field before anything is queued."""
     spec = GrammarSpec(grammar.kind, grammar.spec)
     try:
-        await anyio.to_thread.run_sync(runtime.grammars.check, spec)
+        await admission.run(runtime.grammars.check, spec)
     except GrammarError as exc:
         raise _invalid(f"{grammar.field}: {exc}") from exc
     return spec
