@@ -489,9 +489,8 @@ class QuantLinear:
     """`x @ weight.T + bias` for bf16 x [..., K] on GGUF quantized weights, read as the file stores them.
 
     Each output is quant.h's fixed chain over the exact dequantized weights (the bits of the generic kernel on
-    every portable kernel), whatever the row count: the same promises as `KernelLinear`. The 32-input formats
-    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) quantize each row of x to 8 bits per 32 inputs and multiply in integers, as
-    llama.cpp does; the K-quants multiply x's bf16 values in float32."""
+    every portable kernel), whatever the row count: the same promises as `KernelLinear`. Every format quantizes
+    each row of x to 8 bits per 32 inputs and multiplies in integers, as llama.cpp does."""
 
     def __init__(self, kernel: Kernel, weight: QuantizedWeight, bias: Tensor | None) -> None:
         self.kernel = kernel

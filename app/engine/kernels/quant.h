@@ -1,19 +1,11 @@
 /* Products on GGUF quantized weights, read as the file stores them (llama.cpp's blocks), and the scalar
    definitions every kernel computes bit for bit.
 
-   A weight row (one output) is k / QK blocks of its format, QK = 32 or 256 inputs per block. Dequantizing a
-   weight gives exactly the float32 value the `gguf` package's (and llama.cpp's) dequantization gives: each is
-   a product of small integers and float16 scales, exact in float32, plus at most one rounding (Q4_1, Q5_1 and
-   the K-quants' offsets: one fused multiply-add; Q6_K: its scale times its quant, one multiply).
-
-   The arithmetic of a K-quant product (Q4_K, Q5_K, Q6_K; the 32-input formats take integer products, see
-   sk_q_int), fixed so that a result never depends on the row count nor the SIMD width (the same lanes as the
-   bf16 products' pairs, not the same order):
-   - the input row x (bf16, widened exactly to float32) and the dequantized weight row w meet in 16 float32
-     lanes: lane i takes the inputs 16c + i for c = 0, 1, ..., k/16 - 1 in that order, each by one fused
-     multiply-add acc = fma(w, x, acc) from 0;
-   - the lanes are summed by the tree of common.h (sk_tree16), then bias, bf16 rounding and residual as
-     sk_finish. */
+   A weight row (one output) is k / QK blocks of its format, QK = 32 or 256 inputs per block. Every format
+   takes integer products (below): the activations are quantized to 8 bits per 32 inputs and meet the weights'
+   integers in exact integer dot products, scaled in float32. A weight's value, its integer times its scale
+   plus its offset (sk_q_ints_ref), is the one the `gguf` package's (and llama.cpp's) dequantization gives, up
+   to that dequantization's own rounding (at most one: Q4_1, Q5_1 and the K-quants' offsets, Q6_K's scale). */
 #ifndef SPECSERVE_KERNEL_QUANT_H
 #define SPECSERVE_KERNEL_QUANT_H
 
@@ -67,115 +59,32 @@ static inline void sk_k_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
     }
 }
 
-/* The 32 weights of chunk s (inputs 32s..32s+31 of the block; s = 0 for 32-input formats, 0-7 for the
-   K-quants) of block b, dequantized -> out[32]. The definition the SIMD kernels reproduce. */
-static inline void sk_q_chunk_ref(int type, const uint8_t *b, int s, float *out) {
-    switch (type) {
-        case SK_Q4_0: {
-            float d = sk_f16_to_f32(b);
-            for (int j = 0; j < 16; j++) {
-                out[j] = d * (float)((b[2 + j] & 15) - 8);
-                out[16 + j] = d * (float)((b[2 + j] >> 4) - 8);
-            }
-            break;
-        }
-        case SK_Q4_1: {
-            float d = sk_f16_to_f32(b), m = sk_f16_to_f32(b + 2);
-            for (int j = 0; j < 16; j++) {
-                out[j] = fmaf(d, (float)(b[4 + j] & 15), m);
-                out[16 + j] = fmaf(d, (float)(b[4 + j] >> 4), m);
-            }
-            break;
-        }
-        case SK_Q5_0: case SK_Q5_1: {
-            int off = type == SK_Q5_0 ? 2 : 4;
-            float d = sk_f16_to_f32(b), m = type == SK_Q5_1 ? sk_f16_to_f32(b + 2) : 0.0f;
-            uint32_t qh = (uint32_t)b[off] | (uint32_t)b[off + 1] << 8 | (uint32_t)b[off + 2] << 16 | (uint32_t)b[off + 3] << 24;
-            const uint8_t *qs = b + off + 4;
-            for (int j = 0; j < 32; j++) {
-                int q = (j < 16 ? qs[j] & 15 : qs[j - 16] >> 4) | (int)((qh >> j) & 1) << 4;
-                out[j] = type == SK_Q5_0 ? d * (float)(q - 16) : fmaf(d, (float)q, m);
-            }
-            break;
-        }
-        case SK_Q8_0: {
-            float d = sk_f16_to_f32(b);
-            for (int j = 0; j < 32; j++) out[j] = d * (float)(int8_t)b[2 + j];
-            break;
-        }
-        case SK_Q4_K: case SK_Q5_K: {
-            int sc, mn;
-            sk_k_scale_min(b + 4, s, &sc, &mn);
-            float ds = sk_f16_to_f32(b) * (float)sc, dm = sk_f16_to_f32(b + 2) * (float)mn;
-            const uint8_t *qs = b + (type == SK_Q4_K ? 16 : 48) + 32 * (s / 2), *qh = b + 16;
-            for (int j = 0; j < 32; j++) {
-                int q = (qs[j] >> (4 * (s & 1))) & 15;
-                if (type == SK_Q5_K) q |= ((qh[j] >> s) & 1) << 4;
-                out[j] = fmaf(ds, (float)q, -dm);
-            }
-            break;
-        }
-        case SK_Q6_K: {
-            int h = s / 4, i = s % 4;
-            const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
-            const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * i;
-            float d = sk_f16_to_f32(b + 208);
-            for (int j = 0; j < 32; j++) {
-                int q = (((ql[j] >> (4 * (i >> 1))) & 15) | (((qh[j] >> (2 * i)) & 3) << 4)) - 32;
-                out[j] = (d * (float)sc[j / 16]) * (float)q;
-            }
-            break;
-        }
-        default:
-            for (int j = 0; j < 32; j++) out[j] = NAN;
-    }
-}
-
 /* sk_qlinear: y [m, ldy] columns 0..n-1 = x [m, k] @ w.T (+ bias [n]), w [n] rows of `row_bytes` bytes of
    format `type`; op, norm_w, eps, residual ([m, ldy], as y) and scratch as sk_linear. */
 void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,
                 int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
                 uint16_t *scratch);
 
-/* The portable definition: column by column, its weight row dequantized once, then every input row. */
-static inline void sk_qlinear_ref(int type, const uint8_t *w, long row_bytes, const float *xf, uint16_t *y, int ldy,
-                                  const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
-    int qk = sk_q_block(type), bytes = sk_q_bytes(type);
-    float *wf = malloc(sizeof(float) * (size_t)k);
-    for (int col = c0; col < c1; col++) {
-        const uint8_t *row = w + (size_t)col * row_bytes;
-        for (int e = 0; e < k; e += 32)
-            sk_q_chunk_ref(type, row + (size_t)(e / qk) * bytes, (e % qk) / 32, wf + e);
-        for (int r = 0; r < m; r++) {
-            const float *xr = xf + (size_t)r * k;
-            float acc[16] = {0};
-            for (int c = 0; c < k / 16; c++)
-                for (int i = 0; i < 16; i++) acc[i] = fmaf(wf[16 * c + i], xr[16 * c + i], acc[i]);
-            size_t at = (size_t)r * ldy + col;
-            y[at] = sk_finish(sk_tree16(acc), bias, col, residual ? residual + at : NULL);
-        }
-    }
-    free(wf);
-}
-
-/* Integer products, for the 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; sk_q_int): as llama.cpp's
-   vec_dot_q4_1_q8_1 and kin, the activations are quantized too, per row and per 32-input block, and the
-   weights' integers meet them in exact integer dot products. Fixed so that a result depends on nothing but
-   its own row and column:
+/* Integer products (every format): as llama.cpp's vec_dot_q4_1_q8_1 and kin, the activations are quantized
+   too, per row and per 32-input block, and the weights' integers meet them in exact integer dot products.
+   Fixed so that a result depends on nothing but its own row and column:
    - activations (bf16, widened exactly): for block b of a row, amax = max |x_i|, dx = amax / 127,
      id = 1 / dx (0 where dx is 0), xq_i = x_i * id rounded to the nearest integer (ties to even), in
      [-127, 127]; S_b = dx * (float)sum_i xq_i;
-   - weights as integers w_i: Q4_0 q - 8, Q5_0 q - 16, Q8_0 q, Q4_1 and Q5_1 q (their offset m apart), with
-     the block's scale d (and m) from float16;
-   - 8 float32 lanes: lane j takes, for each block in order, I = sum_{i=4j..4j+3} w_i xq_i (an exact integer)
-     by one fused multiply-add L_j = fma(d * dx, (float)I, L_j), d * dx rounded once; Q4_1 and Q5_1 keep
-     one more float, O = fma(m, S_b, O) block by block (0 for the others);
+   - weights as integers w_i per 32 inputs (a chunk: a whole block of the 32-input formats, one eighth of a
+     K-quant's): Q4_0 q - 8, Q5_0 q - 16, Q8_0 q, Q4_1 and Q5_1 q, Q4_K and Q5_K q, Q6_K q - 32; the chunk's
+     scale D: the block's d (float16), or for Q4_K and Q5_K d * sc (its 6-bit sub-block scale), for Q6_K
+     d * sc with sc the 8-bit scale of its first 16 inputs (lanes 0-3) or of its last 16 (lanes 4-7), each
+     product exact; its offset M: Q4_1 and Q5_1 m (float16), Q4_K and Q5_K -(dmin * mn), exact; 0 otherwise;
+   - 8 float32 lanes: lane j takes, for each chunk in order, I = sum_{i=4j..4j+3} w_i xq_i (an exact integer)
+     by one fused multiply-add L_j = fma(D * dx, (float)I, L_j), D * dx rounded once. The offsets: Q4_1 and
+     Q5_1 keep one more float, O = fma(m, S_b, O) block by block; a K-quant adds each of a block's eight
+     offsets to a lane after the block's chunks, L_j = fma(M_j, S_j, L_j) with M_j and S_j those of its chunk
+     j (O = 0 for every format but Q4_1 and Q5_1);
    - the lanes are summed as a tree (j + j+4, then j + j+2, j + j+1), plus O; then bias, bf16 rounding and
      residual as sk_finish.
    The values multiplied are the weights' exact values and xq_i * dx: the oracle of the tests. */
-static inline int sk_q_int(int type) {
-    return type == SK_Q4_0 || type == SK_Q4_1 || type == SK_Q5_0 || type == SK_Q5_1 || type == SK_Q8_0;
-}
+static inline int sk_q_int(int type) { return sk_q_block(type) != 0; }
 
 /* Quantized activation rows: xq [m][k], and per row and block dx, S [m][k / 32]; x4 [m][k / 32][8]: the sums
    of xq over each lane's 4 inputs (what Q4_0 and Q5_0 subtract 8 or 16 times); dt, st [k / 32][mp]: dx and S
@@ -237,9 +146,33 @@ static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, 
     }
 }
 
-/* Block b's integer weights w[32], scale d and offset m (0 without one). */
-static inline void sk_q_ints_ref(int type, const uint8_t *b, int *w, float *d, float *m) {
-    *d = sk_f16_to_f32(b);
+/* Chunk s (inputs 32s..32s+31 of block b; 0 for the 32-input formats) as integers w[32], its scales D for
+   lanes 0-3 and 4-7 (d[0], d[1]: equal but for Q6_K) and its offset M (0 without one). */
+static inline void sk_q_ints_ref(int type, const uint8_t *b, int s, int *w, float *d, float *m) {
+    if (sk_q_block(type) == 256) {
+        if (type == SK_Q6_K) {
+            int h = s / 4, i = s % 4;
+            const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * i;
+            float dk = sk_f16_to_f32(b + 208);
+            for (int j = 0; j < 32; j++) w[j] = (((ql[j] >> (4 * (i >> 1))) & 15) | (((qh[j] >> (2 * i)) & 3) << 4)) - 32;
+            d[0] = dk * (float)sc[0];
+            d[1] = dk * (float)sc[1];
+            *m = 0.0f;
+        } else {
+            int sc, mn;
+            sk_k_scale_min(b + 4, s, &sc, &mn);
+            const uint8_t *qs = b + (type == SK_Q4_K ? 16 : 48) + 32 * (s / 2), *qh = b + 16;
+            for (int j = 0; j < 32; j++) {
+                w[j] = (qs[j] >> (4 * (s & 1))) & 15;
+                if (type == SK_Q5_K) w[j] |= ((qh[j] >> s) & 1) << 4;
+            }
+            d[0] = d[1] = sk_f16_to_f32(b) * (float)sc;
+            *m = -(sk_f16_to_f32(b + 2) * (float)mn);
+        }
+        return;
+    }
+    d[0] = d[1] = sk_f16_to_f32(b);
     *m = type == SK_Q4_1 || type == SK_Q5_1 ? sk_f16_to_f32(b + 2) : 0.0f;
     if (type == SK_Q8_0) {
         for (int j = 0; j < 32; j++) w[j] = (int8_t)b[2 + j];
@@ -274,24 +207,28 @@ static inline float sk_tree8(const float *l) {
 static inline void sk_qlinear_int_ref(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y,
                                       int ldy, const float *bias, int m, int k, int c0, int c1,
                                       const uint16_t *residual) {
-    int nb = k / 32, bytes = sk_q_bytes(type);
+    int nb = k / 32, qk = sk_q_block(type), bytes = sk_q_bytes(type), kq = qk == 256;
     int *wi = malloc(sizeof(int) * (size_t)k);
-    float *wd = malloc(sizeof(float) * 2 * (size_t)nb), *wm = wd + nb;
+    float *wd = malloc(sizeof(float) * 3 * (size_t)nb), *wm = wd + 2 * nb;
     for (int col = c0; col < c1; col++) {
         const uint8_t *row = w + (size_t)col * row_bytes;
-        for (int b = 0; b < nb; b++) sk_q_ints_ref(type, row + (size_t)b * bytes, wi + 32 * b, wd + b, wm + b);
+        for (int b = 0; b < nb; b++)
+            sk_q_ints_ref(type, row + (size_t)(b / (qk / 32)) * bytes, b % (qk / 32), wi + 32 * b, wd + 2 * b, wm + b);
         for (int r = 0; r < m; r++) {
             const int8_t *q = xq->q + (size_t)r * k;
             const float *dx = xq->d + (size_t)r * nb, *s = xq->s + (size_t)r * nb;
             float lanes[8] = {0}, o = 0.0f;
             for (int b = 0; b < nb; b++) {
-                float dd = wd[b] * dx[b];
+                float dd[2] = {wd[2 * b] * dx[b], wd[2 * b + 1] * dx[b]};
                 for (int j = 0; j < 8; j++) {
                     int sum = 0;
                     for (int i = 4 * j; i < 4 * j + 4; i++) sum += wi[32 * b + i] * q[32 * b + i];
-                    lanes[j] = fmaf(dd, (float)sum, lanes[j]);
+                    lanes[j] = fmaf(dd[j / 4], (float)sum, lanes[j]);
                 }
-                o = fmaf(wm[b], s[b], o);
+                if (!kq)
+                    o = fmaf(wm[b], s[b], o);
+                else if (b % 8 == 7 && type != SK_Q6_K)
+                    for (int j = 0; j < 8; j++) lanes[j] = fmaf(wm[b - 7 + j], s[b - 7 + j], lanes[j]);
             }
             size_t at = (size_t)r * ldy + col;
             y[at] = sk_finish(sk_tree8(lanes) + o, bias, col, residual ? residual + at : NULL);
@@ -301,11 +238,8 @@ static inline void sk_qlinear_int_ref(int type, const uint8_t *w, long row_bytes
     free(wd);
 }
 
-/* The frame every kernel's sk_qlinear shares: the fused op, the inputs as float32 (or quantized, for the
-   integer formats), columns shared among threads (a column's result does not depend on which thread computes
-   it). */
-typedef void (*sk_qcols_fn)(int type, const uint8_t *w, long row_bytes, const float *xf, uint16_t *y, int ldy,
-                            const float *bias, int m, int k, int c0, int c1, const uint16_t *residual);
+/* The frame every kernel's sk_qlinear shares: the fused op, the inputs quantized, columns shared among threads
+   (a column's result does not depend on which thread computes it). */
 typedef void (*sk_qicols_fn)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
                              const float *bias, int m, int k, int c0, int c1, const uint16_t *residual);
 typedef void (*sk_quantize_fn)(const uint16_t *x, const sk_qrows *rows, int r);
@@ -313,20 +247,12 @@ typedef void (*sk_quantize_fn)(const uint16_t *x, const sk_qrows *rows, int r);
 static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y,
                                     int ldy, const float *bias, int m, int k, int n, int threads, int op,
                                     const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch,
-                                    float (*sum_squares)(const uint16_t *, int), sk_qcols_fn cols,
-                                    sk_quantize_fn quantize, sk_qicols_fn icols) {
+                                    float (*sum_squares)(const uint16_t *, int), sk_quantize_fn quantize,
+                                    sk_qicols_fn icols) {
     x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
-    int integer = sk_q_int(type);
-    float *xf = NULL;
-    sk_qrows xq = {0};
-    if (integer) {
-        xq = sk_qrows_alloc(m, k);
-        for (int r = 0; r < m; r++) quantize(x + (size_t)r * k, &xq, r);
-        sk_qrows_transpose(&xq, m);
-    } else {
-        xf = aligned_alloc(64, (sizeof(float) * (size_t)m * k + 63) / 64 * 64);
-        sk_widen_rows(x, (size_t)m * k, xf);
-    }
+    sk_qrows xq = sk_qrows_alloc(m, k);
+    for (int r = 0; r < m; r++) quantize(x + (size_t)r * k, &xq, r);
+    sk_qrows_transpose(&xq, m);
     #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -334,15 +260,9 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
         int groups = (n + 3) / 4;
         int c0 = 4 * (int)((long)groups * t / nt), c1 = 4 * (int)((long)groups * (t + 1) / nt);
         if (c1 > n) c1 = n;
-        if (c0 < c1) {
-            if (integer)
-                icols(type, w, row_bytes, &xq, y, ldy, bias, m, k, c0, c1, residual);
-            else
-                cols(type, w, row_bytes, xf, y, ldy, bias, m, k, c0, c1, residual);
-        }
+        if (c0 < c1) icols(type, w, row_bytes, &xq, y, ldy, bias, m, k, c0, c1, residual);
     }
-    if (integer) sk_qrows_free(&xq);
-    free(xf);
+    sk_qrows_free(&xq);
 }
 
 #endif

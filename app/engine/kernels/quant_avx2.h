@@ -2,10 +2,9 @@
    Included by the avx2 kernel and by the AVX-512 ones (avx512, amx), which run it as it is.
 
    A tile is R input rows x C weight rows (columns of the output), every input in order: for each 32-input
-   chunk, each column's weights are dequantized into four 8-lane registers (inputs 0-7, 8-15, 16-23, 24-31
-   of the chunk), then multiplied with each row's inputs into two accumulators per (row, column), lanes 0-7
-   and 8-15 of quant.h's 16 (inputs 16c + i: the chunk's first half, then its second). Dequantizing once for
-   the R rows is what several rows (a verification, a prefill) save. */
+   chunk, each column's weights are unpacked into 32 bytes once for the R rows, then meet each row's quantized
+   inputs in 4-byte integer dot products (dot4.h), one accumulator of 8 lanes per (row, column). Unpacking once
+   for the R rows is what several rows (a verification, a prefill) save. */
 #ifndef SPECSERVE_KERNEL_QUANT_AVX2_H
 #define SPECSERVE_KERNEL_QUANT_AVX2_H
 
@@ -30,42 +29,11 @@ QINLINE void q_halves(const uint8_t *p, __m256 *a, __m256 *b) {
     *b = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
 }
 
-/* 8 bytes at p -> 8 int32 lanes (one load-and-widen each: no shuffles of loaded registers). */
-QINLINE __m256i q_u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-QINLINE __m256i q_i8x8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-QINLINE __m256i q_bits(__m256i v, int shift, int mask) {
-    return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(mask));
-}
-QINLINE __m256 q_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
-
-/* Q4_0/Q4_1's 16 bytes of nibbles at p -> the 32 quants as int32: inputs 0-7, 8-15 (low nibbles), 16-23,
-   24-31 (high nibbles). */
-QINLINE void q_nibbles(const uint8_t *p, __m256i *q) {
-    __m256i a = q_u8x8(p), b = q_u8x8(p + 8), mask = _mm256_set1_epi32(15);
-    q[0] = _mm256_and_si256(a, mask), q[1] = _mm256_and_si256(b, mask);
-    q[2] = _mm256_srli_epi32(a, 4), q[3] = _mm256_srli_epi32(b, 4);
-}
-
-/* Q5_0/Q5_1's fifth bits (32 bits at p, bit j for input j) -> or'ed into q as 16. */
-QINLINE void q_fifth(const uint8_t *p, __m256i *q) {
-    uint32_t qh;
-    memcpy(&qh, p, 4);
-    __m256i all = _mm256_set1_epi32((int)qh), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int i = 0; i < 4; i++) {
-        __m256i bit = _mm256_srlv_epi32(all, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * i)));
-        q[i] = _mm256_or_si256(q[i], _mm256_slli_epi32(_mm256_and_si256(bit, _mm256_set1_epi32(1)), 4));
-    }
-}
-
-/* Chunk s of block b, dequantized -> w[4] (the scalar definition: sk_q_chunk_ref). For the K-quants the
-   chunk's scale and offset come from ks (see q_k_scales). */
-typedef struct { float ds[8], dm[8]; } q_kscales;
-
-/* The 8 sub-blocks' 6-bit scales and minimums (sk_k_scale_min) unpacked in 8 lanes at once: for j < 4 the low 6
+/* A Q4_K or Q5_K block's chunk scales D = d * sc -> ds and offsets M = -(dmin * mn) -> dm, lane s for chunk s:
+   the 8 sub-blocks' 6-bit scales and minimums (sk_k_scale_min) unpacked in 8 lanes at once: for j < 4 the low 6
    bits of bytes j and j + 4; for j >= 4 the nibbles of byte j + 4 under the top 2 bits of bytes j - 4 and j. The
-   products d * sc and -(dmin * mn) are the scalar ones, lane by lane. */
-QINLINE void q_k_scales(int type, const uint8_t *b, q_kscales *ks) {
-    if (type == SK_Q6_K) return;
+   products are the scalar ones, lane by lane. */
+QINLINE void q_k_scales(const uint8_t *b, __m256 *ds, __m256 *dm) {
     __m256 d, dmin;
     q_halves(b, &d, &dmin);
     __m128i v = _mm_loadu_si128((const __m128i *)(b + 4));                    /* the 12 packed bytes (and 4 more) */
@@ -83,249 +51,8 @@ QINLINE void q_k_scales(int type, const uint8_t *b, q_kscales *ks) {
                                  _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(hs, 6), 4), upper));
     __m256i mn = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(c, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), six),
                                  _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(hm, 6), 4), upper));
-    _mm256_storeu_ps(ks->ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
-    _mm256_storeu_ps(ks->dm, _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)), _mm256_set1_ps(-0.0f)));
-}
-
-QINLINE void q_chunk(int type, const uint8_t *b, int s, const q_kscales *ks, __m256 *w) {
-    __m256i q[4];
-    switch (type) {
-        case SK_Q4_0: case SK_Q5_0: {
-            __m256 d = _mm256_set1_ps(q_half(b));
-            int five = type == SK_Q5_0;
-            q_nibbles(b + (five ? 6 : 2), q);
-            if (five) q_fifth(b + 2, q);
-            __m256i zero = _mm256_set1_epi32(five ? 16 : 8);
-            for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, q_float(_mm256_sub_epi32(q[i], zero)));
-            break;
-        }
-        case SK_Q4_1: case SK_Q5_1: {
-            __m256 d, m;
-            q_halves(b, &d, &m);
-            int five = type == SK_Q5_1;
-            q_nibbles(b + (five ? 8 : 4), q);
-            if (five) q_fifth(b + 4, q);
-            for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(d, q_float(q[i]), m);
-            break;
-        }
-        case SK_Q8_0: {
-            __m256 d = _mm256_set1_ps(q_half(b));
-            for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, q_float(q_i8x8(b + 2 + 8 * i)));
-            break;
-        }
-        case SK_Q4_K: case SK_Q5_K: {
-            const uint8_t *qs = b + (type == SK_Q4_K ? 16 : 48) + 32 * (s / 2);
-            __m256 ds = _mm256_set1_ps(ks->ds[s]), dm = _mm256_set1_ps(ks->dm[s]);
-            for (int i = 0; i < 4; i++) {
-                __m256i v = q_bits(q_u8x8(qs + 8 * i), 4 * (s & 1), 15);
-                if (type == SK_Q5_K) v = _mm256_or_si256(v, _mm256_slli_epi32(q_bits(q_u8x8(b + 16 + 8 * i), s, 1), 4));
-                w[i] = _mm256_fmadd_ps(ds, q_float(v), dm);
-            }
-            break;
-        }
-        case SK_Q6_K: {
-            int h = s / 4, i4 = s % 4;
-            const uint8_t *ql = b + 64 * h + 32 * (i4 & 1), *qh = b + 128 + 32 * h;
-            const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * i4;
-            float d = q_half(b + 208);
-            __m256 dd[2] = {_mm256_set1_ps(d * (float)sc[0]), _mm256_set1_ps(d * (float)sc[1])};
-            for (int i = 0; i < 4; i++) {
-                __m256i lo = q_bits(q_u8x8(ql + 8 * i), 4 * (i4 >> 1), 15), hi = q_bits(q_u8x8(qh + 8 * i), 2 * i4, 3);
-                __m256i v = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
-                w[i] = _mm256_mul_ps(dd[i / 2], q_float(v));
-            }
-            break;
-        }
-    }
-}
-
-/* The lane tree of two 8-lane halves (lanes 0-7, 8-15): sk_tree16. */
-QINLINE float q_tree(__m256 lo, __m256 hi) {
-    __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-#ifndef Q_AHEAD
-#define Q_AHEAD 2
-#endif
-
-/* R rows (x: k floats apart) x C columns (w: row_bytes apart) -> sums [R][C]. */
-QINLINE void q_tile(int type, int R, int C, const uint8_t *w, long row_bytes, const float *x, int k, float *sums) {
-    __m256 acc[4][4][2];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-    int qk = sk_q_block(type), bytes = sk_q_bytes(type);
-    for (int blk = 0; blk < k / qk; blk++) {
-        q_kscales ks[4];
-        /* The same block of the columns two tiles ahead, line by line (see q8_tile). */
-        for (int c = 0; c < C; c++)
-            for (int off = 0; off < bytes; off += 64)
-                _mm_prefetch((const char *)(w + (Q_AHEAD * C + c) * row_bytes + (size_t)blk * bytes + off), _MM_HINT_T0);
-        if (qk == 256)
-            for (int c = 0; c < C; c++) q_k_scales(type, w + c * row_bytes + (size_t)blk * bytes, &ks[c]);
-        for (int s = 0; s < qk / 32; s++) {
-            int e = blk * qk + 32 * s;
-            for (int c = 0; c < C; c++) {
-                __m256 wv[4];
-                q_chunk(type, w + c * row_bytes + (size_t)blk * bytes, s, &ks[c], wv);
-                for (int r = 0; r < R; r++) {
-                    const float *xr = x + (size_t)r * k + e;
-                    acc[r][c][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xr), acc[r][c][0]);
-                    acc[r][c][1] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xr + 8), acc[r][c][1]);
-                    acc[r][c][0] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xr + 16), acc[r][c][0]);
-                    acc[r][c][1] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xr + 24), acc[r][c][1]);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) sums[r * C + c] = q_tree(acc[r][c][0], acc[r][c][1]);
-}
-
-/* One format's tiles, the format a constant in each (the K-quants: the 32-input formats take integer
-   products, below). */
-#define Q_TILES(T)                                                                                            \
-    static void q_tile_##T(int R, int C, const uint8_t *w, long rb, const float *x, int k, float *sums) {     \
-        switch (R * 8 + C) {                                                                                  \
-            case 1 * 8 + 4: q_tile(T, 1, 4, w, rb, x, k, sums); break;                                        \
-            case 2 * 8 + 2: q_tile(T, 2, 2, w, rb, x, k, sums); break;                                        \
-            case 4 * 8 + 1: q_tile(T, 4, 1, w, rb, x, k, sums); break;                                        \
-            case 3 * 8 + 1: q_tile(T, 3, 1, w, rb, x, k, sums); break;                                        \
-            case 2 * 8 + 1: q_tile(T, 2, 1, w, rb, x, k, sums); break;                                        \
-            default: q_tile(T, 1, 1, w, rb, x, k, sums); break;                                               \
-        }                                                                                                     \
-    }
-Q_TILES(SK_Q4_K)
-Q_TILES(SK_Q5_K)
-Q_TILES(SK_Q6_K)
-
-typedef void (*q_tile_fn)(int R, int C, const uint8_t *w, long rb, const float *x, int k, float *sums);
-
-static q_tile_fn q_tiles_for(int type) {
-    switch (type) {
-        case SK_Q4_K: return q_tile_SK_Q4_K;
-        case SK_Q5_K: return q_tile_SK_Q5_K;
-        default: return q_tile_SK_Q6_K;
-    }
-}
-
-/* A weight row (k inputs) dequantized -> out [k] float32: the values q_chunk gives, stored. */
-QINLINE void q_row_t(int type, const uint8_t *row, int k, float *out) {
-    int qk = sk_q_block(type), bytes = sk_q_bytes(type);
-    for (int blk = 0; blk < k / qk; blk++) {
-        const uint8_t *b = row + (size_t)blk * bytes;
-        q_kscales ks;
-        if (qk == 256) q_k_scales(type, b, &ks);
-        for (int s = 0; s < qk / 32; s++) {
-            __m256 wv[4];
-            q_chunk(type, b, s, &ks, wv);
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + blk * qk + 32 * s + 8 * i, wv[i]);
-        }
-    }
-}
-
-static void q_row(int type, const uint8_t *row, int k, float *out) {
-    switch (type) {
-        case SK_Q4_K: q_row_t(SK_Q4_K, row, k, out); break;
-        case SK_Q5_K: q_row_t(SK_Q5_K, row, k, out); break;
-        default: q_row_t(SK_Q6_K, row, k, out); break;
-    }
-}
-
-/* R rows x C columns whose weights were dequantized into w (k floats apart): the same lanes and order as
-   q_tile (lane i takes inputs 16c + i, c ascending), read from memory instead of dequantized in registers. */
-QINLINE void q_tile_f(int R, int C, const float *w, const float *x, int k, float *sums) {
-    __m256 acc[3][2][2];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-    for (int e = 0; e < k; e += 16)
-        for (int c = 0; c < C; c++) {
-            __m256 w0 = _mm256_loadu_ps(w + (size_t)c * k + e), w1 = _mm256_loadu_ps(w + (size_t)c * k + e + 8);
-            for (int r = 0; r < R; r++) {
-                acc[r][c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (size_t)r * k + e), acc[r][c][0]);
-                acc[r][c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + (size_t)r * k + e + 8), acc[r][c][1]);
-            }
-        }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) sums[r * C + c] = q_tree(acc[r][c][0], acc[r][c][1]);
-}
-
-static void q_tile_f_any(int R, int C, const float *w, const float *x, int k, float *sums) {
-    switch (R * 8 + C) {
-        case 3 * 8 + 2: q_tile_f(3, 2, w, x, k, sums); break;
-        case 3 * 8 + 1: q_tile_f(3, 1, w, x, k, sums); break;
-        case 2 * 8 + 2: q_tile_f(2, 2, w, x, k, sums); break;
-        case 2 * 8 + 1: q_tile_f(2, 1, w, x, k, sums); break;
-        case 1 * 8 + 2: q_tile_f(1, 2, w, x, k, sums); break;
-        default: q_tile_f(1, 1, w, x, k, sums); break;
-    }
-}
-
-/* Many rows (a prefill): two columns at a time dequantized once into a buffer for every row of the block,
-   then 3 rows x 2 columns per tile. */
-static void q_cols_many(int type, const uint8_t *w, long row_bytes, const float *xf, uint16_t *y, int ldy,
-                        const float *bias, int r0, int r1, int k, int c0, int c1, const uint16_t *residual, float *buf) {
-    float sums[6];
-    for (int col = c0; col < c1; col += 2) {
-        int C = col + 2 <= c1 ? 2 : 1;
-        for (int c = 0; c < C; c++) q_row(type, w + (size_t)(col + c) * row_bytes, k, buf + (size_t)c * k);
-        for (int r = r0; r < r1; r += 3) {
-            int R = r + 3 <= r1 ? 3 : r1 - r;
-            q_tile_f_any(R, C, buf, xf + (size_t)r * k, k, sums);
-            for (int i = 0; i < R; i++)
-                for (int j = 0; j < C; j++) {
-                    size_t at = (size_t)(r + i) * ldy + col + j;
-                    y[at] = sk_finish(sums[i * C + j], bias, col + j, residual ? residual + at : NULL);
-                }
-        }
-    }
-}
-
-/* From this many rows on, a column is dequantized once into a buffer for all of them (q_cols_many). */
-#ifndef Q_MANY
-#define Q_MANY 12
-#endif
-
-/* Columns c0..c1-1 for every row. Many rows: q_cols_many. Few (a decoding step, a verification): rows 4 at a
-   time over one column, its weights dequantized in registers once for the 4; the 1-3 rows left over go over
-   several columns at once (1 row: 4 columns, 8 accumulators in flight). */
-static void q_cols(int type, const uint8_t *w, long row_bytes, const float *xf, uint16_t *y, int ldy,
-                   const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
-    q_tile_fn tile = q_tiles_for(type);
-    float sums[16];
-    int rb = sk_row_block(k);
-    float *buf = m >= Q_MANY ? aligned_alloc(64, sizeof(float) * 2 * (size_t)k) : NULL;
-    for (int r0 = 0; r0 < m; r0 += rb) {
-        int r1 = r0 + rb < m ? r0 + rb : m;
-        if (buf && r1 - r0 >= Q_MANY) {
-            q_cols_many(type, w, row_bytes, xf, y, ldy, bias, r0, r1, k, c0, c1, residual, buf);
-            continue;
-        }
-        int full = r0 + (r1 - r0) / 4 * 4, rest = r1 - full;
-        for (int col = c0; col < c1; col++)
-            for (int r = r0; r < full; r += 4) {
-                tile(4, 1, w + (size_t)col * row_bytes, row_bytes, xf + (size_t)r * k, k, sums);
-                for (int i = 0; i < 4; i++) {
-                    size_t at = (size_t)(r + i) * ldy + col;
-                    y[at] = sk_finish(sums[i], bias, col, residual ? residual + at : NULL);
-                }
-            }
-        if (rest == 0) continue;
-        int C = rest == 1 ? 4 : rest == 2 ? 2 : 1, col = c0;
-        for (; col < c1; col += C) {
-            int cc = col + C <= c1 ? C : 1;
-            if (cc == 1 && C > 1) C = 1;  /* the last few columns one at a time */
-            tile(rest, cc, w + (size_t)col * row_bytes, row_bytes, xf + (size_t)full * k, k, sums);
-            for (int i = 0; i < rest; i++)
-                for (int j = 0; j < cc; j++) {
-                    size_t at = (size_t)(full + i) * ldy + col + j;
-                    y[at] = sk_finish(sums[i * cc + j], bias, col + j, residual ? residual + at : NULL);
-                }
-        }
-    }
-    free(buf);
+    *ds = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+    *dm = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)), _mm256_set1_ps(-0.0f));
 }
 
 /* Integer products (quant.h's sk_q_int formats; the generic kernel's bits). */
@@ -501,6 +228,136 @@ Q8_TILES(SK_Q5_0)
 Q8_TILES(SK_Q5_1)
 Q8_TILES(SK_Q8_0)
 
+/* A K-quant's chunk s of block p as 32 bytes in input order: Q4_K's nibbles (0-15), Q5_K's with their fifth
+   bits (0-31), Q6_K's 6-bit quants (0-63; its zero point 32 is the tile's). */
+QINLINE __m256i qk_weights(int type, const uint8_t *p, int s) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    if (type == SK_Q6_K) {
+        int h = s / 4, i = s % 4;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (i & 1)));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+        __m256i lo = _mm256_and_si256(i >> 1 ? _mm256_srli_epi16(ql, 4) : ql, nibble);
+        /* Bits 2i, 2i + 1 of each byte to bits 4, 5 (16-bit shifts: the mask drops what crosses a byte). */
+        __m256i hi = i < 2 ? _mm256_slli_epi16(qh, 4 - 2 * i) : i > 2 ? _mm256_srli_epi16(qh, 2 * i - 4) : qh;
+        return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+    }
+    __m256i qs = _mm256_loadu_si256((const __m256i *)(p + (type == SK_Q4_K ? 16 : 48) + 32 * (s / 2)));
+    __m256i q = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(qs, 4) : qs, nibble);
+    if (type == SK_Q5_K) {
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));  /* bit s of byte j: input j's fifth bit */
+        __m256i bit = s < 4 ? _mm256_slli_epi16(qh, 4 - s) : s > 4 ? _mm256_srli_epi16(qh, s - 4) : qh;
+        q = _mm256_or_si256(q, _mm256_and_si256(bit, _mm256_set1_epi8(16)));
+    }
+    return q;
+}
+
+#ifndef QK_AHEAD
+#define QK_AHEAD 2
+#endif
+
+/* q8_tile for the K-quants (Q4_K, Q5_K, Q6_K), R * C <= 8, slot i = c * R + r.
+
+   Per 256-input block: each column's 8 chunk scales (Q6_K: 16 half-chunk scales) times each row's 8 chunk dx,
+   as vectors, stored to be broadcast by loads; then chunk by chunk, a column's 32 weights unpacked once for
+   its rows, each (row, column) one q_dot4, one conversion and one fused multiply-add; Q6_K's zero point starts
+   the integer sum at -32 times the lane's activation sum. Q4_K and Q5_K's offsets: after the block, each lane
+   j takes chunk j's, one fused multiply-add of 8 lanes per (row, column). */
+QINLINE void qk_tile(int type, int R, int C, const uint8_t *w, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
+    const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type), six = type == SK_Q6_K;
+    const int8_t *xrows = xq->q + (size_t)r0 * k;     /* row r, chunk b: xrows + r * k + 32 b */
+    const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
+    const int32_t *x4 = xq->x4 + (size_t)r0 * nb * 8;  /* row r, chunk b: x4 + (r * nb + b) * 8 */
+    const __m256 z = _mm256_setzero_ps();
+    __m256 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z;
+    /* Slot i's D * dx, lane s for chunk s (Q6_K: lanes 2s, 2s + 1 for its halves, 16 lanes). */
+    float dd[8][16] __attribute__((aligned(32)));
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (int blk = 0; blk < k / 256; blk++) {
+        const int b8 = 8 * blk;
+        __m256 xd[4][2], dm[8];
+        for (int r = 0; r < R; r++) {
+            xd[r][0] = _mm256_loadu_ps(dx + (size_t)r * nb + b8);
+            if (six) {
+                /* Q6_K's scales run in pairs per chunk: dx of chunks 0-3, then 4-7, each twice. */
+                xd[r][1] = _mm256_permutevar8x32_ps(xd[r][0], _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+                xd[r][0] = _mm256_permutevar8x32_ps(xd[r][0], _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const uint8_t *p = w + c * row_bytes + (size_t)blk * bytes;
+            __m256 ds[2];
+            if (six) {
+                __m256 d = _mm256_set1_ps(q_half(p + 208));
+                ds[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 192)))));
+                ds[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 200)))));
+            } else {
+                q_k_scales(p, &ds[0], &dm[c]);
+            }
+            for (int r = 0; r < R; r++) {
+                _mm256_store_ps(dd[c * R + r], _mm256_mul_ps(ds[0], xd[r][0]));
+                if (six) _mm256_store_ps(dd[c * R + r] + 8, _mm256_mul_ps(ds[1], xd[r][1]));
+            }
+        }
+        /* Read back by broadcast loads (see q8_tile). */
+        __asm__ volatile("" ::: "memory");
+        for (int s = 0; s < 8; s++) {
+            const int b = b8 + s;
+            __m256i init[4], wq = _mm256_setzero_si256();
+            for (int r = 0; r < R; r++)
+                init[r] = six ? _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                 _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x4 + ((size_t)r * nb + b) * 8)), 5))
+                              : _mm256_setzero_si256();
+#define QK_SLOT(i)                                                                                                 \
+            if (i < R * C) {                                                                                       \
+                const int c = i / R, r = i % R;                                                                    \
+                const uint8_t *p = w + c * row_bytes + (size_t)blk * bytes;                                        \
+                if (r == 0) {                                                                                      \
+                    /* A column's block is a few cache lines: ask for the columns two tiles ahead. */             \
+                    if (64 * s < bytes) _mm_prefetch((const char *)(p + QK_AHEAD * C * row_bytes + 64 * s), _MM_HINT_T0); \
+                    wq = qk_weights(type, p, s);                                                                   \
+                }                                                                                                  \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xrows + (size_t)r * k + 32 * b));                 \
+                __m256 scale = six ? _mm256_permutevar_ps(_mm256_castpd_ps(_mm256_broadcast_sd((const double *)&dd[i][2 * s])), halves) \
+                                   : _mm256_broadcast_ss(&dd[i][s]);                                              \
+                a##i = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(q_dot4(init[r], wq, x)), a##i);                   \
+            }
+            QK_SLOT(0) QK_SLOT(1) QK_SLOT(2) QK_SLOT(3) QK_SLOT(4) QK_SLOT(5) QK_SLOT(6) QK_SLOT(7)
+#undef QK_SLOT
+        }
+        if (!six) {
+#define QK_OFFSET(i)                                                                                               \
+            if (i < R * C) a##i = _mm256_fmadd_ps(dm[i / R], _mm256_loadu_ps(sx + (size_t)(i % R) * nb + b8), a##i);
+            QK_OFFSET(0) QK_OFFSET(1) QK_OFFSET(2) QK_OFFSET(3) QK_OFFSET(4) QK_OFFSET(5) QK_OFFSET(6) QK_OFFSET(7)
+#undef QK_OFFSET
+        }
+    }
+    __m256 all[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int i = 0; i < R * C; i++) {
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(all[i]), _mm256_extractf128_ps(all[i], 1));
+        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        sums[(i % R) * C + i / R] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    }
+}
+
+#define QK_TILES(T)                                                                                           \
+    static void q8_tile_##T(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s) { \
+        switch (R * 8 + C) {                                                                                  \
+            case 1 * 8 + 8: qk_tile(T, 1, 8, w, rb, xq, r0, s); break;                                        \
+            case 1 * 8 + 4: qk_tile(T, 1, 4, w, rb, xq, r0, s); break;                                        \
+            case 4 * 8 + 2: qk_tile(T, 4, 2, w, rb, xq, r0, s); break;                                        \
+            case 3 * 8 + 2: qk_tile(T, 3, 2, w, rb, xq, r0, s); break;                                        \
+            case 2 * 8 + 2: qk_tile(T, 2, 2, w, rb, xq, r0, s); break;                                        \
+            case 1 * 8 + 2: qk_tile(T, 1, 2, w, rb, xq, r0, s); break;                                        \
+            case 4 * 8 + 1: qk_tile(T, 4, 1, w, rb, xq, r0, s); break;                                        \
+            case 3 * 8 + 1: qk_tile(T, 3, 1, w, rb, xq, r0, s); break;                                        \
+            case 2 * 8 + 1: qk_tile(T, 2, 1, w, rb, xq, r0, s); break;                                        \
+            default: qk_tile(T, 1, 1, w, rb, xq, r0, s); break;                                               \
+        }                                                                                                     \
+    }
+QK_TILES(SK_Q4_K)
+QK_TILES(SK_Q5_K)
+QK_TILES(SK_Q6_K)
+
 typedef void (*q8_tile_fn)(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s);
 
 /* Columns c0..c1-1 for every row: columns 8 at a time for a lone row, else 2 at a time over rows 4 at a time
@@ -509,7 +366,8 @@ static void q8_cols(int type, const uint8_t *w, long row_bytes, const sk_qrows *
                     const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
     (void)k;
     q8_tile_fn tile = type == SK_Q4_0 ? q8_tile_SK_Q4_0 : type == SK_Q4_1 ? q8_tile_SK_Q4_1 : type == SK_Q5_0 ? q8_tile_SK_Q5_0
-                    : type == SK_Q5_1 ? q8_tile_SK_Q5_1 : q8_tile_SK_Q8_0;
+                    : type == SK_Q5_1 ? q8_tile_SK_Q5_1 : type == SK_Q8_0 ? q8_tile_SK_Q8_0 : type == SK_Q4_K ? q8_tile_SK_Q4_K
+                    : type == SK_Q5_K ? q8_tile_SK_Q5_K : q8_tile_SK_Q6_K;
     float sums[16];
     int C = m == 1 ? 8 : 2;
     for (int col = c0; col < c1;) {
