@@ -32,6 +32,7 @@ from typing import Any
 
 from app.engine.generation import Engine, Generation, GenerationError, GenerationParams, StepOutput
 from app.engine.logprobs import TokenLogprob
+from app.engine.threads import ThreadGovernor
 from app.engine.tokenizer import Tokenizer
 from app.logs import current_request_id
 from app.metrics import Metrics, RequestRecord
@@ -231,7 +232,8 @@ class Scheduler:
     """Admission, queueing and the worker thread that steps every generation.
 
     `trim_after_tokens`: once a request whose prompt plus max_new_tokens reached this many tokens has ended,
-    the worker returns the heap's free memory to the system (0: never).
+    the worker returns the heap's free memory to the system (0: never). `threads`: what sets the CPU products'
+    thread count around each step (default: a `ThreadGovernor` of torch's count).
     """
 
     def __init__(
@@ -242,6 +244,7 @@ class Scheduler:
         metrics: Metrics | None = None,
         retry_after: int = 1,
         trim_after_tokens: int = 2048,
+        threads: ThreadGovernor | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 0:
             raise ValueError("need max_running >= 1 and max_waiting >= 0")
@@ -264,6 +267,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._trim = _malloc_trim() if trim_after_tokens else None
         self._trim_due = False  # a large request ended since the last trim
+        # Fewer CPU threads while other processes hold the cores (app.engine.threads).
+        self._threads = threads or ThreadGovernor()
 
     @property
     def holding(self) -> int:
@@ -465,7 +470,11 @@ class Scheduler:
             assert job.gen is not None  # every running request has started
             gens.append(job.gen)
         firsts = [gen.needs_prefill for gen in gens]
-        outcomes = self.engine.step_batch(gens)
+        self._threads.before_step()
+        try:
+            outcomes = self.engine.step_batch(gens)
+        finally:
+            self._threads.after_step()
         together = len(outcomes.together)
         if self.metrics is not None:
             for _ in range(len(gens) - together):
