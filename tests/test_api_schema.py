@@ -25,6 +25,9 @@ OPERATIONS = [
     ("GET", "/health"),
     ("GET", "/info"),
     ("GET", "/metrics"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/tokenizer_info"),
 ]
 
 

@@ -227,6 +227,9 @@ def test_bad_requests_over_the_wire(server: str) -> None:
         "/health",
         "/info",
         "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
     }
 
 
