@@ -111,7 +111,7 @@ async def test_openai_client_with_the_key(api_client) -> None:
     async with api_client(api_key=KEY) as client:
         good = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=client, max_retries=0)
         completion = await good.completions.create(
-            model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=2
+            model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=2, temperature=0
         )
         assert completion.choices[0].text
         bad = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="nope", http_client=client, max_retries=0)

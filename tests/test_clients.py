@@ -119,7 +119,7 @@ def test_openai_tool_round_trip(server: str) -> None:
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     messages: list = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[weather], tool_choice="required", max_tokens=32
+        model=MODEL, messages=messages, tools=[weather], tool_choice="required", max_tokens=32, temperature=0
     )
     call_message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls" and call_message.content is None
@@ -127,7 +127,9 @@ def test_openai_tool_round_trip(server: str) -> None:
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
     messages.append(call_message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 21})})
-    final = client.chat.completions.create(model=MODEL, messages=messages, tools=[weather], max_tokens=16)
+    final = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[weather], max_tokens=16, temperature=0
+    )
     answer = final.choices[0]
     assert answer.message.tool_calls is None and answer.message.content, answer
     assert answer.finish_reason in ("stop", "length")
