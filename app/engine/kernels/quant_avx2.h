@@ -207,26 +207,27 @@ QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
     }
 }
 
-#define Q8_TILES(T)                                                                                           \
+/* One format's tiles, the format and the tile (q8_tile, or qk_tile for the K-quants) constants in each. */
+#define Q8_TILES(T, TILE)                                                                                     \
     static void q8_tile_##T(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s) { \
         switch (R * 8 + C) {                                                                                  \
-            case 1 * 8 + 8: q8_tile(T, 1, 8, w, rb, xq, r0, s); break;                                        \
-            case 1 * 8 + 4: q8_tile(T, 1, 4, w, rb, xq, r0, s); break;                                        \
-            case 4 * 8 + 2: q8_tile(T, 4, 2, w, rb, xq, r0, s); break;                                        \
-            case 3 * 8 + 2: q8_tile(T, 3, 2, w, rb, xq, r0, s); break;                                        \
-            case 2 * 8 + 2: q8_tile(T, 2, 2, w, rb, xq, r0, s); break;                                        \
-            case 1 * 8 + 2: q8_tile(T, 1, 2, w, rb, xq, r0, s); break;                                        \
-            case 4 * 8 + 1: q8_tile(T, 4, 1, w, rb, xq, r0, s); break;                                        \
-            case 3 * 8 + 1: q8_tile(T, 3, 1, w, rb, xq, r0, s); break;                                        \
-            case 2 * 8 + 1: q8_tile(T, 2, 1, w, rb, xq, r0, s); break;                                        \
-            default: q8_tile(T, 1, 1, w, rb, xq, r0, s); break;                                               \
+            case 1 * 8 + 8: TILE(T, 1, 8, w, rb, xq, r0, s); break;                                           \
+            case 1 * 8 + 4: TILE(T, 1, 4, w, rb, xq, r0, s); break;                                           \
+            case 4 * 8 + 2: TILE(T, 4, 2, w, rb, xq, r0, s); break;                                           \
+            case 3 * 8 + 2: TILE(T, 3, 2, w, rb, xq, r0, s); break;                                           \
+            case 2 * 8 + 2: TILE(T, 2, 2, w, rb, xq, r0, s); break;                                           \
+            case 1 * 8 + 2: TILE(T, 1, 2, w, rb, xq, r0, s); break;                                           \
+            case 4 * 8 + 1: TILE(T, 4, 1, w, rb, xq, r0, s); break;                                           \
+            case 3 * 8 + 1: TILE(T, 3, 1, w, rb, xq, r0, s); break;                                           \
+            case 2 * 8 + 1: TILE(T, 2, 1, w, rb, xq, r0, s); break;                                           \
+            default: TILE(T, 1, 1, w, rb, xq, r0, s); break;                                                  \
         }                                                                                                     \
     }
-Q8_TILES(SK_Q4_0)
-Q8_TILES(SK_Q4_1)
-Q8_TILES(SK_Q5_0)
-Q8_TILES(SK_Q5_1)
-Q8_TILES(SK_Q8_0)
+Q8_TILES(SK_Q4_0, q8_tile)
+Q8_TILES(SK_Q4_1, q8_tile)
+Q8_TILES(SK_Q5_0, q8_tile)
+Q8_TILES(SK_Q5_1, q8_tile)
+Q8_TILES(SK_Q8_0, q8_tile)
 
 /* A K-quant's chunk s of block p as 32 bytes in input order: Q4_K's nibbles (0-15), Q5_K's with their fifth
    bits (0-31), Q6_K's 6-bit quants (0-63; its zero point 32 is the tile's). */
@@ -339,24 +340,9 @@ QINLINE void qk_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
     }
 }
 
-#define QK_TILES(T)                                                                                           \
-    static void q8_tile_##T(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s) { \
-        switch (R * 8 + C) {                                                                                  \
-            case 1 * 8 + 8: qk_tile(T, 1, 8, w, rb, xq, r0, s); break;                                        \
-            case 1 * 8 + 4: qk_tile(T, 1, 4, w, rb, xq, r0, s); break;                                        \
-            case 4 * 8 + 2: qk_tile(T, 4, 2, w, rb, xq, r0, s); break;                                        \
-            case 3 * 8 + 2: qk_tile(T, 3, 2, w, rb, xq, r0, s); break;                                        \
-            case 2 * 8 + 2: qk_tile(T, 2, 2, w, rb, xq, r0, s); break;                                        \
-            case 1 * 8 + 2: qk_tile(T, 1, 2, w, rb, xq, r0, s); break;                                        \
-            case 4 * 8 + 1: qk_tile(T, 4, 1, w, rb, xq, r0, s); break;                                        \
-            case 3 * 8 + 1: qk_tile(T, 3, 1, w, rb, xq, r0, s); break;                                        \
-            case 2 * 8 + 1: qk_tile(T, 2, 1, w, rb, xq, r0, s); break;                                        \
-            default: qk_tile(T, 1, 1, w, rb, xq, r0, s); break;                                               \
-        }                                                                                                     \
-    }
-QK_TILES(SK_Q4_K)
-QK_TILES(SK_Q5_K)
-QK_TILES(SK_Q6_K)
+Q8_TILES(SK_Q4_K, qk_tile)
+Q8_TILES(SK_Q5_K, qk_tile)
+Q8_TILES(SK_Q6_K, qk_tile)
 
 typedef void (*q8_tile_fn)(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s);
 
