@@ -7,15 +7,18 @@ EPYC), but beside another busy process a thread often waits at a barrier for one
 and every region pays for it (measured there: 2 threads beside one busy-loop process took 48 ms a token,
 one thread 22, against 14 on idle cores).
 
-So the worker asks a `ThreadGovernor` around each step. It compares the CPU time the process got with the
-wall time of its steps: threads that run or spin on free cores get about one second of CPU per thread per
-second, while a share well below the thread count means the cores are contended. It then drops to the threads
-the share says it really gets, and every `retry` seconds tries the full count again for one window, keeping
-it if the cores have become free. Linux and every other platform: `time.process_time` counts all threads.
+So the worker asks a `ThreadGovernor` around each step. Contention shows in two clocks: the time the process's
+threads spent runnable but waiting for a CPU (Linux's schedstat run delay: near 0 on free cores, 0.6 s a second
+beside one busy process on the 2-core EPYC), and the CPU time its steps got against their wall time (threads
+that run or spin on free cores get about one CPU each; 1.3 of 2 there). Both must say so, since a step's
+single-threaded Python lowers the share on free cores too (where schedstat cannot be read, the share alone
+decides). It then drops to the threads the share says it really gets, and every `retry` seconds tries the full
+count again for one window, keeping it if the cores have become free.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import time
 from collections.abc import Callable
@@ -26,14 +29,29 @@ log = logging.getLogger(__name__)
 
 _WINDOW = 0.5  # seconds of steps per measurement
 _RETRY = 10.0  # seconds between tries of the full thread count while contended
-_SLACK = 0.4  # a share this far below the thread count is contention, not Python's own single-threaded moments
+_SLACK = 0.4  # a share this far below the thread count may be contention
+_WAITED = 0.2  # seconds a second the threads waited for a CPU, above which the cores are contended
+
+
+def run_delay() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU (Linux's schedstat), None
+    where that cannot be read."""
+    total, found = 0, False
+    for path in glob.glob("/proc/self/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[1])
+            found = True
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9 if found else None
 
 
 class ThreadGovernor:
     """The thread count of the CPU products, chosen from the CPU share the process gets while it steps.
 
-    `threads`: the most (default: torch's count when made). `set_threads`, `wall` and `cpu` are torch's
-    setter and the process's clocks, replaceable in tests."""
+    `threads`: the most (default: torch's count when made). `set_threads`, `wall`, `cpu` and `waited` are
+    torch's setter and the process's clocks, replaceable in tests."""
 
     def __init__(
         self,
@@ -43,12 +61,14 @@ class ThreadGovernor:
         set_threads: Callable[[int], None] = torch.set_num_threads,
         wall: Callable[[], float] = time.monotonic,
         cpu: Callable[[], float] = time.process_time,
+        waited: Callable[[], float | None] = run_delay,
     ) -> None:
         self.most = threads or torch.get_num_threads()
         self.threads = self.most
         self._window, self._retry = window, retry
-        self._set, self._wall, self._cpu = set_threads, wall, cpu
+        self._set, self._wall, self._cpu, self._waited = set_threads, wall, cpu, waited
         self._spent = [0.0, 0.0]  # wall and CPU seconds of the steps in this window
+        self._opened: tuple[float, float | None] | None = None  # the window's start: wall, run delay
         self._since = self._wall()  # when the thread count last changed
         self._start: tuple[float, float] | None = None
 
@@ -57,6 +77,8 @@ class ThreadGovernor:
         if self.threads < self.most and self._wall() - self._since >= self._retry:
             self._change(self.most, "trying all threads again")
         self._start = (self._wall(), self._cpu())
+        if self._opened is None:
+            self._opened = (self._start[0], self._waited())
 
     def after_step(self) -> None:
         """A step ended: its wall and CPU time count toward the window, judged when it is full."""
@@ -69,9 +91,14 @@ class ThreadGovernor:
         if self._spent[0] < self._window:
             return
         share = self._spent[1] / self._spent[0]
-        self._spent = [0.0, 0.0]
-        if self.threads > 1 and share < self.threads - _SLACK:
-            self._change(max(1, int(share)), f"the process got {share:.2f} CPUs of {self.threads} threads")
+        assert self._opened is not None  # set by before_step
+        opened, waited_then = self._opened
+        waited_now = self._waited()
+        waited = None if waited_then is None or waited_now is None else (waited_now - waited_then) / (wall - opened)
+        self._spent, self._opened = [0.0, 0.0], None
+        if self.threads > 1 and share < self.threads - _SLACK and (waited is None or waited > _WAITED):
+            why = f"the process got {share:.2f} CPUs of {self.threads} threads"
+            self._change(max(1, int(share)), why + ("" if waited is None else f", waited {waited:.2f} s a second"))
 
     def _change(self, threads: int, why: str) -> None:
         if threads != self.threads:
@@ -79,4 +106,4 @@ class ThreadGovernor:
             self._set(threads)
             self.threads = threads
         self._since = self._wall()
-        self._spent = [0.0, 0.0]
+        self._spent, self._opened = [0.0, 0.0], None
