@@ -317,10 +317,10 @@ class Scheduler:
         if len(self._held) >= self.max_running + self.max_waiting:
             if self.metrics is not None:
                 self.metrics.request_ended("overloaded")
-            raise Overloaded(self._overloaded_message(), self.retry_after)
-
-    def _overloaded_message(self) -> str:
-        return f"the server is at capacity ({self.max_running} running, {self.max_waiting} queued); retry later"
+            raise Overloaded(
+                f"the server is at capacity ({self.max_running} running, {self.max_waiting} queued); retry later",
+                self.retry_after,
+            )
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None, timeout: float) -> Ticket:
         """Admit a request, or raise Overloaded at once. Call from the event loop that will read its events.
@@ -338,10 +338,7 @@ class Scheduler:
                 if self.metrics is not None:
                     self.metrics.request_ended("error")
                 raise RequestFailed("unavailable", f"{failure}; the server needs a restart")
-            if len(self._held) >= self.max_running + self.max_waiting:
-                if self.metrics is not None:
-                    self.metrics.request_ended("overloaded")
-                raise Overloaded(self._overloaded_message(), self.retry_after)
+            self.check_room()
             self._held.add(job)
             self._waiting.append(job)
             self._wake.notify()

@@ -20,7 +20,7 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import admission
-from app.api.errors import error_response, log_refusal
+from app.api.errors import error_response
 from app.engine.grammar import json_depth
 from app.metrics import Metrics
 
@@ -135,9 +135,7 @@ class BodyGuard:
         async def refuse(kind: str, message: str, headers: dict[str, str] | None = None) -> None:
             if self.metrics is not None:
                 self.metrics.request_ended("invalid")
-            response = error_response(path, kind, message, headers)
-            log_refusal(scope["method"], path, response.status_code, kind, message)
-            await response(scope, receive, send)
+            await error_response(scope["method"], path, kind, message, headers)(scope, receive, send)
 
         declared = headers.get("content-length")
         # Compared by length first: int() refuses a string of more than 4,300 digits.

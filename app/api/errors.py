@@ -91,17 +91,22 @@ def error_body(
 
 
 def error_response(
+    method: str,
     path: str,
     kind: str,
     message: str,
     headers: dict[str, str] | None = None,
     param: str | None = None,
     code: str | int | None = None,
+    status: int | None = None,
 ) -> JSONResponse:
-    """A complete error response for a request to `path`."""
+    """A complete error response for a `method` request to `path` (`status`: instead of the kind's), with its one
+    log line (`_log_refusal`)."""
     openai = is_openai_path(path)
     body = error_body(kind, message, openai, param, code)
-    return JSONResponse(body, status_code=status_of(kind, openai), headers=headers)
+    response = JSONResponse(body, status_code=status or status_of(kind, openai), headers=headers)
+    _log_refusal(method, path, response.status_code, kind, message)
+    return response
 
 
 def shown(value: object, limit: int = 40) -> str:
@@ -124,7 +129,7 @@ def cut(message: str, limit: int = MAX_MESSAGE) -> str:
     return message if len(message) <= limit else f"{message[:limit]}... ({len(message)} characters)"
 
 
-def log_refusal(method: str, path: str, status: int, kind: str, message: str) -> None:
+def _log_refusal(method: str, path: str, status: int, kind: str, message: str) -> None:
     """One log line for a request answered with an error (its id comes with the record), unless the place
     where it failed logged it already."""
     if kind in _LOGGED_ELSEWHERE:
@@ -184,18 +189,13 @@ async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     if exc.kind in ("validation", "model_not_found"):
         _count_invalid(request)
-    response = error_response(request.url.path, exc.kind, exc.message, exc.headers, exc.param, exc.code)
-    log_refusal(request.method, request.url.path, response.status_code, exc.kind, exc.message)
-    return response
+    return error_response(request.method, request.url.path, exc.kind, exc.message, exc.headers, exc.param, exc.code)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     _count_invalid(request)
-    message = describe_validation_errors(exc.errors())
-    response = error_response(request.url.path, "validation", message)
-    log_refusal(request.method, request.url.path, response.status_code, "validation", message)
-    return response
+    return error_response(request.method, request.url.path, "validation", describe_validation_errors(exc.errors()))
 
 
 _HTTP_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "too_large", 415: "unsupported_media_type"}
@@ -210,11 +210,10 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
         detail = f"no route {request.method} {path}"
     elif exc.status_code == 405:
         detail = f"method {request.method} is not allowed on {path}"
-    response = error_response(request.url.path, kind, detail, dict(exc.headers or {}))
     # Report the status Starlette chose, even where our table would pick another for that kind.
-    response.status_code = exc.status_code
-    log_refusal(request.method, request.url.path, exc.status_code, kind, detail)
-    return response
+    return error_response(
+        request.method, request.url.path, kind, detail, dict(exc.headers or {}), status=exc.status_code
+    )
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -227,7 +226,9 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         exc.specserve_logged = True  # type: ignore[attr-defined]
     rid = request.scope.get("state", {}).get("request_id")
     headers = {"X-Request-ID": rid} if rid else None
-    return error_response(request.url.path, "internal", f"internal error: {type(exc).__name__}", headers)
+    return error_response(
+        request.method, request.url.path, "internal", f"internal error: {type(exc).__name__}", headers
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

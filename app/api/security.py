@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import error_response, log_refusal
+from app.api.errors import error_response
 from app.logs import request_id_var
 from app.metrics import Metrics
 
@@ -89,6 +89,4 @@ class APIKeyGuard:
         if self.metrics is not None and scope["method"] == "POST":
             self.metrics.request_ended("invalid")
         headers = {"WWW-Authenticate": 'Bearer realm="specserve"'}
-        response = error_response(scope["path"], "unauthorized", message, headers)
-        log_refusal(scope["method"], scope["path"], response.status_code, "unauthorized", message)
-        await response(scope, receive, send)
+        await error_response(scope["method"], scope["path"], "unauthorized", message, headers)(scope, receive, send)

@@ -7,11 +7,11 @@ the tokens are the served target's own. The shapes are vLLM's.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-import anyio
 from fastapi import APIRouter, Depends
 
+from app.api import admission
 from app.api.deps import get_runtime
 from app.api.errors import APIError
 from app.api.openai import check_model
@@ -38,7 +38,7 @@ async def tokenize(body: TokenizeRequest, runtime: Runtime_) -> TokenizeResponse
     else:
         assert body.prompt is not None
         text, special = body.prompt, body.add_special_tokens is not False
-    ids = await anyio.to_thread.run_sync(tokenizer.encode, text)
+    ids = await admission.run(tokenizer.encode, text)  # a long prompt: in the bounded pool, as /v1/completions'
     bos = _bos(runtime)
     added_bos = bos is not None and tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id]
     added_bos = added_bos and not text.startswith(bos)  # type: ignore[arg-type]
@@ -68,14 +68,12 @@ async def detokenize(body: DetokenizeRequest, runtime: Runtime_) -> DetokenizeRe
 async def tokenizer_info(runtime: Runtime_) -> TokenizerInfo:
     """The served tokenizer's special tokens and chat template, as vLLM's /tokenizer_info gives them."""
     tokenizer = runtime.tokenizer
-    eos = tokenizer.eos_token
-    info: dict[str, Any] = {
-        "bos_token": _bos(runtime),
-        "eos_token": eos,
-        "pad_token": eos,  # the model has none; clients that pad use the end-of-sequence token, as HF's do
-        "add_bos_token": tokenizer.add_bos,
-        "chat_template": tokenizer.chat_template,
-        "model_max_length": runtime.info.context_length,
-        "vocab_size": runtime.info.vocab_size,
-    }
-    return TokenizerInfo(**info)
+    return TokenizerInfo(
+        bos_token=_bos(runtime),
+        eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.eos_token,  # the model has none; clients that pad use the end-of-sequence token, as HF's
+        add_bos_token=tokenizer.add_bos,
+        chat_template=tokenizer.chat_template,
+        model_max_length=runtime.info.context_length,
+        vocab_size=runtime.info.vocab_size,
+    )

@@ -130,19 +130,6 @@ class Grammars:
                 )
             return self._lltok
 
-    def compile(self, spec: GrammarSpec) -> str:
-        """llguidance's grammar text for `spec`, checked against the vocabulary; raises GrammarError."""
-        from llguidance import LLMatcher
-
-        grammar = self._text(spec)
-        try:
-            error = LLMatcher.validate_grammar(grammar, self._ll_tokenizer(), limits=_limits())
-        except (ValueError, TypeError, RuntimeError) as exc:  # what llguidance raises on input it cannot read
-            raise GrammarError(_short(str(exc))) from exc
-        if error:
-            raise GrammarError(_short(error))
-        return grammar
-
     def _text(self, spec: GrammarSpec) -> str:
         """llguidance's grammar text for `spec`, unchecked; raises GrammarError."""
         try:
