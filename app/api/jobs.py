@@ -28,6 +28,7 @@ from app.api.schemas import (
     Sampling,
     SpeculativeDetails,
     SpeculativeParameters,
+    closed_grammar,
 )
 from app.engine.generation import GenerationParams
 from app.engine.grammar import GrammarError, GrammarSpec
@@ -130,6 +131,11 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         raise _invalid(f"min_tokens ({d.min_tokens}) exceeds {spec.max_new_tokens_field} ({max_new})")
     if any(not 0 <= t < info.vocab_size for t in d.stop_token_ids):
         raise _invalid(f"stop_token_ids must lie in [0, {info.vocab_size})")
+    grammar = spec.grammar
+    if grammar is not None and settings.closed_response_schemas:
+        # JSON schemas closed as vLLM compiles them, whichever API sent them (a forced tool call's are closed
+        # already, and stay as they are); in the pool, since a large schema takes a while to parse.
+        grammar = await admission.run(closed_grammar, grammar)
     params = GenerationParams(
         max_new_tokens=max_new,
         stop=tuple(spec.stop),
@@ -149,7 +155,7 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         logprobs=spec.logprobs,
         prompt_logprobs=spec.prompt_logprobs,
         penalties=penalties,
-        grammar=await check_grammar(runtime, spec.grammar) if spec.grammar is not None else None,
+        grammar=await check_grammar(runtime, grammar) if grammar is not None else None,
     )
     return Prepared(ids, params, draft, k if draft != "none" else 0)
 

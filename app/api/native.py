@@ -22,12 +22,10 @@ from app.api.schemas import (
     ErrorResponse,
     GenerateRequest,
     GenerateResponse,
-    Grammar,
     InputToken,
     StreamDetails,
     StreamResponse,
     Token,
-    closed_grammar,
 )
 from app.runtime import Runtime
 from app.settings import Settings
@@ -57,12 +55,6 @@ Runtime_ = Annotated[Runtime, Depends(get_runtime)]
 Settings_ = Annotated[Settings, Depends(get_settings)]
 
 
-def _grammar(grammar: Grammar, settings: Settings) -> Grammar:
-    """TGI's grammar, its JSON schema closed unless the server keeps schemas as written (as TGI's outlines
-    compiles them: only the declared properties)."""
-    return closed_grammar(grammar) or grammar if settings.closed_response_schemas else grammar
-
-
 async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, stream: bool) -> jobs.Prepared:
     ignored = body.ignored_fields()
     if ignored:  # ignored, as TGI ignores them, but said
@@ -85,7 +77,7 @@ async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, 
         penalties=p.penalties(),
         logprobs=(p.top_n_tokens or 0) if shown else None,
         prompt_logprobs=0 if p.details and p.decoder_input_details and not stream else None,
-        grammar=_grammar(p.grammar.grammar(), settings) if p.grammar is not None else None,
+        grammar=p.grammar.grammar() if p.grammar is not None else None,
     )
     return await jobs.prepare(runtime, settings, spec)
 

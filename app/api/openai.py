@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api import jobs, tools
 from app.api.deps import get_runtime, get_settings
-from app.api.errors import APIError, documented_errors, error_body
+from app.api.errors import APIError, cut, documented_errors, error_body
 from app.api.logprobs import TokenNames, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.api.schemas import (
     MAX_SEED,
@@ -35,14 +35,12 @@ from app.api.schemas import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    Grammar,
     ModelCard,
     ModelList,
     OpenAIErrorResponse,
     Sampling,
     SpeculativeDetails,
     Usage,
-    closed_grammar,
 )
 from app.engine.tokenizer import TokenizerError
 from app.runtime import Runtime
@@ -101,8 +99,7 @@ def check_model(name: str | None, runtime: Runtime, tgi_client: bool = True) -> 
     if name is None or name in runtime.info.served_model_names or (tgi_client and name in _TGI_CLIENT_MODELS):
         return
     # The name quoted cut short: a client may send a megabyte of it.
-    quoted = name if len(name) <= 80 else f"{name[:80]}... ({len(name)} characters)"
-    raise APIError("model_not_found", f"The model `{quoted}` does not exist.", param="model", code=404)
+    raise APIError("model_not_found", f"The model `{cut(name, 80)}` does not exist.", param="model", code=404)
 
 
 def _log_ignored(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -110,12 +107,6 @@ def _log_ignored(body: CompletionRequest | ChatCompletionRequest) -> None:
     ignored = body.ignored_fields()
     if ignored:
         log.warning("the request's fields %s are unknown and were ignored", ", ".join(ignored))
-
-
-def _output_grammar(body: CompletionRequest | ChatCompletionRequest, settings: Settings) -> Grammar | None:
-    """The request's output constraint, its JSON schema closed unless the server keeps them as written."""
-    grammar = body.grammar()
-    return closed_grammar(grammar) if settings.closed_response_schemas else grammar
 
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest, runtime: Runtime) -> Sampling:
@@ -306,7 +297,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             truncate=body.truncate_prompt_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=max(wanted) if wanted else None,
-            grammar=_output_grammar(body, settings),
+            grammar=body.grammar(),
         )
         prepared.append(await jobs.prepare(runtime, settings, spec))
     runs = [_seeded(p, seed) for p in prepared for seed in _seeds(sampling, n)]
@@ -432,7 +423,7 @@ async def chat_completions(
         truncate=body.truncate_prompt_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
-        grammar=tools.grammar(body) or _output_grammar(body, settings),
+        grammar=tools.grammar(body) or body.grammar(),
     )
     prepared = await jobs.prepare(runtime, settings, spec)
     runs = [_seeded(prepared, seed) for seed in _seeds(sampling, n)]
