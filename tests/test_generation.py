@@ -61,6 +61,10 @@ def run_checked(
             # Accepted drafts plus the target's own token: a correction, or the bonus when all were accepted.
             assert len(step.token_ids) == step.accepted + 1
             assert step.finish_reason is None
+            # Where each token came from: the accepted drafts, then the target's correction, bonus or own token.
+            last = "target" if not step.drafted else "bonus" if step.accepted == step.drafted else "correction"
+            assert step.sources[-1] == last
+            assert all(s in ("draft", "lookup") for s in step.sources[:-1])
         else:
             assert gen.cache.length >= len(gen.ids) - 1
             assert step.finish_reason == gen.finish_reason
@@ -86,6 +90,8 @@ def _check_stats(gen: Generation, steps: list[StepOutput], prompt, params: Gener
     assert s.target_passes == s.verify_passes + 1 + sum(1 for step in steps[1:] if step.drafted == 0)
     assert steps[0].drafted == 0 and len(steps[0].token_ids) == 1  # the prefill
     assert "".join(step.text for step in steps) == gen.text
+    assert all(len(step.sources) == len(step.token_ids) for step in steps)
+    assert steps[0].sources == ["target"]
     assert gen.finish_reason in ("eos", "length", "stop")
     if gen.finish_reason == "length":
         assert s.generated_tokens == params.max_new_tokens

@@ -155,6 +155,11 @@ def test_constrained_speculative_equals_target_only_alone_and_batched(packed_tar
     assert all(g.stats.drafted == g.stats.accepted > 0 for g in spec)
     assert spec[0].stats.drafted == sum(k * n for k, n in enumerate(spec[0].stats.draft_lengths))
     assert spec[0].stats.forced > 0 and alone[0].stats.forced > 0
+    # Each kept token names its source: target-only, the grammar's forced tokens and the target's own.
+    gen, sources = engine.start(prompts[0], params[0], "none"), []
+    while not gen.finished:
+        sources += gen.step().sources
+    assert sources.count("forced") == gen.stats.forced and set(sources) == {"target", "forced"}
     gens = [engine.start(p, q, d) for p, q, d in zip(prompts, params, ("ngram", "self"), strict=True)]
     together = 0
     while any(not g.finished for g in gens):

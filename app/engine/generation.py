@@ -169,6 +169,14 @@ class StepOutput:
     # When asked, on the step that ends the prefill: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     forced: int = 0  # tokens kept that the grammar forced (not in drafted or accepted)
+    # Per token of token_ids, what proposed it (SOURCES): the draft's accepted tokens, then the target's own.
+    sources: list[str] = field(default_factory=list)
+
+
+# What proposed a kept token: the target alone (no draft this step), the model draft or prompt lookup (accepted
+# by the target), the grammar (the only token it allowed), or the target's token after the accepted drafts:
+# a correction of the first rejected one, or a bonus when every drafted token was accepted.
+SOURCES = ("target", "draft", "lookup", "forced", "correction", "bonus")
 
 
 class BatchStep(Sequence[StepOutput | Exception]):
@@ -561,10 +569,16 @@ class Generation:
         if solo:
             self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
         new = [*drafts[:accepted], nxt]
+        drafted_by = "lookup" if plan.kind == "lookup" else "draft"
+        sources = ["forced" if plan.forced and plan.forced[i] else drafted_by for i in range(accepted)]
+        if accepted < len(drafts) or plan.refused:
+            sources.append("correction")
+        else:
+            sources.append("bonus" if own else "target")
         # Row i of the target's logits predicted new[i]: the accepted drafts' rows, then the row that chose nxt.
         n = self.params.logprobs
         logprobs = None if n is None else token_logprobs(logits[: len(new)], new, n)
-        out = self._emit(new, own, kept_own, plan.draft_seconds, verify_seconds, logprobs)
+        out = self._emit(new, own, kept_own, plan.draft_seconds, verify_seconds, logprobs, sources)
         out.forced = kept_forced
         return out
 
@@ -619,10 +633,13 @@ class Generation:
         if solo:
             self._length.costs.observe(steps, plan.draft_seconds, tree.rows, verify_seconds)
         new = [*(tree.tokens[r] for r in path), nxt]
+        # The target's token is a bonus after a leaf (every drafted token on its path accepted), else a correction.
+        last = "target" if not tree.nodes else "correction" if tree.children(rows[-1]) else "bonus"
+        sources = [*(tree.source(r) for r in path), last]
         # The rows that chose them: the root's (the first), then each accepted node's.
         n = self.params.logprobs
         logprobs = None if n is None else token_logprobs(logits[rows], new, n)
-        return self._emit(new, tree.nodes, accepted, plan.draft_seconds, verify_seconds, logprobs)
+        return self._emit(new, tree.nodes, accepted, plan.draft_seconds, verify_seconds, logprobs, sources)
 
     def _timed_draft_steps(self, plan: StepPlan, steps: int) -> int:
         """The draft steps whose seconds `plan.draft_seconds` measures: `steps`, or 0 where they measure no draft
@@ -689,7 +706,7 @@ class Generation:
         seconds += time.perf_counter() - t0
         self.stats.target_passes += 1
         self.stats.prefill_seconds += seconds
-        out = self._emit([nxt], 0, 0, 0.0, seconds, logprobs)
+        out = self._emit([nxt], 0, 0, 0.0, seconds, logprobs, ["target"])
         out.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
         return out
 
@@ -718,6 +735,7 @@ class Generation:
         draft_s: float,
         verify_s: float,
         logprobs: list[TokenLogprob] | None = None,
+        sources: list[str] | None = None,
     ) -> StepOutput:
         finish = None
         remaining = self.params.max_new_tokens - self.stats.generated_tokens
@@ -748,7 +766,7 @@ class Generation:
             self.stats.total_seconds = time.perf_counter() - self._started
         # Only the tokens kept (not those past the end, an end-of-sequence token or a stop string) have theirs.
         kept = None if logprobs is None else logprobs[: len(new)]
-        return StepOutput(new, text, drafted, accepted, draft_s, verify_s, finish, kept)
+        return StepOutput(new, text, drafted, accepted, draft_s, verify_s, finish, kept, sources=(sources or [])[: len(new)])
 
 
 class Engine:

@@ -50,6 +50,13 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]
     depths: list[int]
+    # Per row, what proposed it: "draft" (the model draft's chain or a sibling) or "lookup" (prompt lookup's branch
+    # where the chain did not hold it); empty: every node the draft's.
+    sources: list[str] = field(default_factory=list)
+
+    def source(self, row: int) -> str:
+        """What proposed the node at `row`: "draft" or "lookup"."""
+        return self.sources[row] if row < len(self.sources) else "draft"
 
     @property
     def rows(self) -> int:
@@ -98,9 +105,9 @@ def build_tree(
                 break
             keep += 1
         chain = Candidates(chain.tokens[:keep], chain.probs[:keep], chain.alternatives[:keep])
-    tokens, parents = [root], [-1]
+    tokens, parents, sources = [root], [-1], ["target"]
 
-    def add_path(path: Sequence[int]) -> list[int]:
+    def add_path(path: Sequence[int], source: str) -> list[int]:
         rows, node = [], 0
         for tok in path:
             child = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == tok), None)
@@ -109,6 +116,7 @@ def build_tree(
                     break
                 tokens.append(tok)
                 parents.append(node)
+                sources.append(source)
                 child = len(tokens) - 1
             rows.append(child)
             node = child
@@ -116,10 +124,10 @@ def build_tree(
 
     chain_tokens = list(chain.tokens) if chain is not None else []
     if branch_first:
-        add_path(branch)
-    chain_rows = add_path(chain_tokens)
+        add_path(branch, "lookup")
+    chain_rows = add_path(chain_tokens, "draft")
     if not branch_first:
-        add_path(branch)
+        add_path(branch, "lookup")
     if chain is not None and chain.alternatives and len(tokens) < max_rows:
         reach, options = 1.0, []
         for i, row in enumerate([0, *chain_rows][: len(chain_rows)]):
@@ -134,7 +142,8 @@ def build_tree(
                 continue  # the branch holds it already
             tokens.append(tok)
             parents.append(row)
-    return DraftTree(tokens, parents, tree_depths(parents))
+            sources.append("draft")
+    return DraftTree(tokens, parents, tree_depths(parents), sources)
 
 
 def row_value(costs: StepCosts, tokens_per_pass: float, rows: int) -> float:
