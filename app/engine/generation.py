@@ -766,7 +766,9 @@ class Generation:
             self.stats.total_seconds = time.perf_counter() - self._started
         # Only the tokens kept (not those past the end, an end-of-sequence token or a stop string) have theirs.
         kept = None if logprobs is None else logprobs[: len(new)]
-        return StepOutput(new, text, drafted, accepted, draft_s, verify_s, finish, kept, sources=(sources or [])[: len(new)])
+        return StepOutput(
+            new, text, drafted, accepted, draft_s, verify_s, finish, kept, sources=(sources or [])[: len(new)]
+        )
 
 
 class Engine:
