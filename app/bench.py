@@ -30,10 +30,11 @@ from typing import Any
 import torch
 
 from app.engine import kernels
-from app.engine.draft_length import expected_tokens
-from app.engine.generation import Engine, GenerationParams
-from app.engine.loading import LoadedModel
-from app.engine.model import PackedLinear, Transformer
+from app.engine.drafting.draft_length import expected_tokens
+from app.engine.engine import Engine
+from app.engine.model.loading import LoadedModel
+from app.engine.model.transformer import PackedLinear, Transformer
+from app.engine.step import GenerationParams
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -422,7 +423,7 @@ def step_bytes(model: Transformer) -> int:
 def _load_on(kernel: str, target: str | Path, weights: str) -> Transformer:
     """The target in bfloat16 (`weights` as `load_model` takes them), packed for CPU kernel `kernel`."""
     from app import store
-    from app.engine.loading import load_model
+    from app.engine.model.loading import load_model
 
     with kernels.selected(kernel):
         return load_model(target, "bfloat16", "cpu", cache_dir=store.cache_dir(), weights=weights).model
@@ -607,7 +608,7 @@ def grammar_cost(engine: Engine, schema: dict[str, Any], token_ids: list[int]) -
     """Seconds per token the grammar itself costs target-only decoding of `token_ids` (an answer that follows
     `schema`): its mask at each position, applied to a row of logits, and the token consumed. The request's
     first mask, which builds llguidance's lexer caches (a millisecond or two), is left out."""
-    from app.engine.grammar import GrammarSpec, mask_logits
+    from app.engine.decoding.grammar import GrammarSpec, mask_logits
 
     state = engine.grammars.start(GrammarSpec("json_schema", json.dumps(schema)))
     row = torch.zeros(1, engine.target.config.vocab_size)
@@ -629,7 +630,7 @@ def run_structured(
     and unconstrained target-only and with each draft for reference. Returns (one row per configuration: tok/s,
     acceptance, tokens per target pass, forced tokens kept, grammar seconds per token and how many outputs equal
     target-only's (constrained or not, as the row), the runs)."""
-    from app.engine.grammar import GrammarSpec
+    from app.engine.decoding.grammar import GrammarSpec
 
     tok = engine.tokenizer
     configs = [(d, True, False) for d in ["none", *drafts]]

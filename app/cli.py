@@ -111,8 +111,8 @@ def _runs_as(path: Path, weights: str) -> str:
     import torch
 
     from app.engine import kernels
-    from app.engine.loading import auto_native
-    from app.engine.weights import held_weights
+    from app.engine.model.loading import auto_native
+    from app.engine.model.weights import held_weights
 
     # The kernel SPECSERVE_KERNEL would select (not built here: listing compiles nothing).
     choice = kernels.setting()
@@ -212,7 +212,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     import math
 
     from app.api.schemas import MAX_SEED, MIN_TEMPERATURE
-    from app.engine.sampling import SamplingParams
+    from app.engine.decoding.sampling import SamplingParams
 
     if not math.isfinite(args.temperature) or 0 < args.temperature < MIN_TEMPERATURE:
         raise CliError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
@@ -275,11 +275,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import json
     from dataclasses import replace
 
-    from app.engine.drafters import DraftError
+    from app.engine.drafting.base import DraftError
     from app.engine.factory import DEFAULT_TARGET, build_engine
-    from app.engine.generation import GenerationError, GenerationParams
-    from app.engine.tokenizer import TokenizerError
-    from app.engine.weights import WeightsError
+    from app.engine.model.tokenizer import TokenizerError
+    from app.engine.model.weights import WeightsError
+    from app.engine.step import GenerationError, GenerationParams
 
     sampling = _sampling_kwargs(args)
     prompts = _read_prompts(args)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from app.engine.generation import Engine
+    from app.engine.engine import Engine
 
 
 @dataclass
@@ -211,7 +211,7 @@ def run_in_process(
     """The one-client level without HTTP: the same requests, one after another, straight on `engine`,
     timed as the clients time them (a step's tokens count as arriving when the step ends), so that what
     serving costs over the engine can be read off beside the HTTP level."""
-    from app.engine.generation import GenerationParams
+    from app.engine.step import GenerationParams
 
     # The server's defaults, as /info reported them: the engine was built with them.
     params = GenerationParams(max_new_tokens=max_new_tokens, num_draft_tokens=engine.num_draft_tokens)

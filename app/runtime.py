@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 
 from app import __version__
-from app.engine.generation import Engine
-from app.engine.grammar import Grammars
-from app.engine.tokenizer import Tokenizer
+from app.engine.decoding.grammar import Grammars
+from app.engine.engine import Engine
+from app.engine.model.tokenizer import Tokenizer
 from app.metrics import Metrics
 from app.settings import Settings
 from app.worker import Scheduler

@@ -36,7 +36,7 @@ from app.api.body import BodyGuard
 from app.api.errors import OPENAI_PREFIX, error_body, install_error_handlers
 from app.api.schemas import ChatCompletionChunk
 from app.api.security import REQUEST_ID_HEADER, APIKeyGuard, RequestID
-from app.engine.generation import Engine
+from app.engine.engine import Engine
 from app.metrics import Metrics
 from app.runtime import Runtime
 from app.settings import Settings

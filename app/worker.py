@@ -30,10 +30,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.generation import Engine, Generation, GenerationError, GenerationParams, StepOutput
-from app.engine.logprobs import TokenLogprob
+from app.engine.decoding.logprobs import TokenLogprob
+from app.engine.engine import Engine
+from app.engine.generation import Generation
+from app.engine.model.tokenizer import Tokenizer
+from app.engine.step import GenerationError, GenerationParams, StepOutput
 from app.engine.threads import ThreadGovernor
-from app.engine.tokenizer import Tokenizer
 from app.logs import current_request_id
 from app.metrics import Metrics, RequestRecord
 

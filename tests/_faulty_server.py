@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from app.cli import main
-from app.engine.generation import Engine, Generation, StepOutput
+from app.engine.engine import Engine
+from app.engine.generation import Generation
+from app.engine.step import StepOutput
 
 TRIGGER = Path(os.environ["FAULTY_SERVER_TRIGGER"])
 

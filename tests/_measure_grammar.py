@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from app import store
-from app.engine.tokenizer import Tokenizer
-from app.engine.weights import read_checkpoint
+from app.engine.model.tokenizer import Tokenizer
+from app.engine.model.weights import read_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -167,7 +167,7 @@ def main() -> None:
             f"us, median {statistics.median(rest) * 1e6:.0f} us, worst {max(rest) * 1e6:.0f} us"
         )
     # Applying a mask to a verification's rows (5: four drafts and the bonus row), the engine's way and torch's.
-    from app.engine.grammar import mask_logits
+    from app.engine.decoding.grammar import mask_logits
 
     logits = torch.randn(5, vocab)
     allowed = torch.rand(5, vocab) > 0.5

@@ -15,7 +15,7 @@ import torch
 
 from app import store
 from app.engine.factory import build_engine
-from app.engine.generation import GenerationParams
+from app.engine.step import GenerationParams
 from app.llamacpp import LlamaCppRunner
 
 torch.set_num_threads(1)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from app.engine.factory import build_engine
-from app.engine.generation import GenerationParams
+from app.engine.step import GenerationParams
 from app.worker import Scheduler, Ticket
 
 SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "bench" / "specbench-dev.jsonl"

@@ -9,9 +9,9 @@ import statistics
 import time
 
 from app.bench import STRUCTURED
+from app.engine.decoding.grammar import GrammarSpec
 from app.engine.factory import build_engine
-from app.engine.generation import GenerationParams
-from app.engine.grammar import GrammarSpec
+from app.engine.step import GenerationParams
 
 engine, _ = build_engine(dtype="bfloat16", device="cpu")
 tok = engine.tokenizer

@@ -14,7 +14,7 @@ from pathlib import Path
 from app.bench import read_prompts
 from app.engine import generation
 from app.engine.factory import build_engine
-from app.engine.generation import GenerationParams
+from app.engine.step import GenerationParams
 
 k = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 configs = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [0, 8, 16]

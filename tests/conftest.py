@@ -22,9 +22,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from app import store
 from app.engine import kernels
-from app.engine.loading import LoadedModel, load_model
-from app.engine.model import ModelConfig, Transformer
-from app.engine.tokenizer import Tokenizer
+from app.engine.model.loading import LoadedModel, load_model
+from app.engine.model.tokenizer import Tokenizer
+from app.engine.model.transformer import ModelConfig, Transformer
 
 # transformers must never reach for a hub: everything it loads here is a local file.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -244,8 +244,8 @@ def byte_tokenizer() -> Callable[..., Tokenizer]:
 @pytest.fixture(scope="session")
 def api_engine(target_f32: LoadedModel):
     """An Engine over the session's float32 target with the n-gram draft (default, k=4), as the server builds."""
-    from app.engine.drafters import NgramDrafter
-    from app.engine.generation import Engine
+    from app.engine.drafting.ngram import NgramDrafter
+    from app.engine.engine import Engine
 
     return Engine(target_f32.model, target_f32.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4)
 

@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from app.engine.drafters import NgramDrafter
-from app.engine.generation import Engine
+from app.engine.drafting.base import Drafter, DraftSession
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.engine import Engine
 
 # The requests counter's sample for an outcome, on an app serving the default target.
 ENDED = 'specserve_requests_total{finish_reason="none",model_name="smollm2-135m-instruct",outcome='
@@ -263,10 +264,13 @@ async def test_a_body_that_never_ends_is_408(api_client) -> None:
     assert f'{ENDED}"invalid"}} 2.0' in metrics
 
 
-class _ExplodingDraft:
+class _ExplodingDraft(Drafter, DraftSession):
     """A draft whose every proposal raises, as a broken draft model would."""
 
     name = "boom"
+
+    def __init__(self) -> None:
+        DraftSession.__init__(self)
 
     def session(self, capacity: int) -> _ExplodingDraft:
         return self

@@ -17,8 +17,9 @@ import pytest
 
 from app import cli
 from app.api import security
-from app.engine.drafters import NgramDrafter
-from app.engine.generation import Engine
+from app.engine.drafting.base import Drafter, DraftSession
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.engine import Engine
 from app.logs import _JSONFormatter, _RequestIdFilter
 from app.server import create_app
 from app.settings import Settings
@@ -160,8 +161,11 @@ async def test_request_ids_in_every_answer(api_client, sse_data) -> None:
     assert missing.status_code == 404 and missing.headers["x-request-id"] == "abc"
 
 
-class _ExplodingDraft:
+class _ExplodingDraft(Drafter, DraftSession):
     name = "boom"
+
+    def __init__(self) -> None:
+        DraftSession.__init__(self)
 
     def session(self, capacity: int) -> _ExplodingDraft:
         return self

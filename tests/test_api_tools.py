@@ -203,7 +203,7 @@ TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
 def test_a_template_with_tools_renders_them_as_transformers(api_engine, hf_tokenizer) -> None:
     """A chat template that takes `tools` gets them and the history's calls (arguments as objects) as
     transformers hands them, and renders what transformers renders (its plain tojson); SmolLM2's does not."""
-    from app.engine.tokenizer import Tokenizer
+    from app.engine.model.tokenizer import Tokenizer
 
     tok = Tokenizer(api_engine.tokenizer.backend, [], TOOL_TEMPLATE, None, ())
     f = ADD["function"]

@@ -80,7 +80,7 @@ async def test_stop_tokens_and_stop_strings_in_the_output(api_client) -> None:
 
 
 def _engine_tokens(engine, prompt_ids: list[int], max_new: int, penalties) -> list[int]:
-    from app.engine.generation import GenerationParams
+    from app.engine.step import GenerationParams
 
     gen = engine.start(prompt_ids, GenerationParams(max_new_tokens=max_new, num_draft_tokens=4, penalties=penalties))
     while not gen.finished:
@@ -92,7 +92,7 @@ async def test_penalties_are_honoured_in_every_api(api_client, api_engine) -> No
     """OpenAI's presence/frequency and vLLM's repetition penalty (through the openai client), TGI's repetition and
     frequency penalty: each answer is the engine's penalised decoding (with
     the n-gram draft, which the penalties must not let change the tokens), and differs from the plain one."""
-    from app.engine.penalties import PenaltyParams
+    from app.engine.decoding.penalties import PenaltyParams
 
     prompt = "Repeat after me: one two three one two three one two three"
     ids = api_engine.tokenizer.encode(prompt)

@@ -7,8 +7,12 @@ import pytest
 import torch
 
 from app.engine import kernels
-from app.engine.drafters import ModelDrafter, NgramDrafter
-from app.engine.generation import Engine, Generation, GenerationParams
+from app.engine.drafting.base import Drafter, DraftSession
+from app.engine.drafting.model import ModelDrafter
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.engine import Engine
+from app.engine.generation import Generation
+from app.engine.step import GenerationParams
 from tests.conftest import KERNELS, use_kernel
 
 MAX_NEW = 24
@@ -108,12 +112,12 @@ def test_step_batch_gives_every_request_its_tokens_alone(packed_target, target_f
     assert sum(g.stats.drafted for g in gens) > 0 or schedule == "adaptive"
 
 
-class _BrokenSession:
+class _BrokenSession(DraftSession):
     def propose(self, token_ids, k, p_min=0.0):
         raise RuntimeError("the draft broke")
 
 
-class _BrokenDrafter:
+class _BrokenDrafter(Drafter):
     name = "broken"
 
     def session(self, capacity: int) -> _BrokenSession:

@@ -21,7 +21,7 @@ import torch
 from app import bench, synthetic
 from app.cli import main
 from app.engine import kernels
-from app.engine.loading import load_model
+from app.engine.model.loading import load_model
 
 # Tiny shapes: every matrix whole blocks of its format (K-quants: 256 inputs), the real tokenizer's vocabulary.
 TINY_Q8 = synthetic.Shape("tiny", n_layers=2, dim=64, intermediate=128, n_heads=2, n_kv_heads=1, head_dim=32)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from app.engine.generation import Generation, GenerationParams
+from app.engine.generation import Generation
+from app.engine.step import GenerationParams
 
 ROOT = Path(__file__).resolve().parent.parent
 STATS_KEYS = {"drafted", "accepted", "target_passes", "acceptance_rate", "tokens_per_target_pass", "tokens_per_second"}
@@ -125,7 +126,7 @@ def test_no_prompt_is_one_error_line(capsys):
 
 
 def test_generate_sampling_json_reproduces_its_seed(target_f32):
-    from app.engine.drafters import NgramDrafter
+    from app.engine.drafting.ngram import NgramDrafter
 
     prompt = "Write a short poem about the sea."
     proc = _cli(

@@ -1,4 +1,4 @@
-"""Incremental detokenization (app/engine/detokenizer.py): complete characters only, stop strings held
+"""Incremental detokenization (app/engine/decoding/detokenizer.py): complete characters only, stop strings held
 back and never released, the `keep` count of a push.
 
 Most tests use a byte-level toy tokenizer whose token id is the byte value, so that any character can be
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.detokenizer import Detokenizer
+from app.engine.decoding.detokenizer import Detokenizer
 
 REPLACEMENT = "\ufffd"
 

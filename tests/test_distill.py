@@ -10,8 +10,8 @@ import torch
 
 from app.distill import corpus, instructions, training
 from app.engine import kernels
-from app.engine.eagle import EagleConfig, EagleDraft
-from app.engine.loading import LoadedModel
+from app.engine.drafting.eagle import EagleConfig, EagleDraft
+from app.engine.model.loading import LoadedModel
 from app.engine.reference import greedy_decode
 
 V = 64

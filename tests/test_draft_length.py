@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.draft_length import (
+from app.engine.drafting.draft_length import (
     _PROBE_AFTER,
     _PROBE_MAX,
     Acceptance,

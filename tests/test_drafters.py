@@ -1,4 +1,4 @@
-"""Drafters (app/engine/drafters.py): prompt lookup (n-gram) and a model draft with its own KV cache."""
+"""Drafters (app/engine/drafting/): prompt lookup (n-gram) and a model draft with its own KV cache."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import random
 import pytest
 import torch
 
-from app.engine.drafters import DraftError, HybridDrafter, ModelDrafter, NgramDrafter
-from app.engine.loading import LoadedModel
+from app.engine.decoding.sampling import SamplingParams
+from app.engine.drafting.base import Drafter, DraftError, DraftSession
+from app.engine.drafting.hybrid import HybridDrafter
+from app.engine.drafting.model import ModelDrafter
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.model.loading import LoadedModel
 from app.engine.reference import greedy_decode
-from app.engine.sampling import SamplingParams
 
 # --- n-gram (prompt lookup) -------------------------------------------------------------------------------
 
@@ -149,14 +152,15 @@ def test_a_draft_with_another_vocabulary_is_refused(make_tiny_model, word_tokeni
         ModelDrafter("bytes", other, target)
 
 
-class _Recorder:
+class _Recorder(Drafter, DraftSession):
     """A model draft stand-in that proposes fixed tokens and records each call."""
 
     name = "recorder"
 
     def __init__(self) -> None:
+        DraftSession.__init__(self)
         self.calls: list[tuple[int, int, float]] = []
-        self.features = object()
+        self.features = object()  # type: ignore[assignment]
 
     def session(self, capacity: int) -> _Recorder:
         return self

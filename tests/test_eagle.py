@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-import app.engine.eagle as eagle_module
-from app.engine.eagle import (
+import app.engine.drafting.eagle as eagle_module
+from app.engine.decoding.sampling import SamplingParams
+from app.engine.drafting.eagle import (
     EagleConfig,
     EagleDraft,
     EagleDrafter,
@@ -18,10 +19,11 @@ from app.engine.eagle import (
     load_draft,
     save_draft,
 )
-from app.engine.generation import Engine, Generation, GenerationParams
-from app.engine.loading import LoadedModel
+from app.engine.engine import Engine
+from app.engine.generation import Generation
+from app.engine.model.loading import LoadedModel
 from app.engine.reference import greedy_decode
-from app.engine.sampling import SamplingParams
+from app.engine.step import GenerationParams
 
 V = 64
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -121,7 +123,7 @@ def test_generation_with_a_feature_draft_equals_target_greedy(target, tok, sched
         gen.step()
     assert gen.generated_ids == greedy_decode(target, PROMPT, 24)
     s = gen.stats
-    assert s.drafted > 0 and s.draft_schedule == schedule and s.draft_p_min == p_min
+    assert s.drafted > 0 and s.schedule == schedule and s.p_min == p_min
     assert sum(s.draft_lengths) >= s.verify_passes and s.p_min_stops <= sum(s.draft_lengths)
     if p_min == 0:
         assert s.p_min_stops == 0 and sum(s.draft_lengths) == s.verify_passes
@@ -168,11 +170,11 @@ def test_engine_defaults_apply_and_requests_override_them(target, tok):
     drafter = _drafter(target, tok)
     engine = Engine(target, tok, {"eagle": drafter}, "eagle", 4, draft_schedule="heuristic", draft_p_min=0.2)
     gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4, num_draft_tokens=4))
-    assert (gen.stats.draft_schedule, gen.stats.draft_p_min) == ("heuristic", 0.2)
+    assert (gen.stats.schedule, gen.stats.p_min) == ("heuristic", 0.2)
     gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4, draft_schedule="fixed", draft_p_min=0.0))
-    assert (gen.stats.draft_schedule, gen.stats.draft_p_min) == ("fixed", 0.0)
+    assert (gen.stats.schedule, gen.stats.p_min) == ("fixed", 0.0)
     gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4), draft="none")
-    assert gen.stats.draft_schedule == "none"
+    assert gen.stats.schedule == "none"
 
 
 def test_batched_proposals_match_each_session_alone(target, tok):

@@ -22,18 +22,16 @@ from hypothesis import strategies as st
 
 from app.engine import kernels
 from app.engine.defaults import MAX_DRAFT_TOKENS
-from app.engine.draft_length import StepCosts
-from app.engine.drafters import DraftError, HybridDrafter, ModelDrafter, NgramDrafter
-from app.engine.generation import (
-    Engine,
-    Generation,
-    GenerationError,
-    GenerationParams,
-    NumericalError,
-    StepOutput,
-)
-from app.engine.loading import LoadedModel
+from app.engine.drafting.base import Drafter, DraftError, DraftSession
+from app.engine.drafting.draft_length import StepCosts
+from app.engine.drafting.hybrid import HybridDrafter
+from app.engine.drafting.model import ModelDrafter
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.engine import Engine
+from app.engine.generation import Generation
+from app.engine.model.loading import LoadedModel
 from app.engine.reference import greedy_decode
+from app.engine.step import GenerationError, GenerationParams, NumericalError, StepOutput
 from tests.conftest import KERNELS
 
 MAX_NEW = 32
@@ -116,12 +114,13 @@ def _target_next(model, ids: Sequence[int]) -> int:
     return int(model(torch.tensor([list(ids)]))[0, -1].argmax())
 
 
-class WrongDrafter:
+class WrongDrafter(Drafter, DraftSession):
     """Proposals that are never what the target would choose next (computed from the target itself)."""
 
     name = "wrong"
 
     def __init__(self, target, vocab: int) -> None:
+        DraftSession.__init__(self)
         self.target, self.vocab, self.calls = target, vocab, 0
 
     def session(self, capacity: int):
@@ -133,7 +132,7 @@ class WrongDrafter:
         return [first] + [(first + 7 * i) % self.vocab for i in range(1, k)]
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter, DraftSession):
     """Proposes the target's true greedy continuation for a scripted number of tokens, then a wrong one,
     then the target's own greedy continuation after that wrong token: agreement that must not count.
 
@@ -143,6 +142,7 @@ class ScriptedDrafter:
     name = "scripted"
 
     def __init__(self, target, vocab: int, script: Sequence[int]) -> None:
+        DraftSession.__init__(self)
         self.target, self.vocab, self.script = target, vocab, list(script)
         self.log: list[tuple[int, list[int], int]] = []
 
@@ -495,7 +495,7 @@ def test_step_after_the_end_is_an_error(tiny_target, tok):
 def test_requests_the_engine_refuses(make_tiny_model, tok):
     target = make_tiny_model(seed=5, vocab_size=V, max_seq_len=32)
     engine = Engine(target, tok, {"ngram": NgramDrafter()}, default_draft="ngram")
-    with pytest.raises(GenerationError, match="prompt is empty"):
+    with pytest.raises(GenerationError, match="prompt must not be empty"):
         engine.start([], GenerationParams(max_new_tokens=2))
     with pytest.raises(GenerationError, match="exceeds the model's context of 32"):
         engine.start(list(range(30)), GenerationParams(max_new_tokens=3))

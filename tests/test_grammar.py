@@ -1,6 +1,7 @@
-"""Constrained decoding (app.engine.grammar): the grammar state's masks and forced tokens, drafts proposing within
-the grammar, and on the real target greedy and seeded constrained output that is the same speculative or
-target-only, with or without forced tokens, with every draft, alone or batched, and parses against its schema."""
+"""Constrained decoding (app.engine.decoding.grammar): the grammar state's masks and forced tokens, drafts
+proposing within the grammar, and on the real target greedy and seeded constrained output that is the same
+speculative or target-only, with or without forced tokens, with every draft, alone or batched, and parses against
+its schema."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from dataclasses import replace
 
 import pytest
 
-from app.engine.drafters import ModelDrafter, NgramDrafter
+from app.engine.decoding.grammar import GrammarError, Grammars, GrammarSpec
+from app.engine.drafting.model import ModelDrafter
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.engine import Engine
 from app.engine.factory import build_engine
-from app.engine.generation import Engine, Generation, GenerationError, GenerationParams
-from app.engine.grammar import GrammarError, Grammars, GrammarSpec
+from app.engine.generation import Generation
+from app.engine.step import GenerationError, GenerationParams
 from tests.conftest import KERNELS, use_kernel
 
 PERSON = {

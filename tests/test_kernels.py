@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from app.engine import kernels
-from app.engine.model import PackedLinear, Transformer
+from app.engine.model.transformer import PackedLinear, Transformer
 from tests.conftest import assert_same_on_1_and_2_threads, use_kernel
 
 HERE = kernels.available()

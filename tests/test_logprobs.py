@@ -1,4 +1,4 @@
-"""Log-probabilities (app/engine/logprobs.py and their way through the engine): the target's raw distribution,
+"""Log-probabilities (app/engine/decoding/logprobs.py and their way through the engine): the target's raw distribution,
 the same whatever the draft, the batch, the prefill's chunks or the sampler, and only for the tokens kept."""
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from app.engine.drafters import ModelDrafter, NgramDrafter
-from app.engine.generation import Engine, Generation, GenerationError, GenerationParams, StepOutput
-from app.engine.logprobs import TokenLogprob
+from app.engine.decoding.logprobs import TokenLogprob
+from app.engine.drafting.model import ModelDrafter
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.engine import Engine
+from app.engine.generation import Generation
+from app.engine.step import GenerationError, GenerationParams, StepOutput
 from tests.conftest import KERNELS
 
 PROMPT = "The capital of France is"  # greedy: " Paris." "\n" "\n" "The" ...

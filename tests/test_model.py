@@ -1,4 +1,4 @@
-"""The decoder (app/engine/model.py): logits against transformers on the real GGUF, the KV cache's
+"""The decoder (app/engine/model/transformer.py): logits against transformers on the real GGUF, the KV cache's
 incremental forward and rollback, and its argument checks.
 
 HF-format checkpoints of other shapes (GQA, tied/untied, Qwen2 biases, RoPE variants) and the GGUF
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.engine import model as model_module
-from app.engine.model import KVCache, ModelConfig, PackedLinear
+from app.engine.model.transformer import KVCache, ModelConfig, PackedLinear
 from tests.conftest import use_kernel
 
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""Repetition, presence and frequency penalties (app/engine/penalties.py) in the speculative loop.
+"""Repetition, presence and frequency penalties (app/engine/decoding/penalties.py) in the speculative loop.
 
 A penalty makes a position's logits depend on the tokens before it, drafts included: a verification's row i
 must be penalised over the accepted sequence plus drafts[:i]. Checked against transformers' own logits
@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.engine.decoding.penalties import Penalty, PenaltyParams
+from app.engine.engine import Engine
 from app.engine.factory import build_engine
-from app.engine.generation import Engine, Generation, GenerationParams
-from app.engine.penalties import Penalty, PenaltyParams
+from app.engine.generation import Generation
+from app.engine.step import GenerationParams
 from tests.conftest import KERNELS, use_kernel
 
 STRONG = PenaltyParams(repetition=1.3, presence=0.4, frequency=0.3)

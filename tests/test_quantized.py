@@ -1,4 +1,4 @@
-"""GGUF quantized weights computed on as the file stores them (app/engine/quantized.py, kernels/quant.h).
+"""GGUF quantized weights computed on as the file stores them (app/engine/kernels/quantized.py, kernels/quant.h).
 
 Every format's product against float64 products of its exact dequantized values (`gguf.quants.dequantize`)
 and the exact values of the quantized activations (every format takes integer products, quant.h): the oracle,
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from app.engine import kernels
-from app.engine.loading import load_model
-from app.engine.quantized import FORMATS, QuantizedWeight
-from app.engine.weights import held_weights
+from app.engine.kernels.quantized import FORMATS, QuantizedWeight
+from app.engine.model.loading import load_model
+from app.engine.model.weights import held_weights
 from tests.conftest import TARGET_NAME, assert_same_on_1_and_2_threads, use_kernel
 from tests.test_kernels import assert_layer_stack_gives_layer_by_layer_bits
 from tests.test_weights import IDS, _gguf_source_model, _our_logits, _write_gguf
@@ -177,7 +177,7 @@ def test_torch_dequantization_gives_ggufs_values_bit_for_bit() -> None:
     """Q8_0 and Q4_1 (the default target's embedding and layers) are dequantized by torch's ops, not gguf's numpy
     code (whose overhead was a twentieth of a decoding step): the very float32 values, for quantized floats and
     for random blocks (any quants, any finite float16 scales, subnormal and negative zero included)."""
-    from app.engine.quantized import _dequantize
+    from app.engine.kernels.quantized import _dequantize
 
     rng = np.random.default_rng(5)
     for qtype, size in (("Q8_0", 34), ("Q4_1", 20)):
@@ -315,7 +315,7 @@ def test_the_default_target_decodes_natively_with_its_promises(target_path) -> N
     """The default target's own GGUF computed as Q4_1 and Q8_0 blocks, with the shipped feature draft (its
     head rows quantized too): greedy speculative == target-only, and batched == alone, token for token."""
     from app.engine.factory import build_engine
-    from app.engine.generation import GenerationParams
+    from app.engine.step import GenerationParams
 
     engine, loaded = build_engine(TARGET_NAME, num_draft_tokens=6, dtype="auto", device="cpu", weights="native")
     assert loaded.weights == "Q8_0+Q4_1" and engine.batching and loaded.model.rows_independent()

@@ -21,13 +21,15 @@ import pytest
 import torch
 
 import app.engine.generation as generation_module
-from app.engine.drafters import ModelDrafter, NgramDrafter
-from app.engine.generation import Generation, GenerationError, GenerationParams
-from app.engine.loading import LoadedModel
-from app.engine.model import Transformer
+from app.engine.decoding.sampling import GumbelNoise, SamplingParams, gumbel_choice, warp
+from app.engine.decoding.verification import rejection_sample
+from app.engine.drafting.model import ModelDrafter
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.generation import Generation
+from app.engine.model.loading import LoadedModel
+from app.engine.model.transformer import Transformer
 from app.engine.reference import build_causal_mask, full_lm_forward
-from app.engine.sampling import GumbelNoise, SamplingParams, gumbel_choice, warp
-from app.engine.verification import rejection_sample
+from app.engine.step import GenerationError, GenerationParams
 
 VOCAB = 6
 PROMPT = [1, 2, 3]

@@ -340,7 +340,7 @@ def test_cli_list(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("SPECSERVE_KERNEL", kernel)
         row = _cli("models", "list").stdout.splitlines()[1]
         assert row.split()[7:10] == runs_as, (weights, kernel)
-    from app.engine.loading import auto_native
+    from app.engine.model.loading import auto_native
 
     kinds = ("amx", "avx512vnni", "avx512", "avxvnni", "avx2", "generic", "torch")
     assert [auto_native(k) for k in kinds] == [False, True, True, True, True, False, False]

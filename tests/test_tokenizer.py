@@ -1,4 +1,4 @@
-"""The tokenizer (app/engine/tokenizer.py): the default target's GGUF tokenizer against transformers' own
+"""The tokenizer (app/engine/model/tokenizer.py): the default target's GGUF tokenizer against transformers' own
 tokenizer for the same file (ids, chat formatting, decoding), and the HF-directory and error paths on
 toy tokenizers.
 """
@@ -11,7 +11,7 @@ import pytest
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from app.engine.tokenizer import Tokenizer, TokenizerError
+from app.engine.model.tokenizer import Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello, world!",

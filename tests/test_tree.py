@@ -1,4 +1,5 @@
-"""Speculative tree verification (app/engine/tree.py, the kernels' tree attention, the generation's tree steps).
+"""Speculative tree verification (app/engine/drafting/tree.py, the kernels' tree attention, the generation's tree
+steps).
 
 A tree row must get the very bits sequential decoding gives the same token at the same depth, the cache
 compacted after acceptance must hold what sequential decoding writes, and the acceptance walk must keep the
@@ -13,13 +14,15 @@ import torch
 
 from app import store
 from app.engine import generation, kernels
-from app.engine.draft_length import StepCosts
-from app.engine.drafters import HybridDrafter
-from app.engine.eagle import EagleDrafter, load_draft
-from app.engine.generation import Engine, Generation, GenerationParams
-from app.engine.model import tree_depths
-from app.engine.sampling import GumbelNoise, SamplingParams, gumbel_choice
-from app.engine.tree import Candidates, DraftTree, accept, build_tree, compact, row_value, walk
+from app.engine.decoding.sampling import GumbelNoise, SamplingParams, gumbel_choice
+from app.engine.drafting.draft_length import StepCosts
+from app.engine.drafting.eagle import EagleDrafter, load_draft
+from app.engine.drafting.hybrid import HybridDrafter
+from app.engine.drafting.tree import Candidates, DraftTree, accept, build_tree, compact, row_value, walk
+from app.engine.engine import Engine
+from app.engine.generation import Generation
+from app.engine.model.transformer import tree_depths
+from app.engine.step import GenerationParams
 
 # Kernels whose attention takes trees (amx reads keys by slot: it keeps the chain).
 TREE_KERNELS = [name for name in kernels.available() if name != "amx"]

@@ -1,4 +1,4 @@
-"""Checkpoint readers (app/engine/weights.py) and the loader (app/engine/loading.py).
+"""Checkpoint readers (app/engine/model/weights.py) and the loader (app/engine/model/loading.py).
 
 HF-format directories are written by transformers itself from tiny random Llama and Qwen2 models (GQA,
 tied and untied embeddings, q/k/v bias, several RoPE settings, sharded safetensors) and read back with
@@ -21,9 +21,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from app.engine.loading import load_model
-from app.engine.tokenizer import TokenizerError
-from app.engine.weights import WeightsError, read_checkpoint
+from app.engine.model.loading import load_model
+from app.engine.model.tokenizer import TokenizerError
+from app.engine.model.weights import WeightsError, read_checkpoint
 
 VOCAB = 64
 

@@ -11,7 +11,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from app.engine.generation import GenerationParams
+from app.engine.step import GenerationParams
 from app.metrics import Metrics
 from app.worker import Overloaded, RequestFailed, Scheduler, Ticket
 from tests.conftest import KERNELS
@@ -53,8 +53,8 @@ def _ids(api_engine, prompt: str) -> list[int]:
 @pytest.fixture
 def batching_scheduler(packed_target):
     """A scheduler over the bf16 target on this CPU's best kernel, where requests share target forwards."""
-    from app.engine.drafters import NgramDrafter
-    from app.engine.generation import Engine
+    from app.engine.drafting.ngram import NgramDrafter
+    from app.engine.engine import Engine
 
     packed = packed_target(KERNELS[0])
     engine = Engine(packed.model, packed.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4)
@@ -177,7 +177,7 @@ async def test_a_prompt_prefilled_in_chunks_streams_no_empty_event(target_bf16) 
     prefilled send nothing, the first event carries the first token, and both texts equal their solo texts."""
     import copy
 
-    from app.engine.generation import Engine
+    from app.engine.engine import Engine
 
     model = copy.deepcopy(target_bf16.model)
     assert model.pack()

@@ -31,7 +31,7 @@ def _digest(tokens: list[list[int]]) -> str:
 
 def _one_kernel(max_new_tokens: int, limit: int) -> dict[str, str]:
     from app.engine.factory import build_engine
-    from app.engine.generation import GenerationParams
+    from app.engine.step import GenerationParams
 
     engine, loaded = build_engine()
     tok = loaded.tokenizer

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import admission
 from app.api.errors import error_response
-from app.engine.grammar import json_depth
+from app.engine.decoding.grammar import json_depth
 from app.metrics import Metrics
 
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})

@@ -30,11 +30,11 @@ from app.api.schemas import (
     SpeculativeParameters,
     closed_grammar,
 )
-from app.engine.generation import GenerationParams
-from app.engine.grammar import GrammarError, GrammarSpec
-from app.engine.logprobs import TokenLogprob
-from app.engine.penalties import PenaltyParams
-from app.engine.sampling import SamplingParams
+from app.engine.decoding.grammar import GrammarError, GrammarSpec
+from app.engine.decoding.logprobs import TokenLogprob
+from app.engine.decoding.penalties import PenaltyParams
+from app.engine.decoding.sampling import SamplingParams
+from app.engine.step import GenerationParams
 from app.runtime import Runtime
 from app.settings import Settings
 from app.worker import Finished, Overloaded, RequestFailed, StepEvent, Ticket, TokenOut

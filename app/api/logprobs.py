@@ -1,6 +1,6 @@
 """Log-probabilities as each API writes them: OpenAI's completions (legacy) and chat formats, vLLM's
 `prompt_logprobs`, TGI's tokens. The engine gives, per token, its log-probability, rank and most likely
-alternatives as token ids (app.engine.logprobs); this module names the tokens.
+alternatives as token ids (app.engine.decoding.logprobs); this module names the tokens.
 
 A token is named by its own text (``decode([id])`` with special tokens shown), as vLLM does, so that a
 chosen token and the same token among the alternatives have the same name; the text a token added to the
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from app.api.schemas import ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, Token, TopLogprob
-from app.engine.logprobs import TokenLogprob
-from app.engine.tokenizer import Tokenizer
+from app.engine.decoding.logprobs import TokenLogprob
+from app.engine.model.tokenizer import Tokenizer
 from app.worker import TokenOut
 
 

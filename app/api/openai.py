@@ -42,7 +42,7 @@ from app.api.schemas import (
     SpeculativeDetails,
     Usage,
 )
-from app.engine.tokenizer import TokenizerError
+from app.engine.model.tokenizer import TokenizerError
 from app.runtime import Runtime
 from app.settings import Settings
 from app.worker import Finished, RequestFailed, StepEvent, Ticket, TokenOut

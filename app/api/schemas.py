@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
+from app.engine.decoding.grammar import MAX_SCHEMA_DEPTH, json_depth
 from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS
-from app.engine.grammar import MAX_SCHEMA_DEPTH, json_depth
 
 # Nested objects refuse a field they do not know (a 4xx naming its path): a field we do not read would be
 # dropped without a word. The top levels of the requests keep theirs to log them (see `ignored_fields`).

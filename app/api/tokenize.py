@@ -16,7 +16,7 @@ from app.api.deps import get_runtime
 from app.api.errors import APIError
 from app.api.openai import check_model
 from app.api.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo
-from app.engine.tokenizer import TokenizerError
+from app.engine.model.tokenizer import TokenizerError
 from app.runtime import Runtime
 
 router = APIRouter(tags=["tokenizer (vLLM-compatible)"])

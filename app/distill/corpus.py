@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from app.engine.loading import LoadedModel
+from app.engine.model.loading import LoadedModel
 
 
 @dataclass

@@ -22,10 +22,11 @@ from tqdm import tqdm
 
 from app import store
 from app.distill import corpus, instructions, training
-from app.engine.eagle import EagleConfig, EagleDraft, EagleDrafter, load_draft, save_draft
-from app.engine.generation import Engine, GenerationParams
-from app.engine.loading import LoadedModel, load_model
-from app.engine.model import Transformer
+from app.engine.drafting.eagle import EagleConfig, EagleDraft, EagleDrafter, load_draft, save_draft
+from app.engine.engine import Engine
+from app.engine.model.loading import LoadedModel, load_model
+from app.engine.model.transformer import Transformer
+from app.engine.step import GenerationParams
 
 log = logging.getLogger(__name__)
 

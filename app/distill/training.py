@@ -24,8 +24,8 @@ from torch import Tensor
 
 from app.distill.corpus import Sample
 from app.engine import kernels
-from app.engine.eagle import EagleDraft
-from app.engine.model import Transformer
+from app.engine.drafting.eagle import EagleDraft
+from app.engine.model.transformer import Transformer
 
 
 @dataclass(frozen=True)

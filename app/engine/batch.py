@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from app.engine.draft_length import StepCosts, batch_draft_lengths
-from app.engine.drafters import BatchDrafter
-from app.engine.generation import Generation, StepOutput, StepPlan, TreePlan
-from app.engine.model import Transformer
+from app.engine.drafting.draft_length import StepCosts, batch_draft_lengths
+from app.engine.generation import Generation
+from app.engine.model.transformer import Transformer
+from app.engine.step import StepOutput, StepPlan, TreePlan
 
 
 def row_keys(target: Transformer) -> float:
@@ -209,7 +209,7 @@ class Batcher:
             drafter = gens[js[0]].drafter
             t0 = time.perf_counter()
             try:
-                assert isinstance(drafter, BatchDrafter)
+                assert drafter is not None and drafter.batches
                 out = drafter.propose_batch(
                     [gens[j].draft_session for j in js],
                     [gens[j].ids for j in js],
@@ -232,8 +232,8 @@ class Batcher:
     @staticmethod
     def _drafts_in_batch(gen: Generation) -> bool:
         """Whether `gen` drafts in its drafter's batched forward when a batch has several such requests (a
-        request verifying trees drafts its own: `BatchDrafter` drafts chains)."""
-        return gen.sampling.greedy and isinstance(gen.drafter, BatchDrafter) and not gen.tree_rows
+        request verifying trees drafts its own: `propose_batch` drafts chains)."""
+        return gen.sampling.greedy and gen.drafter is not None and gen.drafter.batches and not gen.tree_rows
 
 
 def _parents(plan: StepPlan) -> torch.Tensor | None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 MAX_DRAFT_TOKENS = 16
 # Tokens drafted per step: the most ever drafted under the adaptive or heuristic schedule.
 DEFAULT_NUM_DRAFT_TOKENS = 6
-# How the draft length is chosen per step (app.engine.draft_length.SCHEDULES): from measured acceptance and costs.
+# How the draft length is chosen per step (app.engine.drafting.draft_length.SCHEDULES): from measured acceptance
+# and costs.
 DEFAULT_DRAFT_SCHEDULE = "adaptive"
 # A model draft stops proposing when its top probability falls below this (0: never).
 DEFAULT_DRAFT_P_MIN = 0.05
@@ -34,8 +35,8 @@ SAMPLERS = ("gumbel", "rejection")
 # completions' logprobs, vLLM's default max_logprobs); TGI's top_n_tokens is held to it too.
 MAX_LOGPROBS = 20
 
-# How a GGUF's quantized matrices are held (app.engine.loading.load_model): `native` as the file's blocks, computed
-# on by the CPU kernels; `bf16` / `float32` dequantized at load; `auto` the default: native on the avx2,
+# How a GGUF's quantized matrices are held (app.engine.model.loading.load_model): `native` as the file's blocks,
+# computed on by the CPU kernels; `bf16` / `float32` dequantized at load; `auto` the default: native on the avx2,
 # avx512 and VNNI kernels, else dequantized (loading.AUTO_NATIVE_KERNELS).
 WEIGHTS = ("auto", "native", "bf16", "float32")
 WEIGHTS_HELP = (

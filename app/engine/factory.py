@@ -13,10 +13,13 @@ from app.engine.defaults import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
 )
-from app.engine.drafters import Drafter, DraftError, HybridDrafter, ModelDrafter, NgramDrafter
-from app.engine.eagle import EagleDrafter, EagleError, is_eagle_dir, load_draft
-from app.engine.generation import Engine
-from app.engine.loading import LoadedModel, load_model
+from app.engine.drafting.base import Drafter, DraftError
+from app.engine.drafting.eagle import EagleDrafter, EagleError, is_eagle_dir, load_draft
+from app.engine.drafting.hybrid import HybridDrafter
+from app.engine.drafting.model import ModelDrafter
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.engine import Engine
+from app.engine.model.loading import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from app.engine.model import Transformer
+from app.engine.model.transformer import Transformer
 
 
 def build_causal_mask(seq_len: int, device: torch.device | str = "cpu") -> Tensor:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from app.engine.quantized import FORMATS, QuantizedWeight
+from app.engine.kernels.quantized import FORMATS, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class Kernel:
         return KernelLinear(self, weight, bias)
 
     def qlinear(self, weight: QuantizedWeight, bias: Tensor | None) -> QuantLinear:
-        """`weight` [N, K]: GGUF blocks (see `app.engine.quantized`), computed on as they are."""
+        """`weight` [N, K]: GGUF blocks (see `app.engine.kernels.quantized`), computed on as they are."""
         return QuantLinear(self, weight, bias)
 
     @property

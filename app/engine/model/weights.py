@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from app.engine.model import ModelConfig
-from app.engine.quantized import QuantizedWeight, computable
+from app.engine.kernels.quantized import QuantizedWeight, computable
+from app.engine.model.transformer import ModelConfig
 
 # Architectures this decoder implements, as GGUF `general.architecture` and HF `model_type` name them.
 _GGUF_ARCHS = {"llama", "mistral", "qwen2", "smollm"}

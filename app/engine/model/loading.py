@@ -12,10 +12,10 @@ import torch
 
 from app.engine import kernels
 from app.engine.defaults import WEIGHTS
-from app.engine.model import ModelConfig, PackedLinear, Transformer, can_pack
-from app.engine.quantized import QuantizedWeight
-from app.engine.tokenizer import Tokenizer
-from app.engine.weights import WeightsError, read_checkpoint
+from app.engine.kernels.quantized import QuantizedWeight
+from app.engine.model.tokenizer import Tokenizer
+from app.engine.model.transformer import ModelConfig, PackedLinear, Transformer, can_pack
+from app.engine.model.weights import WeightsError, read_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from app.engine import kernels
 from app.engine.kernels import Kernel
-from app.engine.quantized import QuantizedWeight
+from app.engine.kernels.quantized import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -654,7 +654,7 @@ class Transformer(nn.Module):
 
         `sequences`: (input_ids long [T_i], start_pos_i, cache_i[, parents_i]) per sequence, T_i >= 1;
         `parents_i` (int32 [T_i]): its rows are a tree, each at its depth's position (see `layout_rows`; the
-        cache then holds row r's keys and values in slot start_pos_i + r, until `app.engine.tree` moves the
+        cache then holds row r's keys and values in slot start_pos_i + r, until `app.engine.drafting.tree` moves the
         accepted path's into place). Returns one
         [T_i, dim] tensor per sequence. The weights are read once for all rows (what makes serving many
         requests cheaper than serving them in turn); each sequence's attention runs on its own cache exactly

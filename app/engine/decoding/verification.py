@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice
+from app.engine.decoding.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice
 
 
 def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from app.engine.tokenizer import Tokenizer
+from app.engine.model.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
 

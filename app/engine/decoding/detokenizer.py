@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.engine.tokenizer import Tokenizer
+from app.engine.model.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"
 

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from app.engine.draft_length import StepCosts
-from app.engine.model import KVCache, tree_depths
-from app.engine.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice
+from app.engine.decoding.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice
+from app.engine.drafting.draft_length import StepCosts
+from app.engine.model.transformer import KVCache, tree_depths
 
 
 @dataclass
@@ -206,40 +205,3 @@ def compact(cache: KVCache, start: int, path: Sequence[int]) -> None:
         for kv in (cache.k, cache.v):
             kv[:, :, :, dst] = kv[:, :, :, src]
     cache.truncate(start + 1 + len(path))
-
-
-@runtime_checkable
-class TreeSession(Protocol):
-    """A draft session that proposes a tree (`app.engine.tree.build_tree`) instead of a chain."""
-
-    def propose_tree(
-        self,
-        token_ids: Sequence[int],
-        k: int,
-        max_rows: int,
-        params: SamplingParams | None = None,
-        noise: GumbelNoise | None = None,
-        p_min: float = 0.0,
-        min_value: float = 0.0,
-    ) -> DraftTree:
-        """A tree after `token_ids` (its root their last token) of depth at most `k` and at most `max_rows`
-        rows, greedy (`params` None) or with the request's Gumbel `noise`; model nodes whose value is below
-        `min_value` left out (`build_tree`)."""
-        ...
-
-
-@runtime_checkable
-class CandidateSession(Protocol):
-    """A model draft's session that gives a tree's material (`Candidates`) for another session to build on."""
-
-    def propose_candidates(
-        self,
-        token_ids: Sequence[int],
-        k: int,
-        width: int,
-        params: SamplingParams | None = None,
-        noise: GumbelNoise | None = None,
-        p_min: float = 0.0,
-    ) -> Candidates:
-        """Its chain of at most `k` tokens with their probabilities, and its next `width` choices per depth."""
-        ...

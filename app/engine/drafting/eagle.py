@@ -18,6 +18,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +27,14 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from app.engine import kernels
+from app.engine.decoding.sampling import GumbelNoise, SamplingParams
 from app.engine.defaults import MAX_DRAFT_TOKENS
-from app.engine.drafters import Randomness, choose_draft_token, drawn, one_hot
-from app.engine.grammar import GrammarState
-from app.engine.loading import LoadedModel
-from app.engine.model import (
+from app.engine.drafting.base import Drafter, DraftSession
+from app.engine.drafting.loop import NetworkSession, run_drafts
+from app.engine.drafting.tree import Candidates, DraftTree, build_tree
+from app.engine.kernels.quantized import QuantizedWeight
+from app.engine.model.loading import LoadedModel
+from app.engine.model.transformer import (
     DecoderBlock,
     KVCache,
     ModelConfig,
@@ -40,10 +44,6 @@ from app.engine.model import (
     layout_rows,
     rope_tables,
 )
-from app.engine.penalties import Penalty
-from app.engine.quantized import QuantizedWeight
-from app.engine.sampling import GumbelNoise, SamplingParams
-from app.engine.tree import Candidates, DraftTree, build_tree
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -253,32 +253,27 @@ def load_draft(path: Path, target: Transformer) -> EagleDraft:
 _CATCH_UP = 512
 
 
-class _EagleSession:
+class _EagleSession(NetworkSession):
     """Per-request state: the draft's KV cache, and how many positions it holds with the target's true
     states. The generation writes the target's state of every verified position into `features`."""
 
+    candidates: ClassVar[bool] = True
+    trees: ClassVar[bool] = True
+
     def __init__(self, drafter: EagleDrafter, capacity: int) -> None:
+        super().__init__()
         self._draft = drafter.draft
-        self._target_vocab = drafter.draft.config.target_vocab_size
+        self.target_vocab = drafter.draft.config.target_vocab_size
+        self.vocab_ids = drafter.draft.vocab_ids
         dtype, device = drafter.target.dtype, drafter.target.device
+        self.device = device
         self.features = torch.zeros(capacity, drafter.draft.config.dim, dtype=dtype, device=device)
         self._cache = self._draft.new_cache(capacity, dtype, device)
         self._true_len = 0  # draft positions computed from the target's states, never to be rolled back
-        self.penalty: Penalty | None = None  # the request's penalties, set by the generation
-        self.grammar: GrammarState | None = None  # the request's grammar, set by the generation
-
-    def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
-        return self._run(token_ids, k, p_min, None, None)[0]
-
-    def propose_sampled(
-        self,
-        token_ids: Sequence[int],
-        k: int,
-        params: SamplingParams,
-        rng: Randomness,
-        p_min: float = 0.0,
-    ) -> tuple[list[int], Tensor | None]:
-        return self._run(token_ids, k, p_min, params, rng)
+        # The next forward's input: states [T, dim], tokens long [T], from a position; and its last guess [1, dim].
+        self._input: tuple[Tensor, Tensor, int] | None = None
+        self._guess = torch.empty(0)
+        self._next_pos = 0
 
     def propose_candidates(
         self,
@@ -289,11 +284,11 @@ class _EagleSession:
         noise: GumbelNoise | None = None,
         p_min: float = 0.0,
     ) -> Candidates:
-        """The chain `propose` (greedy, `params` None) or `propose_sampled` with Gumbel `noise` gives, with
-        each token's draft probability and the draft's next `width` choices at each depth (by probability): a
-        tree's material (`app.engine.tree.build_tree`), for no more draft forwards than the chain."""
+        """The chain `propose` gives (greedy with `params` None, or with Gumbel `noise`), with each token's
+        draft probability and the draft's next `width` choices at each depth (by probability): a tree's
+        material (`app.engine.drafting.tree.build_tree`), for no more draft forwards than the chain."""
         found = Candidates([])
-        self._run(token_ids, k, p_min, params, noise, found, width)
+        run_drafts([self], [token_ids], [k], [p_min], params, noise, found, width)
         return found
 
     def propose_tree(
@@ -309,9 +304,44 @@ class _EagleSession:
         found = self.propose_candidates(token_ids, k, max_rows - 1, params, noise, p_min)
         return build_tree(token_ids[-1], found, (), max_rows, min_value=min_value)
 
+    def begin(self, token_ids: Sequence[int], k: int) -> int:
+        first = self._catch_up(token_ids, k)
+        if first is None:
+            return 0
+        self._input = first
+        return min(max(k, MAX_DRAFT_TOKENS), self._cache.capacity - len(token_ids))
+
+    def feed(self, token: int) -> None:
+        self._input = (self._guess, torch.tensor([token], dtype=torch.long, device=self.device), self._next_pos)
+
+    @classmethod
+    def forward(cls, sessions: Sequence[NetworkSession], heads: Sequence[bool], batched: bool) -> list[Tensor | None]:
+        eagles = [s for s in sessions if isinstance(s, _EagleSession)]
+        assert len(eagles) == len(sessions)
+        draft = eagles[0]._draft
+        inputs = []
+        for s in eagles:
+            assert s._input is not None
+            inputs.append(s._input)
+            s._next_pos = s._input[2] + s._input[0].shape[0]
+        if not batched:
+            (states, tokens, pos), s = inputs[0], eagles[0]
+            guess = draft(states[None], tokens[None], pos, s._cache)[0, -1:]  # [1, dim]
+            s._guess = guess
+            # A forced token needs no head (a draft-vocabulary product per step).
+            return [draft.draft_logits(guess[0]).float() if heads[0] else None]
+        # Several sessions: each draft position one forward over all of them, its weights read once; the head
+        # runs on every row (what `propose` gives each alone, up to the last bits of the products).
+        guesses = draft.forward_batch([(st, t, pos, s._cache) for (st, t, pos), s in zip(inputs, eagles, strict=True)])
+        for s, g in zip(eagles, guesses, strict=True):
+            s._guess = g[-1:]
+        logits = draft.draft_logits(torch.cat([g[-1:] for g in guesses])).float()
+        return list(logits)
+
     def _catch_up(self, token_ids: Sequence[int], k: int) -> tuple[Tensor, Tensor, int] | None:
         """The first draft forward's input: (states [T, dim], tokens [T], start position), or None when
         nothing can be drafted. Rolls the cache back to the positions computed from the target's states."""
+        assert self.features is not None
         n = len(token_ids)
         # States are known for positions 0..n-2 (the newest token has not been through the target yet).
         # Position p reads (state p, token p+1), so the draft catches up on positions true_len..n-2.
@@ -334,74 +364,11 @@ class _EagleSession:
         self._true_len = n - 1
         return states, tokens, pos
 
-    @torch.inference_mode()
-    def _run(
-        self,
-        token_ids: Sequence[int],
-        k: int,
-        p_min: float,
-        params: SamplingParams | None,
-        rng: Randomness,
-        found: Candidates | None = None,
-        width: int = 0,
-    ) -> tuple[list[int], Tensor | None]:
-        """Up to `k` drafted tokens (and with a generator their warped distributions); `found`: filled with
-        the tokens, their probabilities and the next `width` choices at each depth."""
-        first = self._catch_up(token_ids, k)
-        if first is None:
-            return [], None
-        draft = self._draft
-        device = self.features.device
-        states, tokens, pos = first[0][None], first[1][None], first[2]
-        out: list[int] = []
-        dists: list[Tensor] = []
-        # Tokens the grammar forces do not count against k (`own` does): `limit` bounds them all.
-        own, limit = 0, min(max(k, MAX_DRAFT_TOKENS), self._cache.capacity - len(token_ids))
-        while own < k and len(out) < limit:
-            guess = draft(states, tokens, pos, self._cache)[:, -1:]  # [1, 1, dim]
-            pos += states.shape[1]
-            forced = self.grammar.forced(out) if self.grammar is not None else None
-            if forced is not None:  # no choice to make: the head need not run
-                if drawn(params, rng):
-                    dists.append(one_hot(forced, self._target_vocab, device))
-                out.append(forced)
-                states = guess
-                tokens = torch.tensor([[forced]], dtype=torch.long, device=device)
-                continue
-            own += 1
-            logits = draft.draft_logits(guess[0, 0]).float()
-            choice = choose_draft_token(
-                logits, params, rng, p_min, len(token_ids) + len(out), draft.vocab_ids, self.penalty, out, self.grammar
-            )
-            if choice is None:
-                break
-            idx, warped = choice
-            if found is not None:
-                probs = torch.softmax(logits, -1)
-                top = torch.topk(probs, min(width + 1, probs.shape[0]))
-                found.probs.append(float(probs[idx]))
-                found.alternatives.append(
-                    [
-                        (int(draft.vocab_ids[i]), float(p))
-                        for p, i in zip(top.values, top.indices, strict=True)
-                        if i != idx
-                    ][:width]
-                )
-                found.tokens.append(int(draft.vocab_ids[idx]))
-            if warped is not None:
-                # q over the target's whole vocabulary: ids outside the draft's have q = 0.
-                full = torch.zeros(self._target_vocab, dtype=warped.dtype, device=device)
-                full[draft.vocab_ids] = warped
-                dists.append(full)
-            tok = int(draft.vocab_ids[idx])
-            out.append(tok)
-            states = guess
-            tokens = torch.tensor([[tok]], dtype=torch.long, device=device)
-        return out, torch.stack(dists) if dists else None
 
+class EagleDrafter(Drafter):
+    """Proposer backed by a feature draft; its sessions read the target's states (`features`)."""
 
-class EagleDrafter:
-    """Proposer backed by a feature draft; its sessions need the target's states (a `FeatureSession`)."""
+    batches: ClassVar[bool] = True
 
     def __init__(self, name: str, draft: EagleDraft, target: LoadedModel) -> None:
         self.name = name
@@ -411,56 +378,14 @@ class EagleDrafter:
     def session(self, capacity: int) -> _EagleSession:
         return _EagleSession(self, capacity)
 
-    @torch.inference_mode()
     def propose_batch(
         self,
-        sessions: Sequence[_EagleSession],
+        sessions: Sequence[DraftSession],
         token_ids: Sequence[Sequence[int]],
         ks: Sequence[int],
         p_mins: Sequence[float],
     ) -> list[list[int]]:
-        """Greedy drafts for several requests, each draft step one forward over all of them (what
-        `propose` gives each alone, up to the last bits of the products)."""
-        draft = self.draft
-        out: list[list[int]] = [[] for _ in sessions]
-        # As in `_run`: forced tokens do not count against k, `limits` bounds them all.
-        own = [0] * len(sessions)
-        limits = [
-            min(max(k, MAX_DRAFT_TOKENS), s._cache.capacity - len(ids))
-            for s, ids, k in zip(sessions, token_ids, ks, strict=True)
-        ]
-        # (request, states [T, dim], tokens [T], start position) of the sessions still drafting.
-        active = []
-        for i, (session, ids, k) in enumerate(zip(sessions, token_ids, ks, strict=True)):
-            first = session._catch_up(ids, k)
-            if first is not None:
-                active.append((i, *first))
-        while active:
-            guesses = draft.forward_batch([(s, t, pos, sessions[i]._cache) for i, s, t, pos in active])
-            last = torch.cat([g[-1:] for g in guesses])  # [n, dim]
-            logits = draft.draft_logits(last).float()
-            going = []
-            for row, ((i, states, _, pos), guess) in enumerate(zip(active, guesses, strict=True)):
-                grammar = sessions[i].grammar
-                tok = grammar.forced(out[i]) if grammar is not None else None
-                if tok is None:
-                    choice = choose_draft_token(
-                        logits[row],
-                        None,
-                        None,
-                        p_mins[i],
-                        ids=draft.vocab_ids,
-                        penalty=sessions[i].penalty,
-                        drafted=out[i],
-                        grammar=grammar,
-                    )
-                    if choice is None:
-                        continue
-                    tok = int(draft.vocab_ids[choice[0]])
-                    own[i] += 1
-                out[i].append(tok)
-                if own[i] < ks[i] and len(out[i]) < limits[i]:
-                    feed = torch.tensor([tok], dtype=torch.long, device=last.device)
-                    going.append((i, guess[-1:], feed, pos + states.shape[0]))
-            active = going
-        return out
+        """Greedy drafts for several requests, each draft step one forward over all of them."""
+        eagles = [s for s in sessions if isinstance(s, _EagleSession)]
+        assert len(eagles) == len(sessions)
+        return [tokens for tokens, _ in run_drafts(eagles, token_ids, ks, p_mins)]

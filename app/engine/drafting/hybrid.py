@@ -1,0 +1,120 @@
+"""The hybrid draft: prompt lookup where the text repeats itself, a model draft everywhere else."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from torch import Tensor
+
+from app.engine.decoding.grammar import GrammarState
+from app.engine.decoding.penalties import Penalty
+from app.engine.decoding.sampling import GumbelNoise, SamplingParams
+from app.engine.drafting.base import Drafter, DraftSession, Randomness
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.drafting.tree import Candidates, DraftTree, build_tree
+
+
+class _HybridSession(DraftSession):
+    looks_up: ClassVar[bool] = True
+    trees: ClassVar[bool] = True
+
+    def __init__(self, drafter: HybridDrafter, capacity: int) -> None:
+        super().__init__()
+        self._lookup = drafter.lookup.session(capacity)
+        # The model draft's session, which drafts where the lookup finds nothing.
+        self.model: DraftSession = drafter.model.session(capacity)
+        # A feature draft's buffer, which the generation fills; None for a draft that needs no states.
+        self.features = self.model.features
+        self.lookups = 0  # steps the lookup proposed
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
+        found = self._lookup.lookup(token_ids, k)
+        self.lookups += bool(found)
+        self.used_lookup = bool(found)
+        return found
+
+    def constrain(self, penalty: Penalty | None, grammar: GrammarState | None) -> None:
+        # A lookup proposes what the text holds, penalties or not (and stops at a token the grammar refuses,
+        # where the model drafts); the model draft is the one to penalise, and it proposes within the grammar.
+        super().constrain(penalty, grammar)
+        self._lookup.constrain(None, grammar)
+        self.model.constrain(penalty, grammar)
+
+    def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
+        found = self.lookup(token_ids, k)
+        return found if found else self.model.propose(token_ids, k, p_min)
+
+    def propose_sampled(
+        self, token_ids: Sequence[int], k: int, params: SamplingParams, rng: Randomness, p_min: float = 0.0
+    ) -> tuple[list[int], Tensor | None]:
+        found = self.lookup(token_ids, k)
+        if found:  # a lookup is deterministic: q is one-hot, which rejection sampling takes as None
+            return found, None
+        return self.model.propose_sampled(token_ids, k, params, rng, p_min)
+
+    def propose_tree(
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        max_rows: int,
+        params: SamplingParams | None = None,
+        noise: GumbelNoise | None = None,
+        p_min: float = 0.0,
+        min_value: float = 0.0,
+    ) -> DraftTree:
+        """Both proposals in one tree (`app.engine.drafting.tree.build_tree`): the lookup's continuation as a
+        branch, the model draft's chain and its next choices; the lookup's first where rows run short."""
+        found = self.lookup(token_ids, k)
+        if self.model.candidates:
+            chain = self.model.propose_candidates(token_ids, k, max_rows - 1, params, noise, p_min)
+        elif params is None or params.greedy:
+            chain = Candidates(self.model.propose(token_ids, k, p_min))
+        else:
+            chain = Candidates(self.model.propose_sampled(token_ids, k, params, noise, p_min)[0])
+        return build_tree(token_ids[-1], chain, found, max_rows, branch_first=True, min_value=min_value)
+
+
+class HybridDrafter(Drafter):
+    """Prompt lookup where the text repeats itself, a model draft everywhere else.
+
+    Each step first looks for the last `min_match` or more tokens earlier in the sequence (a summary quoting
+    its document, code repeating its names, a rewrite): when found, what followed is proposed, at no cost
+    and often accepted many tokens at a time. Only without such a match does the model draft run. A short
+    match is not trusted (min_match 1 would fire on nearly every common token, crowding the model out).
+    """
+
+    batches: ClassVar[bool] = True
+
+    def __init__(self, name: str, model: Drafter, min_match: int = 2, max_match: int = 4) -> None:
+        self.name = name
+        self.model = model
+        self.lookup = NgramDrafter(max_n=max_match, min_n=min_match)
+
+    def session(self, capacity: int) -> DraftSession:
+        return _HybridSession(self, capacity)
+
+    def propose_batch(
+        self,
+        sessions: Sequence[DraftSession],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        p_mins: Sequence[float],
+    ) -> list[list[int]]:
+        """Greedy drafts for several requests: lookups first, the model draft for the rest, batched when
+        it can be."""
+        out = [s.lookup(ids, k) for s, ids, k in zip(sessions, token_ids, ks, strict=True)]
+        rest = [i for i, found in enumerate(out) if not found and ks[i] > 0]
+        models = [sessions[i].model for i in rest]
+        if self.model.batches and len(rest) > 1:
+            drafts = self.model.propose_batch(
+                [m for m in models if m is not None],
+                [token_ids[i] for i in rest],
+                [ks[i] for i in rest],
+                [p_mins[i] for i in rest],
+            )
+        else:
+            drafts = [m.propose(token_ids[i], ks[i], p_mins[i]) for i, m in zip(rest, models, strict=True) if m]
+        for i, d in zip(rest, drafts, strict=True):
+            out[i] = d
+        return out

@@ -1,0 +1,225 @@
+"""The engine: a loaded target with its drafters, which starts generations and steps them, alone or batched.
+
+It knows nothing of HTTP: the worker (app.worker) calls `start` and `step_batch`, and reads each step's
+`StepOutput` and each generation's statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import overload
+
+import torch
+
+from app.engine.batch import Batcher
+from app.engine.decoding.grammar import GrammarError, Grammars
+from app.engine.drafting.base import Drafter
+from app.engine.drafting.draft_length import SCHEDULES, StepCosts
+from app.engine.generation import Generation
+from app.engine.model.tokenizer import Tokenizer
+from app.engine.model.transformer import Transformer
+from app.engine.step import SLACK, GenerationError, GenerationParams, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class BatchStep(Sequence[StepOutput | Exception]):
+    """What `Engine.step_batch` did: per generation its step's output or the exception that ended it (a
+    sequence of them, in the order given), and `together`, the indices of those that shared one forward."""
+
+    def __init__(self, outputs: list[StepOutput | Exception], together: list[int]) -> None:
+        self.outputs = outputs
+        self.together = together
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    @overload
+    def __getitem__(self, index: int) -> StepOutput | Exception: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[StepOutput | Exception]: ...
+    def __getitem__(self, index: int | slice) -> StepOutput | Exception | list[StepOutput | Exception]:
+        return self.outputs[index]
+
+
+class Engine:
+    """A loaded target with its drafters: starts generations, knows nothing of HTTP.
+
+    `draft_schedule` and `draft_p_min` are the defaults of requests that do not say; the plain constructor
+    keeps a fixed length of 4 without a confidence cut-off (deterministic, for tests and experiments, which
+    rely on it), while `build_engine`, the server's settings and the CLI share `app.engine.defaults` (the
+    adaptive schedule). `prefill_chunk`: prompts are prefilled at most this many tokens per step, in the
+    same forward as the other requests' rows (0: each prompt whole, alone, before the batch); only where a
+    row's bits do not depend on the rows beside it (`Transformer.rows_independent`), so a chunked prompt gets
+    the very cache a whole one does. `prefill_step_seconds` (> 0): chunks are also sized so that a step takes
+    about this long, from measured costs, however long the context already is."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: Tokenizer,
+        drafters: dict[str, Drafter],
+        default_draft: str = "none",
+        num_draft_tokens: int = 4,
+        verify_width: int | None = None,
+        draft_schedule: str = "fixed",
+        draft_p_min: float = 0.0,
+        prefill_chunk: int = 0,
+        prefill_step_seconds: float = 0.0,
+        tree_rows: int = 0,
+    ) -> None:
+        if default_draft != "none" and default_draft not in drafters:
+            raise GenerationError(f"default draft {default_draft!r} is not loaded")
+        if prefill_chunk < 0 or prefill_step_seconds < 0:
+            raise GenerationError("prefill_chunk and prefill_step_seconds must be 0 or more")
+        # On the CPU kernels a row's bits depend on nothing but itself, so requests can share a forward (and a
+        # prompt can be prefilled in chunks beside them) and still get the tokens they get alone. Elsewhere
+        # (SPECSERVE_KERNEL=torch, CUDA, float32) that promise holds only request by request: no batching.
+        self.batching = target.rows_independent()
+        on_cpu = target.device.type == "cpu"
+        self.kernel = (target.kernel.name if target.kernel is not None else "torch") if on_cpu else target.device.type
+        self.prefill_chunk = prefill_chunk if self.batching else 0
+        # With a step time to aim for, chunks are sized from the measured seconds per unit of work (see
+        # `Batcher`); 0: every step may prefill prefill_chunk tokens, whatever they cost.
+        self.prefill_step_seconds = prefill_step_seconds if self.prefill_chunk else 0.0
+        if not self.batching:
+            log.warning(
+                "rows are not independent on %s %s: requests step one at a time, so that a request's tokens do "
+                "not depend on what runs beside it (no batched decoding)",
+                self.kernel,
+                str(target.dtype).removeprefix("torch."),
+            )
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafters = drafters
+        self.default_draft = default_draft
+        self.num_draft_tokens = num_draft_tokens
+        if draft_schedule not in SCHEDULES:
+            raise GenerationError(f"draft_schedule must be one of {', '.join(SCHEDULES)}")
+        self.draft_schedule = draft_schedule
+        self.draft_p_min = draft_p_min
+        # The default of requests' `tree_rows` (0: chains).
+        self.tree_rows = tree_rows
+        # Compiles requests' output grammars (their library loads at the first one).
+        self.grammars = Grammars(tokenizer, target.config.vocab_size)
+        # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length). The
+        # seconds of a verification per row count are the target's: one table for every drafter, which
+        # target-only requests fill too (their steps are 1-row verifications), and `calibrate` may seed.
+        self._verify_costs: dict[int, float] = {}
+        self._costs: dict[int, StepCosts] = {}
+        self._target_costs = StepCosts(self._verify_costs)
+        # None: pad decoding forwards to 8 rows in half precision, where a 1-row forward's bits differ (see
+        # Generation._plan; on this CPU 2 rows would do, and measured no faster end to end), and not at all in
+        # float32, where results differ too little to flip a token and padding would cost, nor on the AMX
+        # kernels, whose rows depend on nothing but themselves.
+        if verify_width is None:
+            half = target.dtype in (torch.bfloat16, torch.float16)
+            verify_width = 8 if half and not target.rows_independent() else 0
+        self.verify_width = verify_width
+        self.batcher = Batcher(target, verify_width, self.prefill_chunk, self.prefill_step_seconds)
+
+    def drafter(self, name: str | None) -> Drafter | None:
+        """The drafter called `name` (None: the default; "none": target-only decoding)."""
+        name = self.default_draft if name in (None, "default") else name
+        if name == "none":
+            return None
+        if name not in self.drafters:
+            raise GenerationError(f"unknown draft {name!r}; available: none, {', '.join(self.drafters)}")
+        return self.drafters[name]
+
+    def start(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None) -> Generation:
+        """A new generation, ready to `step()`; raises GenerationError for a request it cannot run.
+
+        Draft-length settings left None in `params` take the engine's defaults."""
+        drafter = self.drafter(draft)
+        params = replace(
+            params,
+            draft_schedule=params.draft_schedule or self.draft_schedule,
+            draft_p_min=self.draft_p_min if params.draft_p_min is None else params.draft_p_min,
+            tree_rows=self.tree_rows if params.tree_rows is None else params.tree_rows,
+        )
+        costs = self._target_costs
+        if drafter is not None:
+            costs = self._costs.setdefault(id(drafter), StepCosts(self._verify_costs))
+        grammar = None
+        if params.grammar is not None:
+            try:
+                grammar = self.grammars.start(params.grammar, params.forced_tokens)
+            except GrammarError as exc:
+                raise GenerationError(f"the grammar cannot be compiled: {exc}") from exc
+        return Generation(
+            self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs, grammar=grammar
+        )
+
+    @torch.inference_mode()
+    def calibrate(self, rows: int | None = None, context: int = 32) -> dict[int, float]:
+        """Time a verification of 1..`rows` rows (default num_draft_tokens + 1: a plain step up to the longest
+        draft's) once, and seed the verification costs every drafter's adaptive schedule reads with them, so
+        that the first requests choose their draft lengths from this machine's costs rather than from a short
+        first draft and a guessed cost per row. Optional (without it the first steps measure) and cheap (0.3 s
+        for the 135M target on AVX2): a `context`-token prompt, then two forwards of each row count, padded as
+        decoding pads them, the faster kept (the first of a shape can be slow). Replaces what was measured for
+        those row counts; returns the seconds."""
+        rows = max(1, min(rows or self.num_draft_tokens + 1, SLACK))
+        cache = self.target.new_cache(min(self.target.config.max_seq_len, context + rows + SLACK))
+        cache.fixed_span = self.verify_width > 0
+        device = self.target.device
+        self.target.hidden(torch.ones((1, context), dtype=torch.long, device=device), 0, cache)
+        seconds: dict[int, float] = {}
+        for _ in range(2):
+            for r in range(1, rows + 1):
+                feed = torch.ones((1, max(r, self.verify_width)), dtype=torch.long, device=device)
+                t0 = time.perf_counter()
+                hidden = self.target.hidden(feed, context, cache)[0]
+                # What a verification does after the forward: the head on every row, and a reduction that waits
+                # for the result (on an accelerator too).
+                float(self.target.logits(hidden).float().sum())
+                elapsed = time.perf_counter() - t0
+                cache.truncate(context)
+                seconds[r] = min(seconds.get(r, elapsed), elapsed)
+        self._verify_costs.update(seconds)
+        return seconds
+
+    @torch.inference_mode()
+    def step_batch(self, gens: Sequence[Generation]) -> BatchStep:
+        """One step of every generation in `gens`, the decoding ones verified in ONE target forward.
+
+        Each request drafts on its own (lengths chosen for the batch as a whole, see
+        `batch_draft_lengths`), then the target runs all their rows together, reading its weights once
+        instead of once per request, and each request verifies its own rows. Prompts are prefilled one by
+        one. Returns, per generation, its step's output or the exception that ended it: one request's
+        failure leaves the others untouched, and which of them ran in the shared forward. Greedy tokens are
+        the same as with `Generation.step`.
+        """
+        results: dict[int, StepOutput | Exception] = {}
+        batch = self.together(gens)
+        for i, gen in enumerate(gens):
+            if i not in batch:
+                try:
+                    results[i] = gen.step()
+                except Exception as exc:
+                    results[i] = exc
+        if batch:
+            results.update(zip(batch, self.batcher.step([gens[i] for i in batch]), strict=True))
+        return BatchStep([results[i] for i in range(len(gens))], batch)
+
+    def together(self, gens: Sequence[Generation]) -> list[int]:
+        """Indices of `gens` that `step_batch` runs in one target forward: the decoding ones, and with
+        `prefill_chunk` the prefilling ones too; none when fewer than two, unless the one is a prompt to chunk
+        (a lone request decodes alone; a lone long prompt still goes a chunk per step, so that a request
+        arriving meanwhile waits one step, not the whole prefill)."""
+        if not self.batching:
+            return []
+        batch = [i for i, gen in enumerate(gens) if not gen.finished and (self.prefill_chunk or not gen.needs_prefill)]
+        return batch if len(batch) > 1 or (batch and gens[batch[0]].needs_prefill) else []
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None
+    ) -> Iterator[StepOutput]:
+        """Steps of one generation until it finishes (a convenience over `start` and `step`)."""
+        gen = self.start(prompt_ids, params, draft)
+        while not gen.finished:
+            yield gen.step()

@@ -1,0 +1,1 @@
+"""The target model: the decoder, its weights and their loading, the tokenizer."""
