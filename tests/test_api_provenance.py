@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
-from collections import defaultdict
 from typing import Any
 
 import pytest
+from _provenance import check_provenance
 
 from app.engine.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from app.engine.generation import Engine
@@ -25,8 +25,6 @@ REPETITIVE = "a b c d a b c d a b c d a b"
 PROMPT = "The capital of France is"
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "Name three colours."}]
-DRAFTED = {"draft", "lookup", "forced"}
-TARGETS = {"target", "correction", "bonus"}
 
 
 @pytest.fixture(scope="module")
@@ -52,34 +50,6 @@ def _untimed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for p in e.get("provenance", {}).get("passes", []):
             p.pop("draft_ms"), p.pop("verify_ms")
     return events
-
-
-def check_provenance(tokens: list[dict[str, Any]], passes: list[dict[str, Any]], speculative: dict[str, Any]) -> None:
-    """The tokens' sources agree with their passes' figures, and the passes with the request's totals."""
-    assert [p["pass"] for p in passes] == list(range(1, len(passes) + 1))
-    assert len(passes) == speculative["target_passes"]
-    assert sum(p["accepted"] for p in passes) == speculative["accepted"]
-    assert passes[0]["drafted"] == passes[0]["accepted"] == 0  # the prefill's pass
-    by_pass: dict[int, list[str]] = defaultdict(list)
-    for t in tokens:
-        by_pass[t["pass"]].append(t["source"])
-        assert isinstance(t["logprob"], float) and t["logprob"] <= 0
-    assert sorted(by_pass) == [p["pass"] for p in passes if p["pass"] in by_pass]
-    last = len(passes)
-    for p in passes:
-        sources = by_pass[p["pass"]]
-        drafted = [s for s in sources if s in DRAFTED]
-        if p["pass"] == last:  # the generation may end inside the last pass's tokens
-            assert len(drafted) <= p["accepted"]
-            continue
-        assert len(drafted) == p["accepted"] and sources[: len(drafted)] == drafted, p
-        assert len(sources) == p["accepted"] + 1 and sources[-1] in TARGETS, p
-        if p["drafted"] == 0:
-            assert sources[-1] == "target"
-        elif p["accepted"] == p["drafted"]:
-            assert sources[-1] == "bonus"
-        else:
-            assert sources[-1] == "correction"
 
 
 async def test_native_stream_carries_provenance_only_when_asked(api_client, sse_data, drafting_engine) -> None:
