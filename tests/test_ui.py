@@ -6,8 +6,8 @@ stores the key. In Debian's chromium (driven through its chromedriver by seleniu
 serve` on the default models with an API key: the page asks for the key, streams a chat answer whose tokens are
 coloured as the stream's provenance says, races the default draft against `none` with identical greedy texts, fits
 a phone's width, and every request it makes goes to the server's own origin. The screenshots land in the test's
-temporary folder, and in $SPECSERVE_SCREENSHOTS too when set (`SPECSERVE_SCREENSHOTS=docs` renews
-docs/playground.png, the README's picture).
+temporary folder (printed with -s), and the README's picture in $SPECSERVE_SCREENSHOTS too when set:
+`SPECSERVE_SCREENSHOTS=docs .venv/bin/python -m pytest tests/test_ui.py` renews docs/playground.png.
 """
 
 from __future__ import annotations
@@ -106,15 +106,17 @@ def browser(server: str) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def shots(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Any, str], Path]:
-    """`shot(driver, name)`: a screenshot in the test's folder (and in $SPECSERVE_SCREENSHOTS when set)."""
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`shot(driver, name, readme=False)`: a screenshot in the test's folder; the README's also in
+    $SPECSERVE_SCREENSHOTS when set."""
     folder = tmp_path_factory.mktemp("screenshots")
     extra = os.environ.get("SPECSERVE_SCREENSHOTS")
 
-    def shot(driver: Any, name: str) -> Path:
+    def shot(driver: Any, name: str, readme: bool = False) -> Path:
         path = folder / f"{name}.png"
         driver.save_screenshot(str(path))
-        if extra:
+        print(f"screenshot: {path}")
+        if extra and readme:
             shutil.copy(path, Path(extra) / f"{name}.png")
         return path
 
@@ -189,7 +191,7 @@ def _page_requests(driver: Any) -> list[str]:
 
 
 def test_chat_streams_coloured_tokens_and_races_with_the_key(
-    browser: Any, server: str, shots: Callable[[Any, str], Path]
+    browser: Any, server: str, shots: Callable[..., Path]
 ) -> None:
     from selenium.webdriver.common.action_chains import ActionChains
 
@@ -238,7 +240,7 @@ def test_chat_streams_coloured_tokens_and_races_with_the_key(
     ActionChains(driver).move_to_element(drafted[-1]).perform()
     inspected = driver.find_element("id", "inspect").text
     assert "accepted" in inspected and "logprob" in inspected and "target pass" in inspected
-    shots(driver, "playground")
+    shots(driver, "playground", readme=True)
 
     # The race: the default draft and none, at once, on the same (greedy) conversation.
     driver.find_element("id", "new-chat").click()
