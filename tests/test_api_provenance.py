@@ -140,6 +140,31 @@ async def test_greedy_race_texts_are_identical(api_client, sse_data, drafting_en
     assert passes["hybrid"] < passes["none"] == 16
 
 
+async def test_structured_output_shows_forced_tokens(api_client, sse_data, drafting_engine) -> None:
+    """The playground's JSON schema box: tokens the grammar allowed alone are `forced`, and the rest still add up."""
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+    body = {
+        "messages": [{"role": "user", "content": "Name a colour, as JSON."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "stream": True,
+        "provenance": True,
+        "speculative": {"draft": "self"},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    }
+    async with api_client(drafting_engine) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    chunks = _events(sse_data, r.text)
+    tokens = [t for c in chunks if "provenance" in c for t in c["provenance"]["tokens"]]
+    passes = [p for c in chunks if "provenance" in c for p in c["provenance"]["passes"]]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert json.loads(content)["colour"] and "".join(t["text"] for t in tokens) == content
+    speculative = next(c["speculative"] for c in chunks if c.get("speculative"))
+    assert sum(t["source"] == "forced" for t in tokens) == speculative["forced"] > 0
+    check_provenance(tokens, passes, speculative, grammar=True)
+
+
 async def test_provenance_is_refused_where_nothing_streams(api_client) -> None:
     async with api_client() as client:
         native = await client.post("/generate", json={"inputs": PROMPT, "parameters": {"provenance": True}})
