@@ -263,6 +263,7 @@ def test_chat_streams_coloured_tokens_and_races_with_the_key(
     driver.set_window_size(390, 844)
     time.sleep(0.3)
     assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth;")
+    driver.execute_script("document.getElementById('race-view').scrollIntoView();")
     shots(driver, "playground-phone")
     driver.set_window_size(1280, 1000)
 
@@ -279,7 +280,8 @@ def test_chat_streams_coloured_tokens_and_races_with_the_key(
 
 
 def test_completion_mode_streams_through_the_native_route(browser: Any, server: str) -> None:
-    """Completion mode sends the prompt as is to /generate_stream; prompt lookup colours a repetitive text."""
+    """Completion mode sends the prompt as is to /generate_stream; prompt lookup colours a repetitive text; a
+    sampled race gives identical texts too."""
     driver = browser
     if not driver.execute_script("return !!(window.playground && document.getElementById('draft').options.length > 2)"):
         _open_with_key(driver, server)
@@ -294,5 +296,13 @@ def test_completion_mode_streams_through_the_native_route(browser: Any, server: 
     check_provenance(run["tokens"], run["passes"], run["speculative"])
     assert "lookup" in {t["source"] for t in run["tokens"]}
     _check_colours(driver, "#answer", run)
+    # Sampled, the race sends one seed to both: the default sampler then draws target-only's tokens with a draft too.
+    _fill(driver, "temperature", "0.8")
+    driver.find_element("id", "race").click()
+    identical = _wait(driver, "document.getElementById('race-verdict').dataset.identical", 60)
+    verdict = driver.find_element("id", "race-verdict").text
+    assert identical == "true" and "sampling, seed" in verdict, verdict
+    race = driver.execute_script("return window.playground.runs.slice(-2);")
+    assert [r["draft"] for r in race] == ["ngram", "none"] and all(len(r["tokens"]) == 16 for r in race)
     urls = _page_requests(driver)
     assert urls and all(u.startswith(server + "/") for u in urls), urls
