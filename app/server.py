@@ -31,7 +31,7 @@ from fastapi.openapi.utils import get_openapi
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app import __version__
-from app.api import native, openai, ops, tokenize
+from app.api import native, openai, ops, tokenize, ui
 from app.api.body import BodyGuard
 from app.api.errors import OPENAI_PREFIX, error_body, install_error_handlers
 from app.api.schemas import ChatCompletionChunk
@@ -48,6 +48,7 @@ _DESCRIPTION = """Speculative-decoding text generation: a cheap draft proposes, 
 * **Native API**, compatible with text-generation-inference: `/generate`, `/generate_stream`, `POST /`.
 * **OpenAI API**: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 * **Operations**: `/health`, `/info`, `/metrics`.
+* **Playground**: `GET /` in a browser streams an answer coloured by what proposed each token.
 
 Both generation APIs take an extra `speculative` object (`num_draft_tokens`, `draft`) and report what the
 draft bought in `speculative` details.
@@ -208,6 +209,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.include_router(openai.router)
     app.include_router(ops.router)
     app.include_router(tokenize.router)
+    app.include_router(ui.router)
     # The last added runs first: request id, CORS (a preflight carries no key), API key, then the body guard
     # (so that a client without the key never gets to send a body).
     app.add_middleware(
@@ -215,7 +217,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     )
     if settings.api_key is not None:
         app.add_middleware(
-            APIKeyGuard, api_key=settings.api_key.get_secret_value(), open_paths=open_paths(settings), metrics=metrics
+            APIKeyGuard,
+            api_key=settings.api_key.get_secret_value(),
+            open_paths=open_paths(settings),
+            metrics=metrics,
+            open_pages=ui.PAGES,
         )
     if settings.cors_origins:
         app.add_middleware(

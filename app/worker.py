@@ -68,6 +68,9 @@ class TokenOut:
     text: str
     special: bool
     logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
+    # What proposed it (app.engine.generation.SOURCES), and which of the request's target passes kept it (from 1).
+    source: str = "target"
+    target_pass: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,17 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class PassFigures:
+    """What one target pass of a request did: the playground's per-pass figures (provenance, docs/service.md)."""
+
+    target_pass: int  # from 1: the pass that ended the prefill is the first
+    drafted: int  # tokens the draft proposed for this pass to verify (0: none, as after the prefill)
+    accepted: int  # of them, those the target kept
+    draft_seconds: float
+    verify_seconds: float  # in a batch, the whole batch's forward
+
+
+@dataclass(frozen=True)
 class StepEvent:
     """The tokens one step added; the last step of a request also carries `finished`."""
 
@@ -90,6 +104,7 @@ class StepEvent:
     finished: Finished | None = None
     # When asked, on the request's first event: one per prompt token (None for the first, which nothing predicts).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    figures: PassFigures | None = None  # the target pass this step was (None for events not made by a step)
 
 
 class _TokenTexts:
@@ -121,7 +136,12 @@ class _TokenTexts:
             self._prefix, self._read = self._read, len(self._ids)
 
     def split(
-        self, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] | None = None
+        self,
+        token_ids: Sequence[int],
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        sources: Sequence[str] = (),
+        target_pass: int = 0,
     ) -> tuple[TokenOut, ...]:
         start, end = self._released, self._released + len(text)
         cursor = start
@@ -131,7 +151,9 @@ class _TokenTexts:
                 self._advance(tid)
             cut = end if i == len(token_ids) - 1 else min(max(self._decoded, cursor), end)
             logprob = logprobs[i] if logprobs is not None else None
-            out.append(TokenOut(tid, text[cursor - start : cut - start], tid in self._special, logprob))
+            source = sources[i] if i < len(sources) else "target"
+            piece = text[cursor - start : cut - start]
+            out.append(TokenOut(tid, piece, tid in self._special, logprob, source, target_pass))
             cursor = cut
         self._released = end
         return tuple(out)
@@ -160,6 +182,7 @@ class _Job:
     started: float | None = None  # the worker started its generation
     first_token: float | None = None  # its first tokens were delivered
     generated: int = 0
+    passes: int = 0  # target passes that ended in tokens (or the end), the prefill's included
     drafted: int = 0
     accepted: int = 0
 
@@ -553,7 +576,8 @@ class Scheduler:
             raise out
         if not out.token_ids and out.finish_reason is None:
             return not job.ended  # a step that prefilled part of the prompt: nothing to send yet
-        tokens = job.texts.split(out.token_ids, out.text, out.logprobs)
+        job.passes += 1
+        tokens = job.texts.split(out.token_ids, out.text, out.logprobs, out.sources, job.passes)
         if job.ended:  # cancelled or timed out while its step ran: the client is gone
             return False
         now = time.monotonic()
@@ -583,5 +607,6 @@ class Scheduler:
             # Counted before the event leaves: the route gives the ticket up as soon as it has read it.
             self._end(job, "success", finished.finish_reason)
         prompt = tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None
-        job.post(StepEvent(tokens, finished, prompt))
+        figures = PassFigures(job.passes, out.drafted, out.accepted, out.draft_seconds, out.verify_seconds)
+        job.post(StepEvent(tokens, finished, prompt, figures))
         return finished is None

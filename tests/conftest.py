@@ -45,6 +45,13 @@ TARGET_NAME = "smollm2-135m-instruct"
 SPECBENCH = REPO_ROOT.parent / "shared" / "bench" / "specbench-dev.jsonl"
 
 
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """asyncio only, the loop uvicorn serves on: anyio's plugin would also run every async test on trio, which
+    the browser tests' selenium installs, and the app's thread pools need a running asyncio loop."""
+    return "asyncio"
+
+
 # --- the real target ---------------------------------------------------------------------------------------
 
 

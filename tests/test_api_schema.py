@@ -1,7 +1,8 @@
 """A short fuzz of the OpenAPI schema in process: whatever schemathesis sends, valid or not, is never a 5xx.
 
 Limits are tiny (2 new tokens) so that the generations it triggers are cheap. The two-minute run the issue
-asks for is `schemathesis run http://127.0.0.1:PORT/openapi.json` against `specserve serve` (README.md).
+asks for is `schemathesis run http://127.0.0.1:PORT/openapi.json` against `specserve serve`
+(docs/service.md, Testing the service).
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, 
     p = body.parameters
     if stream and p.decoder_input_details:
         raise APIError("validation", "parameters.decoder_input_details: not supported when streaming (as TGI)")
+    if not stream and p.provenance:
+        raise APIError("validation", "parameters.provenance: only for streamed answers (/generate_stream)")
     # Every token's log-probability where tokens are returned (as TGI gives them), the prompt's with
     # decoder_input_details: the engine computes them only then.
     shown = stream or p.details
@@ -128,6 +130,7 @@ async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -
     prepared = await _prepare(runtime, settings, body, stream=True)
     ticket = jobs.submit(runtime, settings, prepared)
     names = TokenNames(runtime.tokenizer) if body.parameters.top_n_tokens else None
+    provenance = body.parameters.provenance
 
     async def events() -> AsyncIterator[str]:
         index = 0
@@ -138,6 +141,9 @@ async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -
                     event = StreamResponse(index=index, token=_token(tok))
                     if names is not None:
                         event.top_tokens = tgi_top_tokens(names, tok.logprob)
+                    if provenance:  # the step's pass goes with its first token
+                        passes = [step.figures] if n == 1 and step.figures is not None else []
+                        event.provenance = jobs.provenance([tok], passes)
                     if step.finished is not None and n == len(step.tokens):
                         f = step.finished
                         event.generated_text = _full_text(body, f)

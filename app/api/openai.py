@@ -197,6 +197,7 @@ def _stream(
     lead: Callable[[int, StepEvent], Sequence[CompletionResponse]] | None = None,
     logprobs: bool = False,
     continuous_usage: bool = False,
+    provenance: bool = False,
 ) -> StreamingResponse:
     """SSE of a request's generations: `chunk(index, text, finish_reason, tokens)` per step of choice `index` that
     adds text, or tokens whose `logprobs` were asked for (a speculative step's accepted tokens share one chunk, as
@@ -205,8 +206,18 @@ def _stream(
     events. A chat choice's finish reason comes in a chunk of its own (an empty delta), after its last piece, as
     OpenAI sends it: the openai SDK's stream helper closes a tool call (`.done`, its parsed arguments) only when a
     later chunk says so. Then the usage when asked, then ``[DONE]``. With `continuous_usage` (vLLM's
-    `stream_options.continuous_usage_stats`) every chunk carries the usage so far."""
+    `stream_options.continuous_usage_stats`) every chunk carries the usage so far. With `provenance` every step's
+    tokens go too (a step's without text in the next chunk of its choice) and each chunk carries the provenance
+    of the tokens and passes since the choice's previous one."""
     generated = [0] * len(tickets)
+    unsent = [jobs.ProvenanceBuffer() for _ in tickets]
+
+    def with_provenance(
+        index: int, event: CompletionResponse | ChatCompletionChunk
+    ) -> CompletionResponse | ChatCompletionChunk:
+        if provenance:
+            event.provenance = unsent[index].take()
+        return event
 
     def sent(event: CompletionResponse | ChatCompletionChunk) -> str:
         if continuous_usage:
@@ -225,6 +236,8 @@ def _stream(
                 for event in lead(index, step) if lead is not None else ():
                     yield sent(event)
                 generated[index] += len(step.tokens)
+                if provenance:
+                    unsent[index].add(step)
                 text = "".join(tok.text for tok in step.tokens)
                 if step.finished is not None:
                     event = chunk(index, text, _FINISH[step.finished.finish_reason], step.tokens)
@@ -234,16 +247,16 @@ def _stream(
                         if choice.delta.model_dump() or choice.logprobs is not None:
                             last_piece = event.model_copy(deep=True)
                             last_piece.choices[0].finish_reason = None
-                            yield sent(last_piece)
+                            yield sent(with_provenance(index, last_piece))
                             choice.delta, choice.logprobs = ChatDelta(), None
                     event.speculative = jobs.speculative_details(runs[index], step.finished)
                     event.seed = step.finished.seed
-                    yield sent(event)
+                    yield sent(with_provenance(index, event))
                     done.append(step.finished)
-                elif text or (logprobs and step.tokens):
+                elif text or ((logprobs or provenance) and step.tokens):
                     event = chunk(index, text, None, step.tokens)
                     if event is not None:
-                        yield sent(event)
+                        yield sent(with_provenance(index, event))
             if include_usage:
                 usage = chunk(0, None, None, ())
                 assert usage is not None
@@ -295,7 +308,8 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             decoding=body.decoding(),
             penalties=body.penalties(),
             truncate=body.truncate_prompt_tokens,
-            logprobs=body.logprobs,
+            # provenance reports each token's log-probability: the engine computes them only when asked
+            logprobs=body.logprobs if body.logprobs is not None or not body.provenance else 0,
             prompt_logprobs=max(wanted) if wanted else None,
             grammar=body.grammar(),
         )
@@ -333,6 +347,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
                 first,
                 logprobs=body.logprobs is not None,
                 continuous_usage=continuous,
+                provenance=body.provenance,
             )
         pending = set(range(len(runs)))
 
@@ -349,7 +364,15 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             return [echo_chunk]
 
         return _stream(
-            tickets, runs, chunk, include_usage, prompt_tokens, lead=lead, logprobs=True, continuous_usage=continuous
+            tickets,
+            runs,
+            chunk,
+            include_usage,
+            prompt_tokens,
+            lead=lead,
+            logprobs=True,
+            continuous_usage=continuous,
+            provenance=body.provenance,
         )
     try:
         outcomes = await jobs.run_all_to_end(tickets, request)
@@ -421,7 +444,8 @@ async def chat_completions(
         decoding=body.decoding(),
         penalties=body.penalties(),
         truncate=body.truncate_prompt_tokens,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        # provenance reports each token's log-probability: the engine computes them only when asked
+        logprobs=(body.top_logprobs or 0) if body.logprobs else 0 if body.provenance else None,
         prompt_logprobs=body.prompt_logprobs,
         grammar=tools.grammar(body) or body.grammar(),
     )
@@ -470,6 +494,7 @@ async def chat_completions(
             len(prepared.prompt_ids),
             logprobs=bool(body.logprobs),
             continuous_usage=continuous,
+            provenance=body.provenance,
         )
     try:
         outcomes = await jobs.run_all_to_end(tickets, request)

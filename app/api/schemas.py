@@ -361,7 +361,64 @@ class OpenAIErrorResponse(BaseModel):
     error: OpenAIErrorDetail
 
 
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _delta_field(description: str | None = None) -> Any:
+    """A field of a streamed delta that is left out of the JSON when None, as OpenAI sends deltas: clients add
+    each field of a delta to what they have (the openai SDK copies a `type` even when it is null)."""
+    return Field(None, exclude_if=_unset, description=description)
+
+
 # --- our extension -----------------------------------------------------------------------------------------
+
+_PROVENANCE = (
+    "our extension: add `provenance` to every streamed event, saying what proposed each token (the draft, prompt "
+    "lookup, the target's correction or bonus token...) and what each target pass did; only when streaming "
+    "(docs/service.md, Provenance)"
+)
+
+
+class ProvenanceToken(BaseModel):
+    """One generated token and what proposed it."""
+
+    model_config = ConfigDict(serialize_by_alias=True)
+
+    id: int
+    text: str = Field(description="the text it added (as the event's token or delta)")
+    source: Literal["target", "draft", "lookup", "forced", "correction", "bonus"] = Field(
+        description="`draft`: proposed by the model draft and accepted; `lookup`: by prompt lookup, accepted; "
+        "`correction`: the target's token in place of the first rejected drafted one; `bonus`: the target's token "
+        "after every drafted one was accepted; `target`: the target's token in a pass without a draft; `forced`: "
+        "the only token the grammar allowed"
+    )
+    target_pass: int = Field(serialization_alias="pass", description="which target pass kept it, from 1 (prefill)")
+    logprob: float | None = Field(description="its log-probability under the target's raw distribution")
+
+
+class ProvenancePass(BaseModel):
+    """What one target pass of the request did."""
+
+    model_config = ConfigDict(serialize_by_alias=True)
+
+    target_pass: int = Field(serialization_alias="pass", description="from 1: the pass that ended the prefill")
+    drafted: int = Field(description="tokens the draft proposed for this pass to verify: the draft length")
+    accepted: int = Field(description="of them, the ones the target kept")
+    draft_ms: float = Field(description="milliseconds drafting them took")
+    verify_ms: float = Field(description="milliseconds the target's pass took (a batch's: the whole batch's)")
+
+
+class Provenance(BaseModel):
+    """Where the tokens of a streamed event came from (with `provenance: true`)."""
+
+    tokens: list[ProvenanceToken] = Field(description="the event's tokens, in order")
+    passes: list[ProvenancePass] = Field(description="the target passes whose first token is in this event")
+
+
+def _provenance_field() -> Any:
+    # Left out when None: without the request field a stream is byte for byte what it was without the feature.
+    return Field(None, exclude_if=_unset, description="with `provenance: true` only (our extension)")
 
 
 class SpeculativeParameters(BaseModel):
@@ -474,6 +531,7 @@ class GenerateParameters(BaseModel):
     grammar: TGIGrammar | None = Field(None, description="the output follows this JSON schema or regex")
     adapter_id: _neutral_only(str | None, None) = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
+    provenance: bool = Field(False, description=_PROVENANCE)
 
     @model_validator(mode="after")
     def _sampling_is_consistent(self) -> GenerateParameters:
@@ -575,6 +633,7 @@ class StreamResponse(BaseModel):
     top_tokens: list[Token] | None = Field(None, description="with top_n_tokens: the most likely tokens here")
     generated_text: str | None = Field(None, description="the whole text, on the last event only")
     details: StreamDetails | None = Field(None, description="on the last event only, when parameters.details")
+    provenance: Provenance | None = _provenance_field()
 
 
 # --- OpenAI API --------------------------------------------------------------------------------------------
@@ -694,6 +753,7 @@ class _OpenAISampling(BaseModel):
     logit_bias: _neutral_only(dict[str, float] | None, None, {}) = None
     user: str | None = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
+    provenance: bool = Field(False, description=_PROVENANCE)
     # vLLM's extra sampling parameters that are honoured
     ignore_eos: bool = Field(False, description="vLLM's: go on past the end-of-sequence token (to max_tokens)")
     min_tokens: _int(ge=0) = Field(
@@ -759,6 +819,8 @@ class _OpenAISampling(BaseModel):
             raise ValueError(_GREEDY_N.format(n=self.n))
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available when streaming (as vLLM): send stream false")
+        if self.provenance and not self.stream:
+            raise ValueError("provenance: only for streamed answers: send stream true")
         constraints = [name for name in _CONSTRAINTS if self._constraint(name) is not None]
         if len(constraints) > 1:
             raise ValueError(f"{' and '.join(constraints)}: send one output constraint, not several")
@@ -1082,6 +1144,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     speculative: SpeculativeDetails | None = Field(None, description="our extension (on the last chunk too)")
+    provenance: Provenance | None = _provenance_field()
 
 
 class FunctionCall(BaseModel):
@@ -1140,16 +1203,6 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: when the request sent prompt_logprobs")
 
 
-def _unset(value: Any) -> bool:
-    return value is None
-
-
-def _delta_field(description: str | None = None) -> Any:
-    """A field of a streamed delta that is left out of the JSON when None, as OpenAI sends deltas: clients add
-    each field of a delta to what they have (the openai SDK copies a `type` even when it is null)."""
-    return Field(None, exclude_if=_unset, description=description)
-
-
 class FunctionCallDelta(BaseModel):
     name: str | None = _delta_field("on a call's first delta only")
     arguments: str = Field(description="the next piece of the arguments' JSON text")
@@ -1189,6 +1242,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     speculative: SpeculativeDetails | None = None
+    provenance: Provenance | None = _provenance_field()
 
 
 class ModelCard(BaseModel):

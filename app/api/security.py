@@ -4,7 +4,8 @@
 one; the id goes back in the ``X-Request-ID`` response header and into every log record of the request.
 
 `APIKeyGuard` refuses, with 401 in the API's error shape, any request without ``Authorization: Bearer
-<key>`` except to the open paths (``/health``, and ``/metrics`` when the settings say so). The key is
+<key>`` except to the open paths (``/health``, and ``/metrics`` when the settings say so) and a ``GET`` of the
+open pages (the playground, which asks for the key itself). The key is
 compared in constant time. It runs before the body is read, so an unauthenticated client cannot make the
 server buffer a body.
 """
@@ -67,14 +68,25 @@ def _bearer_token(scope: Scope) -> bytes | None:
 class APIKeyGuard:
     """ASGI middleware: 401 for a request without the API key, except to `open_paths`."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: Iterable[str], metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str,
+        open_paths: Iterable[str],
+        metrics: Metrics | None = None,
+        open_pages: Iterable[str] = (),
+    ) -> None:
         self.app = app
         self._key = api_key.encode("utf-8")
         self.open_paths = frozenset(open_paths)
+        self.open_pages = frozenset(open_pages)
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] in ("GET", "HEAD") and scope["path"] in self.open_pages:
             await self.app(scope, receive, send)
             return
         token = _bearer_token(scope)
