@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SYSPY ?= python3
 
-.PHONY: install fetch serve test lint generate docker-test
+.PHONY: install fetch serve test test-fast lint generate docker-test
 PROMPT ?= Explain speculative decoding in two sentences.
 TARGET ?= smollm2-135m-instruct
 # Test processes: two share a 2-core CI machine best (see tests/conftest.py); more each load the models again.
@@ -33,12 +33,18 @@ generate: fetch
 	$(VENV)/bin/specserve generate "$(PROMPT)" --compare
 
 test: fetch
-	$(VENV)/bin/ruff check app tests docker
+	$(VENV)/bin/ruff check app tests docker tools
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# The fast loop: every test that runs without the real pretrained target (tiny models, toy tokenizers; the
+# `slow` marker, tests/conftest.py), in under two minutes.
+test-fast: install
+	$(VENV)/bin/ruff check app tests docker tools
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+
 lint: install
-	$(VENV)/bin/ruff check app tests docker
-	$(VENV)/bin/ruff format --check app tests docker
+	$(VENV)/bin/ruff check app tests docker tools
+	$(VENV)/bin/ruff format --check app tests docker tools
 
 # The image and the compose stack built and run for real (docker/ci/test.sh: as root, with Debian's packages
 # and PyPI; no Docker Hub needed). No venv needed either.

@@ -21,10 +21,7 @@ from app import __version__
 from app.engine.defaults import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_DRAFT_SCHEDULE,
-    DEFAULT_NUM_DRAFT_TOKENS,
     SAMPLERS,
-    WEIGHTS,
-    WEIGHTS_HELP,
 )
 from app.store import ModelStoreError
 from app.synthetic import FORMATS as SYNTHETIC_FORMATS
@@ -136,42 +133,18 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--input", metavar="FILE.jsonl", help="Spec-Bench-format lines; the first turn is used")
     parser.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts of --input")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    parser.add_argument("--target", default=None, help="catalog name or path (default: smollm2-135m-instruct)")
-    parser.add_argument(
-        "--draft", default="default", help="default | none | ngram | catalog NAME | PATH (default: default)"
-    )
-    parser.add_argument(
-        "--num-draft-tokens",
-        "-k",
-        type=int,
-        default=DEFAULT_NUM_DRAFT_TOKENS,
-        help=f"tokens drafted per step (the most, when adaptive; default {DEFAULT_NUM_DRAFT_TOKENS})",
-    )
-    parser.add_argument(
-        "--schedule",
-        default=DEFAULT_DRAFT_SCHEDULE,
-        choices=["adaptive", "heuristic", "fixed"],
-        help=f"draft length per step (default {DEFAULT_DRAFT_SCHEDULE})",
-    )
-    parser.add_argument(
-        "--p-min",
-        type=float,
-        default=DEFAULT_DRAFT_P_MIN,
-        help=f"confidence cut-off of a model draft (0: none; default {DEFAULT_DRAFT_P_MIN})",
+    # The engine's flags as serve spells them, with its help and defaults (app.settings, one table).
+    _add_setting_flags(
+        parser,
+        ["target", "draft", "num_draft_tokens", "draft_schedule", "draft_p_min", "dtype", "weights", "device"],
+        {"num_draft_tokens": ["-k"], "draft_schedule": ["--schedule"], "draft_p_min": ["--p-min"]},
     )
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    _add_weights_argument(parser)
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--compare", action="store_true", help="also run target-only and print the speedup")
     _add_sampling_arguments(parser)
     parser.set_defaults(func=_cmd_generate)
-
-
-def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--weights", default="auto", choices=WEIGHTS, help=f"{WEIGHTS_HELP} (default: auto)")
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, samplers: bool = False) -> None:
@@ -300,8 +273,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             stop=tuple(args.stop),
             num_draft_tokens=args.num_draft_tokens,
-            draft_schedule=args.schedule,
-            draft_p_min=args.p_min,
+            draft_schedule=args.draft_schedule,
+            draft_p_min=args.draft_p_min,
             **sampling,
         )
         stream = not args.json and len(prompts) == 1
@@ -384,7 +357,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--draft", action="append", default=None, help="draft to measure (repeatable; default: default and ngram)"
     )
     parser.add_argument(
+        "--draft-schedule",
         "--schedule",
+        dest="schedule",
         action="append",
         choices=["adaptive", "heuristic", "fixed"],
         default=None,
@@ -392,7 +367,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         f"{DEFAULT_DRAFT_SCHEDULE})",
     )
     parser.add_argument(
+        "--draft-p-min",
         "--p-min",
+        dest="p_min",
         type=float,
         default=None,
         help=f"confidence cut-off of model drafts (default: the engine's, {DEFAULT_DRAFT_P_MIN})",
@@ -404,16 +381,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="rows of a tree verification (repeatable: one configuration each; 0: chains; default: the engine's)",
     )
-    parser.add_argument(
-        "--num-draft-tokens",
-        "-k",
-        type=int,
-        default=DEFAULT_NUM_DRAFT_TOKENS,
-        help=f"tokens drafted per step (the most; default {DEFAULT_NUM_DRAFT_TOKENS})",
-    )
+    # As serve spells them (app.settings, one table).
+    _add_setting_flags(parser, ["num_draft_tokens", "dtype", "weights"], {"num_draft_tokens": ["-k"]})
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    _add_weights_argument(parser)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     parser.add_argument(
         "--llama-cpp",
@@ -683,6 +653,29 @@ def _serve_flags() -> list[tuple[str, str, dict[str, Any]]]:
             raise TypeError(f"Settings.{field}: no serve flag for a {annotation!r}")
         flags.append(("--" + field.replace("_", "-"), field, kwargs))
     return flags
+
+
+def _add_setting_flags(
+    parser: argparse.ArgumentParser, fields: Sequence[str], aliases: dict[str, list[str]] | None = None
+) -> None:
+    """Flags for the settings `fields` as serve has them (`_serve_flags`: name, help, type), for a command that
+    runs the engine itself: with the settings' defaults as values (no environment to fall back on), checked
+    by argparse where the setting lists its choices. `aliases`: more spellings of a flag (older ones)."""
+    import typing
+
+    from app.settings import Settings
+
+    table = {field: (flag, kwargs) for flag, field, kwargs in _serve_flags()}
+    for field in fields:
+        flag, kwargs = table[field]
+        info = Settings.model_fields[field]
+        default = info.default
+        kwargs = {**kwargs, "default": default}
+        annotation = info.annotation
+        if typing.get_origin(annotation) is typing.Literal:
+            kwargs.pop("metavar", None)
+            kwargs["choices"] = list(typing.get_args(annotation))
+        parser.add_argument(flag, *(aliases or {}).get(field, []), **kwargs)
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> None:

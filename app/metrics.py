@@ -12,9 +12,13 @@ at a position. Each app has its own registry so that several apps (tests) can li
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:  # the metrics load without torch
+    from app.engine.step import StepOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -285,26 +289,18 @@ class Metrics:
         self.queue_time.observe(queue_seconds)
         self.prompt_tokens.inc(prompt_tokens)
 
-    def step(
-        self,
-        tokens: int,
-        drafted: int,
-        accepted: int,
-        draft_seconds: float,
-        target_seconds: float,
-        prefill: bool,
-        forced: int = 0,
-    ) -> None:
-        """One target pass of one generation: it produced `tokens`, verifying `drafted` tokens drafted at
-        positions 0..drafted-1, of which the first `accepted` were accepted, and kept `forced` tokens a grammar
-        forced."""
+    def step(self, out: StepOutput, tokens: int, prefill: bool) -> None:
+        """One target pass of one generation (`out`, the engine's record of it): it delivered `tokens`, verifying
+        `out.drafted` tokens drafted at positions 0..drafted-1, of which the first `out.accepted` were accepted,
+        and kept `out.forced` tokens a grammar forced."""
+        drafted, accepted = out.drafted, out.accepted
         self.target_passes.inc()
-        self.num_forced_tokens.inc(forced)
+        self.num_forced_tokens.inc(out.forced)
         self.generation_tokens.inc(tokens)
         self.tokens_per_pass.observe(tokens)
-        self.target_time.observe(target_seconds)
+        self.target_time.observe(out.verify_seconds)
         if not prefill:
-            self.draft_time.observe(draft_seconds)
+            self.draft_time.observe(out.draft_seconds)
             self.draft_length.observe(drafted)
         if drafted:
             self.num_drafts.inc()

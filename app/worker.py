@@ -28,13 +28,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.engine import Engine
 from app.engine.generation import Generation
 from app.engine.model.tokenizer import Tokenizer
-from app.engine.step import GenerationError, GenerationParams, StepOutput
+from app.engine.step import GenerationError, GenerationParams, GenerationStats, StepOutput
 from app.engine.threads import ThreadGovernor
 from app.logs import current_request_id
 from app.metrics import Metrics, RequestRecord
@@ -81,7 +80,7 @@ class Finished:
     text: str
     prompt_tokens: int
     generated_tokens: int
-    stats: dict[str, Any]
+    stats: GenerationStats  # the engine's record of the request (no longer updated: it finished)
     seed: int | None = None  # the seed sampling used (the request's, or a random one); None for greedy decoding
 
 
@@ -530,7 +529,7 @@ class Scheduler:
 
     def _release_memory(self) -> None:
         # glibc keeps what a long prefill's activations and a cache freed in its arenas for the next allocation.
-        # Measured (tests/_measure_rss.py, float32): RSS 945 MB idle, 1,089-1,172 MB after each max-length
+        # Measured (tools/measure_rss.py, float32): RSS 945 MB idle, 1,089-1,172 MB after each max-length
         # request without this, 933-942 MB with it; one malloc_trim(0) took 19 ms.
         if self._trim_due:
             self._trim_due = False
@@ -587,9 +586,7 @@ class Scheduler:
         if job.first_token is None and tokens:
             job.first_token = now
         if self.metrics is not None:
-            self.metrics.step(
-                len(tokens), out.drafted, out.accepted, out.draft_seconds, out.verify_seconds, first, out.forced
-            )
+            self.metrics.step(out, len(tokens), first)
             self.metrics.tokens_delivered(now - job.last_delivery, len(tokens), first)
         job.last_delivery = now
         finished = None
@@ -600,7 +597,7 @@ class Scheduler:
                 gen.text,
                 len(job.prompt_ids),
                 gen.stats.generated_tokens,
-                gen.stats.to_dict(),
+                gen.stats,
                 seed=gen.seed,
             )
         if finished is not None:

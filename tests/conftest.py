@@ -42,7 +42,8 @@ if _WORKERS > 1:
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_NAME = "smollm2-135m-instruct"
-SPECBENCH = REPO_ROOT.parent / "shared" / "bench" / "specbench-dev.jsonl"
+SPECBENCH = REPO_ROOT.parent / "shared" / "bench" / "specbench-dev.jsonl"  # read only where present
+BENCH_PROMPTS = REPO_ROOT / "app" / "bench_prompts.jsonl"
 
 
 @pytest.fixture(scope="session")
@@ -98,7 +99,7 @@ def packed_target(target_f32: LoadedModel, target_bf16: LoadedModel) -> Callable
         if name not in made:
             model = copy.deepcopy(target_bf16.model)
             with use_kernel(name):
-                model.pack()
+                model.pack(kernels.kernel())
             made[name] = LoadedModel(model, target_f32.tokenizer, f"bf16 on {name}", 0.0)
         return made[name]
 
@@ -135,9 +136,10 @@ def hf_tokenizer(target_path: Path):
 
 
 @pytest.fixture(scope="session")
-def specbench_first_turns() -> list[str]:
-    """The first turns of the first three Spec-Bench rows: prompts nobody here picked by hand."""
-    rows = [json.loads(line) for line in SPECBENCH.read_text(encoding="utf-8").splitlines() if line.strip()]
+def first_turns() -> list[str]:
+    """The first turns of the first three of `specserve bench`'s own prompts (app/bench_prompts.jsonl: writing,
+    role-play, reasoning), shipped with the package: the tests read nothing outside the repository."""
+    rows = [json.loads(line) for line in BENCH_PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [row["turns"][0] for row in rows[:3]]
 
 
@@ -301,3 +303,27 @@ def _sse_data(body: str) -> list[str]:
 def sse_data() -> Callable[[str], list[str]]:
     """`sse_data(body)`: the `data:` payloads of a server-sent-event stream."""
     return _sse_data
+
+
+# --- the fast loop -------------------------------------------------------------------------------------------
+
+# Modules that run the real target without the fixtures below (a server process, the CLI, `build_engine`).
+_REAL_TARGET_MODULES = {
+    "test_bench",
+    "test_cli_generate",
+    "test_clients",
+    "test_distill",
+    "test_prometheus",
+    "test_server_lifecycle",
+    "test_server_process",
+    "test_ui",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that load the real pretrained target are `slow` (every fixture built on `target_path`, and the
+    modules above): `make test-fast` (`-m "not slow"`) runs the rest, on tiny models and toy tokenizers."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        if "target_path" in getattr(item, "fixturenames", ()) or module in _REAL_TARGET_MODULES:
+            item.add_marker(pytest.mark.slow)

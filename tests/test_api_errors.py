@@ -282,7 +282,17 @@ class _ExplodingDraft(Drafter, DraftSession):
 @pytest.fixture(scope="module")
 def fragile_engine(api_engine) -> Engine:
     drafters = {"ngram": NgramDrafter(), "boom": _ExplodingDraft()}
-    return Engine(api_engine.target, api_engine.tokenizer, drafters, "ngram", 4)
+    return Engine(
+        api_engine.target,
+        api_engine.tokenizer,
+        drafters,
+        "ngram",
+        4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
 
 
 async def test_a_failing_request_fails_alone(api_client, fragile_engine, sse_data) -> None:

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 from _provenance import check_provenance
 
-from app.engine.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-from app.engine.generation import Engine
-from app.engine.loading import LoadedModel
+from app.engine.drafting.hybrid import HybridDrafter
+from app.engine.drafting.model import ModelDrafter
+from app.engine.drafting.ngram import NgramDrafter
+from app.engine.engine import Engine
+from app.engine.model.loading import LoadedModel
 
 pytestmark = pytest.mark.anyio
 
@@ -32,7 +34,17 @@ def drafting_engine(target_f32: LoadedModel, target_bf16: LoadedModel) -> Engine
     """The float32 target with prompt lookup, its bfloat16 self as a model draft, and the hybrid of the two."""
     model = ModelDrafter("self", target_bf16, target_f32)
     drafters = {"ngram": NgramDrafter(), "self": model, "hybrid": HybridDrafter("hybrid", model)}
-    return Engine(target_f32.model, target_f32.tokenizer, drafters, "ngram", 4)
+    return Engine(
+        target_f32.model,
+        target_f32.tokenizer,
+        drafters,
+        "ngram",
+        4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
 
 
 def _events(sse_data, body: str) -> list[dict[str, Any]]:

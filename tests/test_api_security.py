@@ -191,7 +191,15 @@ def json_log() -> io.StringIO:
 
 async def test_no_traceback_in_answers_and_the_id_in_the_log(api_engine, json_log) -> None:
     engine = Engine(
-        api_engine.target, api_engine.tokenizer, {"ngram": NgramDrafter(), "boom": _ExplodingDraft()}, "ngram", 4
+        api_engine.target,
+        api_engine.tokenizer,
+        {"ngram": NgramDrafter(), "boom": _ExplodingDraft()},
+        "ngram",
+        4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
     )
     app = create_app(Settings(), engine)
 

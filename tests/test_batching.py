@@ -19,9 +19,9 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def prompts(target_f32, specbench_first_turns) -> list[list[int]]:
+def prompts(target_f32, first_turns) -> list[list[int]]:
     tok = target_f32.tokenizer
-    turns = [*specbench_first_turns, "Write a haiku about rain.", "List three uses of copper."]
+    turns = [*first_turns, "Write a haiku about rain.", "List three uses of copper."]
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in turns]
 
 
@@ -90,9 +90,19 @@ def test_step_batch_gives_every_request_its_tokens_alone(packed_target, target_f
     packed = packed_target(kernel)
     model = packed.model
     drafters = {"f32": ModelDrafter("f32", target_f32, packed), "ngram": NgramDrafter()}
-    engine = Engine(model, packed.tokenizer, drafters, "f32", 4, draft_schedule=schedule)
+    engine = Engine(
+        model,
+        packed.tokenizer,
+        drafters,
+        "f32",
+        4,
+        draft_schedule=schedule,
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     assert engine.batching == (kernel != "torch")
-    params = GenerationParams(max_new_tokens=MAX_NEW)
+    params = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=4)
     jobs = [(p, d) for p, d in zip(prompts, ["f32", "ngram", "none", "f32", "ngram"], strict=True)]
     # torch's path: slow products on some CPUs (the float32 draft most); three requests show it steps them apart.
     if kernel == "torch":
@@ -127,8 +137,18 @@ class _BrokenDrafter(Drafter):
 def test_step_batch_keeps_a_failure_to_its_request(packed_target, prompts):
     drafters = {"broken": _BrokenDrafter(), "ngram": NgramDrafter()}
     packed = packed_target(KERNELS[0])
-    engine = Engine(packed.model, packed.tokenizer, drafters, "ngram", 3)
-    params = GenerationParams(max_new_tokens=6)
+    engine = Engine(
+        packed.model,
+        packed.tokenizer,
+        drafters,
+        "ngram",
+        3,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
+    params = GenerationParams(max_new_tokens=6, num_draft_tokens=4)
     expected = _run_alone(engine, prompts[0], params, "ngram")
     gens = [engine.start(prompts[0], params, "ngram"), engine.start(prompts[1], params, "broken")]
     engine.step_batch(gens)  # both prefill
@@ -150,7 +170,7 @@ def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts, kernel):
         engine, _ = build_engine(num_draft_tokens=6, dtype="bfloat16", device="cpu")
     assert engine.kernel == kernel
     assert engine.default_draft == "hybrid" and "smollm2-135m-instruct-eagle" in engine.drafters
-    params = GenerationParams(max_new_tokens=MAX_NEW)
+    params = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=4)
     jobs = [(p, d) for p, d in zip(prompts, ["default", "hybrid", "default", "none", "hybrid"], strict=True)]
     alone = [_run_alone(engine, p, params, d) for p, d in jobs]
     gens = [engine.start(p, params, d) for p, d in jobs]
@@ -180,7 +200,9 @@ def test_seeded_sampling_is_target_only_sampling_whatever_the_draft_and_the_batc
         jobs = [jobs[0], jobs[1], jobs[4]]
 
     def params(schedule, seed):
-        return GenerationParams(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.95, draft_schedule=schedule, seed=seed)
+        return GenerationParams(
+            max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.95, draft_schedule=schedule, seed=seed, num_draft_tokens=4
+        )
 
     target_only = [_run_alone(engine, p, params(None, seed), "none") for p, _, _, seed in jobs]
     alone = [_run_alone(engine, p, params(sched, seed), d) for p, d, sched, seed in jobs]
@@ -212,7 +234,7 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kerne
     assert chunked
     assert engine.prefill_chunk == (64 if chunked else 0)
     long_prompt = [t for p in prompts for t in p][:300]
-    params = GenerationParams(max_new_tokens=MAX_NEW)
+    params = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=4)
     jobs = [(prompts[0], "hybrid"), (prompts[1], "none"), (long_prompt, "hybrid")]
     alone = [_run_alone(engine, p, params, d) for p, d in jobs]
     gens = [engine.start(p, params, d) for p, d in jobs[:2]]
@@ -241,8 +263,18 @@ def test_a_short_prompt_goes_before_long_ones_and_a_lone_long_prompt_is_chunked(
     being prefilled gets its first token at the next step, and a long prompt prefilling alone still goes a
     chunk per step (a request arriving meanwhile waits one step, not the whole prompt). Tokens as alone."""
     packed = packed_target(KERNELS[0])
-    engine = Engine(packed.model, packed.tokenizer, {"ngram": NgramDrafter()}, "ngram", 3, prefill_chunk=48)
-    params = GenerationParams(max_new_tokens=4)
+    engine = Engine(
+        packed.model,
+        packed.tokenizer,
+        {"ngram": NgramDrafter()},
+        "ngram",
+        3,
+        prefill_chunk=48,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_step_seconds=0.0,
+    )
+    params = GenerationParams(max_new_tokens=4, num_draft_tokens=4)
     long_prompt = [t for p in prompts for t in p][:200]
     alone = [_run_alone(engine, p, params, "ngram") for p in (long_prompt, prompts[0])]
     late = engine.start(long_prompt, params, "ngram")
@@ -267,11 +299,21 @@ def test_chunks_shrink_with_the_context_to_keep_a_step_near_its_target(packed_ta
     c costing 1 + c / row_keys units (its attention over c keys beside its products), less the decoding rows'
     share; the first chunk, before any measurement, is modest."""
     packed = packed_target(KERNELS[0])
-    engine = Engine(packed.model, packed.tokenizer, {}, "none", 0, prefill_chunk=512, prefill_step_seconds=0.1)
+    engine = Engine(
+        packed.model,
+        packed.tokenizer,
+        {},
+        "none",
+        0,
+        prefill_chunk=512,
+        prefill_step_seconds=0.1,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+    )
     batcher = engine.batcher
     row_keys = batcher.row_keys
     assert 2000 < row_keys < 4000  # SmolLM2-135M: products of ~3.5M weights a layer, attention 576 wide
-    params = GenerationParams(max_new_tokens=2)
+    params = GenerationParams(max_new_tokens=2, num_draft_tokens=4)
     fresh = engine.start(list(range(1, 1001)), params)
     assert 56 <= batcher.chunk_sizes([fresh], [])[0] <= 64  # 64 units
     batcher.unit_seconds = 0.001  # 100 units per step
@@ -299,10 +341,20 @@ def test_torch_path_neither_batches_nor_chunks(make_tiny_model, word_tokenizer):
     are prefilled whole, so that a request's tokens never depend on what runs beside it."""
     model = make_tiny_model(seed=3, vocab_size=64).to(torch.bfloat16)
     with use_kernel("torch"):
-        model.pack()
-    engine = Engine(model, word_tokenizer(64), {"ngram": NgramDrafter()}, "ngram", 3, prefill_chunk=64)
+        model.pack(kernels.kernel())
+    engine = Engine(
+        model,
+        word_tokenizer(64),
+        {"ngram": NgramDrafter()},
+        "ngram",
+        3,
+        prefill_chunk=64,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_step_seconds=0.0,
+    )
     assert not engine.batching and engine.prefill_chunk == 0 and engine.kernel == "torch"
-    params = GenerationParams(max_new_tokens=5)
+    params = GenerationParams(max_new_tokens=5, num_draft_tokens=4)
     gens = [engine.start([3, 1, 4, 1, 5], params), engine.start([2, 7, 1, 8], params)]
     engine.step_batch(gens)
     assert engine.together(gens) == []

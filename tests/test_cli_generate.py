@@ -39,7 +39,9 @@ def _json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
 
 
 def _target_only(loaded, prompt_ids, n) -> list[int]:
-    gen = Generation(loaded.model, loaded.tokenizer, prompt_ids, GenerationParams(max_new_tokens=n), None)
+    gen = Generation(
+        loaded.model, loaded.tokenizer, prompt_ids, GenerationParams(max_new_tokens=n, num_draft_tokens=4), None
+    )
     while not gen.finished:
         gen.step()
     return gen.generated_ids

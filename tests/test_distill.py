@@ -31,8 +31,8 @@ def test_seed_instructions_are_reproducible_distinct_and_varied():
     assert len(starts) > 100  # many kinds of request, not one template
 
 
-def test_no_seed_instruction_comes_from_spec_bench(specbench_first_turns):
-    bench = {t.strip() for t in specbench_first_turns}
+def test_no_seed_instruction_comes_from_spec_bench(first_turns):
+    bench = {t.strip() for t in first_turns}
     ours = instructions.seed_instructions(4000, seed=0)
     assert not bench & set(ours)
     passages = [f"Passage number {i}. It talks about many things in some detail. " * 5 for i in range(20)]

@@ -168,12 +168,24 @@ def test_a_draft_for_another_target_is_refused(target, make_tiny_model, tmp_path
 
 def test_engine_defaults_apply_and_requests_override_them(target, tok):
     drafter = _drafter(target, tok)
-    engine = Engine(target, tok, {"eagle": drafter}, "eagle", 4, draft_schedule="heuristic", draft_p_min=0.2)
+    engine = Engine(
+        target,
+        tok,
+        {"eagle": drafter},
+        "eagle",
+        4,
+        draft_schedule="heuristic",
+        draft_p_min=0.2,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4, num_draft_tokens=4))
     assert (gen.stats.schedule, gen.stats.p_min) == ("heuristic", 0.2)
-    gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4, draft_schedule="fixed", draft_p_min=0.0))
+    gen = engine.start(
+        PROMPT, GenerationParams(max_new_tokens=4, draft_schedule="fixed", draft_p_min=0.0, num_draft_tokens=4)
+    )
     assert (gen.stats.schedule, gen.stats.p_min) == ("fixed", 0.0)
-    gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4), draft="none")
+    gen = engine.start(PROMPT, GenerationParams(max_new_tokens=4, num_draft_tokens=4), draft="none")
     assert gen.stats.schedule == "none"
 
 

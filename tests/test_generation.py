@@ -31,7 +31,7 @@ from app.engine.engine import Engine
 from app.engine.generation import Generation
 from app.engine.model.loading import LoadedModel
 from app.engine.reference import greedy_decode
-from app.engine.step import GenerationError, GenerationParams, NumericalError, StepOutput
+from app.engine.step import GenerationError, GenerationParams, GenerationStats, NumericalError, StepOutput
 from tests.conftest import KERNELS
 
 MAX_NEW = 32
@@ -179,15 +179,15 @@ def _noisy_copy(model, scale: float, seed: int):
 
 
 @pytest.fixture(scope="module")
-def bench_prompts(target_f32, specbench_first_turns) -> list[list[int]]:
+def bench_prompts(target_f32, first_turns) -> list[list[int]]:
     tok = target_f32.tokenizer
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in specbench_first_turns]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in first_turns]
 
 
 @pytest.fixture(scope="module")
 def baseline(target_f32, bench_prompts) -> list[Generation]:
     """Target-only greedy decoding (no draft) of each Spec-Bench prompt."""
-    params = GenerationParams(max_new_tokens=MAX_NEW)
+    params = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=4)
     return [run_checked(target_f32.model, target_f32.tokenizer, p, params, None)[0] for p in bench_prompts]
 
 
@@ -303,7 +303,20 @@ def test_kernel_rows_do_not_depend_on_the_row_count(packed_target, kernel):
     assert model.rows_independent() and model.kernel is not None and model.kernel.name == kernel
     rows, chunk = _one_row_steps_and_a_chunk(model)
     assert torch.equal(rows, chunk)
-    assert Engine(model, packed.tokenizer, {}, "none").verify_width == 0
+    assert (
+        Engine(
+            model,
+            packed.tokenizer,
+            {},
+            "none",
+            num_draft_tokens=4,
+            draft_schedule="fixed",
+            draft_p_min=0.0,
+            prefill_chunk=0,
+            prefill_step_seconds=0.0,
+        ).verify_width
+        == 0
+    )
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -314,9 +327,19 @@ def test_half_precision_speculative_equals_target_only(target_f32, packed_target
     bf16 = packed_target(kernel)
     model = bf16.model
     drafters = {"f32": ModelDrafter("f32", target_f32, bf16), "ngram": NgramDrafter()}
-    engine = Engine(model, target_f32.tokenizer, drafters, "f32", 4)
+    engine = Engine(
+        model,
+        target_f32.tokenizer,
+        drafters,
+        "f32",
+        4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     assert engine.verify_width == (8 if kernel == "torch" else 0)
-    params = GenerationParams(max_new_tokens=MAX_NEW)
+    params = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=4)
     # Drafts wider than the padding: the cache's span (its capacity) must not depend on the draft length.
     long = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=12)
     # Two prompts on this CPU's best kernel, one on the others (their bits equal generic's: test_kernels).
@@ -423,7 +446,7 @@ def test_eos_at_once(tiny_target, word_tokenizer):
     first = expected_greedy(tiny_target, PROMPT, 1, set())[0]
     tok = word_tokenizer(V, [first])
     drafter = ModelDrafter("self", _loaded(tiny_target, tok), _loaded(tiny_target, tok))
-    gen, steps = run_checked(tiny_target, tok, PROMPT, GenerationParams(max_new_tokens=10), drafter)
+    gen, steps = run_checked(tiny_target, tok, PROMPT, GenerationParams(max_new_tokens=10, num_draft_tokens=4), drafter)
     assert gen.generated_ids == [first] and gen.finish_reason == "eos"
     assert gen.text == "" and len(steps) == 1  # the EOS token is kept in the ids, never in the text
 
@@ -487,37 +510,71 @@ def test_stop_string_spanning_tokens_ends_generation(tiny_target, tok, k):
 
 
 def test_step_after_the_end_is_an_error(tiny_target, tok):
-    gen, _ = run_checked(tiny_target, tok, PROMPT, GenerationParams(max_new_tokens=2), None)
+    gen, _ = run_checked(tiny_target, tok, PROMPT, GenerationParams(max_new_tokens=2, num_draft_tokens=4), None)
     with pytest.raises(RuntimeError, match="already finished"):
         gen.step()
 
 
 def test_requests_the_engine_refuses(make_tiny_model, tok):
     target = make_tiny_model(seed=5, vocab_size=V, max_seq_len=32)
-    engine = Engine(target, tok, {"ngram": NgramDrafter()}, default_draft="ngram")
+    engine = Engine(
+        target,
+        tok,
+        {"ngram": NgramDrafter()},
+        default_draft="ngram",
+        num_draft_tokens=4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     with pytest.raises(GenerationError, match="prompt must not be empty"):
-        engine.start([], GenerationParams(max_new_tokens=2))
+        engine.start([], GenerationParams(max_new_tokens=2, num_draft_tokens=4))
     with pytest.raises(GenerationError, match="exceeds the model's context of 32"):
-        engine.start(list(range(30)), GenerationParams(max_new_tokens=3))
-    engine.start(list(range(29)), GenerationParams(max_new_tokens=3))  # exactly at the context: fine
+        engine.start(list(range(30)), GenerationParams(max_new_tokens=3, num_draft_tokens=4))
+    engine.start(
+        list(range(29)), GenerationParams(max_new_tokens=3, num_draft_tokens=4)
+    )  # exactly at the context: fine
     with pytest.raises(GenerationError, match="unknown draft 'nope'"):
-        engine.start(PROMPT, GenerationParams(max_new_tokens=2), draft="nope")
+        engine.start(PROMPT, GenerationParams(max_new_tokens=2, num_draft_tokens=4), draft="nope")
     with pytest.raises(GenerationError, match="max_new_tokens"):
-        engine.start(PROMPT, GenerationParams(max_new_tokens=-1))
+        engine.start(PROMPT, GenerationParams(max_new_tokens=-1, num_draft_tokens=4))
     with pytest.raises(GenerationError, match="num_draft_tokens"):
         engine.start(PROMPT, GenerationParams(max_new_tokens=2, num_draft_tokens=-1))
     with pytest.raises(GenerationError, match=r"\[0, 64\)"):
-        engine.start([1, V], GenerationParams(max_new_tokens=2))
+        engine.start([1, V], GenerationParams(max_new_tokens=2, num_draft_tokens=4))
     with pytest.raises(GenerationError, match="default draft 'missing' is not loaded"):
-        Engine(target, tok, {}, default_draft="missing")
+        Engine(
+            target,
+            tok,
+            {},
+            default_draft="missing",
+            num_draft_tokens=4,
+            draft_schedule="fixed",
+            draft_p_min=0.0,
+            prefill_chunk=0,
+            prefill_step_seconds=0.0,
+        )
 
 
 def test_engine_draft_selection_and_generate(make_tiny_model, tok):
     target = make_tiny_model(seed=5, vocab_size=V)
     ngram = NgramDrafter()
-    engine = Engine(target, tok, {"ngram": ngram}, default_draft="ngram", num_draft_tokens=3)
+    engine = Engine(
+        target,
+        tok,
+        {"ngram": ngram},
+        default_draft="ngram",
+        num_draft_tokens=3,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     assert engine.drafter(None) is ngram and engine.drafter("default") is ngram and engine.drafter("none") is None
-    steps = list(engine.generate(PROMPT, GenerationParams(max_new_tokens=9, ignore_eos=True), draft="none"))
+    steps = list(
+        engine.generate(PROMPT, GenerationParams(max_new_tokens=9, ignore_eos=True, num_draft_tokens=4), draft="none")
+    )
     assert [t for s in steps for t in s.token_ids] == expected_greedy(target, PROMPT, 9, set())
     assert steps[-1].finish_reason == "length" and all(s.drafted == 0 for s in steps)
 
@@ -568,9 +625,19 @@ def _run_engine(engine: Engine, params: GenerationParams, draft_step: float | No
 
 def test_adaptive_drafts_nothing_on_most_steps_when_the_draft_never_agrees_and_rows_cost(tiny_target, tok, monkeypatch):
     drafter = WrongDrafter(tiny_target, V)
-    engine = Engine(tiny_target, tok, {"wrong": drafter}, "wrong", 4, draft_schedule="adaptive")
+    engine = Engine(
+        tiny_target,
+        tok,
+        {"wrong": drafter},
+        "wrong",
+        4,
+        draft_schedule="adaptive",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     verify = _fixed_costs(engine, monkeypatch)
-    params = GenerationParams(max_new_tokens=48, ignore_eos=True)
+    params = GenerationParams(max_new_tokens=48, ignore_eos=True, num_draft_tokens=4)
     gen, steps = _run_engine(engine, params, draft_step=0.0015)
     assert gen.generated_ids == expected_greedy(tiny_target, PROMPT, 48, set())
     # At the drafter's starting acceptance (0.5) a token does not pay (1.5 tokens for 1.6 steps' time): no
@@ -594,9 +661,21 @@ def test_adaptive_hybrid_prices_its_lookup_and_its_model_apart(tiny_target, tok,
     """This target repeats one token: prompt lookup is right every time, while the model part is never."""
     wrong = WrongDrafter(tiny_target, V)
     drafters = {"hybrid": HybridDrafter("hybrid", wrong)}
-    engine = Engine(tiny_target, tok, drafters, "hybrid", 4, draft_schedule="adaptive")
+    engine = Engine(
+        tiny_target,
+        tok,
+        drafters,
+        "hybrid",
+        4,
+        draft_schedule="adaptive",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     _fixed_costs(engine, monkeypatch)
-    gen, steps = _run_engine(engine, GenerationParams(max_new_tokens=40, ignore_eos=True), draft_step=0.0015)
+    gen, steps = _run_engine(
+        engine, GenerationParams(max_new_tokens=40, ignore_eos=True, num_draft_tokens=4), draft_step=0.0015
+    )
     assert gen.generated_ids == expected_greedy(tiny_target, PROMPT, 40, set())
     # The lookup finds a match (of one token) from the second decoding step on; it is verified (free to propose,
     # 0.5 at the start is enough for its row), the model is never asked (at 0.5 its step and row do not pay).
@@ -610,9 +689,19 @@ def test_adaptive_hybrid_drafts_with_its_model_where_that_pays_more(tiny_target,
     """Rows nearly free (AMX-like) and a model part that is the target itself: four model tokens a step pay
     more than the one token the lookup finds in a repeated token."""
     self_draft = ModelDrafter("self", _loaded(tiny_target, tok), _loaded(tiny_target, tok))
-    engine = Engine(tiny_target, tok, {"hybrid": HybridDrafter("hybrid", self_draft)}, "hybrid", 4)
+    engine = Engine(
+        tiny_target,
+        tok,
+        {"hybrid": HybridDrafter("hybrid", self_draft)},
+        "hybrid",
+        4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     _fixed_costs(engine, monkeypatch, row=0.02)
-    params = GenerationParams(max_new_tokens=40, ignore_eos=True, draft_schedule="adaptive")
+    params = GenerationParams(max_new_tokens=40, ignore_eos=True, draft_schedule="adaptive", num_draft_tokens=4)
     gen, steps = _run_engine(engine, params, draft_step=0.0005)
     assert gen.generated_ids == expected_greedy(tiny_target, PROMPT, 40, set())
     # 3 tokens at the starting acceptance (0.5), 4 once they are all accepted; the lookup's one token never.
@@ -623,13 +712,23 @@ def test_adaptive_hybrid_drafts_with_its_model_where_that_pays_more(tiny_target,
 
 def test_calibrate_seeds_the_verification_costs_every_drafter_and_target_only_request_share(tiny_target, tok):
     drafters = {"ngram": NgramDrafter(), "wrong": WrongDrafter(tiny_target, V)}
-    engine = Engine(tiny_target, tok, drafters, "ngram", 4, draft_schedule="adaptive")
+    engine = Engine(
+        tiny_target,
+        tok,
+        drafters,
+        "ngram",
+        4,
+        draft_schedule="adaptive",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     # Nothing measured: the first draft is short, not the configured 4.
-    _, steps = _run_engine(engine, GenerationParams(max_new_tokens=3, ignore_eos=True))
+    _, steps = _run_engine(engine, GenerationParams(max_new_tokens=3, ignore_eos=True, num_draft_tokens=4))
     assert 0 < steps[1].drafted <= 2
     seconds = engine.calibrate()
     assert sorted(seconds) == [1, 2, 3, 4, 5] and all(s > 0 for s in seconds.values())
-    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True, num_draft_tokens=4)
     gens = [engine.start(PROMPT, params, draft) for draft in ("ngram", "wrong", "none")]
     tables = [gen.draft_length.costs.verify for gen in gens]
     assert tables[0] is tables[1] is tables[2] and tables[0] == seconds
@@ -642,7 +741,19 @@ def test_calibrate_seeds_the_verification_costs_every_drafter_and_target_only_re
         while not gen.finished:
             gen.step()
     assert gens[0].generated_ids == gens[1].generated_ids == gens[2].generated_ids
-    assert sorted(Engine(tiny_target, tok, {}, verify_width=8).calibrate(rows=3)) == [1, 2, 3]
+    assert sorted(
+        Engine(
+            tiny_target,
+            tok,
+            {},
+            verify_width=8,
+            num_draft_tokens=4,
+            draft_schedule="fixed",
+            draft_p_min=0.0,
+            prefill_chunk=0,
+            prefill_step_seconds=0.0,
+        ).calibrate(rows=3)
+    ) == [1, 2, 3]
 
 
 # --- the property: speculative == target-only greedy, for random tiny models and drafts ----------------------
@@ -743,6 +854,30 @@ def test_non_finite_logits_are_an_error_not_a_token(make_tiny_model, word_tokeni
     with torch.no_grad():
         model.norm.weight[3] = bad  # every position's hidden state, and so its logits, turn non-finite
     tok = word_tokenizer(model.config.vocab_size)
-    gen = Generation(model, tok, [1, 2, 3], GenerationParams(max_new_tokens=4), None)
+    gen = Generation(model, tok, [1, 2, 3], GenerationParams(max_new_tokens=4, num_draft_tokens=4), None)
     with pytest.raises(NumericalError, match="non-finite logits"):
         gen.step()
+
+
+def test_statistics_reach_the_api_by_field_name():
+    """One record: the API's `speculative` copies every field it shares with GenerationStats by name (a new
+    counter needs a field in each, nothing else), and choices add up field by field."""
+    from app.api.jobs import Prepared, speculative_details
+
+    stats = GenerationStats(
+        generated_tokens=8,
+        drafted=5,
+        accepted=3,
+        refused=1,
+        target_passes=4,
+        accepted_per_position=[2, 1],
+        schedule="adaptive",
+        p_min=0.05,
+        draft_lengths=[0, 1, 2],
+    )
+    prepared = Prepared([1], GenerationParams(max_new_tokens=8, num_draft_tokens=4), "ngram", 4)
+    details = speculative_details(prepared, stats)
+    assert (details.drafted, details.accepted, details.refused, details.target_passes) == (5, 3, 1, 4)
+    assert (details.tokens_per_target_pass, details.acceptance_rate, details.schedule) == (2.0, 0.6, "adaptive")
+    both = stats + GenerationStats(drafted=1, accepted_per_position=[1, 0, 1], schedule="fixed", p_min=0.0)
+    assert (both.drafted, both.accepted_per_position, both.schedule, both.p_min) == (6, [3, 1, 1], "adaptive", 0.05)

@@ -138,14 +138,26 @@ def test_constrained_speculative_equals_target_only_alone_and_batched(packed_tar
     packed = packed_target(KERNELS[0])
     tok = packed.tokenizer
     drafters = {"self": ModelDrafter("self", packed, packed), "ngram": NgramDrafter()}
-    engine = Engine(packed.model, tok, drafters, "self", 4)
+    engine = Engine(
+        packed.model,
+        tok,
+        drafters,
+        "self",
+        4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     ask = "Describe a famous scientist as JSON with the keys name, age and home (city, country)."
     prompts = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": ask}])),
         tok.encode(tok.apply_chat_template([{"role": "user", "content": "Is Paris in France? Answer yes or no."}])),
     ]
     grammars = [GrammarSpec("json_schema", json.dumps(PERSON)), GrammarSpec("choice", json.dumps(["yes", "no"]))]
-    params = [GenerationParams(max_new_tokens=48, draft_schedule="fixed", grammar=g) for g in grammars]
+    params = [
+        GenerationParams(max_new_tokens=48, draft_schedule="fixed", grammar=g, num_draft_tokens=4) for g in grammars
+    ]
     alone = [_alone(engine, p, q, "none") for p, q in zip(prompts, params, strict=True)]
     outputs = [g.generated_ids for g in alone]
     assert [g.finish_reason for g in alone] == ["eos", "eos"]
@@ -181,7 +193,7 @@ def test_constrained_speculative_equals_target_only_alone_and_batched(packed_tar
     gen = _alone(engine, prompts[1], ignoring, "self")
     assert gen.finish_reason == "stop" and gen.text == alone[1].text
     with pytest.raises(GenerationError, match="grammar"):
-        engine.start(prompts[1], GenerationParams(grammar=GrammarSpec("regex", "a(")), "none")
+        engine.start(prompts[1], GenerationParams(grammar=GrammarSpec("regex", "a("), num_draft_tokens=4), "none")
 
 
 @pytest.fixture(scope="module")

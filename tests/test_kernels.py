@@ -238,11 +238,11 @@ def test_the_setting_selects_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None
     for name in HERE:
         with use_kernel(name):
             assert kernels.name() == name
-            assert PackedLinear(torch.randn(128, 64).bfloat16(), None).fused.kernel.name == name
+            assert PackedLinear(torch.randn(128, 64).bfloat16(), None, kernels.kernel()).fused.kernel.name == name
     with use_kernel("torch"):
         assert kernels.kernel() is None and kernels.name() == "torch"
         w = torch.randn(128, 64).bfloat16()
-        off = PackedLinear(w, None)
+        off = PackedLinear(w, None, kernels.kernel())
         assert off.fused is None
         x = torch.randn(3, 64).bfloat16()
         torch.testing.assert_close(off(x).float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=0.1)
@@ -347,3 +347,35 @@ def test_bench_times_a_target_step_on_every_kernel(target_path: Path) -> None:
     assert all(set(times) == {1, 3} and min(times.values()) > 0 for times in table.values())
     # The default target's weights in bf16: 134.5 M parameters (the tied embedding counted once).
     assert 250e6 < weight_bytes < 290e6 and bandwidth > 1e9
+
+
+def test_the_ctypes_signatures_are_the_headers_prototypes() -> None:
+    """kernels.SIGNATURES, what ctypes passes, is what the C headers declare: each exported sk_ function's return
+    and argument types, in order (a pointer of any type is a void pointer, char * returned a C string)."""
+    import ctypes
+    import re
+    from pathlib import Path
+
+    scalar = {"void": None, "int": ctypes.c_int, "long": ctypes.c_long, "float": ctypes.c_float}
+    scalar["int64_t"] = ctypes.c_int64
+
+    def ctype(decl: str, returned: bool = False) -> type | None:
+        decl = decl.replace("const ", "").strip()
+        if "*" in decl:
+            return ctypes.c_char_p if returned and decl.startswith("char") else ctypes.c_void_p
+        return scalar[decl.split()[0]]
+
+    here = Path(kernels.__file__).parent
+    found = {}
+    for header in ("common.h", "quant.h", "layers.h", "dot4.h"):
+        text = (here / header).read_text()
+        prototypes = r"^((?:const )?(?:void|int|long|float|char|int64_t) ?\**)\s*(sk_\w+)\(([^)]*)\)\s*[;{]"
+        for m in re.finditer(prototypes, text, re.M):
+            ret, name, args = m.groups()
+            params = (
+                []
+                if args.strip() in ("", "void")
+                else [a.rsplit(" ", 1)[0] + "*" * a.count("*") for a in (" ".join(p.split()) for p in args.split(","))]
+            )
+            found[name] = (ctype(ret, returned=True), [ctype(p) for p in params])
+    assert found == kernels.SIGNATURES

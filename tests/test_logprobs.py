@@ -56,7 +56,17 @@ def test_logprobs_do_not_depend_on_the_draft_the_batch_the_chunks_or_the_sampler
     log-probabilities, prompt's included; greedy and seeded sampling."""
     packed = packed_target(KERNELS[0])
     drafters = {"self": ModelDrafter("self", packed, packed), "ngram": NgramDrafter()}
-    engine = Engine(packed.model, packed.tokenizer, drafters, "self", 3, prefill_chunk=16)
+    engine = Engine(
+        packed.model,
+        packed.tokenizer,
+        drafters,
+        "self",
+        3,
+        prefill_chunk=16,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_step_seconds=0.0,
+    )
     other = packed.tokenizer.encode(PROMPT)
     for sampling in ({}, {"temperature": 0.8, "seed": 3}):
         params = GenerationParams(max_new_tokens=7, logprobs=3, prompt_logprobs=2, **sampling)
@@ -92,10 +102,25 @@ def test_logprobs_are_log_softmax_of_the_targets_logits(target_f32) -> None:
     """float32: the prompt's and the generated tokens' log-probabilities are log_softmax of one plain forward
     over the whole text; max_new_tokens 0 runs the prompt alone (lm-eval's loglikelihood)."""
     model, tok = target_f32.model, target_f32.tokenizer
-    engine = Engine(model, tok, {"ngram": NgramDrafter()}, "ngram", 4)
+    engine = Engine(
+        model,
+        tok,
+        {"ngram": NgramDrafter()},
+        "ngram",
+        4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     prompt = tok.encode(PROMPT)
     tokens, logprobs, prompt_lps = _logprobs(
-        _run(engine, prompt, GenerationParams(max_new_tokens=6, logprobs=0, prompt_logprobs=0), "ngram")
+        _run(
+            engine,
+            prompt,
+            GenerationParams(max_new_tokens=6, logprobs=0, prompt_logprobs=0, num_draft_tokens=4),
+            "ngram",
+        )
     )
     with torch.inference_mode():
         ids = torch.tensor([prompt + tokens])
@@ -104,19 +129,31 @@ def test_logprobs_are_log_softmax_of_the_targets_logits(target_f32) -> None:
     got = torch.tensor([lp.logprob for lp in [*prompt_lps[1:], *logprobs]])
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     assert all(lp.top == () for lp in logprobs)
-    only = _run(engine, prompt, GenerationParams(max_new_tokens=0, prompt_logprobs=1), "ngram")
+    only = _run(engine, prompt, GenerationParams(max_new_tokens=0, prompt_logprobs=1, num_draft_tokens=4), "ngram")
     assert len(only) == 1 and only[0].token_ids == [] and only[0].finish_reason == "length"
     assert only[0].prompt_logprobs is not None
     assert [lp.logprob for lp in only[0].prompt_logprobs[1:] if lp] == [lp.logprob for lp in prompt_lps[1:] if lp]
     # A stop string that ends inside an accepted run: only the tokens kept have log-probabilities.
-    steps = _run(engine, prompt, GenerationParams(max_new_tokens=8, stop=(".",), logprobs=1), "ngram")
+    steps = _run(
+        engine, prompt, GenerationParams(max_new_tokens=8, stop=(".",), logprobs=1, num_draft_tokens=4), "ngram"
+    )
     assert _logprobs(steps)[0] == tokens[:2] and steps[-1].finish_reason == "stop"
-    plain = _run(engine, prompt, GenerationParams(max_new_tokens=2), "ngram")
+    plain = _run(engine, prompt, GenerationParams(max_new_tokens=2, num_draft_tokens=4), "ngram")
     assert all(s.logprobs is None and s.prompt_logprobs is None for s in plain)  # not asked, not computed
 
 
 def test_logprob_counts_the_engine_refuses(target_f32) -> None:
-    engine = Engine(target_f32.model, target_f32.tokenizer, {}, "none")
+    engine = Engine(
+        target_f32.model,
+        target_f32.tokenizer,
+        {},
+        "none",
+        num_draft_tokens=4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     for bad in ({"logprobs": 21}, {"prompt_logprobs": -1}, {"max_new_tokens": -1}):
         with pytest.raises(GenerationError, match=next(iter(bad))):
             Generation(engine.target, engine.tokenizer, [1, 2], GenerationParams(**bad), None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.engine import kernels
 from app.engine import model as model_module
 from app.engine.model.transformer import KVCache, ModelConfig, PackedLinear
 from tests.conftest import use_kernel
@@ -207,7 +208,7 @@ def test_weights_counts_onednn_packed_weights_without_touching_their_storage(mak
     monkeypatch.setattr(model_module, "_onednn_packs", lambda: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda weight: weight.to_mkldnn())
     with use_kernel("torch"):
-        assert model.pack()
+        assert model.pack(kernels.kernel())
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * cfg.n_layers + 1
     assert all(m.packed is not None and m.packed.is_mkldnn and m.weight is None for m in packed)

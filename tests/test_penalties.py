@@ -53,7 +53,7 @@ def test_rows_see_the_drafts_before_them_and_match_transformers():
             PenaltyParams(**bad)
 
 
-def test_penalised_target_only_decoding_is_a_plain_penalised_loop(target_f32, specbench_first_turns):
+def test_penalised_target_only_decoding_is_a_plain_penalised_loop(target_f32, first_turns):
     """Target-only greedy decoding with penalties == a loop that runs the whole sequence each step and applies
     transformers' repetition processor and OpenAI's presence/frequency formula; and the penalties change the text."""
     from transformers import RepetitionPenaltyLogitsProcessor
@@ -88,13 +88,13 @@ def _alone(engine: Engine, prompt: list[int], params: GenerationParams, draft: s
     return gen.generated_ids
 
 
-def test_penalties_keep_speculative_equal_to_target_only_alone_and_batched(specbench_first_turns):
+def test_penalties_keep_speculative_equal_to_target_only_alone_and_batched(first_turns):
     """The server's engine (feature draft, hybrid, n-gram) with penalties: greedy and seeded sampling give
     target-only's tokens with every draft, alone and batched (the feature draft then drafts for all at once)."""
     with use_kernel(KERNELS[0]):
         engine, _ = build_engine(num_draft_tokens=4, dtype="bfloat16", device="cpu")
     eagle = next(d for d in engine.drafters if d not in ("ngram", "hybrid"))
-    prompts = [engine.tokenizer.encode(t)[:48] for t in specbench_first_turns]
+    prompts = [engine.tokenizer.encode(t)[:48] for t in first_turns]
     drafts = [eagle, "hybrid", "ngram"]
     for sampling in ({}, {"temperature": 0.8, "seed": 5}):
         params = GenerationParams(
@@ -110,4 +110,6 @@ def test_penalties_keep_speculative_equal_to_target_only_alone_and_batched(specb
         assert [g.generated_ids for g in gens] == target_only
         assert sum(g.stats.accepted for g in gens) > 0
     unpenalised = _alone(engine, prompts[0], GenerationParams(max_new_tokens=20, num_draft_tokens=4), "none")
-    assert unpenalised != _alone(engine, prompts[0], GenerationParams(max_new_tokens=20, penalties=STRONG), "none")
+    assert unpenalised != _alone(
+        engine, prompts[0], GenerationParams(max_new_tokens=20, penalties=STRONG, num_draft_tokens=4), "none"
+    )

@@ -26,6 +26,7 @@ import yaml
 from _server import free_port, metric, running_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.engine.step import StepOutput
 from app.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -255,7 +256,8 @@ def test_acceptance_by_position_counts_the_positions_drafted() -> None:
     assert per_position("draft") == per_position("accepted") == [0.0, 0.0, 0.0, None, None]
     # An adaptive draft: 3 tokens (2 accepted), then 1 (accepted), then 5 (a request's longer k; 4 accepted).
     for drafted, accepted in ((3, 2), (1, 1), (5, 4)):
-        metrics.step(accepted + 1, drafted, accepted, 0.01, 0.02, prefill=False)
+        out = StepOutput([7] * (accepted + 1), "", drafted, accepted, 0.01, 0.02)
+        metrics.step(out, accepted + 1, prefill=False)
     assert per_position("draft") == [3.0, 2.0, 2.0, 1.0, 1.0]
     assert per_position("accepted") == [3.0, 2.0, 1.0, 1.0, None]
     assert metrics.registry.get_sample_value("specserve_spec_decode_num_drafts_total", {"model_name": "m"}) == 3

@@ -326,7 +326,7 @@ def test_the_default_target_decodes_natively_with_its_promises(target_path) -> N
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in turns]
     # A fixed draft length: the adaptive one may rightly draft nothing where rows cost, and this test is about
     # drafted tokens kept natively.
-    params = GenerationParams(max_new_tokens=20, draft_schedule="fixed")
+    params = GenerationParams(max_new_tokens=20, draft_schedule="fixed", num_draft_tokens=4)
 
     def alone(prompt: list[int], draft: str) -> list[int]:
         gen = engine.start(prompt, params, draft)

@@ -196,9 +196,7 @@ def _run(engine: Engine, prompt: list[int], params: GenerationParams, draft: str
     return gen
 
 
-def test_tree_speculative_equals_target_only_greedy_and_seeded(
-    packed_target, target_f32, specbench_first_turns, monkeypatch
-):
+def test_tree_speculative_equals_target_only_greedy_and_seeded(packed_target, target_f32, first_turns, monkeypatch):
     """Greedy tree verification with the default (hybrid) draft gives target-only's tokens, on every tree
     kernel, alone and batched; so does gumbel sampling with a seed. Paths off the draft's chain were accepted
     (their keys and values moved), and the tree keeps more tokens per target pass than the chain."""
@@ -211,13 +209,24 @@ def test_tree_speculative_equals_target_only_greedy_and_seeded(
     monkeypatch.setattr(generation, "compact", counting)
     # Whole trees: how far a tree is pruned depends on measured times, and the pass counts below should not.
     monkeypatch.setattr(generation, "row_value", lambda *args: 0.0)
-    prompts = _prompts(target_f32.tokenizer, specbench_first_turns)
+    prompts = _prompts(target_f32.tokenizer, first_turns)
     greedy = GenerationParams(max_new_tokens=32, num_draft_tokens=6)
     sampled = GenerationParams(max_new_tokens=16, num_draft_tokens=6, temperature=0.8, top_p=0.95, seed=11)
     for name in TREE_KERNELS:
         packed = packed_target(name)
         drafter = _hybrid(packed.model, packed)
-        engine = Engine(packed.model, packed.tokenizer, {"hybrid": drafter}, "hybrid", 6, tree_rows=16)
+        engine = Engine(
+            packed.model,
+            packed.tokenizer,
+            {"hybrid": drafter},
+            "hybrid",
+            6,
+            tree_rows=16,
+            draft_schedule="fixed",
+            draft_p_min=0.0,
+            prefill_chunk=0,
+            prefill_step_seconds=0.0,
+        )
         best = name == TREE_KERNELS[0]  # the others compute the same bits (test_kernels): one prompt, greedy
         passes = {"chain": 0, "tree": 0}
         bases = []

@@ -11,6 +11,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
+from app.engine import kernels
 from app.engine.step import GenerationParams
 from app.metrics import Metrics
 from app.worker import Overloaded, RequestFailed, Scheduler, Ticket
@@ -57,7 +58,17 @@ def batching_scheduler(packed_target):
     from app.engine.engine import Engine
 
     packed = packed_target(KERNELS[0])
-    engine = Engine(packed.model, packed.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4)
+    engine = Engine(
+        packed.model,
+        packed.tokenizer,
+        {"ngram": NgramDrafter()},
+        "ngram",
+        4,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_chunk=0,
+        prefill_step_seconds=0.0,
+    )
     s = Scheduler(engine, max_running=4, max_waiting=4, metrics=Metrics(MODEL))
     s.start()
     yield s
@@ -66,7 +77,7 @@ def batching_scheduler(packed_target):
 
 async def test_concurrent_requests_give_their_sequential_texts(batching_scheduler, api_engine) -> None:
     scheduler = batching_scheduler
-    params = GenerationParams(max_new_tokens=10)
+    params = GenerationParams(max_new_tokens=10, num_draft_tokens=4)
     sequential = []
     for prompt in PROMPTS:
         sequential.append(await _collect(scheduler.submit(_ids(api_engine, prompt), params, None, 60)))
@@ -96,18 +107,22 @@ async def _finished(ticket: Ticket):
 
 async def test_finished_carries_the_seed_sampling_used(scheduler, api_engine) -> None:
     ids = _ids(api_engine, PROMPTS[0])
-    seeded = GenerationParams(max_new_tokens=6, temperature=1.0, seed=42)
+    seeded = GenerationParams(max_new_tokens=6, temperature=1.0, seed=42, num_draft_tokens=4)
     given, drawn, greedy = await asyncio.gather(
         _finished(scheduler.submit(ids, seeded, None, 60)),
-        _finished(scheduler.submit(ids, GenerationParams(max_new_tokens=6, temperature=1.0), None, 60)),
-        _finished(scheduler.submit(ids, GenerationParams(max_new_tokens=6, seed=42), None, 60)),
+        _finished(
+            scheduler.submit(ids, GenerationParams(max_new_tokens=6, temperature=1.0, num_draft_tokens=4), None, 60)
+        ),
+        _finished(scheduler.submit(ids, GenerationParams(max_new_tokens=6, seed=42, num_draft_tokens=4), None, 60)),
     )
     assert given.seed == 42
     assert isinstance(drawn.seed, int)
     assert greedy.seed is None, "greedy decoding reports no seed, as TGI"
     # The drawn seed replays the request; the given one reproduced it beside two others.
     replay = await _finished(
-        scheduler.submit(ids, GenerationParams(max_new_tokens=6, temperature=1.0, seed=drawn.seed), None, 60)
+        scheduler.submit(
+            ids, GenerationParams(max_new_tokens=6, temperature=1.0, seed=drawn.seed, num_draft_tokens=4), None, 60
+        )
     )
     assert replay.text == drawn.text
     assert (await _finished(scheduler.submit(ids, seeded, None, 60))).text == given.text
@@ -115,9 +130,11 @@ async def test_finished_carries_the_seed_sampling_used(scheduler, api_engine) ->
 
 async def test_a_short_request_is_not_held_behind_a_long_one(scheduler, api_engine) -> None:
     # Target-only decoding: one token per step, so the long request needs 32 steps.
-    params = GenerationParams(max_new_tokens=32, ignore_eos=True)
+    params = GenerationParams(max_new_tokens=32, ignore_eos=True, num_draft_tokens=4)
     long = scheduler.submit(_ids(api_engine, PROMPTS[0]), params, "none", 60)
-    short = scheduler.submit(_ids(api_engine, PROMPTS[1]), GenerationParams(max_new_tokens=3), "none", 60)
+    short = scheduler.submit(
+        _ids(api_engine, PROMPTS[1]), GenerationParams(max_new_tokens=3, num_draft_tokens=4), "none", 60
+    )
     (_, long_ids, long_done), (_, short_ids, short_done) = await asyncio.gather(_collect(long), _collect(short))
     assert len(long_ids) == 32 and len(short_ids) == 3
     assert short_done < long_done
@@ -125,7 +142,7 @@ async def test_a_short_request_is_not_held_behind_a_long_one(scheduler, api_engi
 
 async def test_cancel_frees_the_place_and_stops_the_generation(scheduler, api_engine) -> None:
     registry = scheduler.metrics.registry
-    params = GenerationParams(max_new_tokens=500, ignore_eos=True)
+    params = GenerationParams(max_new_tokens=500, ignore_eos=True, num_draft_tokens=4)
     ticket = scheduler.submit(_ids(api_engine, PROMPTS[0]), params, "none", 60)
     events = ticket.events()
     await events.__anext__()  # the prefill's token
@@ -147,24 +164,26 @@ async def test_cancel_frees_the_place_and_stops_the_generation(scheduler, api_en
 async def test_admission_is_bounded(api_engine) -> None:
     s = Scheduler(api_engine, max_running=1, max_waiting=1)  # not started: nothing leaves
     ids = _ids(api_engine, PROMPTS[0])
-    first = s.submit(ids, GenerationParams(max_new_tokens=1), None, 60)
-    s.submit(ids, GenerationParams(max_new_tokens=1), None, 60)
+    first = s.submit(ids, GenerationParams(max_new_tokens=1, num_draft_tokens=4), None, 60)
+    s.submit(ids, GenerationParams(max_new_tokens=1, num_draft_tokens=4), None, 60)
     with pytest.raises(Overloaded) as refused:
-        s.submit(ids, GenerationParams(max_new_tokens=1), None, 60)
+        s.submit(ids, GenerationParams(max_new_tokens=1, num_draft_tokens=4), None, 60)
     assert refused.value.retry_after >= 1
     first.cancel()
-    s.submit(ids, GenerationParams(max_new_tokens=1), None, 60)  # the cancelled one's place
+    s.submit(ids, GenerationParams(max_new_tokens=1, num_draft_tokens=4), None, 60)  # the cancelled one's place
 
 
 async def test_engine_refusal_and_shutdown_fail_the_request_only(scheduler, api_engine) -> None:
     ids = _ids(api_engine, PROMPTS[0])
-    too_long = scheduler.submit(ids, GenerationParams(max_new_tokens=9000), None, 60)
+    too_long = scheduler.submit(ids, GenerationParams(max_new_tokens=9000, num_draft_tokens=4), None, 60)
     with pytest.raises(RequestFailed) as failed:
         await _collect(too_long)
     assert failed.value.kind == "validation" and "context" in failed.value.message
-    text, _, _ = await _collect(scheduler.submit(ids, GenerationParams(max_new_tokens=2), None, 60))
+    text, _, _ = await _collect(scheduler.submit(ids, GenerationParams(max_new_tokens=2, num_draft_tokens=4), None, 60))
     assert text
-    pending = scheduler.submit(ids, GenerationParams(max_new_tokens=500, ignore_eos=True), "none", 60)
+    pending = scheduler.submit(
+        ids, GenerationParams(max_new_tokens=500, ignore_eos=True, num_draft_tokens=4), "none", 60
+    )
     await asyncio.sleep(0.05)
     await asyncio.to_thread(scheduler.stop)
     with pytest.raises(RequestFailed) as stopped:
@@ -180,12 +199,22 @@ async def test_a_prompt_prefilled_in_chunks_streams_no_empty_event(target_bf16) 
     from app.engine.engine import Engine
 
     model = copy.deepcopy(target_bf16.model)
-    assert model.pack()
-    engine = Engine(model, target_bf16.tokenizer, {}, "none", 0, prefill_chunk=16)
+    assert model.pack(kernels.kernel())
+    engine = Engine(
+        model,
+        target_bf16.tokenizer,
+        {},
+        "none",
+        0,
+        prefill_chunk=16,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_step_seconds=0.0,
+    )
     s = Scheduler(engine, max_running=4, max_waiting=4, metrics=Metrics(MODEL))
     s.start()
     try:
-        params = GenerationParams(max_new_tokens=12)
+        params = GenerationParams(max_new_tokens=12, num_draft_tokens=4)
         long_ids = _ids(engine, " ".join(PROMPTS * 6))
         short_ids = _ids(engine, PROMPTS[0])
         alone = [await _collect(s.submit(ids, params, None, 60)) for ids in (short_ids, long_ids)]
@@ -200,7 +229,7 @@ async def test_a_prompt_prefilled_in_chunks_streams_no_empty_event(target_bf16) 
                     return event.finished.text, ids
             raise AssertionError("no finished event")
 
-        short = s.submit(short_ids, GenerationParams(max_new_tokens=40), None, 60)
+        short = s.submit(short_ids, GenerationParams(max_new_tokens=40, num_draft_tokens=4), None, 60)
         await asyncio.sleep(0.05)  # running before the long prompt arrives
         together = await asyncio.gather(collect(short), collect(s.submit(long_ids, params, None, 60)))
     finally:
@@ -234,7 +263,7 @@ async def test_a_failed_step_fails_its_requests_and_the_worker_goes_on(api_engin
     s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=Metrics(MODEL))
     ids = _ids(api_engine, PROMPTS[0])
     # Submitted before the worker starts, so that both are in its first step.
-    tickets = [s.submit(ids, GenerationParams(max_new_tokens=8), None, 60) for _ in range(2)]
+    tickets = [s.submit(ids, GenerationParams(max_new_tokens=8, num_draft_tokens=4), None, 60) for _ in range(2)]
     raised_in = _fault_once(monkeypatch, api_engine, RuntimeError("injected fault"))
     s.start()
     try:
@@ -246,7 +275,7 @@ async def test_a_failed_step_fails_its_requests_and_the_worker_goes_on(api_engin
             assert failed.value.message == "generation failed: RuntimeError: injected fault"
         assert time.monotonic() - t0 < 30, "failed at once, not at the timeout"
         assert raised_in == ["specserve-worker"]
-        text, _, _ = await _collect(s.submit(ids, GenerationParams(max_new_tokens=4), None, 60))
+        text, _, _ = await _collect(s.submit(ids, GenerationParams(max_new_tokens=4, num_draft_tokens=4), None, 60))
         assert text
         assert s.failure is None and s.holding == 0
         registry = s.metrics.registry
@@ -261,7 +290,7 @@ async def test_a_failed_step_fails_its_requests_and_the_worker_goes_on(api_engin
 
 async def test_a_failed_delivery_fails_that_request_alone(api_engine, monkeypatch) -> None:
     s = Scheduler(api_engine, max_running=4, max_waiting=4, metrics=Metrics(MODEL))
-    params = GenerationParams(max_new_tokens=6)
+    params = GenerationParams(max_new_tokens=6, num_draft_tokens=4)
     tickets = [s.submit(_ids(api_engine, p), params, None, 60) for p in PROMPTS[:2]]
     real = s.metrics.tokens_delivered
     calls: list[int] = []
@@ -287,8 +316,8 @@ async def test_a_failed_delivery_fails_that_request_alone(api_engine, monkeypatc
 async def test_a_dead_worker_fails_everything_at_once(api_engine, monkeypatch) -> None:
     s = Scheduler(api_engine, max_running=1, max_waiting=4, metrics=Metrics(MODEL))
     ids = _ids(api_engine, PROMPTS[0])
-    running = s.submit(ids, GenerationParams(max_new_tokens=500, ignore_eos=True), "none", 60)
-    waiting = s.submit(ids, GenerationParams(max_new_tokens=4), None, 60)
+    running = s.submit(ids, GenerationParams(max_new_tokens=500, ignore_eos=True, num_draft_tokens=4), "none", 60)
+    waiting = s.submit(ids, GenerationParams(max_new_tokens=4, num_draft_tokens=4), None, 60)
     raised_in = _fault_once(monkeypatch, api_engine, _ThreadKiller("injected"))
     assert s.failure is None
     s.start()
@@ -303,7 +332,7 @@ async def test_a_dead_worker_fails_everything_at_once(api_engine, monkeypatch) -
         assert raised_in == ["specserve-worker"]
         assert s.failure == "the worker stopped (_ThreadKiller: injected)"
         with pytest.raises(RequestFailed) as refused:
-            s.submit(ids, GenerationParams(max_new_tokens=4), None, 60)
+            s.submit(ids, GenerationParams(max_new_tokens=4, num_draft_tokens=4), None, 60)
         assert refused.value.kind == "unavailable" and "restart" in refused.value.message
         registry = s.metrics.registry
         assert _sample(registry, "specserve_num_requests_running") == 0
@@ -314,10 +343,10 @@ async def test_a_dead_worker_fails_everything_at_once(api_engine, monkeypatch) -
 
 async def test_drain_refuses_new_requests_and_lets_the_held_ones_finish(scheduler, api_engine) -> None:
     ids = _ids(api_engine, PROMPTS[0])
-    held = scheduler.submit(ids, GenerationParams(max_new_tokens=6), None, 60)
+    held = scheduler.submit(ids, GenerationParams(max_new_tokens=6, num_draft_tokens=4), None, 60)
     scheduler.drain()
     with pytest.raises(RequestFailed) as refused:
-        scheduler.submit(ids, GenerationParams(max_new_tokens=6), None, 60)
+        scheduler.submit(ids, GenerationParams(max_new_tokens=6, num_draft_tokens=4), None, 60)
     assert refused.value.kind == "unavailable" and "shutting down" in refused.value.message
     text, tokens, _ = await _collect(held)
     assert text and len(tokens) == 6
@@ -333,9 +362,9 @@ async def test_a_long_request_leaves_no_cache_behind(api_engine, monkeypatch) ->
     ids = _ids(api_engine, PROMPTS[0])
     try:
         s.start()
-        small = s.submit(ids, GenerationParams(max_new_tokens=2), None, 60)
+        small = s.submit(ids, GenerationParams(max_new_tokens=2, num_draft_tokens=4), None, 60)
         await _collect(small)
-        large = s.submit(ids, GenerationParams(max_new_tokens=20 - len(ids)), None, 60)
+        large = s.submit(ids, GenerationParams(max_new_tokens=20 - len(ids), num_draft_tokens=4), None, 60)
         await _collect(large)
         deadline = time.monotonic() + 5
         while not trims:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -25,9 +25,6 @@ from app.api.schemas import (
     Decoding,
     Grammar,
     Penalties,
-    Provenance,
-    ProvenancePass,
-    ProvenanceToken,
     Sampling,
     SpeculativeDetails,
     SpeculativeParameters,
@@ -36,11 +33,10 @@ from app.api.schemas import (
 from app.engine.decoding.grammar import GrammarError, GrammarSpec
 from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.decoding.penalties import PenaltyParams
-from app.engine.decoding.sampling import SamplingParams
-from app.engine.step import GenerationParams
+from app.engine.step import GenerationError, GenerationParams, GenerationStats, check_request
 from app.runtime import Runtime
 from app.settings import Settings
-from app.worker import Finished, Overloaded, PassFigures, RequestFailed, StepEvent, Ticket, TokenOut
+from app.worker import Finished, Overloaded, RequestFailed, StepEvent, Ticket, TokenOut
 
 
 class ClientGone(Exception):
@@ -93,11 +89,6 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     check_max_new_tokens(spec.max_new_tokens, spec.max_new_tokens_field, settings)
     draft, k = _speculation(runtime, spec.speculative)
     s = spec.sampling
-    try:  # the engine's own check, before anything is queued (the schemas already hold requests to it)
-        SamplingParams(s.temperature, s.top_k, s.top_p)
-    except ValueError as exc:
-        raise _invalid(str(exc)) from exc
-
     if isinstance(spec.prompt, str):
         if not spec.prompt:
             raise _invalid(f"{spec.prompt_field} must not be empty")
@@ -105,12 +96,8 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         ids = await admission.run(runtime.tokenizer.encode, spec.prompt)
     else:
         ids = list(spec.prompt)
-        if any(not 0 <= t < info.vocab_size for t in ids):
-            raise _invalid(f"{spec.prompt_field}: token ids must lie in [0, {info.vocab_size})")
     if spec.truncate is not None:
         ids = ids[-spec.truncate :]
-    if not ids:
-        raise _invalid(f"{spec.prompt_field} must not be empty")
     if len(ids) > info.max_input_tokens:
         raise _invalid(
             f"the prompt is {len(ids)} tokens, over the limit of {info.max_input_tokens} tokens (max_input_tokens)"
@@ -118,11 +105,8 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     room = info.context_length - len(ids)
     max_new = spec.max_new_tokens
     if max_new is None:
-        max_new = min(spec.default_max_new_tokens or settings.default_max_new_tokens, settings.max_new_tokens, room)
-    elif max_new > room:
-        raise _invalid(
-            f"the prompt ({len(ids)} tokens) plus {spec.max_new_tokens_field} ({max_new}) exceeds the model's "
-            f"context of {info.context_length} tokens"
+        max_new = max(
+            0, min(spec.default_max_new_tokens or settings.default_max_new_tokens, settings.max_new_tokens, room)
         )
     pen = spec.penalties
     try:
@@ -130,15 +114,6 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     except ValueError as exc:
         raise _invalid(str(exc)) from exc
     d = spec.decoding
-    if d.min_tokens > max_new:
-        raise _invalid(f"min_tokens ({d.min_tokens}) exceeds {spec.max_new_tokens_field} ({max_new})")
-    if any(not 0 <= t < info.vocab_size for t in d.stop_token_ids):
-        raise _invalid(f"stop_token_ids must lie in [0, {info.vocab_size})")
-    grammar = spec.grammar
-    if grammar is not None and settings.closed_response_schemas:
-        # JSON schemas closed as vLLM compiles them, whichever API sent them (a forced tool call's are closed
-        # already, and stay as they are); in the pool, since a large schema takes a while to parse.
-        grammar = await admission.run(closed_grammar, grammar)
     params = GenerationParams(
         max_new_tokens=max_new,
         stop=tuple(spec.stop),
@@ -158,8 +133,19 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         logprobs=spec.logprobs,
         prompt_logprobs=spec.prompt_logprobs,
         penalties=penalties,
-        grammar=await check_grammar(runtime, grammar) if grammar is not None else None,
     )
+    try:  # the engine's own checks, before anything is queued (the schemas already hold requests to most)
+        names = {"prompt": spec.prompt_field, "max_new_tokens": spec.max_new_tokens_field}
+        check_request(ids, params, info.vocab_size, info.context_length, names)
+    except GenerationError as exc:
+        raise _invalid(str(exc)) from exc
+    grammar = spec.grammar
+    if grammar is not None:
+        if settings.closed_response_schemas:
+            # JSON schemas closed as vLLM compiles them, whichever API sent them (a forced tool call's are closed
+            # already, and stay as they are); in the pool, since a large schema takes a while to parse.
+            grammar = await admission.run(closed_grammar, grammar)
+        params = replace(params, grammar=await check_grammar(runtime, grammar))
     return Prepared(ids, params, draft, k if draft != "none" else 0)
 
 
@@ -289,75 +275,18 @@ async def merged_events(tickets: Sequence[Ticket]) -> AsyncIterator[tuple[int, S
             ticket.cancel()
 
 
-def speculative_details(prepared: Prepared, finished: Finished) -> SpeculativeDetails:
-    """The speculative figures of a finished request, for `details.speculative`."""
-    s = finished.stats
+def speculative_details(prepared: Prepared, stats: GenerationStats) -> SpeculativeDetails:
+    """The speculative figures of a finished request (or of several choices' stats added up), for
+    `details.speculative`: every field the engine's statistics share with the schema, by name, so that a new
+    counter needs only its field here and there."""
+    shared = {name: getattr(stats, name) for name in SpeculativeDetails.model_fields if hasattr(stats, name)}
+    rounded = {name: round(v, 4) if isinstance(v, float) else v for name, v in shared.items()}
     return SpeculativeDetails(
         draft=prepared.draft,
         num_draft_tokens=prepared.num_draft_tokens,
-        drafted=int(s["drafted"]),
-        accepted=int(s["accepted"]),
-        forced=int(s["forced"]),
-        target_passes=int(s["target_passes"]),
-        verify_passes=int(s["verify_passes"]),
-        acceptance_rate=float(s["acceptance_rate"]),
-        tokens_per_target_pass=float(s["tokens_per_target_pass"]),
-        accepted_per_position=list(s["accepted_per_position"]),
-        schedule=str(s["draft_schedule"]),
-        p_min=float(s["draft_p_min"]),
-        draft_lengths=list(s["draft_lengths"]),
-        p_min_stops=int(s["p_min_stops"]),
         sampler="greedy" if prepared.params.temperature == 0 else prepared.params.sampler,  # type: ignore[arg-type]
+        **rounded,
     )
-
-
-def provenance(tokens: Sequence[TokenOut], passes: Sequence[PassFigures]) -> Provenance:
-    """The `provenance` of a streamed event carrying `tokens`, and `passes`, the target passes that began in it."""
-    return Provenance(
-        tokens=[
-            ProvenanceToken(
-                id=t.id,
-                text=t.text,
-                source=t.source,  # type: ignore[arg-type]  # one of SOURCES
-                target_pass=t.target_pass,
-                logprob=t.logprob.logprob if t.logprob is not None else None,
-            )
-            for t in tokens
-        ],
-        passes=[
-            ProvenancePass(
-                target_pass=f.target_pass,
-                drafted=f.drafted,
-                accepted=f.accepted,
-                draft_ms=round(f.draft_seconds * 1000, 3),
-                verify_ms=round(f.verify_seconds * 1000, 3),
-            )
-            for f in passes
-        ],
-    )
-
-
-class ProvenanceBuffer:
-    """A stream's tokens and passes not yet sent in an event's `provenance` (a chunk may hold several steps' tokens,
-    or none when its text is held back)."""
-
-    def __init__(self) -> None:
-        self.tokens: list[TokenOut] = []
-        self.passes: list[PassFigures] = []
-
-    def add(self, step: StepEvent) -> None:
-        """Keep `step`'s tokens and its pass for the next event."""
-        self.tokens.extend(step.tokens)
-        if step.figures is not None:
-            self.passes.append(step.figures)
-
-    def take(self) -> Provenance | None:
-        """Everything kept so far, emptied; None when nothing was."""
-        if not self.tokens and not self.passes:
-            return None
-        out = provenance(self.tokens, self.passes)
-        self.tokens, self.passes = [], []
-        return out
 
 
 def sse(data: BaseModel | dict[str, Any] | str) -> str:

@@ -118,7 +118,7 @@ async def _generate(request: Request, body: GenerateRequest, runtime: Runtime, s
             prefill=prefill,
             tokens=[_token(t) for t in tokens],
             top_tokens=top,
-            speculative=jobs.speculative_details(prepared, finished),
+            speculative=jobs.speculative_details(prepared, finished.stats),
         )
     return Response(
         GenerateResponse(generated_text=_full_text(body, finished), details=details).model_dump_json(),
@@ -153,7 +153,7 @@ async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -
                                 generated_tokens=f.generated_tokens,
                                 seed=f.seed,
                                 input_length=f.prompt_tokens,
-                                speculative=jobs.speculative_details(prepared, f),
+                                speculative=jobs.speculative_details(prepared, f.stats),
                             )
                     yield jobs.sse(event)
         except RequestFailed as exc:

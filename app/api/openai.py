@@ -6,7 +6,6 @@ then (with ``stream_options.include_usage``) a chunk with the usage and no choic
 
 from __future__ import annotations
 
-import itertools
 import logging
 import secrets
 import time
@@ -156,30 +155,11 @@ def _submit_all(runtime: Runtime, settings: Settings, runs: Sequence[jobs.Prepar
 
 
 def _speculative(runs: Sequence[jobs.Prepared], results: Sequence[Finished]) -> SpeculativeDetails:
-    """`speculative` of a whole answer: with several choices, their counts added up and the rates recomputed."""
-    each = [jobs.speculative_details(run, finished) for run, finished in zip(runs, results, strict=True)]
-    if len(each) == 1:
-        return each[0]
-    drafted, accepted = sum(d.drafted for d in each), sum(d.accepted for d in each)
-    passes, generated = sum(d.target_passes for d in each), sum(f.generated_tokens for f in results)
-
-    def added(lists: list[list[int]]) -> list[int]:
-        return [sum(column) for column in itertools.zip_longest(*lists, fillvalue=0)]
-
-    return each[0].model_copy(
-        update={
-            "drafted": drafted,
-            "accepted": accepted,
-            "forced": sum(d.forced for d in each),
-            "target_passes": passes,
-            "verify_passes": sum(d.verify_passes for d in each),
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-            "tokens_per_target_pass": round(generated / passes, 4) if passes else 0.0,
-            "accepted_per_position": added([d.accepted_per_position for d in each]),
-            "draft_lengths": added([d.draft_lengths for d in each]),
-            "p_min_stops": sum(d.p_min_stops for d in each),
-        }
-    )
+    """`speculative` of a whole answer: with several choices, their statistics added up."""
+    total = results[0].stats
+    for finished in results[1:]:
+        total = total + finished.stats
+    return jobs.speculative_details(runs[0], total)
 
 
 # chunk(index, text, finish_reason, tokens): one event of choice `index` (text None: the usage chunk's frame).
@@ -249,7 +229,7 @@ def _stream(
                             last_piece.choices[0].finish_reason = None
                             yield sent(with_provenance(index, last_piece))
                             choice.delta, choice.logprobs = ChatDelta(), None
-                    event.speculative = jobs.speculative_details(runs[index], step.finished)
+                    event.speculative = jobs.speculative_details(runs[index], step.finished.stats)
                     event.seed = step.finished.seed
                     yield sent(with_provenance(index, event))
                     done.append(step.finished)

@@ -464,6 +464,9 @@ class SpeculativeDetails(BaseModel):
     forced: int = Field(
         0, description="tokens the grammar allowed alone, proposed without the draft and kept (not in drafted)"
     )
+    refused: int = Field(
+        0, description="drafted tokens the grammar refused before verification (in drafted, never accepted)"
+    )
     target_passes: int = Field(description="target forward passes, prefill included")
     verify_passes: int = Field(description="target passes that verified at least one drafted token")
     acceptance_rate: float = Field(description="accepted / drafted (0 when nothing was drafted)")

@@ -127,7 +127,9 @@ def train_stage(
 def measure(loaded: LoadedModel, drafter: EagleDrafter, prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
     """Greedy generation of `prompts` with the draft (fixed k and the default schedule) and without:
     acceptance, tokens per target pass, tokens/s, and whether every output equals target-only."""
-    engine = Engine(loaded.model, loaded.tokenizer, {drafter.name: drafter}, drafter.name, 6)
+    engine = Engine(
+        loaded.model, loaded.tokenizer, {drafter.name: drafter}, drafter.name, 6, draft_p_min=0.0, prefill_chunk=0
+    )
     tok = loaded.tokenizer
     configs = {"none": ("none", "fixed"), "fixed k=6": (drafter.name, "fixed"), "adaptive": (drafter.name, "adaptive")}
     totals = {c: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "passes": 0, "same": 0} for c in configs}

@@ -1,10 +1,9 @@
-"""The draft-length defaults of the server, the CLI and `build_engine`, in one place.
+"""The engine's defaults, in one place.
 
-`app.settings.Settings` (and through it the serve flags), `app.cli` (generate, bench) and
-`app.engine.factory.build_engine` all read these, so that a server, a CLI run and an engine built in code
-decode alike unless told otherwise. The plain `Engine` constructor and `GenerationParams` keep their own
-fixed-length defaults on purpose: tests build engines directly and rely on a fixed, deterministic draft
-length (see `Engine`'s docstring).
+`app.settings.Settings` (and through it the serve flags, which `generate` and `bench` share), `Engine`,
+`GenerationParams` and `app.engine.factory.build_engine` all read these, so that a server, a CLI run and an
+engine built in code decode alike unless told otherwise (tests that need a deterministic draft length ask for
+a fixed one).
 
 This module imports nothing, so that the settings and the command line can read it without loading torch.
 """
@@ -12,7 +11,7 @@ This module imports nothing, so that the settings and the command line can read 
 from __future__ import annotations
 
 # The longest draft a request or the server may ask for (the API's and the settings' limit on num_draft_tokens);
-# every request's KV cache has room for a verification of that many tokens plus one (generation._SLACK).
+# every request's KV cache has room for a verification of that many tokens plus one (app.engine.step.SLACK).
 MAX_DRAFT_TOKENS = 16
 # Tokens drafted per step: the most ever drafted under the adaptive or heuristic schedule.
 DEFAULT_NUM_DRAFT_TOKENS = 6

@@ -16,6 +16,13 @@ import torch
 
 from app.engine.batch import Batcher
 from app.engine.decoding.grammar import GrammarError, Grammars
+from app.engine.defaults import (
+    DEFAULT_DRAFT_P_MIN,
+    DEFAULT_DRAFT_SCHEDULE,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    DEFAULT_PREFILL_STEP_SECONDS,
+)
 from app.engine.drafting.base import Drafter
 from app.engine.drafting.draft_length import SCHEDULES, StepCosts
 from app.engine.generation import Generation
@@ -48,14 +55,13 @@ class BatchStep(Sequence[StepOutput | Exception]):
 class Engine:
     """A loaded target with its drafters: starts generations, knows nothing of HTTP.
 
-    `draft_schedule` and `draft_p_min` are the defaults of requests that do not say; the plain constructor
-    keeps a fixed length of 4 without a confidence cut-off (deterministic, for tests and experiments, which
-    rely on it), while `build_engine`, the server's settings and the CLI share `app.engine.defaults` (the
-    adaptive schedule). `prefill_chunk`: prompts are prefilled at most this many tokens per step, in the
-    same forward as the other requests' rows (0: each prompt whole, alone, before the batch); only where a
-    row's bits do not depend on the rows beside it (`Transformer.rows_independent`), so a chunked prompt gets
-    the very cache a whole one does. `prefill_step_seconds` (> 0): chunks are also sized so that a step takes
-    about this long, from measured costs, however long the context already is."""
+    `draft_schedule` and `draft_p_min` are the defaults of requests that do not say. Every default is
+    `app.engine.defaults`', which the server's settings, the CLI and `build_engine` share (tests that need a
+    deterministic draft length ask for a fixed one). `prefill_chunk`: prompts are prefilled at most this many
+    tokens per step, in the same forward as the other requests' rows (0: each prompt whole, alone, before the
+    batch); only where a row's bits do not depend on the rows beside it (`Transformer.rows_independent`), so a
+    chunked prompt gets the very cache a whole one does. `prefill_step_seconds` (> 0): chunks are also sized so
+    that a step takes about this long, from measured costs, however long the context already is."""
 
     def __init__(
         self,
@@ -63,12 +69,12 @@ class Engine:
         tokenizer: Tokenizer,
         drafters: dict[str, Drafter],
         default_draft: str = "none",
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
         verify_width: int | None = None,
-        draft_schedule: str = "fixed",
-        draft_p_min: float = 0.0,
-        prefill_chunk: int = 0,
-        prefill_step_seconds: float = 0.0,
+        draft_schedule: str = DEFAULT_DRAFT_SCHEDULE,
+        draft_p_min: float = DEFAULT_DRAFT_P_MIN,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        prefill_step_seconds: float = DEFAULT_PREFILL_STEP_SECONDS,
         tree_rows: int = 0,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:

@@ -314,6 +314,7 @@ class Generation:
         proposed = own + plan.refused
         self.stats.verify_passes += bool(own)
         self.stats.forced += kept_forced
+        self.stats.refused += plan.refused
         if proposed:
             self.stats.drafted += proposed
             self.stats.accepted += kept_own

@@ -18,7 +18,7 @@ from app.engine.decoding.grammar import GrammarSpec
 from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.decoding.penalties import NO_PENALTIES, PenaltyParams
 from app.engine.decoding.sampling import SamplingParams
-from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SAMPLERS
+from app.engine.defaults import DEFAULT_NUM_DRAFT_TOKENS, MAX_DRAFT_TOKENS, MAX_LOGPROBS, SAMPLERS
 from app.engine.drafting.draft_length import SCHEDULES
 from app.engine.drafting.tree import DraftTree
 
@@ -37,9 +37,8 @@ class GenerationParams:
 
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
-    # Not app.engine.defaults' k on purpose: the server, the CLI and the load test always set it (from the
-    # engine's or the request's k); the tests that build params directly rely on this fixed 4.
-    num_draft_tokens: int = 4
+    # The most tokens drafted per step (app.engine.defaults, as everywhere).
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     ignore_eos: bool = False
     # Until min_tokens were generated, end-of-sequence and stop tokens and stop strings end nothing (vLLM's).
     min_tokens: int = 0
@@ -89,6 +88,7 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     forced: int = 0  # tokens kept that the grammar forced (never counted as drafted or accepted)
+    refused: int = 0  # drafted tokens the grammar refused before verification (in drafted, never accepted)
     target_passes: int = 0  # every target forward, the prefill included
     verify_passes: int = 0  # target forwards that checked at least one drafted token
     accepted_per_position: list[int] = field(default_factory=list)

@@ -412,5 +412,5 @@ class GrammarState:
 def mask_logits(logits: Tensor, allowed: Tensor) -> Tensor:
     """`logits` [rows, V] with the tokens `allowed` [rows, V] (bool) does not hold set to -inf (a new tensor)."""
     # torch.where over a 0-d -inf: the quickest of masked_fill, numpy's where and an added bias here
-    # (tests/_measure_grammar.py times it beside masked_fill).
+    # (tools/measure_grammar.py times it beside masked_fill).
     return torch.where(allowed.to(logits.device), logits, torch.tensor(float("-inf"), device=logits.device))

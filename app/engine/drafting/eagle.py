@@ -26,12 +26,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from app.engine import kernels
 from app.engine.decoding.sampling import GumbelNoise, SamplingParams
 from app.engine.defaults import MAX_DRAFT_TOKENS
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.loop import NetworkSession, run_drafts
 from app.engine.drafting.tree import Candidates, DraftTree, build_tree
+from app.engine.kernels import Kernel
 from app.engine.kernels.quantized import QuantizedWeight
 from app.engine.model.loading import LoadedModel
 from app.engine.model.transformer import (
@@ -137,24 +137,26 @@ class EagleDraft(nn.Module):
         self.__dict__["_embed"] = target.embed
         rows = target.head_rows(self.vocab_ids)
         if isinstance(rows, QuantizedWeight):  # a quantized target's rows run as its blocks, on its kernel
-            self.__dict__["_head"] = PackedLinear(rows, None)
+            self.__dict__["_head"] = PackedLinear(rows, None, target.kernel)
             self._head_rows = torch.empty(0)
             return
-        self.__dict__["_head"] = PackedLinear(rows, None) if pack and can_pack(rows.dtype, rows.device) else None
+        packs = pack and can_pack(rows.dtype, rows.device, target.kernel)
+        self.__dict__["_head"] = PackedLinear(rows, None, target.kernel) if packs else None
         self._head_rows = rows
 
-    def pack(self) -> None:
-        """Lay the bf16 weights out for the CPU kernel or oneDNN (inference only), as `Transformer.pack` does."""
+    def pack(self, kernel: Kernel | None) -> None:
+        """Lay the bf16 weights out for `kernel` (the target's) or oneDNN (inference only), as `Transformer.pack`
+        does."""
         dtype, device = self.fc.weight.dtype, self.fc.weight.device
-        if not can_pack(dtype, device):
+        if not can_pack(dtype, device, kernel):
             return
-        self.__dict__["_kernel"] = kernels.kernel()
-        self.fc = PackedLinear(self.fc.weight, self.fc.bias)  # type: ignore[assignment]
+        self.__dict__["_kernel"] = kernel
+        self.fc = PackedLinear(self.fc.weight, self.fc.bias, kernel)  # type: ignore[assignment]
         b = self.block
-        b.attn.wqkv = PackedLinear(b.attn.wqkv.weight, b.attn.wqkv.bias)  # type: ignore[assignment]
-        b.attn.wo = PackedLinear(b.attn.wo.weight, None)  # type: ignore[assignment]
-        b.w13 = PackedLinear(b.w13.weight, None)  # type: ignore[assignment]
-        b.w2 = PackedLinear(b.w2.weight, None)  # type: ignore[assignment]
+        b.attn.wqkv = PackedLinear(b.attn.wqkv.weight, b.attn.wqkv.bias, kernel)  # type: ignore[assignment]
+        b.attn.wo = PackedLinear(b.attn.wo.weight, None, kernel)  # type: ignore[assignment]
+        b.w13 = PackedLinear(b.w13.weight, None, kernel)  # type: ignore[assignment]
+        b.w2 = PackedLinear(b.w2.weight, None, kernel)  # type: ignore[assignment]
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(self.config.block_config(), capacity, 1, dtype, device, self.__dict__["_kernel"])
@@ -245,7 +247,7 @@ def load_draft(path: Path, target: Transformer) -> EagleDraft:
         raise EagleError("draft vocabulary ids exceed the target's vocabulary")
     draft = draft.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     draft.attach(target, pack=True)
-    draft.pack()
+    draft.pack(target.kernel)
     return draft
 
 

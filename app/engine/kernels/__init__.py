@@ -195,6 +195,25 @@ def _private_dir() -> Path:
     return path
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int
+# The C functions every kernel library exports, as ctypes calls them: name -> (return type, argument types). One
+# table, which tests/test_kernels.py checks against the prototypes in the headers (common.h, quant.h, layers.h,
+# dot4.h), so that a changed C signature cannot go unnoticed on the Python side.
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "sk_init": (ctypes.c_int, []),
+    "sk_linear": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_float, _P, _P]),
+    "sk_qlinear": (None, [_I, _P, ctypes.c_long, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, ctypes.c_float, _P, _P]),
+    "sk_attention": (None, [_P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I]),
+    "sk_layers": (
+        None,
+        [_P, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P]
+        + [ctypes.c_int64] * 3
+        + [ctypes.c_float, ctypes.c_float, _I],
+    ),
+    "sk_dot_kind": (ctypes.c_char_p, []),
+}
+
+
 class Kernel:
     """One loaded kernel library: `linear` lays a weight out for it, `attention` runs cached attention."""
 
@@ -205,17 +224,11 @@ class Kernel:
         self.source = source(name)
         self.path = path
         self._lib = lib
-        pointer, integer = ctypes.c_void_p, ctypes.c_int
-        lib.sk_linear.restype = None
-        lib.sk_linear.argtypes = [pointer] * 4 + [integer] * 5 + [pointer, ctypes.c_float, pointer, pointer]
-        lib.sk_qlinear.restype = None
-        lib.sk_qlinear.argtypes = [integer, pointer, ctypes.c_long, pointer, pointer, integer, pointer] + [integer] * 5
-        lib.sk_qlinear.argtypes += [pointer, ctypes.c_float, pointer, pointer]
-        lib.sk_attention.restype = None
-        lib.sk_attention.argtypes = [pointer, *[integer] * 7, ctypes.c_float, integer]
-        lib.sk_layers.restype = None
-        lib.sk_layers.argtypes = [pointer, integer, pointer, *[integer] * 6, *[pointer] * 4]
-        lib.sk_layers.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_float] * 2 + [integer]
+        for function, (restype, argtypes) in SIGNATURES.items():
+            if function == "sk_dot_kind" and not hasattr(lib, function):
+                continue  # the generic kernel has no integer dot products
+            getattr(lib, function).restype = restype
+            getattr(lib, function).argtypes = argtypes
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"
@@ -236,7 +249,6 @@ class Kernel:
             kind = self._lib.sk_dot_kind
         except AttributeError:
             return None
-        kind.restype = ctypes.c_char_p
         return kind().decode()
 
     @property
@@ -567,7 +579,7 @@ def load(name: str, cache_dir: Path | None = None) -> Kernel:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"the {name} kernel could not be built or loaded: {exc}") from exc
-    lib.sk_init.restype = ctypes.c_int
+    lib.sk_init.restype = SIGNATURES["sk_init"][0]
     if not lib.sk_init():
         raise KernelUnavailable(f"the operating system refused the {name} kernel's register state")
     return Kernel(name, lib, path)

@@ -81,8 +81,8 @@ def _bf16_is_faster_on_cpu() -> bool:
     for dtype in (torch.float32, torch.bfloat16):
         w = weight.to(dtype)
         product = (
-            PackedLinear(w, None)
-            if can_pack(dtype, torch.device("cpu"))
+            PackedLinear(w, None, None)
+            if can_pack(dtype, torch.device("cpu"), None)
             else functools.partial(torch.nn.functional.linear, weight=w)
         )
         xs = [torch.randn(rows, 576, dtype=dtype) for rows in (1, 8)]
@@ -154,9 +154,11 @@ def load_model(
     t0 = time.perf_counter()
     dev = resolve_device(device) if isinstance(device, str) else device
     native, dtype = _weights_plan(weights, dtype, dev, cache_dir)
+    kernel = None
     if dev.type == "cpu" and (dtype == "auto" or dtype in ("bfloat16", torch.bfloat16)):
-        # The first selection builds the kernel (bfloat16 runs on it, `auto` asks whether one runs): here.
-        kernels.kernel(None if cache_dir is None else Path(cache_dir) / "kernels")
+        # The first selection builds the kernel (bfloat16 runs on it, `auto` asks whether one runs): here. The
+        # model is then packed for this kernel, passed on as a value.
+        kernel = kernels.kernel(None if cache_dir is None else Path(cache_dir) / "kernels")
     dt = resolve_dtype(dtype, dev) if isinstance(dtype, str) else dtype
     ckpt = read_checkpoint(Path(path), max_seq_len, quantized=native)
     with torch.device("meta"):
@@ -168,9 +170,9 @@ def load_model(
         raise RuntimeError(
             f"state dict mismatch: missing {sorted(set(missing) - set(quantized))}, unexpected {unexpected}"
         )
-    model.load_quantized(quantized)
+    model.load_quantized(quantized, kernel)
     model = model.to(dev).eval().requires_grad_(False)
-    model.pack()
+    model.pack(kernel)
     tokenizer = Tokenizer.from_metadata(ckpt.tokenizer_meta, ckpt.config.eos_token_ids)
     elapsed = time.perf_counter() - t0
     kind, size = model.weights()

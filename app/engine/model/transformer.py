@@ -323,16 +323,15 @@ def layout_rows(
 class PackedLinear(nn.Module):
     """A bfloat16 linear layer whose weight was laid out once, at load, for the CPU kernel that runs it.
 
-    Where a CPU kernel runs (`kernels.kernel()`), the product runs on it (`KernelLinear`): weights streamed
-    once per call for all rows, and a row's result never depends on how many rows a call has. Elsewhere
-    (`SPECSERVE_KERNEL=torch`, or no compiler) oneDNN runs it on a weight reordered once: unpacked, oneDNN
+    On a CPU kernel (`kernel`, the one the model is packed for), the product runs on it (`KernelLinear`):
+    weights streamed once per call for all rows, and a row's result never depends on how many rows a call has.
+    Without one (`SPECSERVE_KERNEL=torch`, or no compiler) oneDNN runs it on a weight reordered once: unpacked, oneDNN
     reorders a bf16 weight on every call, which costs more than the product itself for the few rows of a
     decoding step (bit-identical to F.linear).
     """
 
-    def __init__(self, weight: Tensor | QuantizedWeight, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor | QuantizedWeight, bias: Tensor | None, kernel: Kernel | None) -> None:
         super().__init__()
-        kernel = kernels.kernel()
         self.quantized = weight if isinstance(weight, QuantizedWeight) else None
         self.packed = None
         self.weight: Tensor | None = None
@@ -361,12 +360,12 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `Transformer.pack()` does anything for this dtype and device: bfloat16 on a CPU where a kernel
-    runs or oneDNN can reorder bf16 weights."""
+def can_pack(dtype: torch.dtype, device: torch.device, kernel: Kernel | None) -> bool:
+    """Whether `Transformer.pack(kernel)` does anything for this dtype and device: bfloat16 on a CPU, with a
+    kernel or where oneDNN can reorder bf16 weights."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return False
-    return kernels.kernel() is not None or _onednn_packs()
+    return kernel is not None or _onednn_packs()
 
 
 @functools.cache
@@ -484,23 +483,25 @@ class Transformer(nn.Module):
         self.kernel: Kernel | None = None  # what pack() laid the products out for; its caches attend on it too
         self._stack: kernels.LayerStack | None = None  # every layer in one kernel call (see `hidden`)
 
-    def pack(self) -> bool:
-        """Reorder every bf16 weight for oneDNN once (see `PackedLinear`); inference only, irreversible.
+    def pack(self, kernel: Kernel | None) -> bool:
+        """Lay every bf16 weight out once for `kernel` (None: reorder it for oneDNN; see `PackedLinear`), which
+        then runs the products and the attention; inference only, irreversible. `load_model` passes the kernel
+        it selected (`kernels.kernel()`: SPECSERVE_KERNEL, read once).
 
         Returns whether anything was packed (only bfloat16 on CPU is).
         """
-        if not can_pack(self.dtype, self.device):
+        if not can_pack(self.dtype, self.device, kernel):
             return False
-        self.kernel = kernels.kernel()
+        self.kernel = kernel
         for block in self.layers:
             for owner, name in ((block.attn, "wqkv"), (block.attn, "wo"), (block, "w13"), (block, "w2")):
                 lin = getattr(owner, name)
                 if isinstance(lin, nn.Linear):
-                    setattr(owner, name, PackedLinear(lin.weight, lin.bias))
+                    setattr(owner, name, PackedLinear(lin.weight, lin.bias, kernel))
         if isinstance(self.lm_head, PackedLinear):  # quantized (see load_quantized)
             self._packed_head = self.lm_head
         else:
-            self._packed_head = PackedLinear(self._head_weight(), None)
+            self._packed_head = PackedLinear(self._head_weight(), None, kernel)
         self._stack = self._layer_stack()
         return True
 
@@ -521,7 +522,7 @@ class Transformer(nn.Module):
         except ValueError:  # padded products, or more segments than the stack takes: layer by layer
             return None
 
-    def load_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
+    def load_quantized(self, weights: dict[str, QuantizedWeight], kernel: Kernel | None) -> None:
         """Put GGUF quantized matrices in place (names as the state dict's: `layers.0.w13.weight`, `embed.weight`,
         `lm_head.weight`), each computed on as its blocks by the CPU kernel (`PackedLinear`); call before `pack`.
         The model's other weights set its dtype, the activations' (bfloat16: what the kernels take)."""
@@ -536,7 +537,7 @@ class Transformer(nn.Module):
             owner = self.get_submodule(owner_path) if owner_path else self
             linear = getattr(owner, attr)
             bias = linear.bias if isinstance(linear, nn.Linear) else None
-            setattr(owner, attr, PackedLinear(weight, bias))
+            setattr(owner, attr, PackedLinear(weight, bias, kernel))
 
     def _head_weight(self) -> Tensor | QuantizedWeight:
         if self.lm_head is not None:

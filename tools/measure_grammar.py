@@ -4,8 +4,8 @@ For each engine found on the path (llguidance, xgrammar, outlines-core), a JSON 
 valid answer is walked token by token: at every position the allowed-token mask is computed, then the token
 consumed. Prints per engine: tokenizer set-up, compile, and the mean / worst mask time per token.
 
-    python tests/_measure_grammar.py            # what is installed in the environment
-    PYTHONPATH=/tmp/gr_xgrammar python tests/_measure_grammar.py   # an engine installed with pip --target
+    python tools/measure_grammar.py            # what is installed in the environment
+    PYTHONPATH=/tmp/gr_xgrammar python tools/measure_grammar.py   # an engine installed with pip --target
 """
 
 from __future__ import annotations

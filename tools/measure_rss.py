@@ -2,8 +2,8 @@
 
 A measurement, not a test (pytest does not collect it). Run it as
 
-    .venv/bin/python tests/_measure_rss.py --trim off     # then malloc_trim(0) by hand, at the end
-    .venv/bin/python tests/_measure_rss.py --trim on      # the worker trims after each long request
+    .venv/bin/python tools/measure_rss.py --trim off     # then malloc_trim(0) by hand, at the end
+    .venv/bin/python tools/measure_rss.py --trim on      # the worker trims after each long request
 
 It loads the target and the draft as `specserve serve` does, runs the scheduler's worker thread, sends one
 short request (warm-up), then `--requests` requests of the model's whole context (a prompt of context - 16
@@ -69,12 +69,14 @@ async def main() -> None:
     while len(ids) < context:
         ids += ids
     short = engine.tokenizer.encode(turns[0])
-    await _finish(scheduler.submit(short, GenerationParams(max_new_tokens=16), None, 600))
+    await _finish(scheduler.submit(short, GenerationParams(max_new_tokens=16, num_draft_tokens=4), None, 600))
     await _idle(scheduler)
     _report("after a short request")
     new = 16
     for i in range(args.requests):
-        await _finish(scheduler.submit(ids[: context - new], GenerationParams(max_new_tokens=new), None, 600))
+        await _finish(
+            scheduler.submit(ids[: context - new], GenerationParams(max_new_tokens=new, num_draft_tokens=4), None, 600)
+        )
         await _idle(scheduler)
         _report(f"after max-length request {i + 1} ({context - new}+{new})")
     if args.trim == "off":
