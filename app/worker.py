@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.engine import Engine
 from app.engine.generation import Generation
-from app.engine.model.tokenizer import Tokenizer
 from app.engine.step import GenerationError, GenerationParams, GenerationStats, StepOutput
 from app.engine.threads import ThreadGovernor
 from app.logs import current_request_id
@@ -106,58 +105,6 @@ class StepEvent:
     figures: PassFigures | None = None  # the target pass this step was (None for events not made by a step)
 
 
-class _TokenTexts:
-    """Shares the text a step released among the step's tokens.
-
-    The engine releases only safe text (whole characters, nothing of a stop string), per step. For one event
-    per token, each token gets the part of that text up to where its own decoding ends, clamped to what was
-    released; the last token of the step takes the rest. The pieces therefore always add up to exactly the
-    released text.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
-        self._eos = tokenizer.eos_token_ids
-        self._special = tokenizer.special_ids | tokenizer.eos_token_ids
-        self._ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
-        self._decoded = 0  # characters decoded so far, as the engine's detokenizer counts them
-        self._released = 0  # characters the engine released so far
-
-    def _advance(self, token_id: int) -> None:
-        # The same windowed decode as the engine's detokenizer, so that offsets line up with its text.
-        self._ids.append(token_id)
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        after = self._tok.decode(self._ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._decoded += len(after) - len(before)
-            self._prefix, self._read = self._read, len(self._ids)
-
-    def split(
-        self,
-        token_ids: Sequence[int],
-        text: str,
-        logprobs: Sequence[TokenLogprob] | None = None,
-        sources: Sequence[str] = (),
-        target_pass: int = 0,
-    ) -> tuple[TokenOut, ...]:
-        start, end = self._released, self._released + len(text)
-        cursor = start
-        out = []
-        for i, tid in enumerate(token_ids):
-            if tid not in self._eos:
-                self._advance(tid)
-            cut = end if i == len(token_ids) - 1 else min(max(self._decoded, cursor), end)
-            logprob = logprobs[i] if logprobs is not None else None
-            source = sources[i] if i < len(sources) else "target"
-            piece = text[cursor - start : cut - start]
-            out.append(TokenOut(tid, piece, tid in self._special, logprob, source, target_pass))
-            cursor = cut
-        self._released = end
-        return tuple(out)
-
-
 _ids = itertools.count(1)
 
 
@@ -176,7 +123,6 @@ class _Job:
     request_id: str | None = field(default_factory=current_request_id)
     ended: bool = False  # set once, under the scheduler's lock: the place is free, the outcome counted
     gen: Generation | None = None
-    texts: _TokenTexts | None = None
     last_delivery: float = 0.0
     started: float | None = None  # the worker started its generation
     first_token: float | None = None  # its first tokens were delivered
@@ -273,6 +219,8 @@ class Scheduler:
         if max_running < 1 or max_waiting < 0:
             raise ValueError("need max_running >= 1 and max_waiting >= 0")
         self.engine = engine
+        # Tokens whose events say `special` (their text is left out unless asked for).
+        self._special = engine.tokenizer.special_ids | engine.tokenizer.eos_token_ids
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.metrics = metrics
@@ -523,7 +471,6 @@ class Scheduler:
         if job.gen is None:
             return
         job.gen = None
-        job.texts = None
         if self.trim_after_tokens and len(job.prompt_ids) + job.params.max_new_tokens >= self.trim_after_tokens:
             self._trim_due = True
 
@@ -541,7 +488,6 @@ class Scheduler:
             return False
         try:
             job.gen = self.engine.start(job.prompt_ids, job.params, job.draft)
-            job.texts = _TokenTexts(self.engine.tokenizer)
         except GenerationError as exc:
             log.warning("request %d: the engine refused it: %s", job.id, exc, extra=job.log_extra)
             self._fail(job, "invalid", "validation", str(exc))
@@ -570,13 +516,23 @@ class Scheduler:
     def _deliver(self, job: _Job, first: bool, out: StepOutput | Exception) -> bool:
         """Send one step's tokens to `job`'s client; False when the request is over. Raises what ended it when
         the step failed for this request (`out` is an exception) or its delivery did."""
-        assert job.gen is not None and job.texts is not None
+        assert job.gen is not None
         if isinstance(out, Exception):
             raise out
         if not out.token_ids and out.finish_reason is None:
             return not job.ended  # a step that prefilled part of the prompt: nothing to send yet
         job.passes += 1
-        tokens = job.texts.split(out.token_ids, out.text, out.logprobs, out.sources, job.passes)
+        tokens = tuple(
+            TokenOut(
+                tid,
+                out.pieces[i] if i < len(out.pieces) else "",
+                tid in self._special,
+                out.logprobs[i] if out.logprobs is not None else None,
+                out.sources[i] if i < len(out.sources) else "target",
+                job.passes,
+            )
+            for i, tid in enumerate(out.token_ids)
+        )
         if job.ended:  # cancelled or timed out while its step ran: the client is gone
             return False
         now = time.monotonic()

@@ -89,6 +89,8 @@ def _check_stats(gen: Generation, steps: list[StepOutput], prompt, params: Gener
     assert steps[0].drafted == 0 and len(steps[0].token_ids) == 1  # the prefill
     assert "".join(step.text for step in steps) == gen.text
     assert all(len(step.sources) == len(step.token_ids) for step in steps)
+    # Each token's piece of the step's text, for one event per token: they add up to the text.
+    assert all(len(step.pieces) == len(step.token_ids) and "".join(step.pieces) == step.text for step in steps)
     assert steps[0].sources == ["target"]
     assert gen.finish_reason in ("eos", "length", "stop")
     if gen.finish_reason == "length":

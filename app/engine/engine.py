@@ -118,7 +118,7 @@ class Engine:
         self._costs: dict[int, StepCosts] = {}
         self._target_costs = StepCosts(self._verify_costs)
         # None: pad decoding forwards to 8 rows in half precision, where a 1-row forward's bits differ (see
-        # Generation._plan; on this CPU 2 rows would do, and measured no faster end to end), and not at all in
+        # Generation.plan; 2 rows would do on an AVX2 CPU, and measured no faster end to end), and not at all in
         # float32, where results differ too little to flip a token and padding would cost, nor on the AMX
         # kernels, whose rows depend on nothing but themselves.
         if verify_width is None:

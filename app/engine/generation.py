@@ -525,5 +525,14 @@ class Generation:
         # Only the tokens kept (not those past the end, an end-of-sequence token or a stop string) have theirs.
         kept = None if logprobs is None else logprobs[: len(new)]
         return StepOutput(
-            new, text, drafted, accepted, draft_s, verify_s, finish, kept, sources=(sources or [])[: len(new)]
+            new,
+            text,
+            drafted,
+            accepted,
+            draft_s,
+            verify_s,
+            finish,
+            kept,
+            sources=(sources or [])[: len(new)],
+            pieces=self._detok.pieces(len(new)),
         )

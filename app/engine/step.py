@@ -159,6 +159,8 @@ class StepOutput:
     forced: int = 0  # tokens kept that the grammar forced (not in drafted or accepted)
     # Per token of token_ids, what proposed it (SOURCES): the draft's accepted tokens, then the target's own.
     sources: list[str] = field(default_factory=list)
+    # Per token of token_ids, its part of `text` (they add up to it): for one event per token.
+    pieces: list[str] = field(default_factory=list)
 
 
 # What proposed a kept token: the target alone (no draft this step), the model draft or prompt lookup (accepted

@@ -31,6 +31,8 @@ class Detokenizer:
         self._prefix = 0  # ids[_prefix:_read] were decoded last time, as context for the next token
         self._read = 0
         self.stopped_at: int | None = None  # index in `text` where a stop string begins (ends, with include_stop)
+        self._step_start = 0  # where the text released since the last push begins
+        self._step_ends: list[int] = []  # per id of the last push: how much text was decoded once it was in
 
     @property
     def text(self) -> str:
@@ -47,6 +49,7 @@ class Detokenizer:
         the one that completed it are dropped. Stop strings count from `new_ids[armed]` on (min_tokens):
         one that ends in the text of the ids before it ends nothing, now or later.
         """
+        self._step_start, self._step_ends = self._released, []
         if self.stopped_at is not None:
             return "", 0
         keep = len(new_ids)
@@ -59,6 +62,7 @@ class Detokenizer:
             if len(after) > len(before) and not after.endswith(_INCOMPLETE):
                 self._text += after[len(before) :]
                 self._prefix, self._read = self._read, len(self._ids)
+            self._step_ends.append(len(self._text))
             if i < armed:
                 self._armed_at = len(self._text)
             elif self._stop and self._find_stop():
@@ -93,6 +97,21 @@ class Detokenizer:
         delta = self.text[self._released : end] if end > self._released else ""
         self._released = max(self._released, end)
         return delta
+
+    def pieces(self, count: int) -> list[str]:
+        """The text released since the last push (with a flush after it, if any) shared among that step's `count`
+        tokens, for one event per token: each gets the text up to where its own decoding ends, clamped to what
+        was released, and the last the rest; so the pieces add up to exactly the released text. Tokens past
+        those pushed (an end-of-sequence token, a stop token whose text is not shown) get what is left."""
+        start, end = self._step_start, self._released
+        released = self.text[start:end]
+        cursor, out = start, []
+        for i in range(count):
+            decoded = self._step_ends[i] if i < len(self._step_ends) else end
+            cut = end if i == count - 1 else min(max(decoded, cursor), end)
+            out.append(released[cursor - start : cut - start])
+            cursor = cut
+        return out
 
     def flush(self) -> str:
         """The rest of the text at the end of generation, including a trailing undecodable byte."""
