@@ -17,6 +17,7 @@ import pytest
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.ngram import NgramDrafter
 from app.engine.engine import Engine
+from tests.conftest import FIXED_DRAFT
 
 # The requests counter's sample for an outcome, on an app serving the default target.
 ENDED = 'specserve_requests_total{finish_reason="none",model_name="smollm2-135m-instruct",outcome='
@@ -288,10 +289,7 @@ def fragile_engine(api_engine) -> Engine:
         drafters,
         "ngram",
         4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
 
 

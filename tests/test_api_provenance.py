@@ -19,6 +19,7 @@ from app.engine.drafting.model import ModelDrafter
 from app.engine.drafting.ngram import NgramDrafter
 from app.engine.engine import Engine
 from app.engine.model.loading import LoadedModel
+from tests.conftest import FIXED_DRAFT
 
 pytestmark = pytest.mark.anyio
 
@@ -40,10 +41,7 @@ def drafting_engine(target_f32: LoadedModel, target_bf16: LoadedModel) -> Engine
         drafters,
         "ngram",
         4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
 
 

@@ -23,6 +23,7 @@ from app.engine.engine import Engine
 from app.logs import _JSONFormatter, _RequestIdFilter
 from app.server import create_app
 from app.settings import Settings
+from tests.conftest import FIXED_DRAFT
 
 # The requests counter's sample for an outcome, on an app serving the default target.
 ENDED = 'specserve_requests_total{finish_reason="none",model_name="smollm2-135m-instruct",outcome='
@@ -196,10 +197,7 @@ async def test_no_traceback_in_answers_and_the_id_in_the_log(api_engine, json_lo
         {"ngram": NgramDrafter(), "boom": _ExplodingDraft()},
         "ngram",
         4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     app = create_app(Settings(), engine)
 

@@ -13,7 +13,7 @@ from app.engine.drafting.ngram import NgramDrafter
 from app.engine.engine import Engine
 from app.engine.generation import Generation
 from app.engine.step import GenerationParams
-from tests.conftest import KERNELS, use_kernel
+from tests.conftest import FIXED_DRAFT, KERNELS, use_kernel
 
 MAX_NEW = 24
 
@@ -143,10 +143,7 @@ def test_step_batch_keeps_a_failure_to_its_request(packed_target, prompts):
         drafters,
         "ngram",
         3,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     params = GenerationParams(max_new_tokens=6, num_draft_tokens=4)
     expected = _run_alone(engine, prompts[0], params, "ngram")

@@ -32,7 +32,7 @@ from app.engine.generation import Generation
 from app.engine.model.loading import LoadedModel
 from app.engine.reference import greedy_decode
 from app.engine.step import GenerationError, GenerationParams, GenerationStats, NumericalError, StepOutput
-from tests.conftest import KERNELS
+from tests.conftest import FIXED_DRAFT, KERNELS
 
 MAX_NEW = 32
 
@@ -312,10 +312,7 @@ def test_kernel_rows_do_not_depend_on_the_row_count(packed_target, kernel):
             {},
             "none",
             num_draft_tokens=4,
-            draft_schedule="fixed",
-            draft_p_min=0.0,
-            prefill_chunk=0,
-            prefill_step_seconds=0.0,
+            **FIXED_DRAFT,
         ).verify_width
         == 0
     )
@@ -335,10 +332,7 @@ def test_half_precision_speculative_equals_target_only(target_f32, packed_target
         drafters,
         "f32",
         4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     assert engine.verify_width == (8 if kernel == "torch" else 0)
     params = GenerationParams(max_new_tokens=MAX_NEW, num_draft_tokens=4)
@@ -525,10 +519,7 @@ def test_requests_the_engine_refuses(make_tiny_model, tok):
         {"ngram": NgramDrafter()},
         default_draft="ngram",
         num_draft_tokens=4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     with pytest.raises(GenerationError, match="prompt must not be empty"):
         engine.start([], GenerationParams(max_new_tokens=2, num_draft_tokens=4))
@@ -552,10 +543,7 @@ def test_requests_the_engine_refuses(make_tiny_model, tok):
             {},
             default_draft="missing",
             num_draft_tokens=4,
-            draft_schedule="fixed",
-            draft_p_min=0.0,
-            prefill_chunk=0,
-            prefill_step_seconds=0.0,
+            **FIXED_DRAFT,
         )
 
 
@@ -568,10 +556,7 @@ def test_engine_draft_selection_and_generate(make_tiny_model, tok):
         {"ngram": ngram},
         default_draft="ngram",
         num_draft_tokens=3,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     assert engine.drafter(None) is ngram and engine.drafter("default") is ngram and engine.drafter("none") is None
     steps = list(
@@ -697,10 +682,7 @@ def test_adaptive_hybrid_drafts_with_its_model_where_that_pays_more(tiny_target,
         {"hybrid": HybridDrafter("hybrid", self_draft)},
         "hybrid",
         4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     _fixed_costs(engine, monkeypatch, row=0.02)
     params = GenerationParams(max_new_tokens=40, ignore_eos=True, draft_schedule="adaptive", num_draft_tokens=4)
@@ -750,10 +732,7 @@ def test_calibrate_seeds_the_verification_costs_every_drafter_and_target_only_re
             {},
             verify_width=8,
             num_draft_tokens=4,
-            draft_schedule="fixed",
-            draft_p_min=0.0,
-            prefill_chunk=0,
-            prefill_step_seconds=0.0,
+            **FIXED_DRAFT,
         ).calibrate(rows=3)
     ) == [1, 2, 3]
 

@@ -17,7 +17,7 @@ from app.engine.engine import Engine
 from app.engine.factory import build_engine
 from app.engine.generation import Generation
 from app.engine.step import GenerationError, GenerationParams
-from tests.conftest import KERNELS, use_kernel
+from tests.conftest import FIXED_DRAFT, KERNELS, use_kernel
 
 PERSON = {
     "type": "object",
@@ -144,10 +144,7 @@ def test_constrained_speculative_equals_target_only_alone_and_batched(packed_tar
         drafters,
         "self",
         4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     ask = "Describe a famous scientist as JSON with the keys name, age and home (city, country)."
     prompts = [

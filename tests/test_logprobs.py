@@ -14,7 +14,7 @@ from app.engine.drafting.ngram import NgramDrafter
 from app.engine.engine import Engine
 from app.engine.generation import Generation
 from app.engine.step import GenerationError, GenerationParams, StepOutput
-from tests.conftest import KERNELS
+from tests.conftest import FIXED_DRAFT, KERNELS
 
 PROMPT = "The capital of France is"  # greedy: " Paris." "\n" "\n" "The" ...
 
@@ -108,10 +108,7 @@ def test_logprobs_are_log_softmax_of_the_targets_logits(target_f32) -> None:
         {"ngram": NgramDrafter()},
         "ngram",
         4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     prompt = tok.encode(PROMPT)
     tokens, logprobs, prompt_lps = _logprobs(
@@ -149,10 +146,7 @@ def test_logprob_counts_the_engine_refuses(target_f32) -> None:
         {},
         "none",
         num_draft_tokens=4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     for bad in ({"logprobs": 21}, {"prompt_logprobs": -1}, {"max_new_tokens": -1}):
         with pytest.raises(GenerationError, match=next(iter(bad))):

@@ -23,6 +23,7 @@ from app.engine.engine import Engine
 from app.engine.generation import Generation
 from app.engine.model.transformer import tree_depths
 from app.engine.step import GenerationParams
+from tests.conftest import FIXED_DRAFT
 
 # Kernels whose attention takes trees (amx reads keys by slot: it keeps the chain).
 TREE_KERNELS = [name for name in kernels.available() if name != "amx"]
@@ -222,10 +223,7 @@ def test_tree_speculative_equals_target_only_greedy_and_seeded(packed_target, ta
             "hybrid",
             6,
             tree_rows=16,
-            draft_schedule="fixed",
-            draft_p_min=0.0,
-            prefill_chunk=0,
-            prefill_step_seconds=0.0,
+            **FIXED_DRAFT,
         )
         best = name == TREE_KERNELS[0]  # the others compute the same bits (test_kernels): one prompt, greedy
         passes = {"chain": 0, "tree": 0}

@@ -15,7 +15,7 @@ from app.engine import kernels
 from app.engine.step import GenerationParams
 from app.metrics import Metrics
 from app.worker import Overloaded, RequestFailed, Scheduler, Ticket
-from tests.conftest import KERNELS
+from tests.conftest import FIXED_DRAFT, KERNELS
 
 pytestmark = pytest.mark.anyio
 
@@ -64,10 +64,7 @@ def batching_scheduler(packed_target):
         {"ngram": NgramDrafter()},
         "ngram",
         4,
-        draft_schedule="fixed",
-        draft_p_min=0.0,
-        prefill_chunk=0,
-        prefill_step_seconds=0.0,
+        **FIXED_DRAFT,
     )
     s = Scheduler(engine, max_running=4, max_waiting=4, metrics=Metrics(MODEL))
     s.start()
