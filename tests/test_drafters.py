@@ -216,3 +216,39 @@ def test_ngram_session_index_follows_a_growing_sequence_and_a_replaced_one():
             else:
                 ids = ids + [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
         assert session.propose(tuple(ids), 2) == _scan(ids, 2, max_n, min_n)  # any sequence type
+
+
+def test_a_capability_and_its_method_go_together():
+    """A session or drafter that declares a capability without its method (or the reverse, as after a rename)
+    fails when its class is defined, instead of quietly turning the feature off (trees becoming chains)."""
+    import pytest
+
+    with pytest.raises(TypeError, match="declares `trees` but does not define `propose_tree`"):
+
+        class _NoTree(DraftSession):
+            trees = True
+
+            def propose(self, token_ids, k, p_min=0.0):
+                return []
+
+    with pytest.raises(TypeError, match="does not declare `trees` but defines `propose_tree`"):
+
+        class _Undeclared(DraftSession):
+            def propose(self, token_ids, k, p_min=0.0):
+                return []
+
+            def propose_tree(self, token_ids, k, max_rows, params=None, noise=None, p_min=0.0, min_value=0.0):
+                raise AssertionError
+
+    with pytest.raises(TypeError, match="does not define `propose`"):
+
+        class _Silent(DraftSession):
+            pass
+
+    with pytest.raises(TypeError, match="declares `batches` but does not define `propose_batch`"):
+
+        class _NoBatch(Drafter):
+            batches = True
+
+            def session(self, capacity):
+                raise AssertionError

@@ -25,6 +25,9 @@ from app.api.schemas import (
     Decoding,
     Grammar,
     Penalties,
+    Provenance,
+    ProvenancePass,
+    ProvenanceToken,
     Sampling,
     SpeculativeDetails,
     SpeculativeParameters,
@@ -36,7 +39,7 @@ from app.engine.decoding.penalties import PenaltyParams
 from app.engine.step import GenerationError, GenerationParams, GenerationStats, check_request
 from app.runtime import Runtime
 from app.settings import Settings
-from app.worker import Finished, Overloaded, RequestFailed, StepEvent, Ticket, TokenOut
+from app.worker import Finished, Overloaded, PassFigures, RequestFailed, StepEvent, Ticket, TokenOut
 
 
 class ClientGone(Exception):
@@ -287,6 +290,55 @@ def speculative_details(prepared: Prepared, stats: GenerationStats) -> Speculati
         sampler="greedy" if prepared.params.temperature == 0 else prepared.params.sampler,  # type: ignore[arg-type]
         **rounded,
     )
+
+
+def provenance(tokens: Sequence[TokenOut], passes: Sequence[PassFigures]) -> Provenance:
+    """The `provenance` of a streamed event carrying `tokens`, and `passes`, the target passes that began in it."""
+    return Provenance(
+        tokens=[
+            ProvenanceToken(
+                id=t.id,
+                text=t.text,
+                source=t.source,  # type: ignore[arg-type]  # one of SOURCES
+                target_pass=t.target_pass,
+                logprob=t.logprob.logprob if t.logprob is not None else None,
+            )
+            for t in tokens
+        ],
+        passes=[
+            ProvenancePass(
+                target_pass=f.target_pass,
+                drafted=f.drafted,
+                accepted=f.accepted,
+                draft_ms=round(f.draft_seconds * 1000, 3),
+                verify_ms=round(f.verify_seconds * 1000, 3),
+            )
+            for f in passes
+        ],
+    )
+
+
+class ProvenanceBuffer:
+    """A stream's tokens and passes not yet sent in an event's `provenance` (a chunk may hold several steps' tokens,
+    or none when its text is held back)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[TokenOut] = []
+        self.passes: list[PassFigures] = []
+
+    def add(self, step: StepEvent) -> None:
+        """Keep `step`'s tokens and its pass for the next event."""
+        self.tokens.extend(step.tokens)
+        if step.figures is not None:
+            self.passes.append(step.figures)
+
+    def take(self) -> Provenance | None:
+        """Everything kept so far, emptied; None when nothing was."""
+        if not self.tokens and not self.passes:
+            return None
+        out = provenance(self.tokens, self.passes)
+        self.tokens, self.passes = [], []
+        return out
 
 
 def sse(data: BaseModel | dict[str, Any] | str) -> str:
