@@ -20,6 +20,7 @@ import re
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -501,7 +502,34 @@ def read_metrics(url: str, headers: dict[str, str]) -> str | None:
     return response.text if response.status_code == 200 else None
 
 
-def _prefix_cache_text(pc: dict[str, Any] | None) -> str:
+def token_counter(url: str, headers: dict[str, str], model: str | None, api: str) -> Callable[[str], int]:
+    """Counts a prompt's tokens as the server will (its /tokenize; the chat template too with the chat API),
+    to size the long prompts. Without /tokenize, an estimate of three characters a token: English text takes
+    about four, so the estimate errs short of the limit, not over it."""
+    estimated = False
+
+    def count(text: str) -> int:
+        nonlocal estimated
+        if not estimated:
+            body: dict[str, Any] = {"model": model}
+            if api == "chat":
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            try:
+                response = httpx.post(f"{url}/tokenize", json=body, headers=headers, timeout=60)
+                if response.status_code == 200:
+                    return int(response.json()["count"])
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            estimated = True
+        return len(text) // 3
+
+    return count
+
+
+def prefix_cache_summary(pc: dict[str, Any] | None) -> str:
+    """One level's prefix-cache figures as text: the hit rate with hits/queries, or why there is none."""
     if not pc:
         return "-"
     if pc.get("hit_rate") is None:
@@ -538,7 +566,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{sum(r['errors'].values()) - r['rejected_429']} | {r['rejected_429']} | {r['differs_from_alone']} |"
         )
         if "prefix_cache" in r:
-            notes.append(f"- {spec} {load}: prefix cache hit rate {_prefix_cache_text(r['prefix_cache'])}")
+            notes.append(f"- {spec} {load}: prefix cache hit rate {prefix_cache_summary(r['prefix_cache'])}")
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
@@ -567,7 +595,7 @@ def markdown_multiturn(rows: list[dict[str, Any]]) -> str:
             f"{m['completed_conversations']}/{m['conversations']} | {r['tokens_per_second']:.1f} | "
             f"{_ms(r['ttft_ms'], 'p50', 'p95')} | {_ms(r['itl_ms'], 'p50', 'p95', 'p99')} | {ends} | "
             f"{m['ttft_last_over_first']} | {m['prompts_grew']} | {sum(r['errors'].values())} | "
-            f"{_prefix_cache_text(r.get('prefix_cache'))} |"
+            f"{prefix_cache_summary(r.get('prefix_cache'))} |"
         )
         for t in turns:
             detail.append(
@@ -593,6 +621,6 @@ def markdown_mixed(rows: list[dict[str, Any]]) -> str:
             f"{_ms(lo['ttft_s'], 'p50', 'max')} | {_ms(lo['total_s'], 'p50', 'max')} | "
             f"{sh['completed']}/{sh['requests']} | {sh['beside_long']} | {_ms(sh['ttft_s'], 'p50', 'max')} | "
             f"{_ms(sh['total_s'], 'p50', 'max')} | {goal} | {sum(r['errors'].values())} | "
-            f"{_prefix_cache_text(r.get('prefix_cache'))} |"
+            f"{prefix_cache_summary(r.get('prefix_cache'))} |"
         )
     return "\n".join(lines)
