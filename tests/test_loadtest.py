@@ -297,16 +297,69 @@ async def test_mixed_sends_the_short_requests_beside_the_long_ones():
 
 
 async def test_conversations_over_a_real_server_grow_turn_by_turn(api_engine):
-    """Two users, three turns, 4 tokens an answer: every turn completes, each prompt holds the system prompt and
+    """Two users, two turns, 4 tokens an answer: every turn completes, each prompt holds the system prompt and
     the whole conversation so far (the usage field's prompt tokens grow by at least the previous answer)."""
     app = create_app(Settings(), api_engine)
     async with app.router.lifespan_context(app):
         options = {"max_new_tokens": 4, "speculative": {"draft": "ngram"}, "model": "smollm2-135m-instruct"}
         transport = httpx.ASGITransport(app=app)
-        results, _ = await run_conversations("http://testserver", 2, 3, options, 120, None, transport, seed=1)
-    assert len(results) == 6 and all(r.ok for r in results), [r.error for r in results]
-    m = summarize_turns(results, 3)
+        results, _ = await run_conversations("http://testserver", 2, 2, options, 120, None, transport, seed=1)
+    assert len(results) == 4 and all(r.ok for r in results), [r.error for r in results]
+    m = summarize_turns(results, 2)
     assert m["prompts_grew"] == "2/2" and m["completed_conversations"] == 2
     prompts = [t["prompt_tokens_p50"] for t in m["per_turn"]]
-    assert prompts[0] > 300 and prompts[0] < prompts[1] < prompts[2]  # the system prompt, then each turn more
+    assert prompts[0] > 300 and prompts[1] > prompts[0] + 100  # the system prompt, then the turn's ~150 more
     assert m["ttft_last_over_first"] is not None
+
+
+def test_loadtest_mixed_sizes_the_long_prompts_from_info_and_reports_them_apart(monkeypatch, tmp_path, capsys):
+    """`specserve loadtest --workload mixed`: long prompts sized to /info's limits (less the answer) by the
+    server's /tokenize, the short ones with --short-tokens, the table and JSON with both parts and the
+    prefix-cache hit rate (this server's /metrics has the counters)."""
+    import app.loadtest
+    from app import cli
+
+    metrics = iter([METRICS.format(queries=0.0, hits=0.0), METRICS.format(queries=9000.0, hits=3000.0)])
+
+    class Answer:
+        status_code = 200
+
+        def __init__(self, url: str, body: dict | None = None):
+            self.url, self.body = url, body
+            self.text = next(metrics) if url.endswith("/metrics") else ""
+
+        def json(self):
+            if self.url.endswith("/info"):
+                return {"max_input_tokens": 8191, "max_total_tokens": 8192}
+            if self.url.endswith("/tokenize"):
+                return {"count": int(len(self.body["messages"][0]["content"].split()) * 1.3)}
+            return {"data": [{"id": "m"}]}
+
+    sent: dict = {}
+
+    async def run_mixed(url, longs, shorts, short_requests, options, short_tokens, *args):
+        sent.update(longs=longs, short_requests=short_requests, short_tokens=short_tokens, options=options)
+
+        def req(kind: str, start: float, end: float) -> Result:
+            return Result(0, True, None, "x", 4, start, [start + 0.2], end, prompt_tokens=8000, kind=kind)
+
+        return [req("long", 0.0, 50.0), req("short", 1.5, 2.0)], 50.0
+
+    monkeypatch.setattr(httpx, "get", lambda url, **kwargs: Answer(url))
+    monkeypatch.setattr(httpx, "post", lambda url, json=None, **kwargs: Answer(url, json))
+    monkeypatch.setattr(app.loadtest, "run_mixed", run_mixed)
+    args = ["loadtest", "--workload", "mixed", "--draft", "none", "--long-prompts", "2", "-n", "64"]
+    assert cli.main([*args, "--short-requests", "3", "--out", str(tmp_path)]) == 0
+    assert len(sent["longs"]) == 2 and sent["short_requests"] == 3 and sent["short_tokens"] == 4
+    target = 8192 - 64 - 8
+    assert all(0.95 * target <= int(len(p.split()) * 1.3) <= target for p in sent["longs"])
+    row = json.loads((tmp_path / "loadtest.json").read_text())[0]
+    assert row["mixed"]["long"]["target_tokens"] == target and row["mixed"]["short"]["goal_met"] is True
+    assert row["prefix_cache"]["hit_rate"] == 0.3333
+    table = (tmp_path / "loadtest.md").read_text()
+    assert (
+        "| none | 1/1 | 8000 | 0.2/0.2 | 50.0/50.0 | 1/1 | 1 | 0.2/0.2 | 0.5/0.5 | met | 0 | 33.3% (3000/9000" in table
+    )
+    capsys.readouterr()  # the run's table
+    assert cli.main(["loadtest", "--workload", "multiturn", "--api", "tgi"]) == 1
+    assert "needs --api chat" in capsys.readouterr().err
