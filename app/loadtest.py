@@ -547,6 +547,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     base: dict[str, float] = {}
     in_process: dict[str, float] = {}
     notes = []
+    cache: dict[str, str] = {}  # level: its prefix-cache hit rate
     for r in rows:
         via, spec, rate = r.get("via", "http"), r["speculative"], r["tokens_per_second"]
         if via == "in-process":
@@ -566,7 +567,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{sum(r['errors'].values()) - r['rejected_429']} | {r['rejected_429']} | {r['differs_from_alone']} |"
         )
         if "prefix_cache" in r:
-            notes.append(f"- {spec} {load}: prefix cache hit rate {prefix_cache_summary(r['prefix_cache'])}")
+            cache[f"{spec} {load}"] = prefix_cache_summary(r["prefix_cache"])
+    if len(set(cache.values())) == 1 and next(iter(cache.values())).startswith("n/a"):
+        notes.append(f"- prefix cache hit rate: {next(iter(cache.values()))}")  # one line, not one a level
+    else:
+        notes += [f"- {level}: prefix cache hit rate {text}" for level, text in cache.items()]
     return "\n".join(lines + (["", *notes] if notes else []))
 
 

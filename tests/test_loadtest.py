@@ -263,6 +263,14 @@ def test_the_prefix_cache_hit_rate_comes_from_the_metrics_counters_when_there_ar
     assert prefix_cache_hit_rate(plain, plain) == {"hit_rate": None, "note": NO_PREFIX_CACHE}
     assert prefix_cache_hit_rate(None, plain)["note"] == "n/a (no /metrics)"
     assert prefix_cache_hit_rate(before, before)["hit_rate"] is None  # no queries in the level
+    level = summarize_level([Result(0, True, None, "x", 2, 0.0, [0.1, 0.2], 0.3)], 1.0, None, True)
+    rows = [
+        {"speculative": "none", "clients": c, **level, "prefix_cache": prefix_cache_hit_rate(plain, plain)}
+        for c in (1, 2)
+    ]
+    assert markdown(rows).endswith("\n- prefix cache hit rate: n/a (server has no prefix cache)")  # once
+    rows[1]["prefix_cache"] = prefix_cache_hit_rate(before, after)
+    assert "- none 2: prefix cache hit rate 60.0% (600/1000 tokens)" in markdown(rows)
 
 
 def _sse(pieces: list[str], prompt_tokens: int) -> bytes:
