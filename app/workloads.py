@@ -88,6 +88,16 @@ _CONTEXTS = [
     "A colleague measured the server last week and saw the first token arrive later when {n} conversations were "
     "open at once, and we would like to understand why before we change anything.",
 ]
+_DETAILS = [
+    "The machine has two CPU cores and no GPU, the model is the small default one, and the server runs with its "
+    "default settings except for a larger queue, because refusing requests looked worse to us than waiting.",
+    "Most of our prompts are between two hundred and a thousand tokens long, and the answers we ask for are "
+    "usually a few paragraphs, although some users ask for a single word and expect it at once.",
+    "We watch the time to first token and the gaps between tokens on a dashboard, and we would like both to stay "
+    "steady when a colleague pastes a long document into the chat in the middle of the afternoon.",
+    "Nobody on the team has run a serving stack before this one, so please do not assume we know the usual "
+    "vocabulary, and say so when a term you use has a precise meaning that matters here.",
+]
 _ASKS = [
     "Could you explain {aspect} for {topic}? In short: {summary}; I would like the details.",
     "For {topic}, please tell me {aspect}. I understand the outline, that {summary}, but not more.",
@@ -173,6 +183,7 @@ def user_turns(user: int, turns: int, seed: int = 0) -> list[str]:
         aspect = aspects[t % len(aspects)]
         parts = [] if t == 0 else [rng.choice(_OPENINGS)]
         parts.append(rng.choice(_CONTEXTS).format(n=rng.randint(3, 200)))
+        parts.append(rng.choice(_DETAILS))
         parts.append(rng.choice(_ASKS).format(aspect=aspect, topic=topic, summary=summary))
         parts.append(rng.choice(_CLOSINGS))
         if t > 0:  # refer back, as a user in a conversation does: the earlier turns matter to the answer

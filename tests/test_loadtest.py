@@ -155,7 +155,7 @@ def test_conversations_are_seeded_distinct_per_user_and_about_300_tokens_a_turn_
     assert turns == user_turns(0, 10, seed=0) and len(turns) == 10 and len(set(turns)) == 10
     assert turns != user_turns(1, 10, seed=0) and turns != user_turns(0, 10, seed=1)
     # About 150 tokens a message (a word is 1.3 tokens or so): with a 128-token answer, ~300 a turn.
-    assert all(70 <= len(t.split()) <= 160 for t in turns)
+    assert all(100 <= len(t.split()) <= 170 for t in turns)
     assert len(SYSTEM_PROMPT.split()) >= 300  # a few hundred tokens every conversation shares
 
 
