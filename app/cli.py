@@ -810,7 +810,9 @@ def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prompts", type=_positive_int, default=16, help="distinct prompts (first turns) to send")
     parser.add_argument(
-        "--clients", default=None, help="comma-separated concurrency levels (default: 1,2,4,8,16; 1 with --rates)"
+        "--clients",
+        default=None,
+        help="comma-separated concurrency levels (default: 1,2,4,8,16; 1 with --rates); multiturn: users (4)",
     )
     parser.add_argument(
         "--rates",
@@ -839,19 +841,24 @@ def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
         "users, each a conversation of --turns turns with a shared system prompt (chat API); mixed: --long-prompts "
         "prompts near the server's max input, and short requests sent one after another beside them",
     )
-    parser.add_argument("--turns", type=_positive_int, default=10, help="multiturn: turns per conversation")
+    parser.add_argument("--turns", type=_positive_int, default=10, help="multiturn: turns per conversation (10)")
     parser.add_argument("--seed", type=int, default=0, help="multiturn and mixed: the texts' seed; --rates: arrivals")
-    parser.add_argument("--long-prompts", type=_positive_int, default=4, help="mixed: long prompts sent at once")
+    parser.add_argument("--long-prompts", type=_positive_int, default=4, help="mixed: long prompts sent at once (4)")
     parser.add_argument(
         "--long-tokens",
         type=_positive_int,
         default=None,
         help="mixed: tokens per long prompt (default: the most /info's max_input_tokens and context allow)",
     )
-    parser.add_argument("--short-requests", type=_positive_int, default=4, help="mixed: short requests, in turn")
-    parser.add_argument("--short-tokens", type=_positive_int, default=4, help="mixed: max new tokens of a short one")
+    parser.add_argument("--short-requests", type=_positive_int, default=4, help="mixed: short requests, in turn (4)")
     parser.add_argument(
-        "--short-delay", type=float, default=1.5, help="mixed: seconds after the long prompts before the first short"
+        "--short-tokens", type=_positive_int, default=4, help="mixed: max new tokens of a short one (4)"
+    )
+    parser.add_argument(
+        "--short-delay",
+        type=float,
+        default=1.5,
+        help="mixed: seconds after the long prompts before the first short (1.5)",
     )
     parser.add_argument("--out", default="bench_out", help="directory for loadtest.json and loadtest.md")
     parser.set_defaults(func=_cmd_loadtest)

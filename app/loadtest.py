@@ -8,6 +8,11 @@ token (TTFT), the gaps between events (inter-token latency, ITL), total throughp
 kind and 429s. Every response is checked: it must end with a final event (complete) whose text equals the
 events' texts, and greedy responses must equal the text the same prompt got when sent alone (the pass at
 concurrency 1).
+
+Two more workloads (issue 31), their texts in app/workloads.py: multi-turn conversations sharing a system prompt
+(`run_conversations`, TTFT per turn and the prompts' growth: `summarize_turns`), and short requests beside long
+prompts near the server's max input (`run_mixed`, the two apart: `summarize_mixed`). Every level also reports the
+prefix cache's hit rate from the server's /metrics counters (`prefix_cache_hit_rate`), n/a where it has none.
 """
 
 from __future__ import annotations
