@@ -13,7 +13,7 @@ import argparse
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -798,7 +798,9 @@ def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
         help="N concurrent streaming clients against a running server: throughput, TTFT, ITL, errors",
         description="For each draft (speculation on and off) and each client count, send streamed greedy requests "
         "and report tokens/s, time to first token and inter-token latency (p50/p95/p99), errors by kind and 429s; "
-        "every response is checked for completeness and against the text its prompt got alone.",
+        "every response is checked for completeness and against the text its prompt got alone. --workload "
+        "multiturn adds TTFT per turn and the prompts' growth; --workload mixed reports short requests beside long "
+        "prompts apart. Every level reports the server's prefix-cache hit rate where its /metrics has one.",
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument(
@@ -808,7 +810,9 @@ def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prompts", type=_positive_int, default=16, help="distinct prompts (first turns) to send")
     parser.add_argument(
-        "--clients", default=None, help="comma-separated concurrency levels (default: 1,2,4,8,16; 1 with --rates)"
+        "--clients",
+        default=None,
+        help="comma-separated concurrency levels (default: 1,2,4,8,16; 1 with --rates); multiturn: users (4)",
     )
     parser.add_argument(
         "--rates",
@@ -828,6 +832,33 @@ def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also run the one-client requests straight on an engine in this process (the server's models and "
         "settings, read from /info), to measure what HTTP and streaming cost",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=["prompts", "multiturn", "mixed"],
+        default="prompts",
+        help="prompts: independent one-turn prompts from --input (closed loop, or --rates); multiturn: --clients "
+        "users, each a conversation of --turns turns with a shared system prompt (chat API); mixed: --long-prompts "
+        "prompts near the server's max input, and short requests sent one after another beside them",
+    )
+    parser.add_argument("--turns", type=_positive_int, default=10, help="multiturn: turns per conversation (10)")
+    parser.add_argument("--seed", type=int, default=0, help="multiturn and mixed: the texts' seed; --rates: arrivals")
+    parser.add_argument("--long-prompts", type=_positive_int, default=4, help="mixed: long prompts sent at once (4)")
+    parser.add_argument(
+        "--long-tokens",
+        type=_positive_int,
+        default=None,
+        help="mixed: tokens per long prompt (default: the most /info's max_input_tokens and context allow)",
+    )
+    parser.add_argument("--short-requests", type=_positive_int, default=4, help="mixed: short requests, in turn (4)")
+    parser.add_argument(
+        "--short-tokens", type=_positive_int, default=4, help="mixed: max new tokens of a short one (4)"
+    )
+    parser.add_argument(
+        "--short-delay",
+        type=float,
+        default=1.5,
+        help="mixed: seconds after the long prompts before the first short (1.5)",
     )
     parser.add_argument("--out", default="bench_out", help="directory for loadtest.json and loadtest.md")
     parser.set_defaults(func=_cmd_loadtest)
@@ -856,57 +887,102 @@ def _loadtest_engine(url: str, headers: dict[str, str]):
 
 
 def _cmd_loadtest(args: argparse.Namespace) -> int:
-    import asyncio
     import json
 
     import httpx
 
-    from app.bench import read_prompts
-    from app.loadtest import auth_headers, markdown, run_in_process, run_level, run_rate, summarize_level
+    from app import loadtest
 
-    path = Path(args.input)
-    if not path.is_file():
-        raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
-    prompts = [p.text for p in read_prompts(path, None, None)][: args.prompts]
     try:
         rates = [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else []
     except ValueError as exc:
         raise CliError("--rates takes comma-separated numbers, e.g. 0.5,1,2") from exc
     if args.rates is not None and (not rates or min(rates) <= 0):
         raise CliError("--rates needs at least one rate > 0")
-    clients = args.clients if args.clients is not None else ("1" if rates else "1,2,4,8,16")
+    if args.workload != "prompts" and (args.rates is not None or args.in_process):
+        raise CliError(f"--rates and --in-process are for --workload prompts, not {args.workload}")
+    if args.workload == "multiturn" and args.api != "chat":
+        raise CliError("--workload multiturn sends conversations: it needs --api chat")
+    if args.workload == "mixed" and args.clients is not None:
+        raise CliError("--workload mixed sends --long-prompts at once and --short-requests in turn: no --clients")
+    default_clients = {"prompts": "1" if rates else "1,2,4,8,16", "multiturn": "4", "mixed": "1"}[args.workload]
+    clients = args.clients if args.clients is not None else default_clients
     try:
         levels = [int(x) for x in clients.split(",") if x.strip()]
     except ValueError as exc:
         raise CliError("--clients takes comma-separated integers, e.g. 1,2,4,8") from exc
     if not levels or min(levels) < 1:
         raise CliError("--clients needs at least one level >= 1")
-    headers = auth_headers(args.api_key)
+    headers = loadtest.auth_headers(args.api_key)
     try:
         model = httpx.get(f"{args.url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise CliError(f"no specserve answering at {args.url}: {exc}") from exc
+    if args.workload == "multiturn":
+        rows = _loadtest_multiturn(args, levels, model, headers)
+        table = loadtest.markdown_multiturn(rows)
+    elif args.workload == "mixed":
+        rows = _loadtest_mixed(args, model, headers)
+        table = loadtest.markdown_mixed(rows)
+    else:
+        rows = _loadtest_prompts(args, levels, rates, model, headers)
+        table = loadtest.markdown(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loadtest.json").write_text(json.dumps(rows, indent=1))
+    (out / "loadtest.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def _measured(args: argparse.Namespace, headers: dict[str, str], level: Coroutine[Any, Any, Any]) -> tuple[Any, dict]:
+    """What the `level` run in a new event loop returns, and the server's prefix-cache hit rate over it (its
+    /metrics before and after)."""
+    import asyncio
+
+    from app import loadtest
+
+    before = loadtest.read_metrics(args.url, headers)
+    answer = asyncio.run(level)
+    return answer, loadtest.prefix_cache_hit_rate(before, loadtest.read_metrics(args.url, headers))
+
+
+def _loadtest_prompts(
+    args: argparse.Namespace, levels: list[int], rates: list[float], model: str, headers: dict[str, str]
+) -> list[dict[str, Any]]:
+    """The one-turn workload: every draft at every client count (closed loop), then every rate (open loop)."""
+    import json
+
+    from app import loadtest
+    from app.bench import read_prompts
+
+    path = Path(args.input)
+    if not path.is_file():
+        raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
+    prompts = [p.text for p in read_prompts(path, None, None)][: args.prompts]
     engine = _loadtest_engine(args.url, headers) if args.in_process else None
-    rows = []
+    rows: list[dict[str, Any]] = []
     # Greedy text is the target's own whatever the draft: the first level's answers are every level's reference.
     reference: dict[int, str] | None = None
     for draft in args.draft or ["default", "none"]:
         if engine is not None:  # the server is idle meanwhile: nothing else competes for the cores
-            results, wall = run_in_process(
+            results, wall = loadtest.run_in_process(
                 engine, prompts, max(args.requests, 1), args.max_new_tokens, draft, args.api == "chat"
             )
             if reference is None:
                 reference = {r.prompt_index: r.text for r in results}
             row = {"speculative": draft, "via": "in-process", "clients": 1}
-            row.update(summarize_level(results, wall, reference, True))
+            row.update(loadtest.summarize_level(results, wall, reference, True))
             rows.append(row)
             print(json.dumps(row), flush=True)
         options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
         if args.api == "tgi":
             options.pop("model")
         for clients in levels:
-            results, wall = asyncio.run(
-                run_level(
+            (results, wall), prefix = _measured(
+                args,
+                headers,
+                loadtest.run_level(
                     args.url,
                     prompts,
                     clients,
@@ -915,29 +991,126 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
                     args.time_limit,
                     args.api,
                     args.api_key,
-                )
+                ),
             )
             if reference is None:
                 reference = {r.prompt_index: r.text for r in results if r.ok}
             row = {"speculative": draft, "via": "http", "clients": clients}
-            row.update(summarize_level(results, wall, reference, True))
+            row.update(loadtest.summarize_level(results, wall, reference, True))
+            row["prefix_cache"] = prefix
             rows.append(row)
             print(json.dumps(row), flush=True)
         for rate in rates:
-            results, wall = asyncio.run(
-                run_rate(args.url, prompts, rate, args.requests, options, args.time_limit, args.api, args.api_key)
+            (results, wall), prefix = _measured(
+                args,
+                headers,
+                loadtest.run_rate(
+                    args.url,
+                    prompts,
+                    rate,
+                    args.requests,
+                    options,
+                    args.time_limit,
+                    args.api,
+                    args.api_key,
+                    None,
+                    args.seed,
+                ),
             )
             row = {"speculative": draft, "via": "http", "clients": None, "rate": rate}
-            row.update(summarize_level(results, wall, reference, True))
+            row.update(loadtest.summarize_level(results, wall, reference, True))
+            row["prefix_cache"] = prefix
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "loadtest.json").write_text(json.dumps(rows, indent=1))
-    table = markdown(rows)
-    (out / "loadtest.md").write_text(table + "\n")
-    print(table)
-    return 0
+    return rows
+
+
+def _loadtest_multiturn(
+    args: argparse.Namespace, levels: list[int], model: str, headers: dict[str, str]
+) -> list[dict[str, Any]]:
+    """The multi-turn workload: every draft at every user count, one conversation of --turns turns per user."""
+
+    from app import loadtest
+
+    rows: list[dict[str, Any]] = []
+    for draft in args.draft or ["default", "none"]:
+        options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
+        for users in levels:
+            (results, wall), prefix = _measured(
+                args,
+                headers,
+                loadtest.run_conversations(
+                    args.url, users, args.turns, options, args.time_limit, args.api_key, seed=args.seed
+                ),
+            )
+            # Conversations differ in every answer: no text to compare with a request sent alone.
+            row: dict[str, Any] = {"speculative": draft, "via": "http", "workload": "multiturn", "clients": users}
+            row.update(loadtest.summarize_level(results, wall, None, True))
+            row["multiturn"] = loadtest.summarize_turns(results, args.turns)
+            row["prefix_cache"] = prefix
+            rows.append(row)
+            m = row["multiturn"]
+            print(
+                f"{draft}, {users} users: TTFT p50 turn 1 {m['per_turn'][0]['ttft_p50_ms'] if m['per_turn'] else '-'} "
+                f"ms, last turn x{m['ttft_last_over_first']}, prompts grew {m['prompts_grew']}, "
+                f"prefix cache {loadtest.prefix_cache_summary(prefix)}",
+                flush=True,
+            )
+    return rows
+
+
+def _loadtest_mixed(args: argparse.Namespace, model: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    """The mixed workload: for every draft, --long-prompts near-max-length prompts at once and the short
+    requests one after another beside them."""
+    import json
+
+    import httpx
+
+    from app import loadtest
+    from app.workloads import SHORT_PROMPTS, long_prompt
+
+    target = args.long_tokens
+    if target is None:
+        try:
+            info = httpx.get(f"{args.url}/info", headers=headers, timeout=10).json()
+            # The prompt leaves room for the answer; a few tokens spare, as the count may differ by a token or two.
+            target = min(info["max_input_tokens"], info["max_total_tokens"] - args.max_new_tokens) - 8
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+            raise CliError(f"no limits in {args.url}/info ({exc}); give --long-tokens N") from exc
+        if target < 1:
+            raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a long prompt")
+    count = loadtest.token_counter(args.url, headers, model if args.api == "chat" else None, args.api)
+    longs = [long_prompt(i, target, count, args.seed) for i in range(args.long_prompts)]
+    rows: list[dict[str, Any]] = []
+    for draft in args.draft or ["default", "none"]:
+        options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
+        if args.api == "tgi":
+            options.pop("model")
+        (results, wall), prefix = _measured(
+            args,
+            headers,
+            loadtest.run_mixed(
+                args.url,
+                longs,
+                SHORT_PROMPTS,
+                args.short_requests,
+                options,
+                args.short_tokens,
+                args.short_delay,
+                args.time_limit,
+                args.api,
+                args.api_key,
+            ),
+        )
+        row: dict[str, Any] = {"speculative": draft, "via": "http", "workload": "mixed"}
+        row["clients"] = args.long_prompts + 1
+        row.update(loadtest.summarize_level(results, wall, None, True))
+        row["mixed"] = loadtest.summarize_mixed(results)
+        row["mixed"]["long"]["target_tokens"] = target
+        row["prefix_cache"] = prefix
+        rows.append(row)
+        print(json.dumps(row["mixed"]), flush=True)
+    return rows
 
 
 # --- entry point --------------------------------------------------------------------------------------------

@@ -8,20 +8,30 @@ token (TTFT), the gaps between events (inter-token latency, ITL), total throughp
 kind and 429s. Every response is checked: it must end with a final event (complete) whose text equals the
 events' texts, and greedy responses must equal the text the same prompt got when sent alone (the pass at
 concurrency 1).
+
+Two more workloads (issue 31), their texts in app/workloads.py: multi-turn conversations sharing a system prompt
+(`run_conversations`, TTFT per turn and the prompts' growth: `summarize_turns`), and short requests beside long
+prompts near the server's max input (`run_mixed`, the two apart: `summarize_mixed`). Every level also reports the
+prefix cache's hit rate from the server's /metrics counters (`prefix_cache_hit_rate`), n/a where it has none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
+import re
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
+
+from app.workloads import SYSTEM_PROMPT, user_turns
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
@@ -38,6 +48,10 @@ class Result:
     token_times: list[float] = field(default_factory=list)
     end: float = 0.0
     speculative: dict[str, Any] | None = None
+    prompt_tokens: int | None = None  # the usage field's, where the server sends one
+    user: int | None = None  # multiturn: the conversation
+    turn: int | None = None  # multiturn: 1 for the first turn
+    kind: str | None = None  # mixed: "long" or "short"
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
@@ -55,21 +69,23 @@ async def _one(
     client: httpx.AsyncClient,
     url: str,
     index: int,
-    prompt: str,
+    prompt: str | list[dict[str, str]],
     options: dict[str, Any],
     headers: dict[str, str],
     api: str,
 ) -> Result:
     """One streamed request. `api` "tgi": /generate_stream with the prompt as is; "chat":
-    /v1/chat/completions with the prompt as the user message (the server applies the chat template)."""
+    /v1/chat/completions with the prompt as the user message (the server applies the chat template), or a
+    list of messages as they are (a conversation)."""
     if api == "tgi":
+        assert isinstance(prompt, str), "a conversation needs the chat API"
         path = "/generate_stream"
         body: dict[str, Any] = {"inputs": prompt, "parameters": {**options, "details": True}}
     else:
         path = "/v1/chat/completions"
         body = {
             "model": options["model"],
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
             "max_tokens": options["max_new_tokens"],
             "temperature": 0,
             "stream": True,
@@ -109,6 +125,7 @@ async def _one(
                 else:
                     if event.get("usage"):
                         result.tokens = event["usage"]["completion_tokens"]
+                        result.prompt_tokens = event["usage"].get("prompt_tokens")
                     for choice in event.get("choices", []):
                         text = (choice.get("delta") or {}).get("content")
                         if text:
@@ -205,6 +222,81 @@ async def run_rate(
     return results, time.perf_counter() - started
 
 
+async def run_conversations(
+    url: str,
+    users: int,
+    turns: int,
+    parameters: dict[str, Any],
+    time_limit: float,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    seed: int = 0,
+    system: str = SYSTEM_PROMPT,
+) -> tuple[list[Result], float]:
+    """`users` conversations at once over the chat API, `turns` turns each: the shared system prompt, then every
+    turn the conversation so far (each earlier answer as the assistant's message) and the user's next message
+    (`user_turns`). A conversation stops at its first failed turn (the rest would not be that conversation)
+    and starts no turn after `time_limit` seconds. Returns the results (`user`, `turn` set) and the wall time."""
+    headers = auth_headers(api_key)
+    results: list[Result] = []
+    started = time.perf_counter()
+    async with _client(time_limit, users + 2, transport) as client:
+
+        async def converse(user: int) -> None:
+            messages = [{"role": "system", "content": system}]
+            for turn, text in enumerate(user_turns(user, turns, seed), 1):
+                if time.perf_counter() - started >= time_limit:
+                    return
+                messages.append({"role": "user", "content": text})
+                result = await _one(client, url, user, list(messages), parameters, headers, "chat")
+                result.user, result.turn = user, turn
+                results.append(result)
+                if not result.ok:
+                    return
+                messages.append({"role": "assistant", "content": result.text})
+
+        await asyncio.gather(*(converse(u) for u in range(users)))
+    return results, time.perf_counter() - started
+
+
+async def run_mixed(
+    url: str,
+    long_prompts: list[str],
+    short_prompts: list[str],
+    short_requests: int,
+    parameters: dict[str, Any],
+    short_max_tokens: int,
+    short_delay: float,
+    time_limit: float,
+    api: str = "chat",
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[list[Result], float]:
+    """Every long prompt at once and, `short_delay` seconds later (the long ones admitted and prefilling),
+    `short_requests` short requests one after another, `short_max_tokens` tokens each: what a user with a quick
+    question sees beside long documents. Returns the results (`kind` "long" or "short") and the wall time."""
+    headers = auth_headers(api_key)
+    short_options = {**parameters, "max_new_tokens": short_max_tokens}
+    started = time.perf_counter()
+    async with _client(time_limit, len(long_prompts) + 3, transport) as client:
+
+        async def send(index: int, prompt: str, options: dict[str, Any], kind: str) -> Result:
+            result = await _one(client, url, index, prompt, options, headers, api)
+            result.kind = kind
+            return result
+
+        longs = [asyncio.create_task(send(i, p, parameters, "long")) for i, p in enumerate(long_prompts)]
+        await asyncio.sleep(short_delay)
+        shorts = []
+        for i in range(short_requests):
+            if time.perf_counter() - started >= time_limit:
+                break
+            n = i % len(short_prompts)
+            shorts.append(await send(n, short_prompts[n], short_options, "short"))
+        results = [*await asyncio.gather(*longs), *shorts]
+    return results, time.perf_counter() - started
+
+
 def run_in_process(
     engine: Engine, prompts: list[str], requests: int, max_new_tokens: int, draft: str, chat: bool
 ) -> tuple[list[Result], float]:
@@ -266,6 +358,190 @@ def summarize_level(
     }
 
 
+def _ttft(result: Result) -> float | None:
+    """Seconds from sending to the first token, None without one."""
+    return result.token_times[0] - result.start if result.token_times else None
+
+
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return round(value, digits) if value is not None else None
+
+
+def summarize_turns(results: list[Result], turns: int) -> dict[str, Any]:
+    """The multi-turn figures: per turn index, TTFT p50/p95 (ms) and the prompt and answer tokens (the usage
+    field's); the last turn's TTFT p50 over the first's (issue 31's goal: at most 1.5); and whether every
+    conversation's prompt grew as it should, each turn at least the previous prompt plus the previous answer
+    (the server saw the whole conversation every turn)."""
+    by_turn: dict[int, list[Result]] = {}
+    by_user: dict[int, list[Result]] = {}
+    for r in results:
+        if r.turn is not None:
+            by_turn.setdefault(r.turn, []).append(r)
+            by_user.setdefault(r.user if r.user is not None else -1, []).append(r)
+    per_turn = []
+    for turn in sorted(by_turn):
+        ok = [r for r in by_turn[turn] if r.ok]
+        ttft = _percentiles([t * 1e3 for r in ok if (t := _ttft(r)) is not None])
+        prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+        per_turn.append(
+            {
+                "turn": turn,
+                "requests": len(by_turn[turn]),
+                "completed": len(ok),
+                "ttft_p50_ms": _round(ttft["p50"]),
+                "ttft_p95_ms": _round(ttft["p95"]),
+                "prompt_tokens_p50": statistics.median(prompts) if prompts else None,
+                "answer_tokens_p50": statistics.median(r.tokens for r in ok) if ok else None,
+            }
+        )
+    first = per_turn[0]["ttft_p50_ms"] if per_turn else None
+    last = per_turn[-1]["ttft_p50_ms"] if len(per_turn) > 1 else None
+    ratio = round(last / first, 2) if first and last is not None else None
+    grew = checked = 0
+    for conversation in by_user.values():
+        done = sorted((r for r in conversation if r.ok and r.prompt_tokens is not None), key=lambda r: r.turn or 0)
+        if len(done) < 2:
+            continue
+        checked += 1
+        pairs = itertools.pairwise(done)
+        grew += all(b.prompt_tokens >= a.prompt_tokens + a.tokens for a, b in pairs)  # type: ignore[operator]
+    complete = sum(1 for c in by_user.values() if sum(r.ok for r in c) == turns)
+    return {
+        "turns": turns,
+        "conversations": len(by_user),
+        "completed_conversations": complete,
+        "per_turn": per_turn,
+        "ttft_last_over_first": ratio,
+        "ttft_goal_met": ratio <= 1.5 if ratio is not None else None,
+        "prompts_grew": f"{grew}/{checked}" if checked else None,
+    }
+
+
+def _spread(values: list[float]) -> dict[str, float | None]:
+    """p50 and max of a few values (seconds, to the millisecond)."""
+    if not values:
+        return {"p50": None, "max": None}
+    return {"p50": round(statistics.median(values), 3), "max": round(max(values), 3)}
+
+
+def summarize_mixed(results: list[Result]) -> dict[str, Any]:
+    """The long prompts and the short requests apart: TTFT and whole-answer time (seconds, p50 and max),
+    prompt tokens, errors; for the short ones, how many started while a long one still ran (beside it), and
+    issue 31's goal for those: first token within 1 s and the whole answer within 2 s."""
+    longs = [r for r in results if r.kind == "long"]
+    shorts = [r for r in results if r.kind == "short"]
+    last_long_end = max((r.end for r in longs), default=None)
+
+    def part(group: list[Result]) -> dict[str, Any]:
+        ok = [r for r in group if r.ok]
+        prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+        return {
+            "requests": len(group),
+            "completed": len(ok),
+            "ttft_s": _spread([t for r in ok if (t := _ttft(r)) is not None]),
+            "total_s": _spread([r.end - r.start for r in ok]),
+            "prompt_tokens_p50": statistics.median(prompts) if prompts else None,
+            "errors": dict(Counter(r.error for r in group if r.error)),
+        }
+
+    short = part(shorts)
+    beside = [r for r in shorts if last_long_end is not None and r.start < last_long_end]
+    short["beside_long"] = len(beside)
+    short["goal_met"] = (
+        all(r.ok and (_ttft(r) or 0.0) <= 1.0 and r.end - r.start <= 2.0 for r in beside) if beside else None
+    )
+    return {"long": part(longs), "short": short}
+
+
+# One sample line of the Prometheus text format: name, labels, value.
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")
+
+
+def prefix_cache_counters(text: str) -> tuple[float, float] | None:
+    """(queries, hits) of the server's prefix cache, from its /metrics text: vLLM's counters
+    ``prefix_cache_queries`` and ``prefix_cache_hits`` (in tokens) under any prefix (``vllm:``, ``specserve_``),
+    summed over their labels; None when the server has no such counters (no prefix cache)."""
+    sums: dict[str, dict[str, float]] = {"queries": {}, "hits": {}}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None:  # comments (# HELP, # TYPE) and blank lines
+            continue
+        name = match.group(1)
+        for kind, names in sums.items():
+            if name.removesuffix("_total").endswith("prefix_cache_" + kind):
+                try:
+                    names[name] = names.get(name, 0.0) + float(match.group(2))
+                except ValueError:
+                    continue
+    if not sums["queries"]:
+        return None
+
+    def plainest(names: dict[str, float]) -> float:
+        # Older vLLMs had device-prefixed copies (gpu_prefix_cache_queries) too: one series, the plainest name.
+        return names[min(names, key=len)] if names else 0.0
+
+    return plainest(sums["queries"]), plainest(sums["hits"])
+
+
+NO_PREFIX_CACHE = "n/a (server has no prefix cache)"
+
+
+def prefix_cache_hit_rate(before: str | None, after: str | None) -> dict[str, Any]:
+    """Hits over queries of the prefix cache between two /metrics texts (a level's before and after); a
+    `note` instead of a rate when the server exposes no prefix-cache counters or no /metrics."""
+    if before is None or after is None:
+        return {"hit_rate": None, "note": "n/a (no /metrics)"}
+    a, b = prefix_cache_counters(before), prefix_cache_counters(after)
+    if a is None or b is None:
+        return {"hit_rate": None, "note": NO_PREFIX_CACHE}
+    queries, hits = b[0] - a[0], b[1] - a[1]
+    return {"queries": queries, "hits": hits, "hit_rate": round(hits / queries, 4) if queries > 0 else None}
+
+
+def read_metrics(url: str, headers: dict[str, str]) -> str | None:
+    """The server's /metrics text, None when it has none (or refuses it): the hit rate is then n/a."""
+    try:
+        response = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
+    except httpx.HTTPError:
+        return None
+    return response.text if response.status_code == 200 else None
+
+
+def token_counter(url: str, headers: dict[str, str], model: str | None, api: str) -> Callable[[str], int]:
+    """Counts a prompt's tokens as the server will (its /tokenize; the chat template too with the chat API),
+    to size the long prompts. Without /tokenize, an estimate of three characters a token: English text takes
+    about four, so the estimate errs short of the limit, not over it."""
+    estimated = False
+
+    def count(text: str) -> int:
+        nonlocal estimated
+        if not estimated:
+            body: dict[str, Any] = {"model": model}
+            if api == "chat":
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            try:
+                response = httpx.post(f"{url}/tokenize", json=body, headers=headers, timeout=60)
+                if response.status_code == 200:
+                    return int(response.json()["count"])
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            estimated = True
+        return len(text) // 3
+
+    return count
+
+
+def prefix_cache_summary(pc: dict[str, Any] | None) -> str:
+    """One level's prefix-cache figures as text: the hit rate with hits/queries, or why there is none."""
+    if not pc:
+        return "-"
+    if pc.get("hit_rate") is None:
+        return pc.get("note") or f"no queries ({pc.get('hits', 0):g}/{pc.get('queries', 0):g})"
+    return f"{pc['hit_rate']:.1%} ({pc['hits']:g}/{pc['queries']:g} tokens)"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """One table row per (speculation, concurrency or request rate)."""
     lines = [
@@ -276,6 +552,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     base: dict[str, float] = {}
     in_process: dict[str, float] = {}
     notes = []
+    cache: dict[str, str] = {}  # level: its prefix-cache hit rate
     for r in rows:
         via, spec, rate = r.get("via", "http"), r["speculative"], r["tokens_per_second"]
         if via == "in-process":
@@ -294,4 +571,66 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{scale} | {t['p50']}/{t['p95']} | {i['p50']}/{i['p95']}/{i['p99']} | "
             f"{sum(r['errors'].values()) - r['rejected_429']} | {r['rejected_429']} | {r['differs_from_alone']} |"
         )
+        if "prefix_cache" in r:
+            cache[f"{spec} {load}"] = prefix_cache_summary(r["prefix_cache"])
+    if len(set(cache.values())) == 1 and next(iter(cache.values())).startswith("n/a"):
+        notes.append(f"- prefix cache hit rate: {next(iter(cache.values()))}")  # one line, not one a level
+    else:
+        notes += [f"- {level}: prefix cache hit rate {text}" for level, text in cache.items()]
     return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def _ms(p: dict[str, Any], *keys: str) -> str:
+    return "/".join(str(p[k]) for k in keys)
+
+
+def markdown_multiturn(rows: list[dict[str, Any]]) -> str:
+    """The multi-turn table, one row per (speculation, users), then TTFT and prompt tokens per turn."""
+    lines = [
+        "| speculative | users | turns done | conversations done | tok/s | TTFT p50/p95 ms | ITL p50/p95/p99 ms | "
+        "TTFT p50 turn 1 / last ms | last / first | prompts grew | errors | prefix cache hit rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    detail = [
+        "",
+        "| speculative | users | turn | requests | TTFT p50/p95 ms | prompt tokens p50 | answer tokens p50 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        m = r["multiturn"]
+        turns = m["per_turn"]
+        ends = f"{turns[0]['ttft_p50_ms']} / {turns[-1]['ttft_p50_ms']}" if turns else "-"
+        lines.append(
+            f"| {r['speculative']} | {r['clients']} | {r['completed']}/{r['requests']} | "
+            f"{m['completed_conversations']}/{m['conversations']} | {r['tokens_per_second']:.1f} | "
+            f"{_ms(r['ttft_ms'], 'p50', 'p95')} | {_ms(r['itl_ms'], 'p50', 'p95', 'p99')} | {ends} | "
+            f"{m['ttft_last_over_first']} | {m['prompts_grew']} | {sum(r['errors'].values())} | "
+            f"{prefix_cache_summary(r.get('prefix_cache'))} |"
+        )
+        for t in turns:
+            detail.append(
+                f"| {r['speculative']} | {r['clients']} | {t['turn']} | {t['completed']}/{t['requests']} | "
+                f"{t['ttft_p50_ms']}/{t['ttft_p95_ms']} | {t['prompt_tokens_p50']} | {t['answer_tokens_p50']} |"
+            )
+    return "\n".join(lines + detail)
+
+
+def markdown_mixed(rows: list[dict[str, Any]]) -> str:
+    """The mixed table, one row per speculation: the long prompts and the short requests apart (seconds)."""
+    lines = [
+        "| speculative | long | long prompt tokens | long TTFT p50/max s | long total p50/max s | short | "
+        "short beside long | short TTFT p50/max s | short total p50/max s | short <= 1 s / 2 s | errors | "
+        "prefix cache hit rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for r in rows:
+        lo, sh = r["mixed"]["long"], r["mixed"]["short"]
+        goal = {True: "met", False: "missed", None: "-"}[sh["goal_met"]]
+        lines.append(
+            f"| {r['speculative']} | {lo['completed']}/{lo['requests']} | {lo['prompt_tokens_p50']} | "
+            f"{_ms(lo['ttft_s'], 'p50', 'max')} | {_ms(lo['total_s'], 'p50', 'max')} | "
+            f"{sh['completed']}/{sh['requests']} | {sh['beside_long']} | {_ms(sh['ttft_s'], 'p50', 'max')} | "
+            f"{_ms(sh['total_s'], 'p50', 'max')} | {goal} | {sum(r['errors'].values())} | "
+            f"{prefix_cache_summary(r.get('prefix_cache'))} |"
+        )
+    return "\n".join(lines)

@@ -1,13 +1,35 @@
-"""The load generator against the app served in process: complete responses, equality checks, 429s."""
+"""The load generator against the app served in process: complete responses, equality checks, 429s; the
+multi-turn and mixed workloads (their texts, runners and summaries, mostly on fakes) and the prefix-cache
+hit rate read from /metrics."""
 
 from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
 
 import httpx
 import pytest
 
-from app.loadtest import markdown, run_in_process, run_level, summarize_level
+from app.loadtest import (
+    NO_PREFIX_CACHE,
+    Result,
+    markdown,
+    markdown_mixed,
+    markdown_multiturn,
+    prefix_cache_counters,
+    prefix_cache_hit_rate,
+    run_conversations,
+    run_in_process,
+    run_level,
+    run_mixed,
+    summarize_level,
+    summarize_mixed,
+    summarize_turns,
+)
 from app.server import create_app
 from app.settings import Settings
+from app.workloads import SHORT_PROMPTS, SYSTEM_PROMPT, long_document, long_prompt, user_turns
 
 pytestmark = pytest.mark.anyio
 
@@ -102,6 +124,9 @@ def test_loadtest_sends_the_packages_prompts_by_default(monkeypatch, tmp_path):
     from app.bench import read_prompts
 
     class Answer:
+        status_code = 200
+        text = ""  # /metrics: no prefix-cache counters
+
         def json(self):
             return {"data": [{"id": "m"}]}
 
@@ -119,3 +144,230 @@ def test_loadtest_sends_the_packages_prompts_by_default(monkeypatch, tmp_path):
     assert cli.main(["loadtest", "--clients", "1", "--draft", "none", "--out", "out"]) == 0
     assert sent == [[p.text for p in read_prompts(cli.BENCH_PROMPTS)]] and len(sent[0]) == 13
     assert (tmp_path / "out" / "loadtest.json").is_file()
+    assert json.loads((tmp_path / "out" / "loadtest.json").read_text())[0]["prefix_cache"]["note"] == NO_PREFIX_CACHE
+
+
+# --- the multi-turn and mixed workloads ------------------------------------------------------------------------
+
+
+def test_conversations_are_seeded_distinct_per_user_and_about_300_tokens_a_turn_with_the_answer():
+    turns = user_turns(0, 10, seed=0)
+    assert turns == user_turns(0, 10, seed=0) and len(turns) == 10 and len(set(turns)) == 10
+    assert turns != user_turns(1, 10, seed=0) and turns != user_turns(0, 10, seed=1)
+    # About 150 tokens a message (a word is 1.3 tokens or so): with a 128-token answer, ~300 a turn.
+    assert all(100 <= len(t.split()) <= 170 for t in turns)
+    assert len(SYSTEM_PROMPT.split()) >= 300  # a few hundred tokens every conversation shares
+
+
+def test_the_workload_texts_are_the_projects_own_not_a_benchmarks():
+    """The texts are written in app/workloads.py: it reads no file, and none of them is a Spec-Bench prompt."""
+    import app.workloads
+
+    source = Path(app.workloads.__file__).read_text()
+    assert "shared" not in source and "open(" not in source and "read_text" not in source
+    bench = [json.loads(line) for line in Path("app/bench_prompts.jsonl").read_text().splitlines() if line]
+    specbench = Path(__file__).resolve().parents[2] / "shared" / "bench" / "specbench-dev.jsonl"
+    if specbench.is_file():
+        bench += [json.loads(line) for line in specbench.read_text().splitlines() if line]
+    theirs = " ".join(" ".join(map(str, b.get("turns", []))) for b in bench)
+    ours = [SYSTEM_PROMPT, *SHORT_PROMPTS, *user_turns(3, 10), long_document(0, 20)]
+    assert not any(text[:60] in theirs for text in ours)
+
+
+def test_a_long_prompt_is_sized_to_the_token_budget_and_distinct_per_index():
+    def count(text: str) -> int:  # a fake tokenizer: 1.3 tokens a word, plus a chat template's 20
+        return int(len(text.split()) * 1.3) + 20
+
+    sizes = []
+    for i in range(3):
+        text = long_prompt(i, 4000, count, seed=7)
+        assert text == long_prompt(i, 4000, count, seed=7)
+        sizes.append(count(text))
+    assert all(0.95 * 4000 <= n <= 4000 for n in sizes)
+    assert len({long_prompt(i, 500, count)[:200] for i in range(3)}) == 3
+
+
+def _turn(user: int, turn: int, ttft: float, prompt_tokens: int, tokens: int = 10, ok: bool = True) -> Result:
+    start = 100.0 * user + 10.0 * turn
+    return Result(
+        user, ok, None if ok else "http_500", "x", tokens, start, [start + ttft, start + ttft + 0.05], start + 1,
+        None, prompt_tokens, user, turn,
+    )  # fmt: skip
+
+
+def test_turns_are_summarized_per_turn_index_with_the_growth_of_the_prompts():
+    results = [
+        _turn(0, 1, 0.10, 400),
+        _turn(0, 2, 0.12, 700),
+        _turn(0, 3, 0.14, 1000),
+        _turn(1, 1, 0.20, 410),
+        _turn(1, 2, 0.22, 720),
+        _turn(1, 3, 0.30, 1030),
+    ]
+    m = summarize_turns(results, 3)
+    assert [t["turn"] for t in m["per_turn"]] == [1, 2, 3]
+    assert [t["prompt_tokens_p50"] for t in m["per_turn"]] == [405, 710, 1015]
+    assert m["per_turn"][0]["ttft_p50_ms"] == 100.0 and m["per_turn"][2]["ttft_p50_ms"] == 140.0
+    assert m["ttft_last_over_first"] == 1.4 and m["ttft_goal_met"] is True
+    assert m["prompts_grew"] == "2/2" and m["completed_conversations"] == 2
+    # A prompt that did not grow by the previous answer (the server lost the conversation), and a failed turn.
+    results[4] = _turn(1, 2, 0.22, 415)
+    results[2] = _turn(0, 3, 0.50, 1000, ok=False)
+    m = summarize_turns(results, 3)
+    assert m["prompts_grew"] == "1/2" and m["completed_conversations"] == 1
+    assert m["per_turn"][2]["completed"] == 1 and m["ttft_last_over_first"] == 3.0 and m["ttft_goal_met"] is False
+    row = {"speculative": "none", "clients": 2, **summarize_level(results, 1.0, None, True), "multiturn": m}
+    table = markdown_multiturn([{**row, "prefix_cache": prefix_cache_hit_rate("", "")}])
+    assert "| none | 2 | 5/6 | 1/2 |" in table and "| 3.0 | 1/2 | 1 | n/a (server has no prefix cache) |" in table
+    assert "| none | 2 | 3 | 1/2 | 300.0/300.0 | 1030 | 10 |" in table
+
+
+def test_short_requests_are_summarized_apart_from_the_long_ones():
+    def req(kind: str, start: float, ttft: float, end: float) -> Result:
+        return Result(0, True, None, "x", 4, start, [start + ttft], end, kind=kind)
+
+    results = [req("long", 0.0, 30.0, 60.0), req("long", 0.0, 40.0, 61.0)]
+    results += [req("short", 1.5, 0.3, 1.9), req("short", 1.9, 0.9, 3.5), req("short", 70.0, 0.1, 70.2)]
+    m = summarize_mixed(results)
+    assert m["long"]["requests"] == 2 and m["long"]["ttft_s"] == {"p50": 35.0, "max": 40.0}
+    assert m["short"]["requests"] == 3 and m["short"]["ttft_s"]["max"] == 0.9
+    # Two of the short ones ran beside the long ones; the second took 1.6 s: within 2 s, first token within 1 s.
+    assert m["short"]["beside_long"] == 2 and m["short"]["goal_met"] is True
+    results[3] = req("short", 1.9, 1.2, 3.5)
+    assert summarize_mixed(results)["short"]["goal_met"] is False
+    row = {"speculative": "default", **summarize_level(results, 70.2, None, True), "mixed": summarize_mixed(results)}
+    assert "| default | 2/2 | None | 35.0/40.0 | 60.5/61.0 | 3/3 | 2 | 0.3/1.2 |" in markdown_mixed([row])
+
+
+METRICS = """# HELP specserve_prefix_cache_queries Prompt tokens looked up in the prefix cache.
+# TYPE specserve_prefix_cache_queries counter
+specserve_prefix_cache_queries_total{{model_name="m"}} {queries}
+specserve_prefix_cache_queries_created{{model_name="m"}} 1.7e+09
+# TYPE specserve_prefix_cache_hits counter
+specserve_prefix_cache_hits_total{{model_name="m"}} {hits}
+specserve_prefix_cache_hits_created{{model_name="m"}} 1.7e+09
+specserve_num_requests_running{{model_name="m"}} 3.0
+"""
+
+
+def test_the_prefix_cache_hit_rate_comes_from_the_metrics_counters_when_there_are_some():
+    before, after = METRICS.format(queries=100.0, hits=10.0), METRICS.format(queries=1100.0, hits=610.0)
+    assert prefix_cache_counters(before) == (100.0, 10.0)
+    assert prefix_cache_hit_rate(before, after) == {"queries": 1000.0, "hits": 600.0, "hit_rate": 0.6}
+    # vLLM's own names, one series per label set: summed.
+    vllm = 'vllm:prefix_cache_queries_total{engine="0"} 30\nvllm:prefix_cache_queries_total{engine="1"} 20\n'
+    assert prefix_cache_counters(vllm + 'vllm:prefix_cache_hits_total{engine="0"} 5\n') == (50.0, 5.0)
+    # No counters (today's server), or no /metrics at all: a note, not an error.
+    plain = 'specserve_num_requests_running{model_name="m"} 0.0\n'
+    assert prefix_cache_counters(plain) is None
+    assert prefix_cache_hit_rate(plain, plain) == {"hit_rate": None, "note": NO_PREFIX_CACHE}
+    assert prefix_cache_hit_rate(None, plain)["note"] == "n/a (no /metrics)"
+    assert prefix_cache_hit_rate(before, before)["hit_rate"] is None  # no queries in the level
+    level = summarize_level([Result(0, True, None, "x", 2, 0.0, [0.1, 0.2], 0.3)], 1.0, None, True)
+    rows = [
+        {"speculative": "none", "clients": c, **level, "prefix_cache": prefix_cache_hit_rate(plain, plain)}
+        for c in (1, 2)
+    ]
+    assert markdown(rows).endswith("\n- prefix cache hit rate: n/a (server has no prefix cache)")  # once
+    rows[1]["prefix_cache"] = prefix_cache_hit_rate(before, after)
+    assert "- none 2: prefix cache hit rate 60.0% (600/1000 tokens)" in markdown(rows)
+
+
+def _sse(pieces: list[str], prompt_tokens: int) -> bytes:
+    """An OpenAI chat stream of `pieces`, ending with finish_reason and the usage chunk."""
+    chunks = [{"choices": [{"delta": {"content": p}, "finish_reason": None}]} for p in pieces]
+    chunks.append({"choices": [{"delta": {}, "finish_reason": "length"}]})
+    chunks.append({"choices": [], "usage": {"completion_tokens": len(pieces), "prompt_tokens": prompt_tokens}})
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+
+async def test_mixed_sends_the_short_requests_beside_the_long_ones():
+    """On a fake server whose long answers take 0.4 s: the short requests start after the delay, while the long
+    ones still run, with their own max_tokens."""
+    bodies: list[dict] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        long = len(body["messages"][0]["content"]) > 100
+        if long:
+            await asyncio.sleep(0.4)
+        return httpx.Response(200, content=_sse(["a", " b", " c"], 4000 if long else 12))
+
+    longs = [long_document(i, 20) for i in range(2)]
+    options = {"max_new_tokens": 16, "speculative": {"draft": "none"}, "model": "m"}
+    transport = httpx.MockTransport(handler)
+    results, wall = await run_mixed("http://x", longs, SHORT_PROMPTS, 3, options, 4, 0.05, 60, transport=transport)
+    assert wall >= 0.4 and all(r.ok for r in results) and [r.kind for r in results] == ["long"] * 2 + ["short"] * 3
+    assert sorted(b["max_tokens"] for b in bodies) == [4, 4, 4, 16, 16]
+    m = summarize_mixed(results)
+    assert m["short"]["beside_long"] == 3 and m["long"]["prompt_tokens_p50"] == 4000 and m["short"]["goal_met"]
+
+
+async def test_conversations_over_a_real_server_grow_turn_by_turn(api_engine):
+    """Two users, two turns, 4 tokens an answer: every turn completes, each prompt holds the system prompt and
+    the whole conversation so far (the usage field's prompt tokens grow by at least the previous answer)."""
+    app = create_app(Settings(), api_engine)
+    async with app.router.lifespan_context(app):
+        options = {"max_new_tokens": 4, "speculative": {"draft": "ngram"}, "model": "smollm2-135m-instruct"}
+        transport = httpx.ASGITransport(app=app)
+        results, _ = await run_conversations("http://testserver", 2, 2, options, 120, None, transport, seed=1)
+    assert len(results) == 4 and all(r.ok for r in results), [r.error for r in results]
+    m = summarize_turns(results, 2)
+    assert m["prompts_grew"] == "2/2" and m["completed_conversations"] == 2
+    prompts = [t["prompt_tokens_p50"] for t in m["per_turn"]]
+    assert prompts[0] > 300 and prompts[1] > prompts[0] + 100  # the system prompt, then the turn's ~150 more
+    assert m["ttft_last_over_first"] is not None
+
+
+def test_loadtest_mixed_sizes_the_long_prompts_from_info_and_reports_them_apart(monkeypatch, tmp_path, capsys):
+    """`specserve loadtest --workload mixed`: long prompts sized to /info's limits (less the answer) by the
+    server's /tokenize, the short ones with --short-tokens, the table and JSON with both parts and the
+    prefix-cache hit rate (this server's /metrics has the counters)."""
+    import app.loadtest
+    from app import cli
+
+    metrics = iter([METRICS.format(queries=0.0, hits=0.0), METRICS.format(queries=9000.0, hits=3000.0)])
+
+    class Answer:
+        status_code = 200
+
+        def __init__(self, url: str, body: dict | None = None):
+            self.url, self.body = url, body
+            self.text = next(metrics) if url.endswith("/metrics") else ""
+
+        def json(self):
+            if self.url.endswith("/info"):
+                return {"max_input_tokens": 8191, "max_total_tokens": 8192}
+            if self.url.endswith("/tokenize"):
+                return {"count": int(len(self.body["messages"][0]["content"].split()) * 1.3)}
+            return {"data": [{"id": "m"}]}
+
+    sent: dict = {}
+
+    async def run_mixed(url, longs, shorts, short_requests, options, short_tokens, *args):
+        sent.update(longs=longs, short_requests=short_requests, short_tokens=short_tokens, options=options)
+
+        def req(kind: str, start: float, end: float) -> Result:
+            return Result(0, True, None, "x", 4, start, [start + 0.2], end, prompt_tokens=8000, kind=kind)
+
+        return [req("long", 0.0, 50.0), req("short", 1.5, 2.0)], 50.0
+
+    monkeypatch.setattr(httpx, "get", lambda url, **kwargs: Answer(url))
+    monkeypatch.setattr(httpx, "post", lambda url, json=None, **kwargs: Answer(url, json))
+    monkeypatch.setattr(app.loadtest, "run_mixed", run_mixed)
+    args = ["loadtest", "--workload", "mixed", "--draft", "none", "--long-prompts", "2", "-n", "64"]
+    assert cli.main([*args, "--short-requests", "3", "--out", str(tmp_path)]) == 0
+    assert len(sent["longs"]) == 2 and sent["short_requests"] == 3 and sent["short_tokens"] == 4
+    target = 8192 - 64 - 8
+    assert all(0.95 * target <= int(len(p.split()) * 1.3) <= target for p in sent["longs"])
+    row = json.loads((tmp_path / "loadtest.json").read_text())[0]
+    assert row["mixed"]["long"]["target_tokens"] == target and row["mixed"]["short"]["goal_met"] is True
+    assert row["prefix_cache"]["hit_rate"] == 0.3333
+    table = (tmp_path / "loadtest.md").read_text()
+    assert (
+        "| none | 1/1 | 8000 | 0.2/0.2 | 50.0/50.0 | 1/1 | 1 | 0.2/0.2 | 0.5/0.5 | met | 0 | 33.3% (3000/9000" in table
+    )
+    capsys.readouterr()  # the run's table
+    assert cli.main(["loadtest", "--workload", "multiturn", "--api", "tgi"]) == 1
+    assert "needs --api chat" in capsys.readouterr().err
