@@ -122,7 +122,7 @@ def _runs_as(path: Path, weights: str) -> str:
 # --- specserve generate -----------------------------------------------------------------------------------
 
 
-def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+def _add_generate_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="generate text with speculative decoding and report what the draft bought",
@@ -134,11 +134,12 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts of --input")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     # The engine's flags as serve spells them, with its help and defaults (app.settings, one table).
-    _add_setting_flags(
-        parser,
-        ["target", "draft", "num_draft_tokens", "draft_schedule", "draft_p_min", "dtype", "weights", "device"],
-        {"num_draft_tokens": ["-k"], "draft_schedule": ["--schedule"], "draft_p_min": ["--p-min"]},
-    )
+    if flags:
+        _add_setting_flags(
+            parser,
+            ["target", "draft", "num_draft_tokens", "draft_schedule", "draft_p_min", "dtype", "weights", "device"],
+            {"num_draft_tokens": ["-k"], "draft_schedule": ["--schedule"], "draft_p_min": ["--p-min"]},
+        )
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
@@ -336,7 +337,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 # --- specserve bench --------------------------------------------------------------------------------------
 
 
-def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+def _add_bench_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="measure speed and acceptance side by side over Spec-Bench-format prompts",
@@ -382,7 +383,8 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="rows of a tree verification (repeatable: one configuration each; 0: chains; default: the engine's)",
     )
     # As serve spells them (app.settings, one table).
-    _add_setting_flags(parser, ["num_draft_tokens", "dtype", "weights"], {"num_draft_tokens": ["-k"]})
+    if flags:
+        _add_setting_flags(parser, ["num_draft_tokens", "dtype", "weights"], {"num_draft_tokens": ["-k"]})
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     parser.add_argument(
@@ -1124,8 +1126,8 @@ def _build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_models_parser(subparsers)
-    _add_generate_parser(subparsers)
-    _add_bench_parser(subparsers)
+    _add_generate_parser(subparsers, serve_flags)
+    _add_bench_parser(subparsers, serve_flags)
     _add_serve_parser(subparsers, serve_flags)
     _add_train_draft_parser(subparsers)
     _add_loadtest_parser(subparsers)
@@ -1135,7 +1137,9 @@ def _build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``specserve`` command line; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _build_parser(serve_flags="serve" in argv).parse_args(argv)
+    # The flags read from the settings (pydantic-settings, a quarter of a second to import) are built only for the
+    # commands that take them, so that `specserve models ...` stays fast.
+    args = _build_parser(serve_flags=bool({"serve", "generate", "bench"} & set(argv))).parse_args(argv)
     try:
         return int(args.func(args))
     except (ModelStoreError, CliError) as exc:

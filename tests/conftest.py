@@ -259,7 +259,7 @@ def api_engine(target_f32: LoadedModel):
     from app.engine.drafting.ngram import NgramDrafter
     from app.engine.engine import Engine
 
-    return Engine(target_f32.model, target_f32.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4)
+    return Engine(target_f32.model, target_f32.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4, **FIXED_DRAFT)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.engine import kernels
-from app.engine import model as model_module
+from app.engine.model import transformer as model_module
 from app.engine.model.transformer import KVCache, ModelConfig, PackedLinear
 from tests.conftest import use_kernel
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-import app.engine.generation as generation_module
+import app.engine.decoding.chooser as chooser_module
 from app.engine.decoding.sampling import GumbelNoise, SamplingParams, gumbel_choice, warp
 from app.engine.decoding.verification import rejection_sample
 from app.engine.drafting.model import ModelDrafter
@@ -245,7 +245,7 @@ def _inverted(draft_tokens, draft_probs, target_probs, generator):
 @pytest.mark.parametrize("broken", [_plain_target_after_rejection, _inverted])
 def test_a_broken_verifier_is_caught(broken: Callable, tiny_pair, exact, monkeypatch):
     target, tok, drafter = tiny_pair
-    monkeypatch.setattr(generation_module, "rejection_sample", broken)
+    monkeypatch.setattr(chooser_module, "rejection_sample", broken)
     counts = _sample(target, tok, drafter, N_BROKEN, seed0=0, sampler="rejection")
     stat, critical = _gof(counts, exact)
     assert stat > critical, f"{broken.__name__} went unnoticed: chi2 {stat:.1f} < {critical:.1f}"

@@ -183,7 +183,7 @@ def test_server_cli_and_build_engine_share_the_draft_defaults(monkeypatch: pytes
     assert {field: signature[field].default for field in expected} == expected
     parser = cli._build_parser()
     generate = parser.parse_args(["generate", "hi"])
-    assert (generate.num_draft_tokens, generate.schedule, generate.p_min) == tuple(expected.values())
+    assert (generate.num_draft_tokens, generate.draft_schedule, generate.draft_p_min) == tuple(expected.values())
     # bench leaves p_min and the schedule to the engine (None), which build_engine gives the shared defaults.
     bench = parser.parse_args(["bench"])
     assert (bench.num_draft_tokens, bench.schedule, bench.p_min) == (defaults.DEFAULT_NUM_DRAFT_TOKENS, None, None)
