@@ -237,7 +237,7 @@ def test_a_capability_and_its_method_go_together():
             def propose(self, token_ids, k, p_min=0.0):
                 return []
 
-            def propose_tree(self, token_ids, k, max_rows, params=None, noise=None, p_min=0.0, min_value=0.0):
+            def propose_tree(self, token_ids, shape):
                 raise AssertionError
 
     with pytest.raises(TypeError, match="does not define `propose`"):

@@ -22,8 +22,8 @@ from app.engine.decoding.penalties import Penalty
 from app.engine.defaults import MAX_DRAFT_TOKENS
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.draft_length import DraftLength, StepCosts
+from app.engine.drafting.tree import TreeShape, compact, row_value
 from app.engine.drafting.tree import accept as accept_tree
-from app.engine.drafting.tree import compact, row_value
 from app.engine.model.tokenizer import Tokenizer
 from app.engine.model.transformer import KVCache, Transformer
 from app.engine.step import (
@@ -358,7 +358,8 @@ class Generation:
         # Model nodes whose value (expected accepted tokens) is below what a row costs are left out: where rows
         # cost (AVX2: a 16-row pass takes about 3x a 1-row one) the tree stays small, where they are free it fills.
         floor = row_value(self._length.costs, self.stats.tokens_per_target_pass, k + 1)
-        tree = self._draft.propose_tree(self.ids, k, rows, self._choose.params, self._choose.noise, self._p_min, floor)
+        shape = TreeShape(k, rows, self._choose.params, self._choose.noise, self._p_min, floor)
+        tree = self._draft.propose_tree(self.ids, shape)
         feed = torch.tensor(tree.tokens, dtype=torch.long, device=self.target.device)
         seconds = time.perf_counter() - t0
         return TreePlan(k, tree.tokens[1:], None, start, tree.rows, feed, seconds, tree=tree)

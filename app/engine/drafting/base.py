@@ -25,7 +25,7 @@ from torch import Tensor
 from app.engine.decoding.grammar import GrammarState
 from app.engine.decoding.penalties import Penalty
 from app.engine.decoding.sampling import GumbelNoise, SamplingParams
-from app.engine.drafting.tree import Candidates, DraftTree
+from app.engine.drafting.tree import Candidates, DraftTree, TreeShape
 
 # What a sampled draft draws with: the target's Gumbel noise (coupled sampling, exact-match verification) or
 # a generator (rejection sampling).
@@ -99,32 +99,13 @@ class DraftSession:
         (app.engine.drafting.loop.NetworkSession)."""
         return self.propose(token_ids, k, p_min), None
 
-    def propose_tree(
-        self,
-        token_ids: Sequence[int],
-        k: int,
-        max_rows: int,
-        params: SamplingParams | None = None,
-        noise: GumbelNoise | None = None,
-        p_min: float = 0.0,
-        min_value: float = 0.0,
-    ) -> DraftTree:
-        """A tree after `token_ids` (its root their last token) of depth at most `k` and at most `max_rows` rows,
-        greedy (`params` None) or with the request's Gumbel `noise`; model nodes whose value is below
-        `min_value` left out (`app.engine.drafting.tree.build_tree`) (`trees`)."""
+    def propose_tree(self, token_ids: Sequence[int], shape: TreeShape) -> DraftTree:
+        """A tree after `token_ids` (its root their last token) within `shape` (`trees`)."""
         raise NotImplementedError
 
-    def propose_candidates(
-        self,
-        token_ids: Sequence[int],
-        k: int,
-        width: int,
-        params: SamplingParams | None = None,
-        noise: GumbelNoise | None = None,
-        p_min: float = 0.0,
-    ) -> Candidates:
-        """The chain `propose` gives, with each token's draft probability and the draft's next `width` choices
-        at each depth (`candidates`)."""
+    def propose_candidates(self, token_ids: Sequence[int], shape: TreeShape) -> Candidates:
+        """The chain `propose` gives (at most `shape.k` tokens), with each token's draft probability and the
+        draft's next `shape.rows - 1` choices at each depth (`candidates`)."""
         raise NotImplementedError
 
     def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:

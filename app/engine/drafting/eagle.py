@@ -26,11 +26,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from app.engine.decoding.sampling import GumbelNoise, SamplingParams
 from app.engine.defaults import MAX_DRAFT_TOKENS
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.loop import NetworkSession, run_drafts
-from app.engine.drafting.tree import Candidates, DraftTree, build_tree
+from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tree
 from app.engine.kernels import Kernel
 from app.engine.kernels.quantized import QuantizedWeight
 from app.engine.model.loading import LoadedModel
@@ -277,34 +276,17 @@ class _EagleSession(NetworkSession):
         self._guess = torch.empty(0)
         self._next_pos = 0
 
-    def propose_candidates(
-        self,
-        token_ids: Sequence[int],
-        k: int,
-        width: int,
-        params: SamplingParams | None = None,
-        noise: GumbelNoise | None = None,
-        p_min: float = 0.0,
-    ) -> Candidates:
+    def propose_candidates(self, token_ids: Sequence[int], shape: TreeShape) -> Candidates:
         """The chain `propose` gives (greedy with `params` None, or with Gumbel `noise`), with each token's
         draft probability and the draft's next `width` choices at each depth (by probability): a tree's
         material (`app.engine.drafting.tree.build_tree`), for no more draft forwards than the chain."""
         found = Candidates([])
-        run_drafts([self], [token_ids], [k], [p_min], params, noise, found, width)
+        run_drafts([self], [token_ids], [shape.k], [shape.p_min], shape.params, shape.noise, found, shape.rows - 1)
         return found
 
-    def propose_tree(
-        self,
-        token_ids: Sequence[int],
-        k: int,
-        max_rows: int,
-        params: SamplingParams | None = None,
-        noise: GumbelNoise | None = None,
-        p_min: float = 0.0,
-        min_value: float = 0.0,
-    ) -> DraftTree:
-        found = self.propose_candidates(token_ids, k, max_rows - 1, params, noise, p_min)
-        return build_tree(token_ids[-1], found, (), max_rows, min_value=min_value)
+    def propose_tree(self, token_ids: Sequence[int], shape: TreeShape) -> DraftTree:
+        found = self.propose_candidates(token_ids, shape)
+        return build_tree(token_ids[-1], found, (), shape.rows, min_value=shape.min_value)
 
     def begin(self, token_ids: Sequence[int], k: int) -> int:
         first = self._catch_up(token_ids, k)

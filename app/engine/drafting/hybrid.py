@@ -9,10 +9,10 @@ from torch import Tensor
 
 from app.engine.decoding.grammar import GrammarState
 from app.engine.decoding.penalties import Penalty
-from app.engine.decoding.sampling import GumbelNoise, SamplingParams
+from app.engine.decoding.sampling import SamplingParams
 from app.engine.drafting.base import Drafter, DraftSession, Randomness
 from app.engine.drafting.ngram import NgramDrafter
-from app.engine.drafting.tree import Candidates, DraftTree, build_tree
+from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tree
 
 
 class _HybridSession(DraftSession):
@@ -53,26 +53,18 @@ class _HybridSession(DraftSession):
             return found, None
         return self.model.propose_sampled(token_ids, k, params, rng, p_min)
 
-    def propose_tree(
-        self,
-        token_ids: Sequence[int],
-        k: int,
-        max_rows: int,
-        params: SamplingParams | None = None,
-        noise: GumbelNoise | None = None,
-        p_min: float = 0.0,
-        min_value: float = 0.0,
-    ) -> DraftTree:
+    def propose_tree(self, token_ids: Sequence[int], shape: TreeShape) -> DraftTree:
         """Both proposals in one tree (`app.engine.drafting.tree.build_tree`): the lookup's continuation as a
         branch, the model draft's chain and its next choices; the lookup's first where rows run short."""
+        k, params = shape.k, shape.params
         found = self.lookup(token_ids, k)
         if self.model.candidates:
-            chain = self.model.propose_candidates(token_ids, k, max_rows - 1, params, noise, p_min)
+            chain = self.model.propose_candidates(token_ids, shape)
         elif params is None or params.greedy:
-            chain = Candidates(self.model.propose(token_ids, k, p_min))
+            chain = Candidates(self.model.propose(token_ids, k, shape.p_min))
         else:
-            chain = Candidates(self.model.propose_sampled(token_ids, k, params, noise, p_min)[0])
-        return build_tree(token_ids[-1], chain, found, max_rows, branch_first=True, min_value=min_value)
+            chain = Candidates(self.model.propose_sampled(token_ids, k, params, shape.noise, shape.p_min)[0])
+        return build_tree(token_ids[-1], chain, found, shape.rows, branch_first=True, min_value=shape.min_value)
 
 
 class HybridDrafter(Drafter):

@@ -41,6 +41,20 @@ class Candidates:
     alternatives: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """What one step's tree may be: depth `k` at most, `rows` rows at most (the root included), drafted greedily
+    (`params` None) or with the request's Gumbel `noise`, the draft stopping below `p_min`; model nodes whose value
+    is below `min_value` are left out (`build_tree`)."""
+
+    k: int
+    rows: int
+    params: SamplingParams | None = None
+    noise: GumbelNoise | None = None
+    p_min: float = 0.0
+    min_value: float = 0.0
+
+
 @dataclass
 class DraftTree:
     """Rows of one tree verification: `tokens[r]` fed at row r (row 0 the root, the last accepted token),
