@@ -316,6 +316,7 @@ _REAL_TARGET_MODULES = {
     "test_cli_generate",
     "test_clients",
     "test_distill",
+    "test_hostile",
     "test_prometheus",
     "test_server_lifecycle",
     "test_server_process",
@@ -325,7 +326,8 @@ _REAL_TARGET_MODULES = {
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that load the real pretrained target are `slow` (every fixture built on `target_path`, and the
-    modules above): `make test-fast` (`-m "not slow"`) runs the rest, on tiny models and toy tokenizers."""
+    modules above), as are those marked by hand (the real target through `build_engine`, the statistical sampling
+    checks): `make test-fast` (`-m "not slow"`) runs the rest, on tiny models and toy tokenizers."""
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
         if "target_path" in getattr(item, "fixturenames", ()) or module in _REAL_TARGET_MODULES:

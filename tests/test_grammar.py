@@ -201,6 +201,7 @@ def served_engine() -> Engine:
     return engine
 
 
+@pytest.mark.slow
 def test_forced_tokens_and_drafts_within_the_grammar_keep_target_only_output(served_engine) -> None:
     """With forced tokens and without, target-only and with the feature draft, the hybrid and n-grams, alone and
     all batched: greedy and seeded (gumbel) constrained outputs are the same tokens; forced tokens save target

@@ -220,7 +220,7 @@ def _constraints(draw: st.DrawFn) -> dict:
     elif shape == "properties":
         schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(width)}}
     elif shape == "array":
-        schema = json.loads("[" * depth + "]" * depth)
+        schema = json.loads("[" * max(depth, 1) + "]" * max(depth, 1))  # depth 0 would be no JSON at all
     else:
         return {"guided_choice": [f"c{i}" for i in range(max(width, 1))]}
     as_text = draw(st.booleans())

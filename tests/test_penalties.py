@@ -88,6 +88,7 @@ def _alone(engine: Engine, prompt: list[int], params: GenerationParams, draft: s
     return gen.generated_ids
 
 
+@pytest.mark.slow
 def test_penalties_keep_speculative_equal_to_target_only_alone_and_batched(first_turns):
     """The server's engine (feature draft, hybrid, n-gram) with penalties: greedy and seeded sampling give
     target-only's tokens with every draft, alone and batched (the feature draft then drafts for all at once)."""

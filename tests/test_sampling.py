@@ -160,6 +160,7 @@ def test_the_draft_really_differs_from_the_target(tiny_pair):
     assert 0.5 * (p - q).abs().sum() > 0.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
 def test_speculative_sampling_matches_the_exact_target_distribution(sampler, tiny_pair, exact):
     target, tok, drafter = tiny_pair
@@ -209,6 +210,7 @@ def test_noise_consumed_as_a_stream_is_caught(tiny_pair, monkeypatch):
     assert differing > 20, f"a consumed stream went unnoticed ({differing} of 200 differ)"
 
 
+@pytest.mark.slow
 def test_exponential_instead_of_gumbel_noise_is_caught(tiny_pair, exact, monkeypatch):
     """Broken: argmax(logits + e) with exponential noise e = -log u is not distributed as softmax(logits)."""
     target, tok, drafter = tiny_pair
@@ -242,6 +244,7 @@ def _inverted(draft_tokens, draft_probs, target_probs, generator):
     return accepted, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [_plain_target_after_rejection, _inverted])
 def test_a_broken_verifier_is_caught(broken: Callable, tiny_pair, exact, monkeypatch):
     target, tok, drafter = tiny_pair

@@ -322,6 +322,7 @@ def test_cli_fetch_prints_the_path_last(cache: Path) -> None:
     assert proc.stdout.splitlines()[-1] == str(cache / NAME / FILENAME)
 
 
+@pytest.mark.slow
 def test_cli_list(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     proc = _cli("models", "list")
     assert proc.returncode == 0, proc.stderr
