@@ -29,11 +29,11 @@ def _digest(tokens: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
 
 
-def _one_kernel(max_new_tokens: int, limit: int) -> dict[str, str]:
+def _one_kernel(max_new_tokens: int, limit: int, dtype: str) -> dict[str, str]:
     from app.engine.factory import build_engine
     from app.engine.step import GenerationParams
 
-    engine, loaded = build_engine()
+    engine, loaded = build_engine(dtype=dtype)
     tok = loaded.tokenizer
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()][:limit]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}])) for r in rows]
@@ -100,16 +100,19 @@ def main() -> None:
     parser.add_argument("--kernel", help="one kernel (default: every kernel this CPU runs, then torch)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--limit", type=int, default=13, help="prompts (one per category, app/bench_prompts.jsonl)")
+    # Pinned: `auto` on the torch path times bf16 against float32 at load, and a busy machine can flip the choice.
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     if args.kernel:
         os.environ["SPECSERVE_KERNEL"] = args.kernel
-        print(json.dumps({"kernel": args.kernel, **_one_kernel(args.max_new_tokens, args.limit)}), flush=True)
+        out = _one_kernel(args.max_new_tokens, args.limit, args.dtype)
+        print(json.dumps({"kernel": args.kernel, "dtype": args.dtype, **out}), flush=True)
         return
     from app.engine import kernels
 
     for name in [*kernels.available(), "torch"]:
         cmd = [sys.executable, __file__, "--kernel", name, "--max-new-tokens", str(args.max_new_tokens)]
-        subprocess.run([*cmd, "--limit", str(args.limit)], check=True)
+        subprocess.run([*cmd, "--limit", str(args.limit), "--dtype", args.dtype], check=True)
 
 
 if __name__ == "__main__":
