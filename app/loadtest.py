@@ -333,7 +333,7 @@ def summarize_level(
 ) -> dict[str, Any]:
     """Throughput, TTFT and ITL percentiles (milliseconds), errors by kind, and the output checks."""
     ok = [r for r in results if r.ok]
-    ttft = [(r.token_times[0] - r.start) * 1e3 for r in ok if r.token_times]
+    ttft = [t * 1e3 for r in ok if (t := _ttft(r)) is not None]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     errors = Counter(r.error for r in results if r.error)
     mismatched = None

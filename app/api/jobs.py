@@ -108,9 +108,7 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     room = info.context_length - len(ids)
     max_new = spec.max_new_tokens
     if max_new is None:
-        max_new = max(
-            0, min(spec.default_max_new_tokens or settings.default_max_new_tokens, settings.max_new_tokens, room)
-        )
+        max_new = min(spec.default_max_new_tokens or settings.default_max_new_tokens, settings.max_new_tokens, room)
     pen = spec.penalties
     try:
         penalties = PenaltyParams(pen.repetition, pen.presence, pen.frequency, pen.count_prompt)

@@ -97,16 +97,17 @@ class HybridDrafter(Drafter):
         it can be."""
         out = [s.lookup(ids, k) for s, ids, k in zip(sessions, token_ids, ks, strict=True)]
         rest = [i for i, found in enumerate(out) if not found and ks[i] > 0]
-        models = [sessions[i].model for i in rest]
+        models: list[DraftSession] = []
+        for i in rest:
+            model = sessions[i].model
+            assert model is not None  # a hybrid session always holds its model draft's
+            models.append(model)
         if self.model.batches and len(rest) > 1:
             drafts = self.model.propose_batch(
-                [m for m in models if m is not None],
-                [token_ids[i] for i in rest],
-                [ks[i] for i in rest],
-                [p_mins[i] for i in rest],
+                models, [token_ids[i] for i in rest], [ks[i] for i in rest], [p_mins[i] for i in rest]
             )
         else:
-            drafts = [m.propose(token_ids[i], ks[i], p_mins[i]) for i, m in zip(rest, models, strict=True) if m]
+            drafts = [m.propose(token_ids[i], ks[i], p_mins[i]) for i, m in zip(rest, models, strict=True)]
         for i, d in zip(rest, drafts, strict=True):
             out[i] = d
         return out

@@ -160,7 +160,7 @@ def run_drafts(
                     continue
                 idx, warped = choice
                 own[i] += 1
-                tok = idx if s.vocab_ids is None else int(s.vocab_ids[idx])
+                tok = _target_id(idx, s.vocab_ids)
                 if found is not None:
                     _record(found, lg, idx, width, s.vocab_ids)
                 if warped is not None:
@@ -177,15 +177,16 @@ def _record(found: Candidates, logits: Tensor, idx: int, width: int, vocab_ids: 
     """A chosen token with its draft probability and the draft's next `width` choices, by probability."""
     probs = torch.softmax(logits.float(), -1)
     top = torch.topk(probs, min(width + 1, probs.shape[0]))
-
-    def token(i: int | Tensor) -> int:
-        return int(i) if vocab_ids is None else int(vocab_ids[i])
-
     found.probs.append(float(probs[idx]))
     found.alternatives.append(
-        [(token(i), float(p)) for p, i in zip(top.values, top.indices, strict=True) if i != idx][:width]
+        [(_target_id(i, vocab_ids), float(p)) for p, i in zip(top.values, top.indices, strict=True) if i != idx][:width]
     )
-    found.tokens.append(token(idx))
+    found.tokens.append(_target_id(idx, vocab_ids))
+
+
+def _target_id(index: int | Tensor, vocab_ids: Tensor | None) -> int:
+    """The target's token id of a draft logit's `index` (`vocab_ids` None: the same)."""
+    return int(index) if vocab_ids is None else int(vocab_ids[index])
 
 
 def _over_target_vocab(q: Tensor, vocab_ids: Tensor | None, vocab: int) -> Tensor:
