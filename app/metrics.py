@@ -260,6 +260,13 @@ class Metrics:
             p + "prompt_tokens", "Prompt tokens of generations started.", labels, registry=r
         ).labels(m)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", labels, registry=r).labels(m)
+        # vLLM's names and units: tokens, so that hits / queries is the share of prompt tokens not prefilled.
+        self.prefix_cache_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
+        ).labels(m)
+        self.prefix_cache_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens the prefix cache served (not prefilled).", labels, registry=r
+        ).labels(m)
         # Every series exists from the start, so that rate() has a zero to begin from.
         for outcome in OUTCOMES:
             for reason in FINISH_REASONS[:-1] if outcome == "success" else ("none",):
@@ -288,6 +295,11 @@ class Metrics:
         """The worker took the request off the queue."""
         self.queue_time.observe(queue_seconds)
         self.prompt_tokens.inc(prompt_tokens)
+
+    def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A generation's prompt is in: `cached_tokens` of its `prompt_tokens` came from the prefix cache."""
+        self.prefix_cache_queries.inc(prompt_tokens)
+        self.prefix_cache_hits.inc(cached_tokens)
 
     def step(self, out: StepOutput, tokens: int, prefill: bool) -> None:
         """One target pass of one generation (`out`, the engine's record of it): it delivered `tokens`, verifying

@@ -61,6 +61,12 @@ class Runtime:
         """The engine's grammar compiler: requests' output constraints are checked with it before queueing."""
         return self.scheduler.engine.grammars
 
+    @property
+    def prefix_cache_bytes(self) -> tuple[int, int]:
+        """The prefix cache's (limit, bytes held now); (0, 0) where there is none."""
+        cache = self.scheduler.engine.prefix_cache
+        return (cache.max_bytes, cache.bytes) if cache is not None else (0, 0)
+
     @classmethod
     def from_engine(
         cls, engine: Engine, settings: Settings, metrics: Metrics | None, generation_temperature: float | None = None
@@ -116,6 +122,7 @@ class Runtime:
             draft_p_min=settings.draft_p_min,
             prefill_chunk=settings.prefill_chunk_tokens,
             prefill_step_seconds=settings.prefill_step_seconds,
+            prefix_cache_mb=settings.prefix_cache_mb,
             weights=settings.weights,
         )
         return cls.from_engine(engine, settings, metrics, generation_temperature(settings.target))

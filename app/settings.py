@@ -21,6 +21,7 @@ from app.engine.defaults import (
     DEFAULT_NUM_DRAFT_TOKENS,
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
+    DEFAULT_PREFIX_CACHE_MB,
     MAX_DRAFT_TOKENS,
     WEIGHTS_HELP,
 )
@@ -79,6 +80,14 @@ class Settings(BaseSettings):
         description="chunked prefill sizes its chunks, from measured costs, so that a step takes about this long "
         "(what a running stream waits at most between tokens while a prompt is prefilled); 0: chunks of "
         "prefill_chunk_tokens whatever they cost",
+    )
+    prefix_cache_mb: float = Field(
+        DEFAULT_PREFIX_CACHE_MB,
+        ge=0,
+        description="automatic prefix caching: memory (MiB) for the keys and values of prompts and answers already "
+        "computed, least recently used evicted first; a prompt that starts like one of them (a chat's next turn, a "
+        "shared system prompt) prefills only the rest, with the very tokens of a full prefill. 0: off. Only on "
+        "the CPU kernels, whose rows do not depend on the batch",
     )
     max_queue_size: int = Field(
         16, ge=0, le=10_000, description="requests waiting for a place; beyond this the answer is 429"

@@ -541,6 +541,8 @@ class Scheduler:
         job.generated += len(tokens)
         if job.first_token is None and tokens:
             job.first_token = now
+            if self.metrics is not None and self.engine.prefix_cache is not None:
+                self.metrics.prefix_cache(len(job.prompt_ids), job.gen.stats.cached_tokens)
         if self.metrics is not None:
             self.metrics.step(out, len(tokens), first)
             self.metrics.tokens_delivered(now - job.last_delivery, len(tokens), first)

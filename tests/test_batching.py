@@ -225,7 +225,12 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kerne
 
     with use_kernel(kernel):
         engine, _ = build_engine(
-            num_draft_tokens=6, dtype="bfloat16", device="cpu", prefill_chunk=64, prefill_step_seconds=0
+            num_draft_tokens=6,
+            dtype="bfloat16",
+            device="cpu",
+            prefill_chunk=64,
+            prefill_step_seconds=0,
+            prefix_cache_mb=0,  # the long prompt starts with a running one's: counted chunks, not cached blocks
         )
     chunked = engine.target.rows_independent()
     assert chunked
@@ -270,6 +275,7 @@ def test_a_short_prompt_goes_before_long_ones_and_a_lone_long_prompt_is_chunked(
         draft_schedule="fixed",
         draft_p_min=0.0,
         prefill_step_seconds=0.0,
+        prefix_cache_mb=0,  # the short prompt is the long one's start: the budget's split, not cached blocks
     )
     params = GenerationParams(max_new_tokens=4, num_draft_tokens=4)
     long_prompt = [t for p in prompts for t in p][:200]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parent.parent / "app" / "engine"
 # Lowest first; a module's layer is its subpackage, or its own name at the top of app/engine.
-LAYERS = ["defaults", "threads", "kernels", "model", "decoding", "drafting", "step", "reference", "generation"]
-LAYERS += ["batch", "engine", "factory"]
+LAYERS = ["defaults", "threads", "kernels", "model", "prefix_cache", "decoding", "drafting", "step", "reference"]
+LAYERS += ["generation", "batch", "engine", "factory"]
 
 
 def _module(path: Path) -> str:

@@ -37,6 +37,7 @@ from app.api.schemas import (
     ModelCard,
     ModelList,
     OpenAIErrorResponse,
+    PromptTokensDetails,
     Sampling,
     SpeculativeDetails,
     Usage,
@@ -119,7 +120,16 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, runtime: Runtime)
 def _usage(prompt_tokens: int, results: Sequence[Finished]) -> Usage:
     """Usage of a request: each prompt's tokens once (as OpenAI and vLLM count them), every choice's output."""
     completion = sum(f.generated_tokens for f in results)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+    # Each of the n choices of a prompt prefills it, later ones finding more in the cache: the prompts' cached
+    # tokens are counted once as their prompt tokens are, the mean over their choices.
+    prefilled = sum(f.prompt_tokens for f in results)
+    cached = sum(f.stats.cached_tokens for f in results) * prompt_tokens // prefilled if prefilled else 0
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def _seeds(sampling: Sampling, n: int) -> list[int | None]:

@@ -55,6 +55,7 @@ async def info(
 ) -> Info:
     """Models, dtype, device, draft, k, limits and version."""
     i = runtime.info
+    prefix_limit, prefix_used = runtime.prefix_cache_bytes
     return Info(
         model_id=i.model_id,
         served_model_name=i.served_model_name,
@@ -76,6 +77,8 @@ async def info(
         max_stop_sequences=settings.max_stop_sequences,
         max_concurrent_requests=settings.max_concurrent_requests,
         max_queue_size=settings.max_queue_size,
+        prefix_cache_bytes=prefix_limit,
+        prefix_cache_used_bytes=prefix_used,
         request_timeout=settings.request_timeout,
         version=i.version,
     )

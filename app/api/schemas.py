@@ -1098,10 +1098,17 @@ class ChatCompletionRequest(_OpenAISampling):
         return self.tool_mode() in ("required", "named")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose keys and values came from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        None, description="as OpenAI's: how many prompt tokens the prefix cache served (on final usage)"
+    )
 
 
 class CompletionLogprobs(BaseModel):
@@ -1303,6 +1310,11 @@ class Info(BaseModel):
     max_stop_sequences: int
     max_concurrent_requests: int
     max_queue_size: int
+    prefix_cache_bytes: int = Field(
+        description="memory the automatic prefix cache may hold (--prefix-cache-mb); 0: off (or rows depend on the "
+        "batch: torch's path, a device)"
+    )
+    prefix_cache_used_bytes: int = Field(description="memory the prefix cache holds now")
     request_timeout: float
     version: str
 

@@ -25,6 +25,9 @@ DEFAULT_DRAFT_P_MIN = 0.05
 # sized so that a step takes about this long, so running streams never wait long behind a long prompt.
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 DEFAULT_PREFILL_STEP_SECONDS = 0.25
+# Automatic prefix caching (app.engine.prefix_cache): the most memory its blocks of keys and values may take
+# (0: off). 1 GiB holds about 45,000 positions of the 135M target in bfloat16.
+DEFAULT_PREFIX_CACHE_MB = 1024
 
 # How sampled tokens are drawn (GenerationParams.sampler): "gumbel", the default, gives target-only sampling's
 # tokens for a seed whatever the draft; "rejection" accepts a model draft more often. README, "Sampling".

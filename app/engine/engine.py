@@ -22,12 +22,14 @@ from app.engine.defaults import (
     DEFAULT_NUM_DRAFT_TOKENS,
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
+    DEFAULT_PREFIX_CACHE_MB,
 )
 from app.engine.drafting.base import Drafter
 from app.engine.drafting.draft_length import SCHEDULES, StepCosts
 from app.engine.generation import Generation
 from app.engine.model.tokenizer import Tokenizer
 from app.engine.model.transformer import Transformer
+from app.engine.prefix_cache import PrefixCache
 from app.engine.step import SLACK, GenerationError, GenerationParams, StepOutput
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,10 @@ class Engine:
     tokens per step, in the same forward as the other requests' rows (0: each prompt whole, alone, before the
     batch); only where a row's bits do not depend on the rows beside it (`Transformer.rows_independent`), so a
     chunked prompt gets the very cache a whole one does. `prefill_step_seconds` (> 0): chunks are also sized so
-    that a step takes about this long, from measured costs, however long the context already is."""
+    that a step takes about this long, from measured costs, however long the context already is.
+    `prefix_cache_mb` (> 0): the keys and values of prompts and answers are kept, up to that much memory, and a
+    prompt that starts like one of them prefills only the rest (`app.engine.prefix_cache`); only where rows are
+    independent, where a reused block is bit for bit what a fresh prefill computes."""
 
     def __init__(
         self,
@@ -76,11 +81,12 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         prefill_step_seconds: float = DEFAULT_PREFILL_STEP_SECONDS,
         tree_rows: int = 0,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:
             raise GenerationError(f"default draft {default_draft!r} is not loaded")
-        if prefill_chunk < 0 or prefill_step_seconds < 0:
-            raise GenerationError("prefill_chunk and prefill_step_seconds must be 0 or more")
+        if prefill_chunk < 0 or prefill_step_seconds < 0 or prefix_cache_mb < 0:
+            raise GenerationError("prefill_chunk, prefill_step_seconds and prefix_cache_mb must be 0 or more")
         # On the CPU kernels a row's bits depend on nothing but itself, so requests can share a forward (and a
         # prompt can be prefilled in chunks beside them) and still get the tokens they get alone. Elsewhere
         # (SPECSERVE_KERNEL=torch, CUDA, float32) that promise holds only request by request: no batching.
@@ -126,6 +132,10 @@ class Engine:
             verify_width = 8 if half and not target.rows_independent() else 0
         self.verify_width = verify_width
         self.batcher = Batcher(target, verify_width, self.prefill_chunk, self.prefill_step_seconds)
+        # None where rows depend on the batch (a cached block would then differ in its last bits from a fresh one).
+        self.prefix_cache: PrefixCache | None = None
+        if self.batching and prefix_cache_mb > 0:
+            self.prefix_cache = PrefixCache(target.config, int(prefix_cache_mb * 2**20))
 
     def drafter(self, name: str | None) -> Drafter | None:
         """The drafter called `name` (None: the default; "none": target-only decoding)."""
@@ -156,9 +166,25 @@ class Engine:
                 grammar = self.grammars.start(params.grammar, params.forced_tokens)
             except GrammarError as exc:
                 raise GenerationError(f"the grammar cannot be compiled: {exc}") from exc
-        return Generation(
+        gen = Generation(
             self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs, grammar=grammar
         )
+        if self.prefix_cache is not None:
+            self.prefix_cache.queries += gen.prompt_len
+            self._reuse(gen)
+        return gen
+
+    def _reuse(self, gen: Generation) -> None:
+        """Load the cached blocks that continue `gen`'s prompt past what its cache holds."""
+        # Prompt log-probabilities need every prompt row's hidden state, which the cache does not keep.
+        if self.prefix_cache is None or not gen.needs_prefill or gen.params.prompt_logprobs is not None:
+            return
+        gen.stats.cached_tokens += self.prefix_cache.load(gen.ids, gen.prompt_len, gen.cache, gen.features)
+
+    def _keep(self, gen: Generation) -> None:
+        """Cache what `gen` computed: called after a prefill step and when it finishes."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(gen.ids, gen.cache, gen.features)
 
     @torch.inference_mode()
     def calibrate(self, rows: int | None = None, context: int = 32) -> dict[int, float]:
@@ -201,6 +227,11 @@ class Engine:
         the same as with `Generation.step`.
         """
         results: dict[int, StepOutput | Exception] = {}
+        prefilling = [gen.needs_prefill for gen in gens]
+        if self.prefix_cache is not None:
+            for gen, prefills in zip(gens, prefilling, strict=True):
+                if prefills:  # what another request computed since this one's last step
+                    self._reuse(gen)
         batch = self.together(gens)
         for i, gen in enumerate(gens):
             if i not in batch:
@@ -210,6 +241,11 @@ class Engine:
                     results[i] = exc
         if batch:
             results.update(zip(batch, self.batcher.step([gens[i] for i in batch]), strict=True))
+        if self.prefix_cache is not None:
+            for i, gen in enumerate(gens):
+                out = results[i]
+                if not isinstance(out, Exception) and (prefilling[i] or out.finish_reason is not None):
+                    self._keep(gen)
         return BatchStep([results[i] for i in range(len(gens))], batch)
 
     def together(self, gens: Sequence[Generation]) -> list[int]:

@@ -12,6 +12,7 @@ from app.engine.defaults import (
     DEFAULT_NUM_DRAFT_TOKENS,
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
+    DEFAULT_PREFIX_CACHE_MB,
 )
 from app.engine.drafting.base import Drafter, DraftError
 from app.engine.drafting.eagle import EagleDrafter, EagleError, is_eagle_dir, load_draft
@@ -50,6 +51,7 @@ def build_engine(
     prefill_step_seconds: float = DEFAULT_PREFILL_STEP_SECONDS,
     cache_dir: Path | None = None,
     weights: str = "auto",
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
@@ -94,6 +96,7 @@ def build_engine(
         draft_p_min=draft_p_min,
         prefill_chunk=prefill_chunk,
         prefill_step_seconds=prefill_step_seconds,
+        prefix_cache_mb=prefix_cache_mb,
     )
     if drafters and draft_schedule == "adaptive":
         # The first requests then choose their draft lengths from this machine's costs (a fraction of a second).

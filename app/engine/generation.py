@@ -141,6 +141,12 @@ class Generation:
         return self._cache
 
     @property
+    def features(self) -> torch.Tensor | None:
+        """The target's final hidden state of each computed position [capacity, dim], where a feature draft reads
+        them; None otherwise."""
+        return self._features
+
+    @property
     def draft_length(self) -> DraftLength:
         """This request's draft-length state: its schedule, measured acceptance and costs."""
         return self._length

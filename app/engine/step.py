@@ -84,6 +84,7 @@ class GenerationStats:
     stored. A field the API shows is named as its `SpeculativeDetails` field, which copies it by name."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     generated_tokens: int = 0
     drafted: int = 0
     accepted: int = 0

@@ -1,0 +1,183 @@
+"""Automatic prefix caching: the target's keys and values of token blocks already computed, reused exactly.
+
+A request whose prompt starts with blocks that a running or finished request computed copies their keys,
+values and final hidden states (what a feature draft reads) into its own cache and prefills only the rest.
+Blocks are `block_tokens` long and keyed by their tokens and their parent block, so a block is found only after
+the very same prefix: vLLM's chained block hashes, with the tokens themselves as the key (no hash collision can
+give a request another prompt's keys). Only full blocks are kept, and a lookup leaves at least the prompt's last
+token to run (its logits choose the first token).
+
+Exact by construction where rows are independent (`Transformer.rows_independent`: the CPU kernels): a
+position's keys and values are then a function of the tokens up to it, whatever forward computed them (a
+whole prompt, a chunk, a verification, a tree's path), so a reused block is bit for bit what a fresh prefill
+writes. The engine keeps no cache elsewhere.
+
+Memory is bounded (`max_bytes`): the least recently used blocks go first. A lookup touches its chain from the
+last block to the first, so a block is always more recent than its descendants and eviction takes leaves first
+(a parent evicted before its child would leave the child unreachable).
+
+Copies rather than shared pages: the kernels attend over one contiguous cache per request, and a copy of a
+block costs a memcpy (microseconds) against the forward that computed it (milliseconds).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from app.engine.model.transformer import KVCache, ModelConfig
+
+DEFAULT_BLOCK_TOKENS = 16
+
+
+@dataclass(eq=False)
+class _Block:
+    key: tuple[int, tuple[int, ...]]  # (the parent block's id, 0 for the first; this block's tokens)
+    id: int
+    depth: int  # blocks before it
+    k: Tensor  # [n_layers, n_kv_heads, block_tokens, head_dim]
+    v: Tensor
+    features: Tensor | None  # [block_tokens, dim]: the target's final hidden states, when they were known
+    children: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + (self.features.nbytes if self.features is not None else 0)
+
+
+class PrefixCache:
+    """Blocks of keys and values by exact token prefix, least recently used evicted beyond `max_bytes`.
+
+    Not thread-safe: the worker thread alone calls it; `bytes`, `blocks`, `queries` and `hits` may be read from
+    elsewhere (plain ints)."""
+
+    def __init__(self, config: ModelConfig, max_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+        if block_tokens < 1 or max_bytes < 0:
+            raise ValueError("need block_tokens >= 1 and max_bytes >= 0")
+        self.config = config
+        self.max_bytes = max_bytes
+        self.block_tokens = block_tokens
+        self._blocks: OrderedDict[tuple[int, tuple[int, ...]], _Block] = OrderedDict()  # least recent first
+        self._by_id: dict[int, _Block] = {}
+        self._next_id = 1
+        self.bytes = 0
+        # vLLM's counters, in tokens: prompt tokens looked up (the engine counts a request's prompt once), and of
+        # them those found.
+        self.queries = 0
+        self.hits = 0
+
+    @property
+    def blocks(self) -> int:
+        return len(self._blocks)
+
+    def _chain(self, ids: Sequence[int], limit: int, features: bool) -> list[_Block]:
+        """The cached blocks that start `ids`, at most `limit` tokens of them; with `features`, only blocks that
+        carry the target's hidden states."""
+        b = self.block_tokens
+        chain: list[_Block] = []
+        parent = 0
+        for start in range(0, limit - b + 1, b):
+            block = self._blocks.get((parent, tuple(ids[start : start + b])))
+            if block is None or (features and block.features is None):
+                break
+            chain.append(block)
+            parent = block.id
+        return chain
+
+    def load(self, ids: Sequence[int], prompt_len: int, cache: KVCache, features: Tensor | None) -> int:
+        """Copy the cached blocks that continue `ids` from `cache.length` into `cache` (and `features` [capacity,
+        dim], when given) and move its length past them; returns the tokens loaded (0: none). At most
+        `prompt_len - 1` positions end up computed, so the prompt's last token still runs."""
+        start = cache.length
+        b = self.block_tokens
+        if start % b or self.max_bytes == 0:
+            return 0
+        chain = self._chain(ids, prompt_len - 1, features is not None)[start // b :]
+        if not chain:
+            return 0
+        for i, block in enumerate(chain):
+            lo = start + i * b
+            cache.k[:, 0, :, lo : lo + b] = block.k
+            cache.v[:, 0, :, lo : lo + b] = block.v
+            if features is not None:
+                assert block.features is not None
+                features[lo : lo + b] = block.features
+        self._touch(chain)
+        cache.length = start + len(chain) * b
+        self.hits += len(chain) * b
+        return len(chain) * b
+
+    def store(self, ids: Sequence[int], cache: KVCache, features: Tensor | None) -> None:
+        """Keep the full blocks of positions 0..cache.length-1 (`ids` their tokens; `features` [>= length, dim] the
+        target's hidden states of those positions, or None) that are not cached yet. Blocks already cached are
+        touched, and given `features` when they had none."""
+        b = self.block_tokens
+        n = min(cache.length, len(ids)) // b * b
+        if n == 0 or self.max_bytes == 0:
+            return
+        chain: list[_Block] = []
+        parent: _Block | None = None
+        for lo in range(0, n, b):
+            key = (parent.id if parent is not None else 0, tuple(ids[lo : lo + b]))
+            block = self._blocks.get(key)
+            feats = features[lo : lo + b].clone() if features is not None else None
+            if block is None:
+                block = _Block(
+                    key,
+                    self._next_id,
+                    len(chain),
+                    cache.k[:, 0, :, lo : lo + b].clone(),
+                    cache.v[:, 0, :, lo : lo + b].clone(),
+                    feats,
+                )
+                self._next_id += 1
+                self._blocks[key] = block
+                self._by_id[block.id] = block
+                self.bytes += block.nbytes
+                if parent is not None:
+                    parent.children += 1
+            elif block.features is None and feats is not None:
+                block.features = feats
+                self.bytes += feats.nbytes
+            chain.append(block)
+            parent = block
+        self._touch(chain)
+        self._shrink(self.max_bytes, keep=chain)
+
+    def evict(self, nbytes: int) -> int:
+        """Free at least `nbytes` (least recently used first), for memory that requests need; returns the bytes
+        freed."""
+        before = self.bytes
+        self._shrink(max(0, self.bytes - nbytes))
+        return before - self.bytes
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._by_id.clear()
+        self.bytes = 0
+
+    def _touch(self, chain: list[_Block]) -> None:
+        # The last block first: each block ends up more recent than its descendants.
+        for block in reversed(chain):
+            self._blocks.move_to_end(block.key)
+
+    def _shrink(self, limit: int, keep: Sequence[_Block] = ()) -> None:
+        """Evict least recently used leaves until the blocks take at most `limit` bytes, sparing `keep` (the chain
+        just stored) unless nothing else is left."""
+        spared = {block.id for block in keep}
+        while self.bytes > limit and self._blocks:
+            victim = next((blk for blk in self._blocks.values() if blk.children == 0 and blk.id not in spared), None)
+            if victim is None:
+                if not spared:
+                    break
+                spared = set()  # the chain alone exceeds the limit: its tail goes too
+                continue
+            del self._blocks[victim.key]
+            del self._by_id[victim.id]
+            self.bytes -= victim.nbytes
+            parent = self._by_id.get(victim.key[0])
+            if parent is not None:
+                parent.children -= 1
