@@ -186,3 +186,41 @@ def test_prompt_log_probabilities_prefill_the_whole_prompt(packed_target, prompt
 def prompts_bf16(packed_target, first_turns) -> list[int]:
     tok = packed_target(kernels.available()[0]).tokenizer
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": first_turns[0] * 3}]))
+
+
+@pytest.mark.anyio
+async def test_a_chat_s_next_turn_is_served_from_the_cache(packed_target, api_client, first_turns):
+    """Through the OpenAI chat route: the second turn (the first, its answer, a new question) reports the cached
+    prompt tokens in its usage, /metrics counts them as vLLM does (tokens queried, tokens hit), and /info shows
+    the cache's size; its answer is the one a cold server gives."""
+    packed = packed_target(kernels.available()[0])
+    engine = Engine(packed.model, packed.tokenizer, {})
+    cold = Engine(packed.model, packed.tokenizer, {}, prefix_cache_mb=0)
+    assert engine.prefix_cache is not None and cold.prefix_cache is None
+    system = {"role": "system", "content": "You answer in one short sentence."}
+    turn1 = [system, {"role": "user", "content": first_turns[0]}]
+    body = {"model": "smollm2-135m-instruct", "max_tokens": 12, "temperature": 0}
+
+    async def chat(client, messages):
+        response = await client.post("/v1/chat/completions", json={**body, "messages": messages})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async with api_client(engine=engine) as client:
+        info = (await client.get("/info")).json()
+        assert info["prefix_cache_bytes"] == 1024 * 2**20 and info["prefix_cache_used_bytes"] == 0
+        first = await chat(client, turn1)
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        answer = first["choices"][0]["message"]["content"]
+        turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "Say it again."}]
+        second = await chat(client, turn2)
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        # Every full block of the first turn's prompt at least (the answer's tokens as re-encoded may differ).
+        assert first["usage"]["prompt_tokens"] // B * B <= cached < second["usage"]["prompt_tokens"]
+        assert (await client.get("/info")).json()["prefix_cache_used_bytes"] > 0
+        metrics = (await client.get("/metrics")).text
+    queries = first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
+    assert f'specserve_prefix_cache_queries_total{{model_name="smollm2-135m-instruct"}} {float(queries)}' in metrics
+    assert f'specserve_prefix_cache_hits_total{{model_name="smollm2-135m-instruct"}} {float(cached)}' in metrics
+    async with api_client(engine=cold) as client:
+        assert (await chat(client, turn2))["choices"] == second["choices"]
