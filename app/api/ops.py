@@ -75,6 +75,7 @@ async def info(
         max_total_tokens=i.context_length,
         max_stop_sequences=settings.max_stop_sequences,
         max_concurrent_requests=settings.max_concurrent_requests,
+        kv_cache_memory_bytes=runtime.scheduler.kv_budget,
         max_queue_size=settings.max_queue_size,
         request_timeout=settings.request_timeout,
         version=i.version,
