@@ -146,7 +146,7 @@ def kv_budget(engine: Engine, settings: Settings) -> int:
         budget, how = auto_budget(engine.target.device, 4 * largest)
     fits = budget // largest
     (log.info if fits else log.warning)(
-        "KV-cache budget %s (%s): %d full-length requests at once (%s each), more shorter ones, at most %d",
+        "KV-cache budget %s (%s): room for %d full-length requests (%s each) or more shorter ones; at most %d run",
         format_bytes(budget),
         how,
         fits,
