@@ -1,6 +1,8 @@
 """The scheduler and its worker thread, driven directly with the real target: interleaving, identical greedy
 texts whatever runs alongside, cancellation that frees the place at once, failures that stay with their
-request."""
+request; and on a tiny target, admission by KV-cache memory: by bytes, the fair queue both ways (a short request
+passes a big one, the big one is not starved), 4xx and 429, and issue 31's short request behind four long prompts
+counted in worker steps."""
 
 from __future__ import annotations
 
