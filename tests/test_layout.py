@@ -1,10 +1,10 @@
 """The engine's layout: its import map has no circle, and nothing imports upward.
 
-app/engine is layered along the decoding loop: kernels < model < memory < decoding < drafting < step <
-generation < batch < engine (defaults and threads, which import nothing of the engine, sit beside; memory, what
-a KV cache and a draft session allocate, reads the model's shapes and every drafter reports through it). A module may import from
-its own layer or those below it, never above: so a newcomer finds where a change goes, and a change in a stage
-cannot reach back into the loop that drives it. Only module-level imports count (an import inside a function
+app/engine is layered along the decoding loop: kernels < model < memory < decoding < drafting < step < generation
+< batch < engine (defaults and threads, which import nothing of the engine, sit beside; memory, what a KV cache
+and a draft session allocate, reads the model's shapes and every drafter reports through it). A module may import
+from its own layer or those below it, never above: so a newcomer finds where a change goes, and a change in a
+stage cannot reach back into the loop that drives it. Only module-level imports count (an import inside a function
 runs when called, and the layers hold without any)."""
 
 from __future__ import annotations
