@@ -225,8 +225,8 @@ class Metrics:
             p + "num_requests_waiting", "Admitted requests waiting for the worker.", labels, registry=r
         ).labels(m)
         cache_doc = (
-            "Target KV-cache positions the running generations hold (allocated when each starts), over "
-            "max_concurrent_requests times the context length: 1 means every place runs a full-length request."
+            "Bytes of KV cache the admitted generations hold (each allocates its whole cache, its draft's included, "
+            "when it starts), over the budget (kv_cache_memory): 1 means no more memory to admit a request with."
         )
         self.kv_cache_usage = Gauge(p + "kv_cache_usage_perc", cache_doc, labels, registry=r).labels(m)
         self.gpu_cache_usage = Gauge(
@@ -358,7 +358,7 @@ class Metrics:
             self.decode_time.observe(request.ended - request.first_token)
 
     def load(self, running: int, waiting: int, kv_cache_usage: float) -> None:
-        """How many requests the worker is running and how many wait; the share of the KV-cache places used."""
+        """How many requests the worker is running and how many wait; the share of the KV-cache budget held."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_cache_usage.set(kv_cache_usage)

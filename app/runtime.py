@@ -7,16 +7,20 @@ already loaded (tests) does not.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 
 from app import __version__
 from app.engine.decoding.grammar import Grammars
 from app.engine.engine import Engine
+from app.engine.memory import auto_budget, format_bytes
 from app.engine.model.tokenizer import Tokenizer
 from app.metrics import Metrics
 from app.settings import Settings
-from app.worker import Scheduler
+from app.worker import Scheduler, largest_request_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,13 @@ class Runtime:
         if metrics is not None:
             k = engine.num_draft_tokens if engine.drafters else 0
             metrics.engine_started(info.kernel, info.dtype, engine.batching, k)
-        scheduler = Scheduler(engine, settings.max_concurrent_requests, settings.max_queue_size, metrics)
+        scheduler = Scheduler(
+            engine,
+            settings.max_concurrent_requests,
+            settings.max_queue_size,
+            metrics,
+            kv_budget=kv_budget(engine, settings),
+        )
         scheduler.start()
         return cls(scheduler, engine.tokenizer, info)
 
@@ -130,6 +140,27 @@ class Runtime:
     def close(self) -> None:
         """Stop the worker; requests still held fail with 503."""
         self.scheduler.stop()
+
+
+def kv_budget(engine: Engine, settings: Settings) -> int:
+    """The bytes of KV cache admission allows (`kv_cache_memory`; `auto`: a share of the memory available now,
+    the models loaded), logged with what it holds."""
+    largest = largest_request_bytes(engine)
+    budget = settings.kv_cache_memory_bytes
+    how = "kv_cache_memory"
+    if budget is None:
+        # Where nothing says what memory there is, what the four places before admission by memory held.
+        budget, how = auto_budget(engine.target.device, 4 * largest)
+    fits = budget // largest
+    (log.info if fits else log.warning)(
+        "KV-cache budget %s (%s): room for %d full-length requests (%s each) or more shorter ones; at most %d run",
+        format_bytes(budget),
+        how,
+        fits,
+        format_bytes(largest),
+        settings.max_concurrent_requests,
+    )
+    return budget
 
 
 def generation_temperature(target: str) -> float | None:

@@ -10,6 +10,7 @@ commas), so a new setting needs no other code to become a flag.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -65,7 +66,21 @@ class Settings(BaseSettings):
         "space-separated, as vLLM's --served-model-name); answers still name model_name",
         json_schema_extra={"several": True},  # --served-model-name a b, as vLLM's; joined with commas
     )
-    max_concurrent_requests: int = Field(4, ge=1, le=256, description="generations interleaved at once by the worker")
+    max_concurrent_requests: int = Field(
+        32,
+        ge=1,
+        le=256,
+        description="most generations the worker interleaves at once; within it, requests are admitted by "
+        "kv_cache_memory",
+    )
+    kv_cache_memory: str = Field(
+        "auto",
+        description="bytes of KV cache the running generations may hold together: a request starts while its cache "
+        "(allocated whole when it starts: prompt plus max_new_tokens, its draft's included) fits beside theirs, "
+        "else it waits in the queue. A number of bytes, or with a unit: 512MiB, 8GiB, 2GB. `auto`: half the "
+        "memory available at start-up (MemAvailable, or the cgroup's memory limit less its usage where lower, as "
+        "in a container; free GPU memory on CUDA), else what four full-length requests hold",
+    )
     prefill_chunk_tokens: int = Field(
         DEFAULT_PREFILL_CHUNK_TOKENS,
         ge=0,
@@ -90,7 +105,11 @@ class Settings(BaseSettings):
         "the CPU kernels, whose rows do not depend on the batch",
     )
     max_queue_size: int = Field(
-        16, ge=0, le=10_000, description="requests waiting for a place; beyond this the answer is 429"
+        16,
+        ge=0,
+        le=10_000,
+        description="requests waiting for memory (or for one of max_concurrent_requests); a request that can "
+        "neither start nor wait is answered 429",
     )
     request_timeout: float = Field(
         300.0, gt=0, description="seconds from arrival until a request is abandoned with an error"
@@ -149,6 +168,17 @@ class Settings(BaseSettings):
             raise ValueError("the API key must be printable ASCII without spaces")
         return value
 
+    @field_validator("kv_cache_memory", mode="after")
+    @classmethod
+    def _size_or_auto(cls, value: str) -> str:
+        parse_bytes(value)  # raises ValueError, a one-line settings error
+        return value.strip()
+
+    @property
+    def kv_cache_memory_bytes(self) -> int | None:
+        """`kv_cache_memory` in bytes; None for `auto` (the runtime measures what is available)."""
+        return parse_bytes(self.kv_cache_memory)
+
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> Settings:
         if self.default_max_new_tokens > self.max_new_tokens:
@@ -168,3 +198,38 @@ class Settings(BaseSettings):
         target as it was named), then the aliases of ``served_model_name``, each once."""
         aliases = [name.strip() for name in self.served_model_name.split(",") if name.strip()]
         return list(dict.fromkeys([self.model_name or self.target, *aliases]))
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*")
+
+
+def parse_bytes(value: str) -> int | None:
+    """A size as a setting gives it (``4294967296``, ``512MiB``, ``8 GiB``, ``2GB``) in bytes; None for ``auto``.
+    Raises ValueError for anything else, or for less than one byte."""
+    if value.strip().lower() == "auto":
+        return None
+    match = _SIZE.fullmatch(value.lower())
+    if match is None or match.group(2) not in _UNITS:
+        raise ValueError(
+            f"a size must be `auto`, a number of bytes or a number with a unit (512MiB, 8GiB), not {value!r}"
+        )
+    size = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if size < 1:
+        raise ValueError(f"a size must be at least one byte, not {value!r}")
+    return size

@@ -1,13 +1,31 @@
 """The scheduler and its worker thread: the one place where generations run.
 
-Admission is bounded: at most ``max_running + max_waiting`` requests hold a place, and `Scheduler.submit`
-refuses the next one at once with :class:`Overloaded`. One worker thread owns the engine. Each turn it
-starts waiting requests while fewer than ``max_running`` run, then steps every running generation once:
-new ones prefill their prompts, and all the others draft and are verified together in one batched target
-forward (`Engine.step_batch`), so that serving N requests costs far less than N times serving one. Every
-step's tokens go back to the event loop with ``call_soon_threadsafe`` into the request's
-``asyncio.Queue``. Cancelling (a client gone, a timeout) frees the place at once and is a flag the worker
-reads before each step; an exception in one generation ends that request alone.
+Admission is by memory. A generation allocates its whole KV cache when it starts (the target's and its draft's,
+for its prompt plus max_new_tokens: `Engine.kv_bytes`), so a request is admitted (may start) while the bytes the
+admitted requests hold plus its own fit `kv_budget`, and fewer than ``max_running`` are admitted. Every step
+batches all running requests in one forward and chunked prefill takes the shortest prompt first, so a short
+request admitted beside long ones gets its first token within a step or two. A request that does not fit
+waits in a queue of at most ``max_waiting``; `Scheduler.submit` refuses one with :class:`Overloaded` (429)
+only when it can neither start nor queue, and one that could never fit the budget alone at once with a
+``validation`` RequestFailed (4xx).
+
+The queue is FIFO with bounded overtaking. Whenever memory is freed (or a request arrives), the waiting
+requests are considered in arrival order: each that fits is admitted, and one that does not fit is passed
+over, so that a short request is not held behind a long one waiting for memory; a request passed over gains
+one overtake per request admitted past it. Once a waiting request has been overtaken `max_overtakes` times,
+nothing behind it is admitted until it is (the memory freed then goes to it first): no request waits behind
+more than `max_overtakes` later ones, however steady a stream of short requests, and it always fits once the
+requests ahead of it end (it fits the budget alone). The engine's prefix cache lives in what the admitted
+requests leave of the budget: the worker shrinks it before it starts new generations (cached blocks are memory
+admission takes back, as vLLM reuses free cached blocks).
+
+One worker thread owns the engine. Each turn it starts the admitted requests, then steps every running
+generation once: new ones prefill their prompts, and all the others draft and are verified together in one
+batched target forward (`Engine.step_batch`), so that serving N requests costs far less than N times serving
+one. Every step's tokens go back to the event loop with ``call_soon_threadsafe`` into the request's
+``asyncio.Queue``. Cancelling (a client gone, a timeout) takes the request out of the queue at once and is a
+flag the worker reads before each step (its memory counts until the worker drops its generation); an
+exception in one generation ends that request alone.
 
 A step that fails as a whole (the batch's shared planning or bookkeeping, the delivery of its tokens) ends
 that step's requests with a 424 and the worker goes on with the next; should the thread end anyway,
@@ -32,6 +50,7 @@ from dataclasses import dataclass, field
 from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.engine import Engine
 from app.engine.generation import Generation
+from app.engine.memory import format_bytes
 from app.engine.step import GenerationError, GenerationParams, GenerationStats, StepOutput
 from app.engine.threads import ThreadGovernor
 from app.logs import current_request_id
@@ -40,8 +59,13 @@ from app.metrics import Metrics, RequestRecord
 log = logging.getLogger(__name__)
 
 
+# How many later requests may be admitted past a waiting one before it blocks the queue (module docstring).
+MAX_OVERTAKES = 8
+
+
 class Overloaded(Exception):
-    """Every place is taken; the client should retry after `retry_after` seconds."""
+    """The request can neither start nor wait (memory and the queue are full); the client should retry after
+    `retry_after` seconds."""
 
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
@@ -122,6 +146,8 @@ class _Job:
     # The HTTP request's id, read where the job is made (the request's task), for the worker's log records.
     request_id: str | None = field(default_factory=current_request_id)
     ended: bool = False  # set once, under the scheduler's lock: the place is free, the outcome counted
+    kv_bytes: int = 0  # what its generation allocates when it starts (Engine.kv_bytes)
+    overtaken: int = 0  # requests admitted past it while it waited
     gen: Generation | None = None
     last_delivery: float = 0.0
     started: float | None = None  # the worker started its generation
@@ -201,6 +227,9 @@ def _malloc_trim() -> Callable[[int], int] | None:
 class Scheduler:
     """Admission, queueing and the worker thread that steps every generation.
 
+    `max_running`: the most requests admitted at once; `kv_budget`: the bytes of KV cache they may hold together
+    (default: what `max_running` requests of the model's full context hold, with the largest draft);
+    `max_waiting`: the most that wait for room; `max_overtakes`: see the module docstring.
     `trim_after_tokens`: once a request whose prompt plus max_new_tokens reached this many tokens has ended,
     the worker returns the heap's free memory to the system (0: never). `threads`: what sets the CPU products'
     thread count around each step (default: a `ThreadGovernor` of torch's count).
@@ -215,23 +244,37 @@ class Scheduler:
         retry_after: int = 1,
         trim_after_tokens: int = 2048,
         threads: ThreadGovernor | None = None,
+        kv_budget: int | None = None,
+        max_overtakes: int = MAX_OVERTAKES,
     ) -> None:
-        if max_running < 1 or max_waiting < 0:
-            raise ValueError("need max_running >= 1 and max_waiting >= 0")
+        if max_running < 1 or max_waiting < 0 or max_overtakes < 0:
+            raise ValueError("need max_running >= 1, max_waiting >= 0 and max_overtakes >= 0")
+        if kv_budget is not None and kv_budget < 1:
+            raise ValueError("the KV-cache budget must be positive")
         self.engine = engine
         # Tokens whose events say `special` (their text is left out unless asked for).
         self._special = engine.tokenizer.special_ids | engine.tokenizer.eos_token_ids
         self.max_running = max_running
         self.max_waiting = max_waiting
+        self.max_overtakes = max_overtakes
+        self.kv_budget = kv_budget if kv_budget is not None else max_running * largest_request_bytes(engine)
+        # The least a request can hold (one token of prompt, one new, no draft): whether any request at all could
+        # start now, before the next one's size is known (`check_room`).
+        self._smallest = engine.kv_bytes(1, 1, "none")
         self.metrics = metrics
         self.retry_after = retry_after
         self.trim_after_tokens = trim_after_tokens
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._waiting: deque[_Job] = deque()
+        self._waiting: deque[_Job] = deque()  # requests that did not fit yet, in arrival order
+        self._admitted: deque[_Job] = deque()  # admitted, not yet taken by the worker to start
         self._running: list[_Job] = []  # only the worker thread changes it
-        # Every request holding a place (admitted, not ended), wherever it is: the worker moves a request from
-        # `_waiting` to `_running` outside the lock, and `stop` must find it in between too.
+        # The bytes each admitted request holds (from admission until the worker drops its generation, or until it
+        # ends before the worker took it), and their sum: what admission weighs against `kv_budget`.
+        self._reserved: dict[_Job, int] = {}
+        self._held_bytes = 0
+        # Every request holding a place (submitted, not ended), wherever it is: the worker moves a request from
+        # `_admitted` to `_running` outside the lock, and `stop` must find it in between too.
         self._held: set[_Job] = set()
         self._draining = False
         self._stopping = False
@@ -246,6 +289,21 @@ class Scheduler:
     def holding(self) -> int:
         """Requests holding a place (running or waiting)."""
         return len(self._held)
+
+    @property
+    def admitted(self) -> int:
+        """Requests admitted whose memory counts: starting, running, or ended and not yet dropped by the worker."""
+        return len(self._reserved)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued until they fit."""
+        return len(self._waiting)
+
+    @property
+    def kv_held(self) -> int:
+        """Bytes of KV cache the admitted requests hold (or are about to allocate)."""
+        return self._held_bytes
 
     @property
     def failure(self) -> str | None:
@@ -284,21 +342,20 @@ class Scheduler:
             self._thread.join(timeout)
 
     def check_room(self) -> None:
-        """Raise Overloaded when every place is taken, as `submit` would: a request's work before admission
-        (tokenizing, compiling its grammar) is then not done for nothing. `submit` checks again."""
-        if len(self._held) >= self.max_running + self.max_waiting:
-            if self.metrics is not None:
-                self.metrics.request_ended("overloaded")
-            raise Overloaded(
-                f"the server is at capacity ({self.max_running} running, {self.max_waiting} queued); retry later",
-                self.retry_after,
-            )
+        """Raise Overloaded when the queue is full and not even the smallest request could start now, as `submit`
+        would refuse any: a request's work before admission (tokenizing, compiling its grammar) is then not done
+        for nothing. `submit` checks again, with the request's own size."""
+        with self._lock:
+            if len(self._waiting) >= self.max_waiting and not self._may_start(self._smallest):
+                raise self._overloaded()
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None, timeout: float) -> Ticket:
-        """Admit a request, or raise Overloaded at once. Call from the event loop that will read its events.
+        """Admit or queue a request, or raise Overloaded at once when it can do neither. Call from the event loop
+        that will read its events.
 
-        Raises RequestFailed (``unavailable``) at once while the server drains or stops, or when the worker
-        is gone."""
+        Raises RequestFailed at once: ``validation`` for a request whose KV cache alone exceeds the budget (or
+        that names an unknown draft), ``unavailable`` while the server drains or stops, or when the worker is
+        gone."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         job = _Job(list(prompt_ids), params, draft, loop, deadline=now + timeout, timeout=timeout, arrived=now)
@@ -310,12 +367,87 @@ class Scheduler:
                 if self.metrics is not None:
                     self.metrics.request_ended("error")
                 raise RequestFailed("unavailable", f"{failure}; the server needs a restart")
-            self.check_room()
-            self._held.add(job)
+            job.kv_bytes = self._request_bytes(job)
             self._waiting.append(job)
-            self._wake.notify()
+            self._admit_waiting()
+            if job in self._waiting and len(self._waiting) > self.max_waiting:
+                self._waiting.remove(job)
+                raise self._overloaded()
+            self._held.add(job)
             self._publish_load()
         return Ticket(self, job)
+
+    def _request_bytes(self, job: _Job) -> int:
+        """What `job` will hold; RequestFailed (``validation``) when that alone exceeds the budget."""
+        try:
+            need = self.engine.kv_bytes(
+                len(job.prompt_ids), job.params.max_new_tokens, job.draft, job.params.num_draft_tokens
+            )
+        except GenerationError as exc:
+            raise RequestFailed("validation", str(exc)) from None
+        if need > self.kv_budget:
+            raise RequestFailed(
+                "validation",
+                f"this request needs {format_bytes(need)} of KV cache (a prompt of {len(job.prompt_ids)} tokens "
+                f"and up to {job.params.max_new_tokens} new ones), more than the server's whole KV-cache budget of "
+                f"{format_bytes(self.kv_budget)}: it could never run; send a shorter prompt or ask for fewer tokens",
+            )
+        return need
+
+    def _overloaded(self) -> Overloaded:
+        """The refusal of a request that can neither start nor queue, counted."""
+        if self.metrics is not None:
+            self.metrics.request_ended("overloaded")
+        return Overloaded(
+            f"the server is at capacity ({len(self._reserved)} running of at most {self.max_running}, "
+            f"{format_bytes(self._held_bytes)} of its {format_bytes(self.kv_budget)} KV-cache budget held, "
+            f"{len(self._waiting)} queued of {self.max_waiting}); retry later",
+            self.retry_after,
+        )
+
+    # --- admission, under the lock ------------------------------------------------------------------
+
+    def _fits(self, need: int) -> bool:
+        """Whether `need` more bytes fit the budget beside what the admitted requests hold: the one place admission
+        asks about memory (where a cache of its own, such as a prefix cache's pool, would give some back)."""
+        return self._held_bytes + need <= self.kv_budget
+
+    def _may_start(self, need: int) -> bool:
+        """Whether a request of `need` bytes arriving now would be admitted at once."""
+        if len(self._reserved) >= self.max_running:
+            return False
+        if any(job.overtaken >= self.max_overtakes for job in self._waiting):
+            return False
+        return self._fits(need)
+
+    def _admit_waiting(self) -> None:
+        """Admit the waiting requests that may start, in arrival order with bounded overtaking (module docstring);
+        after every change that could let one start (an arrival, memory freed, a request leaving the queue)."""
+        if self._stopping or self._failure is not None:
+            return
+        passed: list[_Job] = []  # waiting requests the scan went past
+        blocked = False
+        for job in list(self._waiting):
+            if blocked or len(self._reserved) >= self.max_running:
+                break
+            if self._fits(job.kv_bytes):
+                self._waiting.remove(job)
+                for earlier in passed:
+                    earlier.overtaken += 1
+                blocked = any(earlier.overtaken >= self.max_overtakes for earlier in passed)
+                self._reserved[job] = job.kv_bytes
+                self._held_bytes += job.kv_bytes
+                self._admitted.append(job)
+                self._wake.notify()
+            else:
+                passed.append(job)
+                blocked = job.overtaken >= self.max_overtakes
+
+    def _unreserve(self, job: _Job) -> None:
+        """`job`'s memory is free (its generation dropped, or never made): admit whom it makes room for."""
+        if job in self._reserved:
+            self._held_bytes -= self._reserved.pop(job)
+            self._admit_waiting()
 
     # --- shared by both threads ---------------------------------------------------------------------
 
@@ -326,6 +458,15 @@ class Scheduler:
                 return False
             job.ended = True
             self._held.discard(job)
+            # Out of the queue at once. Admitted but not yet taken by the worker: its cache was never allocated.
+            # Taken by the worker: its memory counts until the worker drops its generation (`_release`).
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._admit_waiting()  # it may have been the request the others could not pass
+            elif job in self._admitted:
+                self._admitted.remove(job)
+                self._unreserve(job)
+            self._publish_load()
         if self.metrics is not None:
             self.metrics.request_ended(outcome, finish_reason)
             record = RequestRecord(
@@ -351,17 +492,12 @@ class Scheduler:
 
     def _publish_load(self) -> None:
         if self.metrics is not None:
-            self.metrics.load(len(self._running), len(self._waiting), self._kv_cache_usage())
+            self.metrics.load(len(self._reserved), len(self._waiting), self._kv_cache_usage())
 
     def _kv_cache_usage(self) -> float:
-        """The target cache positions the running generations allocated, over what `max_running` full-length
-        requests would (a generation allocates its whole cache when it starts)."""
-        held = 0
-        for job in self._running:
-            gen = job.gen  # read once: the worker drops it as the request leaves
-            if gen is not None:
-                held += gen.cache.capacity
-        return min(1.0, held / (self.max_running * self.engine.target.config.max_seq_len))
+        """The bytes of KV cache the admitted requests hold over the budget (a generation allocates its whole
+        cache when it starts)."""
+        return self._held_bytes / self.kv_budget
 
     # --- the worker thread --------------------------------------------------------------------------
 
@@ -374,17 +510,24 @@ class Scheduler:
     def _serve(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and not self._admitted and not self._running:
                     self._wake.wait()
                 if self._stopping:
                     return
-                admitted = []
-                while self._waiting and len(self._running) + len(admitted) < self.max_running:
-                    admitted.append(self._waiting.popleft())
+                # From here the worker owns their memory: it gives it back as it drops each one (`_release`).
+                admitted = list(self._admitted)
+                self._admitted.clear()
+                room = self.kv_budget - self._held_bytes
             try:
+                # The prefix cache keeps what the admitted requests leave of the budget: its blocks are memory
+                # admission takes back, evicted here (the worker's thread owns them) before new caches are made.
+                if self.engine.prefix_cache is not None:
+                    self.engine.prefix_cache.bound(room)
                 for job in admitted:
                     if self._begin(job):
                         self._running.append(job)
+                    else:
+                        self._release(job)
                 with self._lock:
                     self._publish_load()
                 if self._stopping:
@@ -398,15 +541,17 @@ class Scheduler:
 
     def _step_failed(self, exc: Exception, admitted: list[_Job]) -> None:
         """A step failed outside any one request's part of it: fail the requests it held, go on with the next."""
-        jobs = [job for job in dict.fromkeys([*self._running, *admitted]) if not job.ended]
+        jobs = list(dict.fromkeys([*self._running, *admitted]))
         self._running = []
+        live = [job for job in jobs if not job.ended]
         log.error(
-            "a step of %d requests failed; they end with an error and the worker goes on", len(jobs), exc_info=exc
+            "a step of %d requests failed; they end with an error and the worker goes on", len(live), exc_info=exc
         )
         message = f"generation failed: {type(exc).__name__}: {exc}"
-        for job in jobs:
+        for job in live:
             log.warning("request %d: ended by the failed step", job.id, extra=job.log_extra)
             self._fail(job, "error", "generation", message)
+        for job in jobs:  # the ended ones' memory too
             self._release(job)
 
     def _died(self, exc: BaseException) -> None:
@@ -417,6 +562,9 @@ class Scheduler:
             self._failure = reason
             held = list(self._held)
             self._waiting.clear()
+            self._admitted.clear()
+            self._reserved.clear()
+            self._held_bytes = 0
             self._running = []
             with contextlib.suppress(Exception):  # the gauges read 0 before anyone hears
                 self._publish_load()
@@ -467,12 +615,14 @@ class Scheduler:
 
     def _release(self, job: _Job) -> None:
         """Drop `job`'s generation (its KV cache) as it leaves the worker, rather than when its route lets the
-        ticket go; after a large one the heap is trimmed once the step is over."""
-        if job.gen is None:
-            return
-        job.gen = None
-        if self.trim_after_tokens and len(job.prompt_ids) + job.params.max_new_tokens >= self.trim_after_tokens:
-            self._trim_due = True
+        ticket go, and give its memory back to admission; after a large one the heap is trimmed once the step is
+        over."""
+        if job.gen is not None:
+            job.gen = None
+            if self.trim_after_tokens and len(job.prompt_ids) + job.params.max_new_tokens >= self.trim_after_tokens:
+                self._trim_due = True
+        with self._lock:
+            self._unreserve(job)
 
     def _release_memory(self) -> None:
         # glibc keeps what a long prefill's activations and a cache freed in its arenas for the next allocation.
@@ -565,3 +715,9 @@ class Scheduler:
         figures = PassFigures(job.passes, out.drafted, out.accepted, out.draft_seconds, out.verify_seconds)
         job.post(StepEvent(tokens, finished, prompt, figures))
         return finished is None
+
+
+def largest_request_bytes(engine: Engine) -> int:
+    """What the largest request `engine` can run holds: the model's whole context, with its largest draft."""
+    context = engine.target.config.max_seq_len
+    return max(engine.kv_bytes(context, 0, name, 1) for name in ("none", *engine.drafters))

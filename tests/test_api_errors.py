@@ -152,7 +152,7 @@ OPENAI_CASES = {
     "empty prompt": ("/v1/completions", {"prompt": ""}, 400, ["prompt: must not be empty"]),
     "an empty prompt in a list": ("/v1/completions", {"prompt": ["a", ""]}, 400, ["prompt 1 of the list", "empty"]),
     "no prompts": ("/v1/completions", {"prompt": []}, 400, ["prompt: must not be empty"]),
-    "more prompts than places": ("/v1/completions", {"prompt": ["a"] * 21}, 400, ["21 generations", "(20:"]),
+    "more prompts than places": ("/v1/completions", {"prompt": ["a"] * 49}, 400, ["49 generations", "(48:"]),
     "n greedy": ("/v1/completions", {"prompt": "Hi", "n": 2, "temperature": 0}, 400, ["n: 2 samples need sampling"]),
     "best_of over n": ("/v1/completions", {"prompt": "Hi", "best_of": 2}, 400, ["best_of: only best_of = n (1)"]),
     "token id out of range": ("/v1/completions", {"prompt": [1, 10**6]}, 400, ["token ids must lie in"]),
@@ -362,3 +362,22 @@ async def test_overload_is_429_at_once_with_retry_after(api_client) -> None:
     assert waited < 1.0, "a refusal must not wait for a place"
     assert first.status_code == second.status_code == after.status_code == 200
     assert first.json() == second.json()
+
+
+async def test_a_request_that_could_never_fit_the_kv_budget_is_a_4xx(api_client) -> None:
+    """A request whose KV cache alone exceeds the budget is refused at once with a validation error naming it, on
+    both APIs (retrying would never help: no 429); smaller requests are served. /info shows the budget."""
+    budget = 2 * 2**20  # the float32 target's cache: 45 KiB a position, room for about 45
+    async with api_client(kv_cache_memory="2MiB") as client:
+        info = (await client.get("/info")).json()
+        native = await client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 100}})
+        oai = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 100, "temperature": 0})
+        small = await client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 4}})
+        metrics = (await client.get("/metrics")).text
+    assert info["kv_cache_memory_bytes"] == budget and info["max_concurrent_requests"] == 32
+    assert native.status_code == 422 and native.json()["error_type"] == "validation"
+    assert "more than the server's whole KV-cache budget of 2.0 MiB" in native.json()["error"]
+    assert oai.status_code == 400 and oai.json()["error"]["type"] == "invalid_request_error"
+    assert "KV-cache budget" in oai.json()["error"]["message"]
+    assert small.status_code == 200
+    assert f'{ENDED}"invalid"}} 2.0' in metrics and f'{ENDED}"overloaded"}} 0.0' in metrics

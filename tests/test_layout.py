@@ -1,9 +1,10 @@
 """The engine's layout: its import map has no circle, and nothing imports upward.
 
-app/engine is layered along the decoding loop: kernels < model < decoding < drafting < step < generation <
-batch < engine (defaults and threads, which import nothing of the engine, sit beside). A module may import from
-its own layer or those below it, never above: so a newcomer finds where a change goes, and a change in a stage
-cannot reach back into the loop that drives it. Only module-level imports count (an import inside a function
+app/engine is layered along the decoding loop: kernels < model < memory < decoding < drafting < step < generation
+< batch < engine (defaults and threads, which import nothing of the engine, sit beside; memory, what a KV cache
+and a draft session allocate, reads the model's shapes and every drafter reports through it). A module may import
+from its own layer or those below it, never above: so a newcomer finds where a change goes, and a change in a
+stage cannot reach back into the loop that drives it. Only module-level imports count (an import inside a function
 runs when called, and the layers hold without any)."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parent.parent / "app" / "engine"
 # Lowest first; a module's layer is its subpackage, or its own name at the top of app/engine.
-LAYERS = ["defaults", "threads", "kernels", "model", "prefix_cache", "decoding", "drafting", "step", "reference"]
-LAYERS += ["generation", "batch", "engine", "factory"]
+LAYERS = ["defaults", "threads", "kernels", "model", "memory", "prefix_cache", "decoding", "drafting", "step"]
+LAYERS += ["reference", "generation", "batch", "engine", "factory"]
 
 
 def _module(path: Path) -> str:

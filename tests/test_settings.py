@@ -21,6 +21,7 @@ SERVE_FLAGS = [
     "--model-name",
     "--served-model-name",
     "--max-concurrent-requests",
+    "--kv-cache-memory",
     "--max-queue-size",
     "--prefill-chunk-tokens",
     "--prefill-step-seconds",
@@ -151,6 +152,30 @@ def test_invalid_settings_are_one_line_errors(capsys: pytest.CaptureFixture[str]
     assert "default_max_new_tokens (50) exceeds max_new_tokens (10)" in capsys.readouterr().err
     assert cli.main(["serve", "--target", "no-such-model"]) == 1
     assert "known models" in capsys.readouterr().err
+
+
+def test_kv_cache_memory_is_auto_or_a_size(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The KV-cache budget: `auto` (measured at start-up) by default, else bytes, plainly or with a unit, from
+    the variable or the flag; anything else is a one-line settings error."""
+    monkeypatch.delenv("SPECSERVE_KV_CACHE_MEMORY", raising=False)
+    assert (Settings().kv_cache_memory, Settings().kv_cache_memory_bytes) == ("auto", None)
+    sizes = {
+        "4294967296": 4 * 2**30,
+        "512MiB": 512 * 2**20,
+        "8 GiB": 8 * 2**30,
+        "1.5gib": 3 * 2**29,
+        "2GB": 2 * 10**9,
+        "64k": 64_000,
+        " AUTO ": None,
+    }
+    assert {value: Settings(kv_cache_memory=value).kv_cache_memory_bytes for value in sizes} == sizes
+    monkeypatch.setenv("SPECSERVE_KV_CACHE_MEMORY", "1GiB")
+    assert Settings().kv_cache_memory_bytes == 2**30
+    assert _parsed_settings(monkeypatch, "--kv-cache-memory", "256MiB").kv_cache_memory_bytes == 256 * 2**20
+    for bad in ("lots", "0", "-5MiB", "5 parsecs", "0.1"):
+        assert cli.main(["serve", f"--kv-cache-memory={bad}"]) == 1, bad
+        err = capsys.readouterr().err
+        assert err.startswith("error: invalid settings: kv_cache_memory") and err.count("\n") == 1, err
 
 
 def test_server_cli_and_build_engine_share_the_draft_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,8 @@
 """The scheduler and its worker thread, driven directly with the real target: interleaving, identical greedy
 texts whatever runs alongside, cancellation that frees the place at once, failures that stay with their
-request."""
+request; and on a tiny target, admission by KV-cache memory: by bytes, the fair queue both ways (a short request
+passes a big one, the big one is not starved), 4xx and 429, and issue 31's short request behind four long prompts
+counted in worker steps."""
 
 from __future__ import annotations
 
@@ -371,3 +373,235 @@ async def test_a_long_request_leaves_no_cache_behind(api_engine, monkeypatch) ->
         s.stop()
     assert trims == [0], "once, for the large request only"
     assert small._job.gen is None and large._job.gen is None, "the tickets are still held; the caches are not"
+
+
+# --- admission by memory, on a tiny target --------------------------------------------------------------------
+
+BIG = (200, 40)  # prompt tokens, max_new_tokens: the tiny target's whole context of 256
+SHORT = (4, 4)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(make_tiny_model, word_tokenizer):
+    from app.engine.engine import Engine
+
+    return Engine(make_tiny_model(seed=5, vocab_size=64), word_tokenizer(64), {}, "none", 0, **FIXED_DRAFT)
+
+
+def _submit(s: Scheduler, size: tuple[int, int]) -> Ticket:
+    prompt_len, max_new = size
+    params = GenerationParams(max_new_tokens=max_new, num_draft_tokens=0)
+    return s.submit([i % 64 for i in range(prompt_len)], params, "none", 60)
+
+
+def _started(s: Scheduler, ticket: Ticket) -> bool:
+    """Whether the request was admitted: its memory counts, the worker may start it."""
+    return ticket._job in s._reserved
+
+
+async def test_requests_are_admitted_by_the_bytes_of_their_caches(tiny_engine) -> None:
+    big, short = tiny_engine.kv_bytes(*BIG, "none"), tiny_engine.kv_bytes(*SHORT, "none")
+    assert big > 8 * short
+    s = Scheduler(tiny_engine, max_running=8, max_waiting=4, kv_budget=2 * big + short)  # not started: nothing ends
+    first, second = _submit(s, BIG), _submit(s, BIG)
+    assert _started(s, first) and _started(s, second) and s.kv_held == 2 * big
+    third = _submit(s, BIG)  # one of 8 places is free, its memory is not
+    assert not _started(s, third) and (s.admitted, s.waiting) == (2, 1)
+    fits = _submit(s, SHORT)
+    assert _started(s, fits) and s.kv_held == s.kv_budget
+    last = _submit(s, SHORT)
+    assert not _started(s, last) and s.waiting == 2
+    first.cancel()  # admitted, never started: its memory is free at once, and goes to the queue in order
+    assert _started(s, third) and not _started(s, last)
+    assert s.kv_held == 2 * big + short and (s.admitted, s.waiting, s.holding) == (3, 1, 4)
+
+
+async def test_a_short_request_passes_a_big_one_waiting_for_memory(tiny_engine) -> None:
+    big, short = tiny_engine.kv_bytes(*BIG, "none"), tiny_engine.kv_bytes(*SHORT, "none")
+    s = Scheduler(tiny_engine, max_running=8, max_waiting=4, kv_budget=big + 2 * short)
+    running, waiting = _submit(s, BIG), _submit(s, BIG)
+    assert _started(s, running) and not _started(s, waiting)
+    passing = [_submit(s, SHORT), _submit(s, SHORT)]
+    assert all(_started(s, t) for t in passing), "the short requests fit beside the big one: they run"
+    assert waiting._job.overtaken == 2 and not _started(s, waiting)
+    assert _submit(s, SHORT)._job in s._waiting  # memory is full now: a short one waits too
+
+
+async def test_a_request_overtaken_max_overtakes_times_is_not_passed_again(tiny_engine) -> None:
+    """A stream of short requests cannot starve a big one: after `max_overtakes` passed it, the short ones wait
+    behind it, and the memory freed next goes to it first."""
+    big, short = tiny_engine.kv_bytes(*BIG, "none"), tiny_engine.kv_bytes(*SHORT, "none")
+    s = Scheduler(tiny_engine, max_running=16, max_waiting=8, kv_budget=big + 4 * short, max_overtakes=2)
+    running, waiting = _submit(s, BIG), _submit(s, BIG)
+    stream = [_submit(s, SHORT) for _ in range(5)]
+    assert [_started(s, t) for t in stream] == [True, True, False, False, False]
+    assert waiting._job.overtaken == 2
+    assert s.kv_held + short <= s.kv_budget, "the next short request fits: the rule holds it back"
+    s.check_room()  # the queue has room: no 429
+    running.cancel()  # the big one's memory: to the request that waited longest, then to those behind it
+    assert _started(s, waiting)
+    assert [_started(s, t) for t in stream] == [True, True, True, True, False]
+    assert s.kv_held == big + 4 * short and s.waiting == 1
+
+
+async def test_a_request_that_could_never_fit_is_refused_at_once(tiny_engine) -> None:
+    big = tiny_engine.kv_bytes(*BIG, "none")
+    s = Scheduler(tiny_engine, max_running=8, max_waiting=4, kv_budget=big - 1, metrics=Metrics(MODEL))
+    with pytest.raises(RequestFailed) as refused:
+        _submit(s, BIG)
+    assert refused.value.kind == "validation"
+    assert "more than the server's whole KV-cache budget" in refused.value.message
+    assert "a prompt of 200 tokens and up to 40 new ones" in refused.value.message
+    assert (s.holding, s.waiting, s.kv_held) == (0, 0, 0), "not queued"
+    assert _started(s, _submit(s, SHORT))
+    with pytest.raises(RequestFailed) as unknown:
+        s.submit([1, 2], GenerationParams(max_new_tokens=2), "nope", 60)
+    assert unknown.value.kind == "validation" and "unknown draft 'nope'" in unknown.value.message
+    overloaded = _sample(
+        s.metrics.registry, "specserve_requests_total", {"outcome": "overloaded", "finish_reason": "none"}
+    )
+    assert overloaded == 0, "a request that can never run is no 429"
+
+
+async def test_429_only_when_memory_and_the_queue_are_both_full(tiny_engine) -> None:
+    big, short = tiny_engine.kv_bytes(*BIG, "none"), tiny_engine.kv_bytes(*SHORT, "none")
+    s = Scheduler(tiny_engine, max_running=8, max_waiting=1, kv_budget=2 * big + short, metrics=Metrics(MODEL))
+    _submit(s, BIG), _submit(s, BIG)
+    queued = _submit(s, BIG)
+    assert s.waiting == s.max_waiting
+    s.check_room()  # the queue is full, the memory is not: a request may still fit
+    assert _started(s, _submit(s, SHORT)), "admitted beside a full queue"
+    with pytest.raises(Overloaded):
+        s.check_room()
+    with pytest.raises(Overloaded) as refused:
+        _submit(s, SHORT)
+    assert refused.value.retry_after >= 1 and "1 queued of 1" in str(refused.value)
+    queued.cancel()  # a place in the queue again: no 429, though memory is still full
+    s.check_room()
+    assert not _started(s, _submit(s, BIG)) and s.waiting == 1
+    registry = s.metrics.registry
+    assert _sample(registry, "specserve_requests_total", {"outcome": "overloaded", "finish_reason": "none"}) == 2
+    # max_running still bounds the requests admitted, whatever memory is left.
+    capped = Scheduler(tiny_engine, max_running=1, max_waiting=0, kv_budget=100 * big)
+    _submit(capped, SHORT)
+    with pytest.raises(Overloaded):
+        _submit(capped, SHORT)
+
+
+async def test_the_kv_gauge_reads_bytes_held_over_the_budget(tiny_engine) -> None:
+    big, short = tiny_engine.kv_bytes(*BIG, "none"), tiny_engine.kv_bytes(*SHORT, "none")
+    s = Scheduler(tiny_engine, max_running=8, max_waiting=4, kv_budget=4 * big, metrics=Metrics(MODEL))
+    registry = s.metrics.registry
+    first = _submit(s, BIG)
+    _submit(s, SHORT)
+    assert _sample(registry, "specserve_kv_cache_usage_perc") == (big + short) / (4 * big)
+    assert _sample(registry, "specserve_num_requests_running") == 2
+    first.cancel()
+    assert _sample(registry, "specserve_kv_cache_usage_perc") == short / (4 * big)
+    assert Scheduler(tiny_engine, max_running=3, max_waiting=0).kv_budget == 3 * tiny_engine.kv_bytes(256, 0, "none")
+
+
+def _chunking_engine():
+    """A tiny bf16 target packed for this CPU's kernel, prompts prefilled 64 tokens per step (none if the CPU has no
+    kernel to chunk prompts on)."""
+    import torch
+
+    from app.engine.engine import Engine
+    from tests.conftest import _make_tiny_model, _word_tokenizer
+
+    model = _make_tiny_model(
+        seed=7, vocab_size=64, dim=128, n_heads=2, n_kv_heads=1, intermediate_size=128, max_seq_len=2048
+    ).to(torch.bfloat16)
+    model.pack(kernels.kernel())
+    engine = Engine(
+        model,
+        _word_tokenizer(64),
+        {},
+        "none",
+        0,
+        prefill_chunk=64,
+        draft_schedule="fixed",
+        draft_p_min=0.0,
+        prefill_step_seconds=0.0,
+    )
+    return engine if engine.prefill_chunk else None
+
+
+async def _short_behind_four_long(engine, max_running: int, kv_budget: int) -> tuple[int, int, int]:
+    """Four 2,000-token prompts start prefilling; after two worker steps a 4-token request arrives. Returns the
+    steps done when it arrived, the step that gave it its first token, and the step the first long prompt's
+    prefill ended in (all counted from 0)."""
+    long_size, short_size = (2000, 2), (4, 2)
+    s = Scheduler(engine, max_running=max_running, max_waiting=16, kv_budget=kv_budget)
+    steps: list[list[tuple[int, bool, int]]] = []  # per worker step: (prompt length, still prefilling, tokens)
+    gate = threading.Event()
+    real = engine.step_batch
+
+    def step_batch(gens):
+        if len(steps) == 2:
+            gate.wait(30)  # the third step waits for the short request to arrive
+        out = real(gens)
+        steps.append([(g.prompt_len, g.needs_prefill, g.stats.generated_tokens) for g in gens])
+        return out
+
+    engine.step_batch = step_batch
+    for _ in range(4):  # before the worker starts: all four in its first step
+        _submit(s, long_size)
+    s.start()
+    try:
+        while len(steps) < 2:
+            await asyncio.sleep(0.005)
+        arrived = len(steps)
+        short = _submit(s, short_size)
+        gate.set()
+        _, ids, _ = await _collect(short)
+        assert len(ids) == 2
+        while not any(n == long_size[0] and not pre for step in steps for n, pre, _ in step):
+            await asyncio.sleep(0.005)  # until the first long prompt is in (the others are not needed)
+    finally:
+        s.stop()
+        del engine.step_batch
+    first = next(i for i, step in enumerate(steps) if any(n == short_size[0] and tokens for n, _, tokens in step))
+    done = next(i for i, step in enumerate(list(steps)) if any(n == long_size[0] and not pre for n, pre, _ in step))
+    return arrived, first, done
+
+
+async def test_a_short_request_behind_four_long_prompts_starts_at_once() -> None:
+    """Issue 31's case, in worker steps: four long prompts prefilling in chunks, then a short request. Admitted
+    by memory it joins the next step and, shortest first, gets its first token at once, long before the long
+    prompts are in; held to four places (the old rule) it waited for a long one to finish."""
+    engine = _chunking_engine()
+    if engine is None:
+        pytest.skip("no CPU kernel here to prefill prompts in chunks on")
+    budget = 4 * engine.kv_bytes(2000, 2, "none") + engine.kv_bytes(4, 2, "none")  # exactly the five
+    arrived, first, done = await _short_behind_four_long(engine, 32, budget)
+    assert first <= arrived + 1, (arrived, first)
+    assert done > first + 20, "the long prompts were still prefilling for many steps"
+    arrived, first, done = await _short_behind_four_long(engine, 4, budget)
+    assert first > done, "four places: the short request waited until a long one was over"
+
+
+async def test_the_prefix_cache_keeps_what_admitted_requests_leave_of_the_budget() -> None:
+    """Cached blocks are memory admission takes back: while a request runs, the prefix cache holds at most what
+    it leaves of the budget, and gets its room back once the request is over."""
+    engine = _chunking_engine()
+    if engine is None:
+        pytest.skip("no CPU kernel here: no prefix cache")
+    cache = engine.prefix_cache
+    assert cache is not None
+    s = Scheduler(engine, max_running=4, max_waiting=4, kv_budget=1 << 40)
+    s.start()
+    try:
+        await _collect(_submit(s, (600, 2)))
+        filled = cache.bytes
+        assert filled > 0 and cache.limit == cache.max_bytes
+        # A budget that leaves the cache half of what it holds beside the next request.
+        s.kv_budget = engine.kv_bytes(800, 2, "none") + filled // 2
+        _, ids, _ = await _collect(s.submit([(i * 7) % 64 for i in range(800)], GenerationParams(2), "none", 60))
+        assert len(ids) == 2
+        assert cache.limit == filled // 2 and 0 < cache.bytes <= filled // 2
+        s.kv_budget = 1 << 40  # room again: the blocks may fill the cache's own size
+        await _collect(_submit(s, (600, 2)))
+        assert cache.limit == cache.max_bytes and cache.bytes >= filled
+    finally:
+        s.stop()

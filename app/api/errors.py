@@ -248,7 +248,7 @@ def documented_errors(model: type, validation_status: int) -> dict[int | str, di
         413: "body over the size limit",
         415: "body not JSON",
         424: "the generation failed",
-        429: "every place is taken; see Retry-After",
+        429: "no memory to start the request and the queue is full; see Retry-After",
         503: "the model is loading",
         504: "the request outlived its timeout",
     }

@@ -179,7 +179,9 @@ def _speculation(runtime: Runtime, spec: SpeculativeParameters | None) -> tuple[
 
 
 def submit(runtime: Runtime, settings: Settings, prepared: Prepared) -> Ticket:
-    """Hand the request to the scheduler; raises APIError 429 (with Retry-After) when every place is taken."""
+    """Hand the request to the scheduler; raises APIError: 429 (with Retry-After) when it can neither start nor
+    queue, a validation error when its KV cache alone exceeds the budget (it could never run), 503 while the
+    server stops."""
     try:
         return runtime.scheduler.submit(prepared.prompt_ids, prepared.params, prepared.draft, settings.request_timeout)
     except Overloaded as exc:

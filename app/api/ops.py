@@ -76,6 +76,7 @@ async def info(
         max_total_tokens=i.context_length,
         max_stop_sequences=settings.max_stop_sequences,
         max_concurrent_requests=settings.max_concurrent_requests,
+        kv_cache_memory_bytes=runtime.scheduler.kv_budget,
         max_queue_size=settings.max_queue_size,
         prefix_cache_bytes=prefix_limit,
         prefix_cache_used_bytes=prefix_used,

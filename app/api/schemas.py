@@ -1308,7 +1308,11 @@ class Info(BaseModel):
     max_new_tokens: int
     max_total_tokens: int = Field(description="the model's context")
     max_stop_sequences: int
-    max_concurrent_requests: int
+    max_concurrent_requests: int = Field(description="the most generations running at once")
+    kv_cache_memory_bytes: int = Field(
+        description="the KV-cache budget in bytes: requests are admitted while their caches fit in it together "
+        "(kv_cache_memory; `auto` resolved at start-up)"
+    )
     max_queue_size: int
     prefix_cache_bytes: int = Field(
         description="memory the automatic prefix cache may hold (--prefix-cache-mb); 0: off (or rows depend on the "

@@ -27,10 +27,11 @@ from app.engine.defaults import (
 from app.engine.drafting.base import Drafter
 from app.engine.drafting.draft_length import SCHEDULES, StepCosts
 from app.engine.generation import Generation
+from app.engine.memory import kv_cache_bytes
 from app.engine.model.tokenizer import Tokenizer
 from app.engine.model.transformer import Transformer
 from app.engine.prefix_cache import PrefixCache
-from app.engine.step import SLACK, GenerationError, GenerationParams, StepOutput
+from app.engine.step import SLACK, GenerationError, GenerationParams, StepOutput, cache_capacity
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,24 @@ class Engine:
         if name not in self.drafters:
             raise GenerationError(f"unknown draft {name!r}; available: none, {', '.join(self.drafters)}")
         return self.drafters[name]
+
+    def kv_bytes(
+        self,
+        prompt_len: int,
+        max_new_tokens: int,
+        draft: str | None = None,
+        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    ) -> int:
+        """Bytes a request's generation allocates when it starts and holds to its end: the target's KV cache and
+        its draft session's, for the capacity `start` gives it (`cache_capacity`). Raises GenerationError for an
+        unknown `draft`."""
+        drafter = self.drafter(draft)
+        # As Generation: target-only without a drafter, and no draft session for k = 0.
+        k = num_draft_tokens if drafter is not None else 0
+        config = self.target.config
+        capacity = cache_capacity(prompt_len, max_new_tokens, k, self.verify_width, config.max_seq_len)
+        held = kv_cache_bytes(config, capacity, self.target.dtype)
+        return held + drafter.session_bytes(capacity) if drafter is not None and k else held
 
     def start(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None) -> Generation:
         """A new generation, ready to `step()`; raises GenerationError for a request it cannot run.

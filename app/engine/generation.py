@@ -27,7 +27,6 @@ from app.engine.drafting.tree import accept as accept_tree
 from app.engine.model.tokenizer import Tokenizer
 from app.engine.model.transformer import KVCache, Transformer
 from app.engine.step import (
-    SLACK,
     GenerationError,
     GenerationParams,
     GenerationStats,
@@ -35,6 +34,7 @@ from app.engine.step import (
     StepOutput,
     StepPlan,
     TreePlan,
+    cache_capacity,
     check_request,
 )
 
@@ -71,12 +71,8 @@ class Generation:
         self.stats.schedule = schedule if self._k else "none"
         self.stats.p_min = p_min if self._k else 0.0
         self._p_min = p_min
-        # Spare slots past the last token: a verification writes k+1 entries (at least the padded width) before
-        # rolling back. With a fixed span attention reduces over the whole capacity, and a different span
-        # changes the last bits, so the capacity must not depend on the draft: the same slack for every request.
         self._width = verify_width
-        slack = max(self._k + 1, verify_width, SLACK)
-        capacity = min(limit, len(prompt_ids) + params.max_new_tokens + slack)
+        capacity = cache_capacity(len(prompt_ids), params.max_new_tokens, self._k, verify_width, limit)
         self._cache: KVCache = target.new_cache(capacity)
         self._cache.fixed_span = verify_width > 0
         self.drafter = drafter

@@ -12,9 +12,11 @@ position's keys and values are then a function of the tokens up to it, whatever 
 whole prompt, a chunk, a verification, a tree's path), so a reused block is bit for bit what a fresh prefill
 writes. The engine keeps no cache elsewhere.
 
-Memory is bounded (`max_bytes`): the least recently used blocks go first. A lookup touches its chain from the
-last block to the first, so a block is always more recent than its descendants and eviction takes leaves first
-(a parent evicted before its child would leave the child unreachable).
+Memory is bounded (`max_bytes`, and below it `limit`, which the server lowers to what running requests leave of
+its KV budget: cached blocks are memory admission may take back): the least recently used blocks go first. A
+lookup touches its chain from the last block to the first, so a block is always more recent than its
+descendants and eviction takes leaves first (a parent evicted before its child would leave the child
+unreachable).
 
 Copies rather than shared pages: the kernels attend over one contiguous cache per request, and a copy of a
 block costs a memcpy (microseconds) against the forward that computed it (milliseconds).
@@ -59,6 +61,7 @@ class PrefixCache:
             raise ValueError("need block_tokens >= 1 and max_bytes >= 0")
         self.config = config
         self.max_bytes = max_bytes
+        self.limit = max_bytes  # what the blocks may take now (`bound`)
         self.block_tokens = block_tokens
         self._blocks: OrderedDict[tuple[int, tuple[int, ...]], _Block] = OrderedDict()  # least recent first
         self._by_id: dict[int, _Block] = {}
@@ -116,7 +119,7 @@ class PrefixCache:
         touched, and given `features` when they had none."""
         b = self.block_tokens
         n = min(cache.length, len(ids)) // b * b
-        if n == 0 or self.max_bytes == 0:
+        if n == 0 or self.limit == 0:
             return
         chain: list[_Block] = []
         parent: _Block | None = None
@@ -145,7 +148,12 @@ class PrefixCache:
             chain.append(block)
             parent = block
         self._touch(chain)
-        self._shrink(self.max_bytes, keep=chain)
+        self._shrink(self.limit, keep=chain)
+
+    def bound(self, nbytes: int) -> None:
+        """Hold at most `nbytes` (never more than `max_bytes`) from now on, evicting what is over."""
+        self.limit = max(0, min(self.max_bytes, nbytes))
+        self._shrink(self.limit)
 
     def evict(self, nbytes: int) -> int:
         """Free at least `nbytes` (least recently used first), for memory that requests need; returns the bytes

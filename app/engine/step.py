@@ -192,6 +192,17 @@ class StepPlan:
 SLACK = MAX_DRAFT_TOKENS + 1
 
 
+def cache_capacity(prompt_len: int, max_new_tokens: int, k: int, verify_width: int, context_length: int) -> int:
+    """The positions a request's KV caches are allocated for when it starts (the generation allocates them, the
+    scheduler admits by them): its prompt, its new tokens and spare slots, within the model's context. `k`: the
+    tokens it drafts per step at most (0: target-only); `verify_width`: the rows a verification is padded to."""
+    # Spare slots past the last token: a verification writes k+1 entries (at least the padded width) before
+    # rolling back. With a fixed span attention reduces over the whole capacity, and a different span changes
+    # the last bits, so the capacity must not depend on the draft: the same slack for every request.
+    slack = max(k + 1, verify_width, SLACK)
+    return min(context_length, prompt_len + max_new_tokens + slack)
+
+
 @dataclass
 class TreePlan(StepPlan):
     """A step whose rows are a tree (`feed`: its tokens, root first; `drafts`: its nodes')."""

@@ -130,6 +130,12 @@ class Drafter:
         """State for one request whose sequence will hold at most `capacity` tokens."""
         raise NotImplementedError
 
+    def session_bytes(self, capacity: int) -> int:
+        """Bytes a `session(capacity)` allocates when it opens (its KV cache, a features buffer), which the
+        scheduler admits requests by. 0 by default: a drafter whose state grows with the text instead (the
+        n-gram index) holds little beside the target's cache."""
+        return 0
+
     def propose_batch(
         self,
         sessions: Sequence[DraftSession],

@@ -32,6 +32,7 @@ from app.engine.drafting.loop import NetworkSession, run_drafts
 from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tree
 from app.engine.kernels import Kernel
 from app.engine.kernels.quantized import QuantizedWeight
+from app.engine.memory import kv_cache_bytes
 from app.engine.model.loading import LoadedModel
 from app.engine.model.transformer import (
     DecoderBlock,
@@ -361,6 +362,12 @@ class EagleDrafter(Drafter):
 
     def session(self, capacity: int) -> _EagleSession:
         return _EagleSession(self, capacity)
+
+    def session_bytes(self, capacity: int) -> int:
+        """The target's states it reads (`features`) and the draft block's KV cache, in the target's dtype."""
+        config = self.draft.config
+        itemsize = torch.empty(0, dtype=self.target.dtype).element_size()
+        return capacity * config.dim * itemsize + kv_cache_bytes(config.block_config(), capacity, self.target.dtype)
 
     def propose_batch(
         self,

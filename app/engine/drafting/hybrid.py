@@ -86,6 +86,10 @@ class HybridDrafter(Drafter):
     def session(self, capacity: int) -> DraftSession:
         return _HybridSession(self, capacity)
 
+    def session_bytes(self, capacity: int) -> int:
+        """Both sessions' (the lookup's index holds next to nothing)."""
+        return self.model.session_bytes(capacity) + self.lookup.session_bytes(capacity)
+
     def propose_batch(
         self,
         sessions: Sequence[DraftSession],

@@ -11,6 +11,7 @@ from torch import Tensor
 from app.engine.defaults import MAX_DRAFT_TOKENS
 from app.engine.drafting.base import Drafter, DraftError, DraftSession
 from app.engine.drafting.loop import NetworkSession
+from app.engine.memory import kv_cache_bytes
 from app.engine.model.loading import LoadedModel
 from app.engine.model.transformer import KVCache
 
@@ -83,3 +84,8 @@ class ModelDrafter(Drafter):
 
     def session(self, capacity: int) -> DraftSession:
         return _ModelDraftSession(self, capacity)
+
+    def session_bytes(self, capacity: int) -> int:
+        """The draft's own KV cache, within its context (as `_ModelDraftSession` allocates it)."""
+        config = self.model.config
+        return kv_cache_bytes(config, min(capacity, config.max_seq_len), self.model.dtype)
