@@ -1055,7 +1055,7 @@ def _loadtest_multiturn(
             print(
                 f"{draft}, {users} users: TTFT p50 turn 1 {m['per_turn'][0]['ttft_p50_ms'] if m['per_turn'] else '-'} "
                 f"ms, last turn x{m['ttft_last_over_first']}, prompts grew {m['prompts_grew']}, "
-                f"prefix cache {loadtest.prefix_cache_summary(prefix)}",
+                f"prefix cache {loadtest.prefix_cache_summary(prefix)}, answers {m['answers_sha256']}",
                 flush=True,
             )
     return rows

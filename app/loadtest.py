@@ -18,6 +18,7 @@ prefix cache's hit rate from the server's /metrics counters (`prefix_cache_hit_r
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import random
@@ -406,6 +407,12 @@ def summarize_turns(results: list[Result], turns: int) -> dict[str, Any]:
         pairs = itertools.pairwise(done)
         grew += all(b.prompt_tokens >= a.prompt_tokens + a.tokens for a, b in pairs)  # type: ignore[operator]
     complete = sum(1 for c in by_user.values() if sum(r.ok for r in c) == turns)
+    # Every answer of every conversation, in order: two runs (with and without the prefix cache, speculative or
+    # not) that gave the very same tokens give the same digest.
+    digest = hashlib.sha256()
+    for r in sorted(results, key=lambda r: (r.user or 0, r.turn or 0)):
+        if r.turn is not None:
+            digest.update(f"{r.user}/{r.turn}/{r.ok}/{r.text}\n".encode())
     return {
         "turns": turns,
         "conversations": len(by_user),
@@ -414,6 +421,7 @@ def summarize_turns(results: list[Result], turns: int) -> dict[str, Any]:
         "ttft_last_over_first": ratio,
         "ttft_goal_met": ratio <= 1.5 if ratio is not None else None,
         "prompts_grew": f"{grew}/{checked}" if checked else None,
+        "answers_sha256": digest.hexdigest()[:16],
     }
 
 

@@ -210,6 +210,11 @@ def test_turns_are_summarized_per_turn_index_with_the_growth_of_the_prompts():
     assert m["per_turn"][0]["ttft_p50_ms"] == 100.0 and m["per_turn"][2]["ttft_p50_ms"] == 140.0
     assert m["ttft_last_over_first"] == 1.4 and m["ttft_goal_met"] is True
     assert m["prompts_grew"] == "2/2" and m["completed_conversations"] == 2
+    # The answers' digest: the same answers in any order give it; one token's difference changes it.
+    assert summarize_turns(results[::-1], 3)["answers_sha256"] == m["answers_sha256"]
+    changed = _turn(1, 3, 0.30, 1030)
+    changed.text += "!"
+    assert summarize_turns([*results[:5], changed], 3)["answers_sha256"] != m["answers_sha256"]
     # A prompt that did not grow by the previous answer (the server lost the conversation), and a failed turn.
     results[4] = _turn(1, 2, 0.22, 415)
     results[2] = _turn(0, 3, 0.50, 1000, ok=False)
