@@ -367,3 +367,22 @@ def test_a_shared_draft_forward_is_priced_once_per_position_for_all_its_requests
     assert ks == [1] * 8
     ks = batch_draft_lengths(policies, limits, batch, 0, [0.0025] * 8, list("abcdefgh"))
     assert ks == [0] * 8
+
+
+def test_a_large_batch_whose_rows_cost_a_token_each_neither_drafts_nor_probes():
+    """On a CPU whose verification rows cost about what a token is worth in a large batch (AVX2: 16 rows 94 ms,
+    each more 5.9 ms, so a drafted row pays only if accepted nearly always), a batch of 16 requests whose drafts
+    are accepted two times in three drafts nothing, and its idle requests do not probe (a probe's row would
+    cost every request, and no acceptance could make it pay); two such requests alone still draft."""
+    rows = {r: 0.0060 + 0.0055 * r for r in (1, 2, 3, 4, 8, 16, 17, 24, 32)}
+    batch = _costs(0.0, rows)
+    lengths = [DraftLength("adaptive", 6, _cpu_costs(0.0015)) for _ in range(16)]
+    for length in lengths:
+        _set(length, 0.67, 0.67)
+    for _ in range(3 * _PROBE_AFTER):
+        ks = batch_draft_lengths(lengths, [100] * 16, batch, 0)
+        assert ks == [0] * 16
+        for length in lengths:
+            length.rest()
+    assert lengths[0].probing() and lengths[0].could_pay(6)  # alone, it would have probed
+    assert sum(batch_draft_lengths(lengths[:2], [100, 100], batch, 0)) > 0

@@ -44,6 +44,7 @@ _START_K = 2  # drafted while a cost is still unknown: enough to measure, little
 _ROW_PRIOR = 0.5
 _PROBE_AFTER = 8  # steps without a draft (though one was possible) before a one-token probe
 _PROBE_MAX = 64  # the longest wait between probes after failed ones
+_BATCH_MARGIN = 1.02  # what a batch's draft must gain, at least, over not drafting (batch_draft_lengths)
 
 
 def _smooth(old: float | None, new: float) -> float:
@@ -290,18 +291,34 @@ def batch_draft_lengths(
     (many requests, costly drafts, low acceptance) they draft nothing. The other schedules keep their own
     choice. Until a batched forward was measured, each request chooses as it would alone.
     """
-    ks = [length.next_k(limit) for length, limit in zip(lengths, limits, strict=True)]
     steps = list(draft_steps) if draft_steps is not None else [length.costs.draft_step for length in lengths]
     keys = list(groups) if groups is not None else [None] * len(lengths)
     if not verify.verify or any(step is None for step in steps):
-        return ks
+        return [length.next_k(limit) for length, limit in zip(lengths, limits, strict=True)]
     caps = [min(length.max_k, limit) for length, limit in zip(lengths, limits, strict=True)]
     free = [i for i, length in enumerate(lengths) if length.schedule == "adaptive" and caps[i] > 0]
-    for i in free:
-        ks[i] = 0
+    # The requests the search below sizes start at 0; the others keep their own schedule's choice.
+    ks = [
+        0 if caps[i] > 0 and length.schedule == "adaptive" else length.next_k(limit)
+        for i, (length, limit) in enumerate(zip(lengths, limits, strict=True))
+    ]
+    costs: dict[int, float] = {}  # verification seconds by rows, each fitted once (the search asks again and again)
 
-    def rate(ks: list[int]) -> float:
-        tokens = sum(length.expected(k) for length, k in zip(lengths, ks, strict=True))
+    def verify_cost(rows: int) -> float:
+        if rows not in costs:
+            costs[rows] = verify.verify_cost(rows) or 0.0
+        return costs[rows]
+
+    # Each request's expected tokens per draft length, computed once: the search below weighs many moves.
+    gains = [
+        [length.expected(k) for k in range(max(cap, k0) + 1)] for length, cap, k0 in zip(lengths, caps, ks, strict=True)
+    ]
+    # A move must beat the batch's rate by this much: a verification's cost per row is a line through noisy
+    # timings, and in a large batch a wrong row costs every request (the move is kept only for a clear gain).
+    margin = _BATCH_MARGIN if len(lengths) > 1 else 1.0
+
+    def rate(ks: list[int], gains: list[list[float]] = gains) -> float:
+        tokens = sum(g[k] for g, k in zip(gains, ks, strict=True))
         rows = sum(max(min_rows, k + 1) for k in ks)
         draft = 0.0
         depth: dict[Hashable, tuple[int, float]] = {}
@@ -311,7 +328,7 @@ def batch_draft_lengths(
             elif k > depth.get(key, (0, 0.0))[0]:
                 depth[key] = (k, step or 0.0)
         draft += sum(k * step for k, step in depth.values())
-        return tokens / max(draft + (verify.verify_cost(rows) or 0.0), 1e-9)
+        return tokens / max(draft + verify_cost(rows), 1e-9)
 
     best = rate(ks)
     while True:
@@ -325,7 +342,7 @@ def batch_draft_lengths(
             r = rate(ks)
             for i in move:
                 ks[i] -= 1
-            if r > best:
+            if r > best * margin:
                 best, choice = r, move
         if choice is None:
             break
@@ -341,8 +358,14 @@ def batch_draft_lengths(
                 break
             best = r
     # A request left without drafts long enough probes, as it would alone: a batch that never drafts for it would
-    # never learn that its drafts are accepted again.
+    # never learn that its drafts are accepted again. Only where the batch could pay for its token were it
+    # accepted: where a row costs the batch more than a whole token is worth, no acceptance could change the
+    # choice, and the probe would be a row every request pays for nothing.
     for i in free:
         if ks[i] == 0 and lengths[i].probing() and lengths[i].could_pay(caps[i]):
+            sure = list(gains)
+            sure[i] = [1.0, 2.0]
             ks[i] = 1
+            if rate(ks, sure) <= best:
+                ks[i] = 0
     return ks
