@@ -361,3 +361,16 @@ def test_torch_path_neither_batches_nor_chunks(make_tiny_model, word_tokenizer):
     gens = [engine.start([3, 1, 4, 1, 5], params), engine.start([2, 7, 1, 8], params)]
     engine.step_batch(gens)
     assert engine.together(gens) == []
+
+
+def test_calibration_seeds_the_batch_s_costs_with_wide_forwards(packed_target):
+    """Where requests are batched, calibration also times 16- and 32-row forwards: the first batches then size
+    their drafts from a measured slope, not each request as though alone."""
+    packed = packed_target(KERNELS[0])
+    engine = Engine(packed.model, packed.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4)
+    assert engine.batching and not engine.batcher._batch_costs.verify
+    seconds = engine.calibrate()
+    assert sorted(seconds) == [1, 2, 3, 4, 5]
+    batch = engine.batcher._batch_costs.verify
+    assert sorted(batch) == [1, 2, 3, 4, 5, 16, 32]
+    assert batch[32] > batch[1] and all(batch[r] == seconds[r] for r in seconds)

@@ -48,6 +48,11 @@ class Batcher:
         # Measured seconds per drafted token when a drafter drafts for several requests at once, per drafter.
         self._batch_draft_step: dict[int, float] = {}
 
+    def seed_costs(self, seconds: dict[int, float]) -> None:
+        """Seconds of target forwards by rows (`Engine.calibrate`'s) for the row counts no batch has measured."""
+        for rows, t in seconds.items():
+            self._batch_costs.verify.setdefault(rows, t)
+
     def step(self, gens: list[Generation]) -> list[StepOutput | Exception]:
         """One step of each of `gens` in one target forward: the decoding ones drafted and verified, the
         prefilling ones a prompt chunk each (or nothing, when the step's budget is spent). Per generation its

@@ -29,7 +29,7 @@ cannot change. Before a cost was measured it drafts `_START_K` tokens, not num_d
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 SCHEDULES = ("adaptive", "heuristic", "fixed")
 # Kinds of draft, each with its own acceptance: a model's, and a lookup's in the text (free to propose).
@@ -270,6 +270,17 @@ class DraftLength:
             self._k = min(self.max_k, self._k + 2) if not rejected else max(1, self._k - 1)
 
 
+def _with(ks: list[int], move: Sequence[int], f: Callable[[list[int]], float]) -> float:
+    """f(ks) with one more token for each request of `move` (ks is left as it was)."""
+    for i in move:
+        ks[i] += 1
+    try:
+        return f(ks)
+    finally:
+        for i in move:
+            ks[i] -= 1
+
+
 def batch_draft_lengths(
     lengths: Sequence[DraftLength],
     limits: Sequence[int],
@@ -309,15 +320,21 @@ def batch_draft_lengths(
             costs[rows] = verify.verify_cost(rows) or 0.0
         return costs[rows]
 
-    # Each request's expected tokens per draft length, computed once: the search below weighs many moves.
-    gains = [
-        [length.expected(k) for k in range(max(cap, k0) + 1)] for length, cap, k0 in zip(lengths, caps, ks, strict=True)
-    ]
+    free_set = set(free)
+
+    def table(i: int, sure: bool) -> list[float]:
+        """Request i's expected tokens per draft length (every token accepted, if `sure` and it is sized here)."""
+        n = max(caps[i], ks[i]) + 1
+        if sure and i in free_set:
+            return [float(k + 1) for k in range(n)]
+        return [lengths[i].expected(k) for k in range(n)]
+
     # A move must beat the batch's rate by this much: a verification's cost per row is a line through noisy
     # timings, and in a large batch a wrong row costs every request (the move is kept only for a clear gain).
     margin = _BATCH_MARGIN if len(lengths) > 1 else 1.0
+    sure = [table(i, True) for i in range(len(lengths))]
 
-    def rate(ks: list[int], gains: list[list[float]] = gains) -> float:
+    def rate(ks: list[int], gains: list[list[float]] = sure) -> float:
         tokens = sum(g[k] for g, k in zip(gains, ks, strict=True))
         rows = sum(max(min_rows, k + 1) for k in ks)
         draft = 0.0
@@ -331,6 +348,16 @@ def batch_draft_lengths(
         return tokens / max(draft + verify_cost(rows), 1e-9)
 
     best = rate(ks)
+    # Where not even a draft whose every token is accepted would pay (one request's cheapest, or one token each
+    # for all: a large batch on a CPU, where a row costs about what a token is worth), nothing is searched: the
+    # free requests draft nothing and probe nothing.
+    if free:
+        cheapest = min(free, key=lambda i: steps[i] or 0.0)
+        moves = [[cheapest], free]
+        if all(_with(ks, move, lambda ks: rate(ks, sure)) <= best * margin for move in moves):
+            return ks
+    # Each request's expected tokens per draft length, computed once: the search below weighs many moves.
+    gains = [table(i, False) for i in range(len(lengths))]
     while True:
         moves = [[i] for i in free if ks[i] < caps[i]]
         if len(moves) > 1:
@@ -339,7 +366,7 @@ def batch_draft_lengths(
         for move in moves:
             for i in move:
                 ks[i] += 1
-            r = rate(ks)
+            r = rate(ks, gains)
             for i in move:
                 ks[i] -= 1
             if r > best * margin:
@@ -352,7 +379,7 @@ def batch_draft_lengths(
     for i in free:
         while ks[i] > 0:
             ks[i] -= 1
-            r = rate(ks)
+            r = rate(ks, gains)
             if r <= best:
                 ks[i] += 1
                 break
@@ -363,9 +390,9 @@ def batch_draft_lengths(
     # choice, and the probe would be a row every request pays for nothing.
     for i in free:
         if ks[i] == 0 and lengths[i].probing() and lengths[i].could_pay(caps[i]):
-            sure = list(gains)
-            sure[i] = [1.0, 2.0]
+            probe = list(gains)
+            probe[i] = [1.0, 2.0]
             ks[i] = 1
-            if rate(ks, sure) <= best:
+            if rate(ks, probe) <= best:
                 ks[i] = 0
     return ks
