@@ -845,6 +845,13 @@ def _add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--turns", type=_positive_int, default=10, help="multiturn: turns per conversation (10)")
     parser.add_argument("--seed", type=int, default=0, help="multiturn and mixed: the texts' seed; --rates: arrivals")
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="prompts workload: skip sending each prompt once before the levels (the warm-up fills the server's "
+        "prefix cache, so that no level, the first one included, pays cold prefills that the others do not)",
+    )
     parser.add_argument("--long-prompts", type=_positive_int, default=4, help="mixed: long prompts sent at once (4)")
     parser.add_argument(
         "--long-tokens",
@@ -966,7 +973,23 @@ def _loadtest_prompts(
     rows: list[dict[str, Any]] = []
     # Greedy text is the target's own whatever the draft: the first level's answers are every level's reference.
     reference: dict[int, str] | None = None
-    for draft in args.draft or ["default", "none"]:
+    drafts = args.draft or ["default", "none"]
+    if args.warmup:
+        first = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": drafts[0]}, "model": model}
+        if args.api == "tgi":
+            first.pop("model")
+        (results, _), prefix = _measured(
+            args,
+            headers,
+            loadtest.run_level(args.url, prompts, 1, len(prompts), first, args.time_limit, args.api, args.api_key),
+        )
+        reference = {r.prompt_index: r.text for r in results if r.ok}
+        print(
+            f"warm-up: {len(prompts)} prompts sent once, not reported (prefix cache "
+            f"{loadtest.prefix_cache_summary(prefix)})",
+            flush=True,
+        )
+    for draft in drafts:
         if engine is not None:  # the server is idle meanwhile: nothing else competes for the cores
             results, wall = loadtest.run_in_process(
                 engine, prompts, max(args.requests, 1), args.max_new_tokens, draft, args.api == "chat"

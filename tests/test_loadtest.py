@@ -130,10 +130,10 @@ def test_loadtest_sends_the_packages_prompts_by_default(monkeypatch, tmp_path):
         def json(self):
             return {"data": [{"id": "m"}]}
 
-    sent: list[list[str]] = []
+    sent: list[tuple[list[str], int, int]] = []
 
-    async def run_level(url, prompts, *args):
-        sent.append(list(prompts))
+    async def run_level(url, prompts, clients, requests, *args):
+        sent.append((list(prompts), clients, requests))
         return [], 1.0
 
     monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: Answer())
@@ -141,8 +141,14 @@ def test_loadtest_sends_the_packages_prompts_by_default(monkeypatch, tmp_path):
     monkeypatch.setattr(app.loadtest, "summarize_level", lambda *args: {})
     monkeypatch.setattr(app.loadtest, "markdown", lambda rows: "")
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["loadtest", "--clients", "1", "--draft", "none", "--out", "out"]) == 0
-    assert sent == [[p.text for p in read_prompts(cli.BENCH_PROMPTS)]] and len(sent[0]) == 13
+    assert cli.main(["loadtest", "--clients", "2", "--draft", "none", "--out", "out"]) == 0
+    texts = [p.text for p in read_prompts(cli.BENCH_PROMPTS)]
+    # First the warm-up (each prompt once, one client: the server's prefix cache is as warm for the first level
+    # as for the others), then the level.
+    assert sent == [(texts, 1, 13), (texts, 2, 16)] and len(texts) == 13  # 16 requests: the default
+    sent.clear()
+    assert cli.main(["loadtest", "--clients", "2", "--draft", "none", "--no-warmup", "--out", "out"]) == 0
+    assert sent == [(texts, 2, 16)]
     assert (tmp_path / "out" / "loadtest.json").is_file()
     assert json.loads((tmp_path / "out" / "loadtest.json").read_text())[0]["prefix_cache"]["note"] == NO_PREFIX_CACHE
 
