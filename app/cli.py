@@ -974,15 +974,18 @@ def _loadtest_prompts(
     # Greedy text is the target's own whatever the draft: the first level's answers are every level's reference.
     reference: dict[int, str] | None = None
     drafts = args.draft or ["default", "none"]
-    if args.warmup:
-        first = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": drafts[0]}, "model": model}
+
+    def options_for(draft: str) -> dict[str, Any]:
+        options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
         if args.api == "tgi":
-            first.pop("model")
-        (results, _), prefix = _measured(
-            args,
-            headers,
-            loadtest.run_level(args.url, prompts, 1, len(prompts), first, args.time_limit, args.api, args.api_key),
+            options.pop("model")
+        return options
+
+    if args.warmup:
+        level = loadtest.run_level(
+            args.url, prompts, 1, len(prompts), options_for(drafts[0]), args.time_limit, args.api, args.api_key
         )
+        (results, _), prefix = _measured(args, headers, level)
         reference = {r.prompt_index: r.text for r in results if r.ok}
         print(
             f"warm-up: {len(prompts)} prompts sent once, not reported (prefix cache "
@@ -1000,9 +1003,7 @@ def _loadtest_prompts(
             row.update(loadtest.summarize_level(results, wall, reference, True))
             rows.append(row)
             print(json.dumps(row), flush=True)
-        options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
-        if args.api == "tgi":
-            options.pop("model")
+        options = options_for(draft)
         for clients in levels:
             (results, wall), prefix = _measured(
                 args,

@@ -31,7 +31,7 @@ def _block_bytes(model) -> int:
 
 def test_a_block_is_found_only_after_the_same_prefix(make_tiny_model):
     model = make_tiny_model(0)
-    cache = PrefixCache(model.config, 1 << 30, B)
+    cache = PrefixCache(1 << 30, B)
     a = list(range(1, 50))  # 3 full blocks (48 positions) and one token
     src = _filled_cache(model, a)
     cache.store(a, src, None)
@@ -49,7 +49,6 @@ def test_a_block_is_found_only_after_the_same_prefix(make_tiny_model):
     # Diverging inside the second block: the first block only.
     c = a[:20] + [0] * 30
     assert cache.load(c, len(c), model.new_cache(60), None) == 16
-    assert cache.hits == 32 + 48 + 16
     # Blocks without the target's hidden states do not serve a request that needs them.
     assert cache.load(a, 49, model.new_cache(60), torch.zeros(60, model.config.dim)) == 0
 
@@ -57,7 +56,7 @@ def test_a_block_is_found_only_after_the_same_prefix(make_tiny_model):
 def test_the_least_recently_used_leaves_go_first(make_tiny_model):
     model = make_tiny_model(0)
     size = _block_bytes(model)
-    cache = PrefixCache(model.config, 4 * size, B)
+    cache = PrefixCache(4 * size, B)
     a = [1] * 32 + [2] * 16  # blocks a0 a1 a2
     b = [1] * 32 + [3] * 16  # shares a0 a1, then b2
     cache.store(a, _filled_cache(model, a), None)
@@ -70,16 +69,18 @@ def test_the_least_recently_used_leaves_go_first(make_tiny_model):
     assert cache.blocks == 4
     assert cache.load(b, 49, model.new_cache(60), None) == 32  # its shared blocks remain, its leaf is gone
     assert cache.load(a, 49, model.new_cache(60), None) == 48
-    # Eviction for memory that requests need: leaves before their parents, whatever is asked.
-    assert cache.evict(2 * size) == 2 * size and cache.blocks == 2
+    # Bound to the memory that requests leave it: leaves before their parents, whatever is asked.
+    cache.bound(2 * size)
+    assert cache.blocks == 2 and cache.bytes == 2 * size and cache.limit == 2 * size
     kept = cache.load(a, 49, model.new_cache(60), None) + cache.load(c, 17, model.new_cache(60), None)
     assert kept in (16, 32)
-    assert cache.evict(10 * size) == 2 * size and cache.blocks == 0 and cache.bytes == 0
+    cache.bound(0)
+    assert cache.blocks == 0 and cache.bytes == 0
 
 
 def test_a_chain_longer_than_the_cache_keeps_its_head(make_tiny_model):
     model = make_tiny_model(0)
-    cache = PrefixCache(model.config, 2 * _block_bytes(model), B)
+    cache = PrefixCache(2 * _block_bytes(model), B)
     a = list(range(1, 60))
     cache.store(a, _filled_cache(model, a), None)
     assert cache.blocks == 2 and cache.load(a, len(a), model.new_cache(70), None) == 32
@@ -155,12 +156,10 @@ def test_a_cached_prefix_gives_a_fresh_prefill_s_tokens(target_f32, first_turns,
     assert turn1.generated_ids == _fresh(engine, first[0], greedy, "default")
     # Alone, from the cache: the same again.
     gen = engine.start(second, greedy, "default")
-    assert gen.stats.cached_tokens > 0
+    assert 0 < gen.stats.cached_tokens < gen.prompt_len  # the prompt's last token always runs
     while not gen.finished:
         engine.step_batch([gen])
     assert gen.generated_ids == expected[0]
-    queries, hits = engine.prefix_cache.queries, engine.prefix_cache.hits
-    assert 0 < hits < queries
 
 
 def test_no_prefix_cache_where_rows_depend_on_the_batch(make_tiny_model, word_tokenizer):

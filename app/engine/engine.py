@@ -139,7 +139,7 @@ class Engine:
         # None where rows depend on the batch (a cached block would then differ in its last bits from a fresh one).
         self.prefix_cache: PrefixCache | None = None
         if self.batching and prefix_cache_mb > 0:
-            self.prefix_cache = PrefixCache(target.config, int(prefix_cache_mb * 2**20))
+            self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))
 
     def drafter(self, name: str | None) -> Drafter | None:
         """The drafter called `name` (None: the default; "none": target-only decoding)."""
@@ -191,9 +191,7 @@ class Engine:
         gen = Generation(
             self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs, grammar=grammar
         )
-        if self.prefix_cache is not None:
-            self.prefix_cache.queries += gen.prompt_len
-            self._reuse(gen)
+        self._reuse(gen)
         return gen
 
     def _reuse(self, gen: Generation) -> None:

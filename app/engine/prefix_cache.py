@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from app.engine.model.transformer import KVCache, ModelConfig
+from app.engine.model.transformer import KVCache
 
 DEFAULT_BLOCK_TOKENS = 16
 
@@ -39,7 +39,6 @@ DEFAULT_BLOCK_TOKENS = 16
 class _Block:
     key: tuple[int, tuple[int, ...]]  # (the parent block's id, 0 for the first; this block's tokens)
     id: int
-    depth: int  # blocks before it
     k: Tensor  # [n_layers, n_kv_heads, block_tokens, head_dim]
     v: Tensor
     features: Tensor | None  # [block_tokens, dim]: the target's final hidden states, when they were known
@@ -53,13 +52,12 @@ class _Block:
 class PrefixCache:
     """Blocks of keys and values by exact token prefix, least recently used evicted beyond `max_bytes`.
 
-    Not thread-safe: the worker thread alone calls it; `bytes`, `blocks`, `queries` and `hits` may be read from
-    elsewhere (plain ints)."""
+    Not thread-safe: the worker thread alone calls it; `bytes` and `blocks` may be read from elsewhere (plain
+    ints). What a request got from it is its `GenerationStats.cached_tokens`, which the metrics count."""
 
-    def __init__(self, config: ModelConfig, max_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+    def __init__(self, max_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         if block_tokens < 1 or max_bytes < 0:
             raise ValueError("need block_tokens >= 1 and max_bytes >= 0")
-        self.config = config
         self.max_bytes = max_bytes
         self.limit = max_bytes  # what the blocks may take now (`bound`)
         self.block_tokens = block_tokens
@@ -67,10 +65,6 @@ class PrefixCache:
         self._by_id: dict[int, _Block] = {}
         self._next_id = 1
         self.bytes = 0
-        # vLLM's counters, in tokens: prompt tokens looked up (the engine counts a request's prompt once), and of
-        # them those found.
-        self.queries = 0
-        self.hits = 0
 
     @property
     def blocks(self) -> int:
@@ -110,7 +104,6 @@ class PrefixCache:
                 features[lo : lo + b] = block.features
         self._touch(chain)
         cache.length = start + len(chain) * b
-        self.hits += len(chain) * b
         return len(chain) * b
 
     def store(self, ids: Sequence[int], cache: KVCache, features: Tensor | None) -> None:
@@ -131,7 +124,6 @@ class PrefixCache:
                 block = _Block(
                     key,
                     self._next_id,
-                    len(chain),
                     cache.k[:, 0, :, lo : lo + b].clone(),
                     cache.v[:, 0, :, lo : lo + b].clone(),
                     feats,
@@ -151,21 +143,10 @@ class PrefixCache:
         self._shrink(self.limit, keep=chain)
 
     def bound(self, nbytes: int) -> None:
-        """Hold at most `nbytes` (never more than `max_bytes`) from now on, evicting what is over."""
+        """Hold at most `nbytes` (never more than `max_bytes`) from now on, evicting what is over (least recently
+        used first): the memory that admitted requests leave it."""
         self.limit = max(0, min(self.max_bytes, nbytes))
         self._shrink(self.limit)
-
-    def evict(self, nbytes: int) -> int:
-        """Free at least `nbytes` (least recently used first), for memory that requests need; returns the bytes
-        freed."""
-        before = self.bytes
-        self._shrink(max(0, self.bytes - nbytes))
-        return before - self.bytes
-
-    def clear(self) -> None:
-        self._blocks.clear()
-        self._by_id.clear()
-        self.bytes = 0
 
     def _touch(self, chain: list[_Block]) -> None:
         # The last block first: each block ends up more recent than its descendants.

@@ -356,19 +356,16 @@ def batch_draft_lengths(
         moves = [[cheapest], free]
         if all(_with(ks, move, lambda ks: rate(ks, sure)) <= best * margin for move in moves):
             return ks
-    # Each request's expected tokens per draft length, computed once: the search below weighs many moves.
-    gains = [table(i, False) for i in range(len(lengths))]
+    # Each request's expected tokens per draft length, computed once: the search below weighs many moves (the
+    # others' tables are `sure`'s already).
+    gains = [table(i, False) if i in free_set else sure[i] for i in range(len(lengths))]
     while True:
         moves = [[i] for i in free if ks[i] < caps[i]]
         if len(moves) > 1:
             moves.append([i for [i] in moves])
         choice = None
         for move in moves:
-            for i in move:
-                ks[i] += 1
-            r = rate(ks, gains)
-            for i in move:
-                ks[i] -= 1
+            r = _with(ks, move, lambda ks: rate(ks, gains))
             if r > best * margin:
                 best, choice = r, move
         if choice is None:
@@ -391,7 +388,7 @@ def batch_draft_lengths(
     for i in free:
         if ks[i] == 0 and lengths[i].probing() and lengths[i].could_pay(caps[i]):
             probe = list(gains)
-            probe[i] = [1.0, 2.0]
+            probe[i] = sure[i]  # its token accepted
             ks[i] = 1
             if rate(ks, probe) <= best:
                 ks[i] = 0
