@@ -744,6 +744,18 @@ def _add_train_draft_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (1200)")
     parser.add_argument("--draft-vocab", type=_positive_int, default=None, help="tokens the draft proposes (8192)")
     parser.add_argument("--seed", type=int, default=None, help="seed of everything (0)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (1e-3; lower to fine-tune a --resume)")
+    parser.add_argument(
+        "--unroll", type=_positive_int, default=None, help="passes per batch reading the draft's own guesses (3)"
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="DRAFT_OR_CHECKPOINT",
+        help="start training from this draft (a directory or catalog name, e.g. the shipped one) or checkpoint.pt "
+        "of an earlier run: its weights and vocabulary, in a new schedule of --steps (an interrupted run in --work "
+        "resumes by itself)",
+    )
     parser.add_argument(
         "--device", default="cpu", help="where the target answers and the draft trains: cpu (default), cuda, cuda:N"
     )
@@ -759,6 +771,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
 
     from app import store
     from app.distill.recipe import Recipe, train_draft
+    from app.engine.drafting.eagle import is_eagle_dir
     from app.engine.factory import DEFAULT_TARGET
 
     try:
@@ -781,11 +794,23 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
             ("steps", args.steps),
             ("draft_vocab", args.draft_vocab),
             ("seed", args.seed),
+            ("unroll", args.unroll),
+            ("lr", args.lr),
         )
         if value is not None
     }
     recipe = dataclasses.replace(Recipe(), **changes)
-    card = train_draft(args.target or DEFAULT_TARGET, out, work, recipe, name, args.device)
+    resume = None
+    if args.resume:
+        resume = Path(args.resume)
+        if not resume.exists():
+            try:
+                resume = store.resolve(args.resume)
+            except store.ModelStoreError as exc:
+                raise CliError(f"--resume {args.resume}: no such file, directory or catalog draft") from exc
+        if not (resume.is_file() or is_eagle_dir(resume)):
+            raise CliError(f"--resume {args.resume}: neither a checkpoint file nor a feature draft's directory")
+    card = train_draft(args.target or DEFAULT_TARGET, out, work, recipe, name, args.device, resume)
     print(json.dumps(card["held_out_measurement"], indent=2))
     print(f"draft written to {out} (card: {out / 'card.json'})")
     return 0

@@ -12,6 +12,7 @@ from app.distill import corpus, instructions, training
 from app.engine import kernels
 from app.engine.drafting.eagle import EagleConfig, EagleDraft
 from app.engine.model.loading import LoadedModel
+from app.engine.model.tokenizer import Tokenizer
 from app.engine.reference import greedy_decode
 
 V = 64
@@ -33,10 +34,43 @@ def test_seed_instructions_are_reproducible_distinct_and_varied():
 
 def test_no_seed_instruction_comes_from_spec_bench(first_turns):
     bench = {t.strip() for t in first_turns}
-    ours = instructions.seed_instructions(4000, seed=0)
+    ours = instructions.seed_instructions(4000, seed=0) + instructions.traffic_instructions(4000, seed=0)
     assert not bench & set(ours)
     passages = [f"Passage number {i}. It talks about many things in some detail. " * 5 for i in range(20)]
     assert not bench & set(instructions.text_tasks(passages, 200))
+    assert not bench & set(instructions.long_passage_tasks(passages, 200))
+    conversations = instructions.follow_ups([(q, passages[0]) for q in ours[:50]], 200)
+    assert not bench & {m["content"] for c in conversations for m in c}
+
+
+def test_traffic_instructions_cover_the_kinds_chat_traffic_holds_and_extend():
+    a = instructions.traffic_instructions(3000, seed=0)
+    assert len(set(a)) == 3000
+    assert a[:1000] == instructions.traffic_instructions(1000, seed=0)  # a bigger run extends a smaller one's list
+    assert a != instructions.traffic_instructions(3000, seed=1)
+    kinds = {
+        "question": lambda t: t.lower().startswith(("who ", "when ", "where ", "how ", "why ", "what ")),
+        "translation": lambda t: any(s in t for sents in instructions.FOREIGN.values() for s in sents),
+        "word problem": lambda t: "step by step" in t or "Show your work" in t,
+        "code": lambda t: any(lang in t for lang in ("Python", "JavaScript", "Rust")),
+        "story": lambda t: "story" in t,
+    }
+    for kind, test in kinds.items():
+        assert sum(map(test, a)) > 60, kind
+
+
+def test_second_turns_and_long_articles_are_built_on_the_given_answers():
+    answers = [f"Answer {i}: the river rises in spring and farmers plant rice. " * 4 for i in range(8)]
+    pairs = [(f"Question {i}?", a) for i, a in enumerate(answers)]
+    talks = instructions.follow_ups(pairs, 30, seed=2)
+    assert len(talks) == 30
+    for talk in talks:
+        assert [m["role"] for m in talk] == ["user", "assistant", "user"]
+        assert (talk[0]["content"], talk[1]["content"]) in {(q, a.strip()) for q, a in pairs}
+    long = instructions.long_passage_tasks(answers, 30, seed=2)
+    assert len(long) == 30
+    assert all(sum(a.strip() in t for a in answers) >= 2 for t in long)  # two to five answers in each article
+    assert instructions.long_passage_tasks(answers[:4], 5) == []  # too few passages to join
 
 
 def test_text_tasks_work_on_the_given_passages():
@@ -76,6 +110,41 @@ def test_shards_round_trip(tiny, tmp_path):
     for a, b in zip(samples, back, strict=True):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.features, b.features)
         assert a.prompt_len == b.prompt_len
+
+
+def test_a_corpus_is_token_ids_that_a_later_run_extends_and_whose_states_can_be_made_again(tiny, tmp_path):
+    """Shards hold the ids (and each prompt's key); a run with more prompts answers only the new ones; the
+    states, deleted, are made again by one teacher-forced forward and match what generation kept."""
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok = Tokenizer(tiny.tokenizer.backend, [], template, None, [0])
+    loaded = LoadedModel(tiny.model, tok, "tiny", 0.0)
+    prompts: list[corpus.Prompt] = [f"t{i} t{i + 1} t{i + 2}" for i in range(1, 7)]
+    prompts.append(
+        [
+            {"role": "user", "content": "t5 t6"},
+            {"role": "assistant", "content": "t7"},
+            {"role": "user", "content": "t8"},
+        ]
+    )
+    first = corpus.build_corpus(loaded, prompts[:4], tmp_path, 3, 5, [0.0], 0, prefix="r1")
+    assert [p.name for p in first] == ["r1-00000.pt", "r1-00001.pt"]
+    assert corpus.corpus_tokens(first)[0] == 4
+    answered: list[int] = []
+    paths = corpus.build_corpus(loaded, prompts, tmp_path, 3, 5, [0.0], 0, lambda n, _: answered.append(n), prefix="r1")
+    assert sum(answered) == 3 and paths[:2] == first and len(paths) == 3
+    assert corpus.build_corpus(loaded, prompts, tmp_path, 3, 5, [0.0], 0, prefix="r1") == paths  # nothing new
+    samples = corpus.load_shards(paths)
+    assert len(samples) == 7
+    by_key = corpus.answers(paths, loaded)
+    assert set(by_key) == {corpus.prompt_key(p) for p in prompts}
+    talk = samples[[i for i, s in enumerate(samples) if s.prompt_len == 4][0]]  # "t5 t6 t7 t8": the conversation
+    assert talk.tokens[:4].tolist() == [5, 6, 7, 8]
+    for path in paths:
+        path.with_suffix(".features.pt").unlink()
+    assert corpus.compute_features(loaded, paths) == sum(len(s.tokens) - 1 for s in samples)
+    for old, new in zip(samples, corpus.load_shards(paths), strict=True):
+        assert torch.equal(old.tokens, new.tokens)
+        assert torch.allclose(old.features.float(), new.features.float(), atol=0.05, rtol=0.01)
 
 
 def test_choose_vocab_keeps_the_most_frequent_answer_tokens_and_eos(tiny):
@@ -141,3 +210,51 @@ def test_training_follows_the_draft_device(tiny, tmp_path):
     assert training.compute_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if fast else torch.float32)
     with pytest.raises(ValueError, match="precision 'fp8'"):
         training.compute_dtype("fp8", torch.device("cpu"))
+
+
+def test_training_unrolls_the_draft_on_its_own_guesses(tiny, tmp_path):
+    """Pass j reads what pass j-1 guessed: `unroll` passes report one agreement each, and with one pass the
+    draft's later guesses are never trained (what the second pass's agreement shows at the same step)."""
+    gen = torch.Generator().manual_seed(2)
+    rng = random.Random(1)
+    samples = corpus.generate_batch(tiny, [[rng.randrange(1, V) for _ in range(6)] for _ in range(12)], 16, 0.0, gen)
+    final = {}
+    for unroll in (1, 3):
+        torch.manual_seed(0)
+        draft = EagleDraft(EagleConfig.for_target(tiny.model.config, V))
+        draft.attach(tiny.model)
+        cfg = training.TrainConfig(
+            steps=4, lr=3e-3, seq_len=32, tokens_per_batch=128, seed=0, warmup=1, precision="float32", unroll=unroll
+        )
+        final[unroll] = training.train(draft, tiny.model, samples, cfg, tmp_path / f"c{unroll}.pt")
+    assert [k for k in final[1] if k.startswith("agree")] == ["agree1"]
+    assert [k for k in final[3] if k.startswith("agree")] == ["agree1", "agree2", "agree3"]
+    assert final[3]["positions_per_s"] > 0
+
+
+def test_training_resumes_from_a_shipped_draft_or_a_checkpoint(tiny, tmp_path):
+    """`train-draft --resume`: a draft directory or a run's checkpoint gives its weights and its vocabulary
+    (not one chosen again from the corpus); a draft for another target is refused."""
+    from app.distill import recipe
+    from app.engine.drafting.eagle import EagleError, save_draft
+
+    torch.manual_seed(5)
+    shipped = EagleDraft(EagleConfig.for_target(tiny.model.config, 8, "shipped"))
+    shipped.vocab_ids.copy_(torch.tensor([0, 3, 5, 9, 11, 20, 33, 40]))
+    save_draft(shipped, tmp_path / "shipped")
+    torch.save({"draft": shipped.state_dict(), "opt": {}, "step": 7}, tmp_path / "checkpoint-old.pt")
+    for source in (tmp_path / "shipped", tmp_path / "checkpoint-old.pt"):
+        back = recipe._resumed(source, tiny.model, "x")
+        assert torch.equal(back.vocab_ids, shipped.vocab_ids)
+        for (name, a), (_, b) in zip(back.state_dict().items(), shipped.state_dict().items(), strict=True):
+            assert torch.equal(a, b), name
+    gen = torch.Generator().manual_seed(2)
+    samples = corpus.generate_batch(tiny, [[1, 2, 3]] * 4, 8, 0.7, gen)
+    r = dataclasses.replace(recipe.Recipe(), steps=2, seq_len=16, tokens_per_batch=32, draft_vocab=4, unroll=2)
+    (tmp_path / "w").mkdir()
+    draft, figures = recipe.train_stage(tiny.model, [0], r, samples, tmp_path / "w", "x", tmp_path / "shipped")
+    assert torch.equal(draft.vocab_ids, shipped.vocab_ids) and "agree2" in figures
+    other = EagleDraft(dataclasses.replace(EagleConfig.for_target(tiny.model.config, 8), target_vocab_size=V + 1))
+    save_draft(other, tmp_path / "other")
+    with pytest.raises(EagleError, match="another target"):
+        recipe._resumed(tmp_path / "other", tiny.model, "x")

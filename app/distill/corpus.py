@@ -9,6 +9,8 @@ tokens is the target's output layer applied to the stored state, computed while 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,35 +98,107 @@ def generate_batch(
     return out
 
 
-def save_shard(samples: list[Sample], path: Path) -> None:
-    """One file of samples: concatenated tokens and states, with offsets."""
+Prompt = str | list[dict[str, str]]  # an instruction, or a whole conversation ending with a user turn
+
+
+def prompt_key(prompt: Prompt) -> str:
+    """A stable name for `prompt`: what a shard records, so that a later run answers only what is new."""
+    return hashlib.sha1(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _features_path(path: Path) -> Path:
+    return path.with_suffix(".features.pt")
+
+
+def save_shard(samples: list[Sample], path: Path, keys: Sequence[str] = ()) -> None:
+    """One shard of samples: the token ids (concatenated, with lengths, prompt lengths and each prompt's key) in
+    `path`, and the target's states beside it (`NAME.features.pt`), which `compute_features` can make again from
+    the ids alone (for a target in another precision, or a corpus copied without them)."""
     torch.save(
         {
             "tokens": torch.cat([s.tokens for s in samples]),
-            "features": torch.cat([s.features for s in samples]),
             "lengths": torch.tensor([len(s.tokens) for s in samples]),
             "prompt_lens": torch.tensor([s.prompt_len for s in samples]),
+            "keys": list(keys),
         },
         path,
     )
+    torch.save({"features": torch.cat([s.features for s in samples])}, _features_path(path))
+
+
+def _read_ids(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
 
 
 def load_shards(paths: Sequence[Path]) -> list[Sample]:
-    """Every sample in the shard files at `paths`."""
+    """Every sample in the shard files at `paths`, with its states (`compute_features` first where a shard has
+    none)."""
     out: list[Sample] = []
     for path in paths:
-        d = torch.load(path, weights_only=True)
+        d = _read_ids(path)
+        features = torch.load(_features_path(path), weights_only=True)["features"]
         t_off = f_off = 0
         for n, p in zip(d["lengths"].tolist(), d["prompt_lens"].tolist(), strict=True):
-            out.append(Sample(d["tokens"][t_off : t_off + n], d["features"][f_off : f_off + n - 1], p))
+            out.append(Sample(d["tokens"][t_off : t_off + n], features[f_off : f_off + n - 1], p))
             t_off += n
             f_off += n - 1
     return out
 
 
+def corpus_tokens(paths: Sequence[Path]) -> tuple[int, int]:
+    """(sequences, positions) of the shards at `paths`, from their ids alone."""
+    seqs = positions = 0
+    for path in paths:
+        lengths = _read_ids(path)["lengths"]
+        seqs += len(lengths)
+        positions += int((lengths - 1).sum())
+    return seqs, positions
+
+
+@torch.inference_mode()
+def compute_features(loaded: LoadedModel, paths: Sequence[Path], batch_tokens: int = 8192) -> int:
+    """Write the states of every shard at `paths` that has none: the target's final hidden states over each
+    stored sequence, teacher-forced (one forward per batch of similar lengths, right-padded, which causal
+    attention makes harmless). Returns the positions computed."""
+    model, dev = loaded.model, loaded.model.device
+    done = 0
+    for path in paths:
+        if _features_path(path).exists():
+            continue
+        d = _read_ids(path)
+        seqs = list(torch.split(d["tokens"], d["lengths"].tolist()))
+        feats: list[Tensor | None] = [None] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        i = 0
+        while i < len(order):
+            width = len(seqs[order[i]]) - 1
+            rows = max(1, batch_tokens // max(width, 1))
+            group = order[i : i + rows]
+            width = max(len(seqs[j]) - 1 for j in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            for r, j in enumerate(group):
+                ids[r, : len(seqs[j]) - 1] = seqs[j][:-1].long()
+            hidden = model.hidden(ids.to(dev)).cpu()
+            for r, j in enumerate(group):
+                feats[j] = hidden[r, : len(seqs[j]) - 1].to(torch.bfloat16)
+                done += len(seqs[j]) - 1
+            i += rows
+        tmp = _features_path(path).with_suffix(".tmp")
+        torch.save({"features": torch.cat([f for f in feats if f is not None])}, tmp)
+        tmp.rename(_features_path(path))
+    return done
+
+
+def encode_prompt(loaded: LoadedModel, prompt: Prompt) -> list[int]:
+    """The chat-templated token ids of an instruction or conversation."""
+    tok = loaded.tokenizer
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tok.encode(tok.apply_chat_template(messages))
+
+
 def build_corpus(
     loaded: LoadedModel,
-    instructions: Sequence[str],
+    prompts: Sequence[Prompt],
     out_dir: Path,
     batch_size: int,
     max_new_tokens: int,
@@ -133,35 +207,46 @@ def build_corpus(
     progress: Callable[[int, int], None] | None = None,
     prefix: str = "shard",
 ) -> list[Path]:
-    """Answer every instruction (chat template, no system prompt beyond the template's own) and write shards
-    of `batch_size` samples into `out_dir`; shards already there are kept, so an interrupted run resumes.
-    Batch i samples at temperatures[i % len(temperatures)] (0: greedy). Returns the shard paths."""
+    """Answer every prompt (an instruction, or a conversation ending with a user turn; chat template) and write
+    shards of `batch_size` samples into `out_dir`. Prompts some shard of `prefix` already answered are skipped,
+    so an interrupted run resumes and a run with more prompts extends the corpus; every shard of `prefix` in
+    `out_dir` belongs to the corpus. The i-th new shard samples at temperatures[i % len(temperatures)] (0:
+    greedy). Returns the paths of every shard of `prefix`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = loaded.tokenizer
-    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}])) for text in instructions]
+    existing = sorted(out_dir.glob(f"{prefix}-[0-9]*[0-9].pt"))
+    done = {key for path in existing for key in _read_ids(path).get("keys", [])}
+    todo = [(key, p) for key, p in ((prompt_key(p), p) for p in prompts) if key not in done]
+    todo = list({key: p for key, p in todo}.items())  # a prompt listed twice is answered once
+    encoded = [encode_prompt(loaded, p) for _, p in todo]
     # Similar lengths batch together, so little compute goes into padding.
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    paths = []
+    first = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in existing), default=-1)
+    paths = list(existing)
     tokens_done = 0
-    for n, batch in enumerate(batches):
+    for n, batch in enumerate(batches, start=first):
         path = out_dir / f"{prefix}-{n:05d}.pt"
-        paths.append(path)
-        if path.exists():
-            continue
         gen = torch.Generator().manual_seed(seed * 100_003 + n)
         samples = generate_batch(
             loaded, [encoded[i] for i in batch], max_new_tokens, temperatures[n % len(temperatures)], gen
         )
         tmp = path.with_suffix(".tmp")
-        save_shard(samples, tmp)
+        # The states go straight to their name; the ids appear last, so a shard whose ids exist is whole.
+        save_shard(samples, tmp, [todo[i][0] for i in batch])
         tmp.rename(path)
+        paths.append(path)
         tokens_done += sum(len(s.tokens) - s.prompt_len for s in samples)
         if progress is not None:
             progress(len(batch), tokens_done)
     return paths
 
 
-def answers(samples: Sequence[Sample], loaded: LoadedModel) -> list[str]:
-    """The decoded answers of `samples` (what the second round's text tasks work on)."""
-    return [loaded.tokenizer.decode(s.tokens[s.prompt_len :].tolist()) for s in samples]
+def answers(paths: Sequence[Path], loaded: LoadedModel) -> dict[str, str]:
+    """The decoded answer of every sample in the shards at `paths`, by its prompt's key (`prompt_key`)."""
+    out: dict[str, str] = {}
+    for path in paths:
+        d = _read_ids(path)
+        seqs = torch.split(d["tokens"], d["lengths"].tolist())
+        for key, seq, p in zip(d["keys"], seqs, d["prompt_lens"].tolist(), strict=True):
+            out[key] = loaded.tokenizer.decode(seq[p:].tolist(), skip_special_tokens=True)
+    return out

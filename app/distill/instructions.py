@@ -401,3 +401,257 @@ def text_tasks(passages: list[str], n: int, seed: int = 0) -> list[str]:
         ]
         out.append(rng.choice(templates))
     return out
+
+
+# --- Traffic-like instructions ------------------------------------------------------------------------------
+# What people send a chat server beside self-contained requests: short factual questions, word problems that want
+# their steps, text in another language to translate, long articles to summarise or answer from, second turns
+# that build on the first answer. Every text here was written for this project.
+
+FACT_QUESTIONS = [
+    "who invented the {thing}",
+    "when was the {thing} invented",
+    "what is the {thing} used for",
+    "how does a {thing} work",
+    "where was the first {thing} built",
+    "why is the {thing} important",
+    "what is the difference between a {thing} and a {other}",
+    "how many parts does a {thing} have",
+]
+
+THINGS = [
+    "telephone",
+    "light bulb",
+    "steam engine",
+    "microscope",
+    "bicycle",
+    "compass",
+    "telescope",
+    "radio",
+    "refrigerator",
+    "printing press",
+    "airplane",
+    "camera",
+    "thermometer",
+    "battery",
+    "calculator",
+    "clock",
+    "sewing machine",
+    "elevator",
+    "washing machine",
+    "vaccine",
+    "satellite",
+    "submarine",
+    "windmill",
+    "piano",
+]
+
+PLACES = [
+    "Mount Everest",
+    "the Sahara desert",
+    "Lake Victoria",
+    "the Nile",
+    "Iceland",
+    "the Andes",
+    "Madagascar",
+    "Antarctica",
+    "the Mediterranean Sea",
+    "Siberia",
+    "the Great Barrier Reef",
+    "the Alps",
+    "Patagonia",
+]
+
+PLACE_QUESTIONS = [
+    "where is {place}",
+    "how big is {place}",
+    "what animals live in {place}",
+    "what is the climate like in {place}",
+    "who first explored {place}",
+    "why is {place} famous",
+]
+
+# Sentences to translate, written for this project (German, French, Spanish, Italian, Portuguese).
+FOREIGN = {
+    "German": [
+        "Das Wetter ist heute sehr schön, deshalb gehen wir in den Park.",
+        "Die Stadt plant eine neue Brücke über den Fluss, die im nächsten Jahr fertig sein soll.",
+        "Mein Bruder arbeitet seit drei Jahren als Koch in einem kleinen Restaurant.",
+        "Die Regierung hat neue Regeln für den Verkehr in der Innenstadt beschlossen.",
+        "Viele Schüler lernen Englisch als erste Fremdsprache.",
+        "Der Zug nach Berlin hat heute zwanzig Minuten Verspätung.",
+        "Wir müssen mehr tun, um die Umwelt zu schützen und Energie zu sparen.",
+        "Das Museum zeigt eine Ausstellung über die Geschichte der Seefahrt.",
+        "Nach dem Regen war die Luft frisch und die Straßen glänzten.",
+        "Die Firma hat im letzten Quartal mehr Gewinn gemacht als erwartet.",
+        "Ich habe das Buch gestern Abend zu Ende gelesen und es hat mir gut gefallen.",
+        "Die Forscher haben eine neue Art von Frosch im Regenwald entdeckt.",
+    ],
+    "French": [
+        "Le marché du samedi attire beaucoup de monde dans le centre du village.",
+        "Les enfants ont construit un château de sable sur la plage.",
+        "La bibliothèque sera fermée pendant deux semaines pour des travaux.",
+        "Le nouveau gouvernement veut réduire les impôts des petites entreprises.",
+        "Il faut environ trois heures pour aller de Paris à Marseille en train.",
+        "Les scientifiques étudient l'effet du climat sur les oiseaux migrateurs.",
+        "Elle a appris à jouer du piano quand elle avait six ans.",
+        "Le festival de musique a lieu chaque année au début de l'été.",
+    ],
+    "Spanish": [
+        "El equipo ganó el partido en el último minuto gracias a un gol increíble.",
+        "Mi abuela prepara la mejor paella de toda la familia.",
+        "El ayuntamiento abrirá un nuevo parque en el barrio el próximo mes.",
+        "Los precios de la vivienda han subido mucho en las grandes ciudades.",
+        "Durante el verano, muchas personas viajan a la costa para descansar.",
+        "La empresa busca ingenieros con experiencia en energía solar.",
+        "El médico recomienda caminar treinta minutos todos los días.",
+        "Los estudiantes presentaron sus proyectos de ciencias en la feria.",
+    ],
+    "Italian": [
+        "Il ristorante in fondo alla strada serve la pizza più buona della città.",
+        "Domani mattina partiamo presto per evitare il traffico.",
+        "Il museo ha ricevuto in dono una collezione di quadri antichi.",
+        "Gli agricoltori sperano che la pioggia arrivi presto.",
+    ],
+    "Portuguese": [
+        "A praia estava cheia de turistas durante o feriado.",
+        "O novo hospital vai atender milhares de pessoas por ano.",
+        "Ela estuda medicina na universidade e quer ser pediatra.",
+        "O festival de cinema apresenta filmes de vários países.",
+    ],
+}
+
+FOLLOW_UPS = [
+    "Can you make that shorter?",
+    "Now rewrite your answer for a ten-year-old.",
+    "Can you give me an example?",
+    "Explain the second point in more detail.",
+    "Summarize your answer in one sentence.",
+    "Turn your answer into a bullet list.",
+    "What would be a good title for this?",
+    "Now write it in a more formal tone.",
+    "Can you add two more ideas?",
+    "What are the weaknesses of your answer?",
+    "Translate your answer into {lang}.",
+    "Now write a short poem based on your answer.",
+    "Are you sure? Please check your answer again.",
+    "How would you explain this to an expert?",
+    "Give me three questions to test my understanding of this.",
+    "Rewrite it as an email to my team.",
+]
+
+
+def _question(rng: random.Random) -> str:
+    if rng.random() < 0.6:
+        text = rng.choice(FACT_QUESTIONS).format(thing=rng.choice(THINGS), other=rng.choice(THINGS))
+    else:
+        text = rng.choice(PLACE_QUESTIONS).format(place=rng.choice(PLACES))
+    # Search-box questions arrive in lower case without a question mark about as often as written properly.
+    return text + "?" if rng.random() < 0.5 else text[0].upper() + text[1:] + "?"
+
+
+def _word_problem(rng: random.Random) -> str:
+    a, b, c, d = rng.randint(3, 40), rng.randint(2, 25), rng.randint(2, 9), rng.randint(5, 90)
+    p, q = rng.sample(PEOPLE, 2)
+    item = rng.choice(ITEMS)
+    problems = [
+        f"{p} buys {a} {item} on Monday and twice as many on Tuesday. On Wednesday {p} gives {b} of them to {q}. "
+        f"How many {item} does {p} have left?",
+        f"A bakery makes {a * c} muffins a day and sells them in boxes of {c}. Each box costs ${b}. "
+        f"How much money does the bakery make in a week if it sells every box?",
+        f"{p} earns ${d} a day and works {c} days a week. {p} spends ${b * c} a week on food and saves the rest. "
+        f"How much does {p} save in {a % 8 + 2} weeks?",
+        f"A school has {a} classes with {b} students each. {c} students in every class take the bus. "
+        f"How many students do not take the bus?",
+        f"{p} is reading a book with {a * 10 + d} pages. {p} read {b} pages yesterday and twice as many today. "
+        f"How many pages are left?",
+        f"A garden is {a} meters long and {b} meters wide. Fencing costs ${c} per meter. "
+        f"How much does it cost to fence the whole garden?",
+        f"{q} had {d} {item}. {q} lost a quarter of them and then bought {b} more. How many does {q} have now?",
+    ]
+    text = rng.choice(problems)
+    return text + rng.choice(["", "", " Let's think step by step.", " Show your work.", " Explain your reasoning."])
+
+
+def _translation(rng: random.Random) -> str:
+    lang = rng.choice(list(FOREIGN))
+    sentence = rng.choice(FOREIGN[lang])
+    templates = [
+        f"Translate {lang} to English: {sentence}",
+        f"Translate into English:\n\n{sentence}",
+        f"What does this mean in English? {sentence}",
+        f"Translate the following {lang} sentence into English and explain any difficult words: {sentence}",
+    ]
+    return rng.choice(templates)
+
+
+_TRAFFIC_ROUND = [*_FIRST_ROUND, (_question, 2), (_word_problem, 2), (_translation, 1)]
+
+
+def traffic_instructions(n: int, seed: int = 0) -> list[str]:
+    """`n` distinct self-contained instructions of the kinds chat traffic holds: the seed instructions' kinds
+    plus short factual questions, multi-step word problems and text in other languages to translate. The same
+    for the same seed, and the first `m` of a longer list are the list of `m` (a later run extends a corpus)."""
+    rng = random.Random(seed)
+    makers = [m for m, w in _TRAFFIC_ROUND for _ in range(w)]
+    out: list[str] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(out) < n and attempts < 50 * n:
+        attempts += 1
+        text = rng.choice(makers)(rng)
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
+Conversation = list[dict[str, str]]
+
+
+def follow_ups(pairs: list[tuple[str, str]], n: int, seed: int = 0) -> list[Conversation]:
+    """`n` two-turn conversations: a first instruction and the target's answer to it (`pairs`), then a second
+    user turn that works on that answer."""
+    rng = random.Random(seed)
+    usable = [(q, a.strip()) for q, a in pairs if 40 <= len(a.strip()) <= 2000]
+    out: list[Conversation] = []
+    for _ in range(n if usable else 0):
+        question, answer = rng.choice(usable)
+        second = rng.choice(FOLLOW_UPS).format(lang=rng.choice(LANGUAGES))
+        out.append(
+            [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": second},
+            ]
+        )
+    return out
+
+
+def long_passage_tasks(passages: list[str], n: int, seed: int = 0) -> list[str]:
+    """`n` summarising and answering tasks over long inputs: articles of two to five of `passages` (the target's
+    own answers) joined, as news summaries and retrieval-augmented questions arrive."""
+    rng = random.Random(seed)
+    usable = [p.strip() for p in passages if 200 <= len(p.strip()) <= 1500]
+    out: list[str] = []
+    for _ in range(n if len(usable) >= 5 else 0):
+        parts = rng.sample(usable, rng.randint(2, 5))
+        article = "\n\n".join(parts)
+        question = rng.choice(
+            [
+                "What is the main topic of these documents?",
+                "Which facts are mentioned in more than one document?",
+                "What does the first document say?",
+                "List the numbers that appear in the documents and what they refer to.",
+                "Which document is the most useful for a student, and why?",
+            ]
+        )
+        templates = [
+            f"Summarize the following article:\n\n{article}",
+            f"{article}\n\nSummarize the text above in a few sentences.",
+            f"Write a short news summary of this article:\n\n{article}",
+            f"Answer the question using the documents below.\n\n{article}\n\nQuestion: {question}",
+            f"{article}\n\nBased on the passages above, {question[0].lower() + question[1:]}",
+        ]
+        out.append(rng.choice(templates))
+    return out

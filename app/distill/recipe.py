@@ -1,17 +1,22 @@
 """`specserve train-draft`: the whole recipe, from a target to a shipped draft, resumable at every stage.
 
 Stages, each skipped when its output already exists in the work directory:
-1. corpus: the target answers the seed instructions (round 1), then instructions that work on its own
-   answers (round 2: summaries, translation, rewriting, answering from passages);
-2. vocabulary: the draft proposes only the target's most frequent answer tokens (FR-Spec);
-3. training: see `app.distill.training`, checkpointed;
-4. card: the measured acceptance on held-out seed instructions, written beside the weights.
+1. corpus: the target answers instructions of the kinds chat traffic holds (round 1), then prompts built on
+   its own answers (round 2: second turns of a conversation, summaries and questions over long articles made
+   of several answers, translation, rewriting, extraction). Shards hold token ids (and the states beside
+   them); a run with more instructions answers only the new ones;
+2. vocabulary: the draft proposes only the target's most frequent answer tokens (FR-Spec), or the vocabulary
+   of the draft it resumes from;
+3. training: see `app.distill.training`, checkpointed; `resume` starts from a shipped draft or a checkpoint;
+4. card: the measured acceptance on held-out instructions, written beside the weights, with each phase's wall
+   time and rate.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +27,15 @@ from tqdm import tqdm
 
 from app import store
 from app.distill import corpus, instructions, training
-from app.engine.drafting.eagle import EagleConfig, EagleDraft, EagleDrafter, load_draft, save_draft
+from app.engine.drafting.eagle import (
+    EagleConfig,
+    EagleDraft,
+    EagleDrafter,
+    EagleError,
+    load_draft,
+    read_draft,
+    save_draft,
+)
 from app.engine.engine import Engine
 from app.engine.model.loading import LoadedModel, load_model
 from app.engine.model.transformer import Transformer
@@ -47,33 +60,42 @@ class Recipe:
     seq_len: int = 512
     tokens_per_batch: int = 4096
     held_out: int = 32
+    unroll: int = 3
 
 
 def build_data(loaded: LoadedModel, recipe: Recipe, work: Path) -> list[Path]:
     """Stage 1: both rounds of the corpus in `work`/corpus; returns every shard path."""
     data_dir = work / "corpus"
-    first = instructions.seed_instructions(recipe.first_round + recipe.held_out, recipe.seed)
+    first = instructions.traffic_instructions(recipe.first_round + recipe.held_out, recipe.seed)
     first = first[recipe.held_out :]  # the first `held_out` are kept for measuring acceptance
     t0 = time.perf_counter()
     paths = _round(loaded, recipe, first, data_dir, "r1")
-    samples = corpus.load_shards(paths)
-    second = instructions.text_tasks(corpus.answers(samples, loaded), recipe.second_round, recipe.seed + 1)
+    found = corpus.answers(paths, loaded)
+    pairs = [(q, found[corpus.prompt_key(q)]) for q in first if corpus.prompt_key(q) in found]
+    texts = [a for _, a in pairs]
+    n = recipe.second_round
+    second: list[corpus.Prompt] = []
+    second += instructions.follow_ups(pairs, n * 2 // 5, recipe.seed + 1)
+    second += instructions.long_passage_tasks(texts, n * 3 // 10, recipe.seed + 2)
+    second += instructions.text_tasks(texts, n - len(second), recipe.seed + 3)
     paths += _round(loaded, recipe, second, data_dir, "r2")
     log.info("corpus ready in %.0f s: %d shards", time.perf_counter() - t0, len(paths))
     return paths
 
 
-def _round(loaded: LoadedModel, recipe: Recipe, texts: list[str], data_dir: Path, prefix: str) -> list[Path]:
-    with tqdm(total=len(texts), desc=f"corpus {prefix}", unit="answer", dynamic_ncols=True) as bar:
+def _round(
+    loaded: LoadedModel, recipe: Recipe, prompts: list[corpus.Prompt], data_dir: Path, prefix: str
+) -> list[Path]:
+    with tqdm(total=len(prompts), desc=f"corpus {prefix}", unit="answer", dynamic_ncols=True) as bar:
 
         def progress(answers: int, tokens: int) -> None:
             bar.update(answers)
             elapsed = bar.format_dict["elapsed"] or 1e-9
             bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}", tokens=tokens)
 
-        return corpus.build_corpus(
+        paths = corpus.build_corpus(
             loaded,
-            texts,
+            prompts,
             data_dir,
             recipe.batch_size,
             recipe.max_new_tokens,
@@ -82,25 +104,40 @@ def _round(loaded: LoadedModel, recipe: Recipe, texts: list[str], data_dir: Path
             progress,
             prefix,
         )
+        bar.update(len(prompts) - bar.n)  # what earlier runs answered
+        return paths
 
 
 def held_out_instructions(recipe: Recipe) -> list[str]:
-    """Seed instructions never trained on, for the card's acceptance figure."""
-    return instructions.seed_instructions(recipe.first_round + recipe.held_out, recipe.seed)[: recipe.held_out]
+    """Instructions never trained on, for the card's acceptance figure."""
+    return instructions.traffic_instructions(recipe.first_round + recipe.held_out, recipe.seed)[: recipe.held_out]
 
 
 def train_stage(
-    target: Transformer, eos_ids: list[int], recipe: Recipe, samples: list[corpus.Sample], work: Path, name: str
+    target: Transformer,
+    eos_ids: list[int],
+    recipe: Recipe,
+    samples: list[corpus.Sample],
+    work: Path,
+    name: str,
+    resume: Path | None = None,
 ) -> tuple[EagleDraft, dict[str, float]]:
-    """Stages 2 and 3: choose the draft vocabulary and train. Returns the trained draft (float32) and figures:
+    """Stages 2 and 3: choose the draft vocabulary and train, from scratch or from `resume` (a draft directory,
+    or a checkpoint a run wrote: its weights and vocabulary, in a new schedule of recipe.steps). A checkpoint
+    in `work` (an interrupted run of this recipe) comes first. Returns the trained draft (float32) and figures:
     the vocabulary's coverage of answer tokens and the final running loss and top-1 agreements."""
-    vocab = training.choose_vocab(samples, recipe.draft_vocab, target.config.vocab_size, eos_ids)
+    if resume is not None and not (work / "checkpoint.pt").exists():
+        draft = _resumed(resume, target, name)
+        vocab = draft.vocab_ids.cpu()
+        log.info("resuming from %s (its vocabulary of %d tokens)", resume, len(vocab))
+    else:
+        vocab = training.choose_vocab(samples, recipe.draft_vocab, target.config.vocab_size, eos_ids)
+        draft = EagleDraft(EagleConfig.for_target(target.config, len(vocab), name)).to(target.device)
+        draft.vocab_ids.copy_(vocab)
     answer_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
     covered = sum(int(torch.isin(s.tokens[s.prompt_len :].long(), vocab).sum()) for s in samples)
     coverage = covered / max(1, answer_tokens)
     log.info("draft vocabulary: %d tokens cover %.2f%% of answer tokens", len(vocab), 100 * coverage)
-    draft = EagleDraft(EagleConfig.for_target(target.config, len(vocab), name)).to(target.device)
-    draft.vocab_ids.copy_(vocab)
     draft.attach(target)
     cfg = training.TrainConfig(
         steps=recipe.steps,
@@ -108,6 +145,7 @@ def train_stage(
         seq_len=recipe.seq_len,
         tokens_per_batch=recipe.tokens_per_batch,
         seed=recipe.seed,
+        unroll=recipe.unroll,
     )
     with tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True) as bar:
 
@@ -115,13 +153,30 @@ def train_stage(
             bar.update(step - bar.n)
             bar.set_postfix(
                 loss=f"{running['loss']:.3f}",
-                top1=f"{running['agree1']:.3f}/{running['agree2']:.3f}",
+                top1="/".join(f"{v:.3f}" for k, v in running.items() if k.startswith("agree")),
                 pos_s=f"{running['positions_per_s']:.0f}",
                 refresh=False,
             )
 
         final = training.train(draft, target, samples, cfg, work / "checkpoint.pt", progress)
     return draft, {"vocab_coverage": round(coverage, 4), **{k: round(v, 4) for k, v in final.items()}}
+
+
+def _resumed(path: Path, target: Transformer, name: str) -> EagleDraft:
+    """The float32 draft to continue training from: a draft directory (`read_draft`) or a checkpoint file."""
+    if path.is_dir():
+        draft = read_draft(path)
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)["draft"]
+        except (OSError, KeyError, RuntimeError, pickle.UnpicklingError) as exc:
+            raise EagleError(f"cannot resume from {path}: {exc}") from exc
+        draft = EagleDraft(EagleConfig.for_target(target.config, len(state["vocab_ids"]), name))
+        draft.load_state_dict(state)
+    c = target.config
+    if (draft.config.dim, draft.config.target_vocab_size) != (c.dim, c.vocab_size):
+        raise EagleError(f"{path} was trained for another target")
+    return draft.float().to(target.device)
 
 
 def measure(loaded: LoadedModel, drafter: EagleDrafter, prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
@@ -164,26 +219,47 @@ def measure(loaded: LoadedModel, drafter: EagleDrafter, prompts: list[str], max_
 
 
 def train_draft(
-    target_name: str, out_dir: Path, work: Path, recipe: Recipe, name: str, device: str = "cpu"
+    target_name: str,
+    out_dir: Path,
+    work: Path,
+    recipe: Recipe,
+    name: str,
+    device: str = "cpu",
+    resume: Path | None = None,
 ) -> dict[str, Any]:
-    """The whole recipe: corpus, vocabulary, training, measurement, card, on `device` (`cpu`, `cuda`, `cuda:N`
-    or `auto`). Returns the card's figures."""
+    """The whole recipe: corpus, vocabulary, training (from `resume` when given: see `train_stage`),
+    measurement, card, on `device` (`cpu`, `cuda`, `cuda:N` or `auto`). Returns the card's figures."""
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     path = store.resolve(target_name)
     # The target in bfloat16 (packed on a CPU kernel), a quantized GGUF dequantized: training borrows its
     # embedding and output rows, whose products must carry gradients back to the draft.
     loaded = load_model(path, "bfloat16", device, cache_dir=store.cache_dir(), weights="bf16")
+    phases: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
     shards = build_data(loaded, recipe, work)
-    corpus_seconds = time.perf_counter() - t0
-    samples = corpus.load_shards(shards)
+    sequences, positions = corpus.corpus_tokens(shards)
+    phases["corpus"] = {"seconds": round(time.perf_counter() - t0)}
     t0 = time.perf_counter()
-    draft, figures = train_stage(loaded.model, sorted(loaded.tokenizer.eos_token_ids), recipe, samples, work, name)
-    train_seconds = time.perf_counter() - t0
+    computed = corpus.compute_features(loaded, shards)  # shards that came without their states
+    phases["features"] = {"seconds": round(time.perf_counter() - t0), "positions": computed}
+    samples = corpus.load_shards(shards)
+    answer_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
+    t0 = time.perf_counter()
+    draft, figures = train_stage(
+        loaded.model, sorted(loaded.tokenizer.eos_token_ids), recipe, samples, work, name, resume
+    )
+    phases["training"] = {
+        "seconds": round(time.perf_counter() - t0),
+        "positions_per_s": figures.get("positions_per_s", 0.0),
+    }
     save_draft(draft, out_dir)
     drafter = EagleDrafter(name, load_draft(out_dir, loaded.model), loaded)
+    t0 = time.perf_counter()
     measured = measure(loaded, drafter, held_out_instructions(recipe), 128)
+    phases["measurement"] = {"seconds": round(time.perf_counter() - t0)}
+    for phase, figs in phases.items():
+        log.info("%s: %s", phase, ", ".join(f"{k} {v}" for k, v in figs.items()))
     card = {
         "name": name,
         "target": target_name,
@@ -191,13 +267,15 @@ def train_draft(
         "output layer (restricted to the draft vocabulary)",
         "parameters": sum(p.numel() for p in draft.parameters()),
         "recipe": asdict(recipe),
+        "resumed_from": str(resume) if resume is not None else None,
         "corpus": {
-            "sequences": len(samples),
-            "positions": sum(s.features.shape[0] for s in samples),
-            "answer_tokens": sum(len(s.tokens) - s.prompt_len for s in samples),
-            "seconds": round(corpus_seconds),
+            "sequences": sequences,
+            "positions": positions,
+            "answer_tokens": answer_tokens,
+            "seconds": phases["corpus"]["seconds"],
         },
-        "training": {"seconds": round(train_seconds), **figures},
+        "training": {"seconds": phases["training"]["seconds"], **figures},
+        "phases": phases,
         "held_out_measurement": measured,
         "total_seconds": round(time.perf_counter() - started),
         "torch": torch.__version__,
@@ -234,18 +312,25 @@ def card_markdown(card: dict[str, Any]) -> str:
         "text the target itself wrote (self-distillation).",
         "",
         f"- architecture: {card['architecture']}; {card['parameters']:,} trained parameters",
-        f"- corpus: {card['corpus']['sequences']} answers to the project's seed instructions, "
+        f"- corpus: {card['corpus']['sequences']} answers to the project's instructions and to prompts built on "
+        "the target's answers (second turns, long articles, text tasks), "
         f"{card['corpus']['answer_tokens']:,} answer tokens, {card['corpus']['positions']:,} positions, "
         f"generated in {card['corpus']['seconds']} s",
         f"- training: {card['recipe']['steps']} steps of {card['recipe']['tokens_per_batch']} positions, "
         f"{card['training']['seconds']} s; final loss {card['training']['loss']}, top-1 agreement with the target "
-        f"{card['training']['agree1']} (reading true states) / {card['training']['agree2']} (reading its own guesses); "
+        + " / ".join(str(v) for k, v in card["training"].items() if k.startswith("agree"))
+        + " (reading true states, then its own guesses one, two, ... steps deep); "
         f"draft vocabulary covers {100 * card['training']['vocab_coverage']:.1f} % of answer tokens",
         f"- whole recipe: {card['total_seconds']} s with {card['threads']} threads on "
-        f"{card.get('device', 'cpu')}, torch {card['torch']}",
+        f"{card.get('device', 'cpu')}, torch {card['torch']}"
+        + (f"; training resumed from {card['resumed_from']}" if card.get("resumed_from") else ""),
+        "- phases: "
+        + "; ".join(
+            f"{phase} " + ", ".join(f"{k} {v}" for k, v in figs.items())
+            for phase, figs in card.get("phases", {}).items()
+        ),
         "",
-        f"## Measured on {m['prompts']} held-out seed instructions "
-        f"(greedy, {m['max_new_tokens']} new tokens, bfloat16)",
+        f"## Measured on {m['prompts']} held-out instructions (greedy, {m['max_new_tokens']} new tokens, bfloat16)",
         "",
         "| configuration | acceptance | tokens per target pass | tok/s | speedup | identical to target-only |",
         "|---|---:|---:|---:|---:|---:|",

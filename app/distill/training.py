@@ -2,11 +2,11 @@
 
 Loss, per answer position p: the cross-entropy of the draft's distribution over its vocabulary against
 the target's own distribution there (soft labels: the target's output layer applied to the stored state
-h_(p+1)), plus a small regression of the predicted state onto h_(p+1). Every batch is run twice: once
-reading the target's true states, and once reading, at each position, the state the first pass
-predicted for it, as the draft reads its own guesses from its second drafted token on (a one-step form
-of EAGLE-3's training-time test). Without the second pass the draft learns to continue true states only
-and its second and later guesses fall apart.
+h_(p+1)), plus a small regression of the predicted state onto h_(p+1). Every batch is unrolled `unroll`
+times (EAGLE-3's training-time test): the first pass reads the target's true states, and pass j reads, at
+each position, the state pass j-1 predicted for it, as the draft reads its own guesses from its second
+drafted token on; pass j is what its j-th drafted token sees. Without the later passes the draft learns to
+continue true states only and its second and later guesses fall apart.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class TrainConfig:
     # too; `auto`: bfloat16 on a GPU that has it and a CPU that multiplies it in hardware, else float32 (an
     # AVX2 CPU's emulated bf16 products are several times slower than its float32 ones).
     precision: str = "auto"
+    unroll: int = 3
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -76,7 +77,8 @@ def make_batches(samples: Sequence[Sample], cfg: TrainConfig, rng: random.Random
         n = s.features.shape[0]  # states for positions 0..n-1; tokens 0..n
         if n < 3:
             continue
-        start = 0 if n - 1 <= cfg.seq_len else rng.randrange(0, n - 1 - cfg.seq_len + 1)
+        # A long sequence keeps its end: the answer follows the prompt, and only answer positions count.
+        start = max(0, n - 1 - cfg.seq_len)
         pieces.append((s, start, min(n - 1, start + cfg.seq_len)))
     rng.shuffle(pieces)
     pieces.sort(key=lambda p: p[2] - p[1])
@@ -131,7 +133,8 @@ def train(
     """Train `draft` (float32, attached to `target`) for cfg.steps optimizer steps, resuming from
     `checkpoint` when it exists and writing it every cfg.checkpoint_every steps. Trains on the draft's device
     (the target's: a GPU's when it runs on one), the batches moved there one by one. Returns the final
-    running figures (loss, top-1 agreement of the first and second pass)."""
+    running figures (loss, top-1 agreement of each pass: agree1, agree2, ...) and the positions trained on in
+    this run, per second."""
     dev = next(draft.parameters()).device
     dtype = compute_dtype(cfg.precision, dev)
     if dtype == torch.float32:
@@ -162,18 +165,22 @@ def train(
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             with torch.no_grad():
                 teacher = torch.softmax(draft.draft_logits(batch.goal).float(), -1)
-            loss1, agree1, guess = _pass_loss(draft, batch.states, batch, teacher, cfg.regression_weight)
-            # Second pass: position p reads the state the first pass guessed for it (position 0 has none).
-            fed = torch.cat([batch.states[:, :1], guess[:, :-1].to(batch.states.dtype)], dim=1)
-            loss2, agree2, _ = _pass_loss(draft, fed, batch, teacher, cfg.regression_weight)
-            loss = loss1 + loss2
+            fed, loss, agrees = batch.states, None, []
+            for _ in range(max(1, cfg.unroll)):
+                part, agree, guess = _pass_loss(draft, fed, batch, teacher, cfg.regression_weight)
+                loss = part if loss is None else loss + part
+                agrees.append(agree)
+                # The next pass: position p reads the state this pass guessed for it (position 0 has none).
+                fed = torch.cat([batch.states[:, :1], guess[:, :-1].to(batch.states.dtype)], dim=1)
+            assert loss is not None
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         tokens += int(batch.weight.numel())
-        for key, val in (("loss", loss.item()), ("agree1", agree1.item()), ("agree2", agree2.item())):
+        figures = [("loss", loss.item())] + [(f"agree{j + 1}", a.item()) for j, a in enumerate(agrees)]
+        for key, val in figures:
             running[key] = val if key not in running else 0.98 * running[key] + 0.02 * val
         running["positions_per_s"] = tokens / (time.perf_counter() - t0)
         running["lr"] = lr

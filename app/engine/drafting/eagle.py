@@ -229,8 +229,9 @@ def is_eagle_dir(path: Path) -> bool:
         return False
 
 
-def load_draft(path: Path, target: Transformer) -> EagleDraft:
-    """The draft in `path`, attached to `target`, in its dtype and on its device, ready for inference."""
+def read_draft(path: Path) -> EagleDraft:
+    """The draft in `path` as saved (float32, on the CPU, not attached to a target): what training resumes
+    from."""
     try:
         cfg = json.loads((path / CONFIG_FILE).read_text())
         cfg.pop("architecture", None)
@@ -243,6 +244,12 @@ def load_draft(path: Path, target: Transformer) -> EagleDraft:
         draft.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise EagleError(f"draft weights in {path} do not match its config: {exc}") from exc
+    return draft
+
+
+def load_draft(path: Path, target: Transformer) -> EagleDraft:
+    """The draft in `path`, attached to `target`, in its dtype and on its device, ready for inference."""
+    draft = read_draft(path)
     if int(draft.vocab_ids.max()) >= target.config.vocab_size:
         raise EagleError("draft vocabulary ids exceed the target's vocabulary")
     draft = draft.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
