@@ -744,7 +744,7 @@ def _add_train_draft_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (1200)")
     parser.add_argument("--draft-vocab", type=_positive_int, default=None, help="tokens the draft proposes (8192)")
     parser.add_argument("--seed", type=int, default=None, help="seed of everything (0)")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (1e-3; lower to fine-tune a --resume)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (1e-3; lower to fine-tune)")
     parser.add_argument(
         "--unroll", type=_positive_int, default=None, help="passes per batch reading the draft's own guesses (3)"
     )
