@@ -258,3 +258,16 @@ def test_training_resumes_from_a_shipped_draft_or_a_checkpoint(tiny, tmp_path):
     save_draft(other, tmp_path / "other")
     with pytest.raises(EagleError, match="another target"):
         recipe._resumed(tmp_path / "other", tiny.model, "x")
+
+
+def test_train_draft_resume_flag_is_checked_before_anything_runs(capsys, tmp_path):
+    """`--resume` names a checkpoint file, a feature draft's directory or a catalog draft; anything else is one
+    error line before a model is loaded."""
+    from app.cli import main
+
+    (tmp_path / "empty").mkdir()
+    for source, says in [(tmp_path / "missing.pt", "no such file"), (tmp_path / "empty", "neither a checkpoint")]:
+        assert main(["train-draft", "--out", str(tmp_path / "out"), "--resume", str(source)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "out").exists()
