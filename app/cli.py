@@ -739,6 +739,12 @@ def _add_train_draft_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--work", default=None, help="corpus and checkpoints (default: $SPECSERVE_CACHE/train-draft/NAME)"
     )
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        help="directory of corpus shards to use and extend (default: WORK/corpus); a shard without its states "
+        "(NAME.features.pt) gets them from one forward of the target",
+    )
     parser.add_argument("--instructions", type=_positive_int, default=None, help="first-round instructions (3200)")
     parser.add_argument("--text-tasks", type=_positive_int, default=None, help="second-round instructions (400)")
     parser.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (1200)")
@@ -810,7 +816,8 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
                 raise CliError(f"--resume {args.resume}: no such file, directory or catalog draft") from exc
         if not (resume.is_file() or is_eagle_dir(resume)):
             raise CliError(f"--resume {args.resume}: neither a checkpoint file nor a feature draft's directory")
-    card = train_draft(args.target or DEFAULT_TARGET, out, work, recipe, name, args.device, resume)
+    data_dir = Path(args.corpus) if args.corpus else None
+    card = train_draft(args.target or DEFAULT_TARGET, out, work, recipe, name, args.device, resume, data_dir)
     print(json.dumps(card["held_out_measurement"], indent=2))
     print(f"draft written to {out} (card: {out / 'card.json'})")
     return 0

@@ -63,9 +63,8 @@ class Recipe:
     unroll: int = 3
 
 
-def build_data(loaded: LoadedModel, recipe: Recipe, work: Path) -> list[Path]:
-    """Stage 1: both rounds of the corpus in `work`/corpus; returns every shard path."""
-    data_dir = work / "corpus"
+def build_data(loaded: LoadedModel, recipe: Recipe, data_dir: Path) -> list[Path]:
+    """Stage 1: both rounds of the corpus in `data_dir`, adding to the shards there; returns every shard path."""
     first = instructions.traffic_instructions(recipe.first_round + recipe.held_out, recipe.seed)
     first = first[recipe.held_out :]  # the first `held_out` are kept for measuring acceptance
     t0 = time.perf_counter()
@@ -226,9 +225,11 @@ def train_draft(
     name: str,
     device: str = "cpu",
     resume: Path | None = None,
+    data_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """The whole recipe: corpus, vocabulary, training (from `resume` when given: see `train_stage`),
-    measurement, card, on `device` (`cpu`, `cuda`, `cuda:N` or `auto`). Returns the card's figures."""
+    """The whole recipe: corpus (in `data_dir`, default `work`/corpus), vocabulary, training (from `resume` when
+    given: see `train_stage`), measurement, card, on `device` (`cpu`, `cuda`, `cuda:N` or `auto`). Returns the
+    card's figures."""
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     path = store.resolve(target_name)
@@ -237,7 +238,7 @@ def train_draft(
     loaded = load_model(path, "bfloat16", device, cache_dir=store.cache_dir(), weights="bf16")
     phases: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
-    shards = build_data(loaded, recipe, work)
+    shards = build_data(loaded, recipe, data_dir or work / "corpus")
     sequences, positions = corpus.corpus_tokens(shards)
     phases["corpus"] = {"seconds": round(time.perf_counter() - t0)}
     t0 = time.perf_counter()
