@@ -137,7 +137,7 @@ def test_a_corpus_is_token_ids_that_a_later_run_extends_and_whose_states_can_be_
     assert len(samples) == 7
     by_key = corpus.answers(paths, loaded)
     assert set(by_key) == {corpus.prompt_key(p) for p in prompts}
-    talk = samples[[i for i, s in enumerate(samples) if s.prompt_len == 4][0]]  # "t5 t6 t7 t8": the conversation
+    talk = next(s for s in samples if s.prompt_len == 4)  # "t5 t6 t7 t8": the conversation
     assert talk.tokens[:4].tolist() == [5, 6, 7, 8]
     for path in paths:
         path.with_suffix(".features.pt").unlink()
