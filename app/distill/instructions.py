@@ -10,6 +10,7 @@ extract) take that text from the target's own first-round answers: see `text_tas
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 TOPICS = [
     "the water cycle",
@@ -351,8 +352,14 @@ _FIRST_ROUND = [(_topic_tasks, 4), (_story, 2), (_code, 2), (_math, 2), (_misc, 
 
 def seed_instructions(n: int, seed: int = 0) -> list[str]:
     """`n` distinct self-contained instructions, the same for the same seed."""
+    return _draw(_FIRST_ROUND, n, seed)
+
+
+def _draw(kinds: list[tuple[Callable[[random.Random], str], int]], n: int, seed: int) -> list[str]:
+    """`n` distinct instructions from the weighted makers `kinds`, in the order drawn (so the first m of a
+    longer list are the list of m)."""
     rng = random.Random(seed)
-    makers = [m for m, w in _FIRST_ROUND for _ in range(w)]
+    makers = [m for m, w in kinds for _ in range(w)]
     out: list[str] = []
     seen: set[str] = set()
     attempts = 0
@@ -546,7 +553,7 @@ def _question(rng: random.Random) -> str:
         text = rng.choice(FACT_QUESTIONS).format(thing=rng.choice(THINGS), other=rng.choice(THINGS))
     else:
         text = rng.choice(PLACE_QUESTIONS).format(place=rng.choice(PLACES))
-    # Search-box questions arrive in lower case without a question mark about as often as written properly.
+    # Search-box questions arrive in lower case about as often as capitalised.
     return text + "?" if rng.random() < 0.5 else text[0].upper() + text[1:] + "?"
 
 
@@ -592,18 +599,7 @@ def traffic_instructions(n: int, seed: int = 0) -> list[str]:
     """`n` distinct self-contained instructions of the kinds chat traffic holds: the seed instructions' kinds
     plus short factual questions, multi-step word problems and text in other languages to translate. The same
     for the same seed, and the first `m` of a longer list are the list of `m` (a later run extends a corpus)."""
-    rng = random.Random(seed)
-    makers = [m for m, w in _TRAFFIC_ROUND for _ in range(w)]
-    out: list[str] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(out) < n and attempts < 50 * n:
-        attempts += 1
-        text = rng.choice(makers)(rng)
-        if text not in seen:
-            seen.add(text)
-            out.append(text)
-    return out
+    return _draw(_TRAFFIC_ROUND, n, seed)
 
 
 Conversation = list[dict[str, str]]
