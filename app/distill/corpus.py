@@ -145,16 +145,6 @@ def load_shards(paths: Sequence[Path]) -> list[Sample]:
     return out
 
 
-def corpus_tokens(paths: Sequence[Path]) -> tuple[int, int]:
-    """(sequences, positions) of the shards at `paths`, from their ids alone."""
-    seqs = positions = 0
-    for path in paths:
-        lengths = _read_ids(path)["lengths"]
-        seqs += len(lengths)
-        positions += int((lengths - 1).sum())
-    return seqs, positions
-
-
 @torch.inference_mode()
 def compute_features(loaded: LoadedModel, paths: Sequence[Path], batch_tokens: int = 8192) -> int:
     """Write the states of every shard at `paths` that has none: the target's final hidden states over each

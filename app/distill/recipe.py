@@ -70,7 +70,7 @@ def build_data(loaded: LoadedModel, recipe: Recipe, data_dir: Path) -> list[Path
     t0 = time.perf_counter()
     paths = _round(loaded, recipe, first, data_dir, "r1")
     found = corpus.answers(paths, loaded)
-    pairs = [(q, found[corpus.prompt_key(q)]) for q in first if corpus.prompt_key(q) in found]
+    pairs = [(q, a) for q, a in ((q, found.get(corpus.prompt_key(q))) for q in first) if a is not None]
     texts = [a for _, a in pairs]
     n = recipe.second_round
     second: list[corpus.Prompt] = []
@@ -239,13 +239,11 @@ def train_draft(
     phases: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
     shards = build_data(loaded, recipe, data_dir or work / "corpus")
-    sequences, positions = corpus.corpus_tokens(shards)
     phases["corpus"] = {"seconds": round(time.perf_counter() - t0)}
     t0 = time.perf_counter()
     computed = corpus.compute_features(loaded, shards)  # shards that came without their states
     phases["features"] = {"seconds": round(time.perf_counter() - t0), "positions": computed}
     samples = corpus.load_shards(shards)
-    answer_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
     t0 = time.perf_counter()
     draft, figures = train_stage(
         loaded.model, sorted(loaded.tokenizer.eos_token_ids), recipe, samples, work, name, resume
@@ -259,8 +257,7 @@ def train_draft(
     t0 = time.perf_counter()
     measured = measure(loaded, drafter, held_out_instructions(recipe), 128)
     phases["measurement"] = {"seconds": round(time.perf_counter() - t0)}
-    for phase, figs in phases.items():
-        log.info("%s: %s", phase, ", ".join(f"{k} {v}" for k, v in figs.items()))
+    log.info("phases: %s", _phases_text(phases))
     card = {
         "name": name,
         "target": target_name,
@@ -270,9 +267,9 @@ def train_draft(
         "recipe": asdict(recipe),
         "resumed_from": str(resume) if resume is not None else None,
         "corpus": {
-            "sequences": sequences,
-            "positions": positions,
-            "answer_tokens": answer_tokens,
+            "sequences": len(samples),
+            "positions": sum(s.features.shape[0] for s in samples),
+            "answer_tokens": sum(len(s.tokens) - s.prompt_len for s in samples),
             "seconds": phases["corpus"]["seconds"],
         },
         "training": {"seconds": phases["training"]["seconds"], **figures},
@@ -303,6 +300,11 @@ transformers assisted generation cannot load it).
 """
 
 
+def _phases_text(phases: dict[str, dict[str, float]]) -> str:
+    """Each phase's figures on one line: "corpus seconds 12; training seconds 300, positions_per_s 560"."""
+    return "; ".join(f"{phase} " + ", ".join(f"{k} {v}" for k, v in figs.items()) for phase, figs in phases.items())
+
+
 def card_markdown(card: dict[str, Any]) -> str:
     """The human-readable card written next to the weights."""
     m = card["held_out_measurement"]
@@ -325,11 +327,7 @@ def card_markdown(card: dict[str, Any]) -> str:
         f"- whole recipe: {card['total_seconds']} s with {card['threads']} threads on "
         f"{card.get('device', 'cpu')}, torch {card['torch']}"
         + (f"; training resumed from {card['resumed_from']}" if card.get("resumed_from") else ""),
-        "- phases: "
-        + "; ".join(
-            f"{phase} " + ", ".join(f"{k} {v}" for k, v in figs.items())
-            for phase, figs in card.get("phases", {}).items()
-        ),
+        f"- phases: {_phases_text(card.get('phases', {}))}",
         "",
         f"## Measured on {m['prompts']} held-out instructions (greedy, {m['max_new_tokens']} new tokens, bfloat16)",
         "",

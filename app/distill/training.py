@@ -165,14 +165,14 @@ def train(
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             with torch.no_grad():
                 teacher = torch.softmax(draft.draft_logits(batch.goal).float(), -1)
-            fed, loss, agrees = batch.states, None, []
+            fed, parts, agrees = batch.states, [], []
             for _ in range(max(1, cfg.unroll)):
                 part, agree, guess = _pass_loss(draft, fed, batch, teacher, cfg.regression_weight)
-                loss = part if loss is None else loss + part
+                parts.append(part)
                 agrees.append(agree)
                 # The next pass: position p reads the state this pass guessed for it (position 0 has none).
                 fed = torch.cat([batch.states[:, :1], guess[:, :-1].to(batch.states.dtype)], dim=1)
-            assert loss is not None
+            loss = torch.stack(parts).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
