@@ -23,6 +23,22 @@ def tiny(make_tiny_model, word_tokenizer):
     return LoadedModel(make_tiny_model(seed=21, vocab_size=V), word_tokenizer(V, eos_token_ids=[0]), "tiny", 0.0)
 
 
+def _answers(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    n: int,
+    temperature: float,
+    seed: int,
+    rows: int = 48,
+    continuous: bool | None = None,
+) -> list[corpus.Sample]:
+    """`corpus.generate`'s samples in the prompts' order, every prompt at `temperature`."""
+    k = len(prompts)
+    seeds = [seed + i for i in range(k)]
+    out = dict(corpus.generate(loaded, prompts, n, [temperature] * k, seeds, rows, continuous=continuous))
+    return [out[i] for i in range(k)]
+
+
 def test_seed_instructions_are_reproducible_distinct_and_varied():
     a = instructions.seed_instructions(2000, seed=0)
     assert a == instructions.seed_instructions(2000, seed=0)
@@ -81,30 +97,42 @@ def test_text_tasks_work_on_the_given_passages():
     assert instructions.text_tasks(["short"], 5) == []
 
 
-def test_batched_generation_equals_one_at_a_time(tiny):
+@pytest.mark.parametrize("continuous", [True, False])
+def test_batched_generation_equals_one_at_a_time(tiny, continuous):
+    """Continuously (a CPU's way), prompts join the forward as others end (2 rows at a time here, so 6 prompts
+    take turns); padded (an accelerator's), 4 at a time in one cache. Either way each answer, greedy or sampled
+    from its own seed, is the one it gets alone and the other way's, greedy ones the target's own."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, V) for _ in range(n)] for n in (3, 9, 5, 12)]
-    gen = torch.Generator().manual_seed(0)
-    together = corpus.generate_batch(tiny, prompts, 10, 0.0, gen)
-    for prompt, sample in zip(prompts, together, strict=True):
-        alone = corpus.generate_batch(tiny, [prompt], 10, 0.0, gen)[0]
-        assert sample.tokens.tolist() == alone.tokens.tolist()
-        assert sample.prompt_len == len(prompt)
-        # Greedy answers are the target's own, cut after EOS (id 0).
-        expected = greedy_decode(tiny.model, prompt, 10)
-        if 0 in expected:
-            expected = expected[: expected.index(0) + 1]
-        assert sample.tokens[len(prompt) :].tolist() == expected
-        # One state per token but the last; the states are the target's final hidden states.
-        assert sample.features.shape == (len(sample.tokens) - 1, tiny.model.config.dim)
-        with torch.no_grad():
-            states = tiny.model.hidden(sample.tokens[None, :-1].long())[0]
-        assert torch.allclose(sample.features.float(), states, atol=0.05, rtol=0.01)
+    prompts = [[rng.randrange(1, V) for _ in range(n)] for n in (3, 9, 5, 12, 4, 7)]
+    for temperature in (0.0, 3.0):
+        together = _answers(tiny, prompts, 10, temperature, 0, rows=2 if continuous else 4, continuous=continuous)
+        other_way = _answers(tiny, prompts, 10, temperature, 0, continuous=not continuous)
+        for i, (prompt, sample) in enumerate(zip(prompts, together, strict=True)):
+            alone = dict(corpus.generate(tiny, [prompt], 10, [temperature], [i], rows=1, continuous=continuous))[0]
+            assert sample.tokens.tolist() == alone.tokens.tolist() == other_way[i].tokens.tolist()
+            assert torch.allclose(sample.features.float(), alone.features.float(), atol=0.02, rtol=0.01)
+            assert sample.prompt_len == len(prompt)
+            # One state per token but the last; the states are the target's final hidden states.
+            assert sample.features.shape == (len(sample.tokens) - 1, tiny.model.config.dim)
+            with torch.no_grad():
+                states = tiny.model.hidden(sample.tokens[None, :-1].long())[0]
+            assert torch.allclose(sample.features.float(), states, atol=0.05, rtol=0.01)
+            if temperature == 0:
+                # Greedy answers are the target's own, cut after EOS (id 0).
+                expected = greedy_decode(tiny.model, prompt, 10)
+                if 0 in expected:
+                    expected = expected[: expected.index(0) + 1]
+                assert sample.tokens[len(prompt) :].tolist() == expected
+    draws = [
+        [s.tokens.tolist() for s in _answers(tiny, prompts, 10, 3.0, seed, continuous=continuous)] for seed in (0, 100)
+    ]
+    assert draws[0] != draws[1]  # another seed, other draws
+    ended = [i for i, _ in corpus.generate(tiny, prompts, 10, [0.0] * 6, [0] * 6, 3, 4, continuous)]
+    assert sorted(ended) == list(range(6))  # every prompt ends once (continuously, each admitted past the budget)
 
 
 def test_shards_round_trip(tiny, tmp_path):
-    gen = torch.Generator().manual_seed(1)
-    samples = corpus.generate_batch(tiny, [[1, 2, 3], [4, 5]], 6, 1.0, gen)
+    samples = _answers(tiny, [[1, 2, 3], [4, 5]], 6, 1.0, 1)
     corpus.save_shard(samples, tmp_path / "s.pt")
     back = corpus.load_shards([tmp_path / "s.pt"])
     for a, b in zip(samples, back, strict=True):
@@ -156,10 +184,9 @@ def test_choose_vocab_keeps_the_most_frequent_answer_tokens_and_eos(tiny):
 # float32 is what `auto` trains in on a CPU without bf16 arithmetic (AVX2), bfloat16 on AMX and GPUs: both here.
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_training_lowers_the_loss_and_raises_agreement(tiny, tmp_path, precision):
-    gen = torch.Generator().manual_seed(2)
     rng = random.Random(1)
     prompts = [[rng.randrange(1, V) for _ in range(6)] for _ in range(24)]
-    samples = corpus.generate_batch(tiny, prompts, 24, 0.0, gen)
+    samples = _answers(tiny, prompts, 24, 0.0, 2)
     torch.manual_seed(0)
     draft = EagleDraft(EagleConfig.for_target(tiny.model.config, V))
     draft.attach(tiny.model)
@@ -193,8 +220,7 @@ def test_train_draft_device_flag_is_checked_before_anything_runs(monkeypatch, ca
 def test_training_follows_the_draft_device(tiny, tmp_path):
     """What runs on a GPU with `--device cuda`, on the CPU here: the corpus comes back to the CPU whatever the
     model's device, batches go to the draft's, and a checkpoint resumes onto the draft's device."""
-    gen = torch.Generator().manual_seed(3)
-    samples = corpus.generate_batch(tiny, [[5, 6, 7, 8]] * 2, 6, 0.7, gen)
+    samples = _answers(tiny, [[5, 6, 7, 8]] * 2, 6, 0.7, 3)
     assert all(s.features.device.type == "cpu" and s.tokens.device.type == "cpu" for s in samples)
     cfg = training.TrainConfig(steps=2, lr=1e-3, seed=0, seq_len=8, tokens_per_batch=16, checkpoint_every=1)
     batch = training.make_batches(samples, cfg, random.Random(0))[0]
@@ -215,9 +241,8 @@ def test_training_follows_the_draft_device(tiny, tmp_path):
 def test_training_unrolls_the_draft_on_its_own_guesses(tiny, tmp_path):
     """Pass j reads what pass j-1 guessed: `unroll` passes report one agreement each, and with one pass the
     draft's later guesses are never trained (what the second pass's agreement shows at the same step)."""
-    gen = torch.Generator().manual_seed(2)
     rng = random.Random(1)
-    samples = corpus.generate_batch(tiny, [[rng.randrange(1, V) for _ in range(6)] for _ in range(12)], 16, 0.0, gen)
+    samples = _answers(tiny, [[rng.randrange(1, V) for _ in range(6)] for _ in range(12)], 16, 0.0, 2)
     final = {}
     for unroll in (1, 3):
         torch.manual_seed(0)
@@ -248,8 +273,7 @@ def test_training_resumes_from_a_shipped_draft_or_a_checkpoint(tiny, tmp_path):
         assert torch.equal(back.vocab_ids, shipped.vocab_ids)
         for (name, a), (_, b) in zip(back.state_dict().items(), shipped.state_dict().items(), strict=True):
             assert torch.equal(a, b), name
-    gen = torch.Generator().manual_seed(2)
-    samples = corpus.generate_batch(tiny, [[1, 2, 3]] * 4, 8, 0.7, gen)
+    samples = _answers(tiny, [[1, 2, 3]] * 4, 8, 0.7, 2)
     r = dataclasses.replace(recipe.Recipe(), steps=2, seq_len=16, tokens_per_batch=32, draft_vocab=4, unroll=2)
     (tmp_path / "w").mkdir()
     draft, figures = recipe.train_stage(tiny.model, [0], r, samples, tmp_path / "w", "x", tmp_path / "shipped")
@@ -271,3 +295,19 @@ def test_train_draft_resume_flag_is_checked_before_anything_runs(capsys, tmp_pat
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kernel", kernels.available())
+def test_corpus_answers_on_a_cpu_kernel_are_the_ones_each_prompt_gets_alone(packed_target, kernel):
+    """The real target on each CPU kernel this machine runs: prompts taking turns in one forward get the tokens,
+    and the very states, they get alone (a kernel's rows depend on nothing but themselves)."""
+    loaded = packed_target(kernel)
+    assert loaded.model.rows_independent()
+    questions = ["What is the capital of France?", "Name three fruits.", "Say hello.", "Count to five."]
+    prompts = [corpus.encode_prompt(loaded, q) for q in questions]
+    temps, seeds = [0.0, 0.7, 0.0, 0.7], [1, 2, 3, 4]
+    together = dict(corpus.generate(loaded, prompts, 12, temps, seeds, rows=3, prefill_tokens=40))
+    for i, prompt in enumerate(prompts):
+        alone = dict(corpus.generate(loaded, [prompt], 12, [temps[i]], [seeds[i]], rows=1))[0]
+        assert together[i].tokens.tolist() == alone.tokens.tolist()
+        assert torch.equal(together[i].features, alone.features)

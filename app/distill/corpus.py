@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from app.engine.model.loading import LoadedModel
+from app.engine.model.transformer import KVCache
 
 
 @dataclass
@@ -28,6 +29,109 @@ class Sample:
     tokens: Tensor
     features: Tensor
     prompt_len: int
+
+
+def _draw(logits: Tensor, temperature: float, generator: torch.Generator) -> int:
+    """The next token from one row's logits [vocab] (on the CPU): argmax at temperature 0, else a draw from the
+    prompt's own generator (the same corpus for a seed on any device, whatever else ran beside it)."""
+    if temperature > 0:
+        return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+    return int(logits.argmax())
+
+
+@dataclass
+class _Answering:
+    """A prompt in flight: its ids, what it sampled, its states so far and its own cache and generator."""
+
+    index: int
+    ids: list[int]
+    temperature: float
+    generator: torch.Generator
+    prompt_len: int = 0
+    states: list[Tensor] = field(default_factory=list)
+    cache: KVCache | None = None  # its own, when batched continuously
+    fed: int = 0  # tokens whose keys and values the cache holds
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.ids)
+
+
+@torch.inference_mode()
+def generate(
+    loaded: LoadedModel,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    temperatures: Sequence[float],
+    seeds: Sequence[int],
+    rows: int = 48,
+    prefill_tokens: int = 4096,
+    continuous: bool | None = None,
+) -> Iterator[tuple[int, Sample]]:
+    """Answer `prompts` (token ids), up to `rows` at a time in one target forward, each until it has ended
+    (EOS) or has `max_new_tokens` tokens; prompt i samples at temperatures[i] (0: greedy) from its own generator
+    seeded with seeds[i]. Yields (i, sample) as prompts end.
+
+    `continuous` (default: on a CPU): each prompt has its own KV cache and joins the forward when another
+    leaves, as the server's batches do, so no row is padding and no ended row is computed again; a step
+    prefills new prompts of up to `prefill_tokens` tokens in all (at least one). Where the target's rows do not
+    depend on the rows beside them (the CPU kernels), an answer is then the one the prompt gets alone. Otherwise
+    (an accelerator, where one attention call per prompt and layer would cost more than padding): prompts of
+    similar lengths go together, left-padded in one cache, until all of them have ended."""
+    if continuous is None:
+        continuous = loaded.model.device.type == "cpu"
+    order = list(range(len(prompts)))
+    if not continuous:
+        order.sort(key=lambda i: len(prompts[i]))  # similar lengths together: little compute on padding
+    answering = [_Answering(i, list(prompts[i]), float(temperatures[i]), _generator(seeds[i])) for i in order]
+    if continuous:
+        yield from _continuous(loaded, answering, max_new_tokens, rows, prefill_tokens)
+    else:
+        for b in range(0, len(answering), rows):
+            yield from _padded(loaded, answering[b : b + rows], max_new_tokens)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed))
+
+
+def _ended(a: _Answering, eos: set[int], max_new_tokens: int) -> bool:
+    return a.ids[-1] in eos or len(a.ids) - a.prompt_len == max_new_tokens
+
+
+def _sample(a: _Answering) -> tuple[int, Sample]:
+    # The last token was never fed, so it has no state: the sequence keeps it only as a label.
+    state = torch.cat(a.states).to(torch.bfloat16)
+    return a.index, Sample(torch.tensor(a.ids, dtype=torch.int32), state, a.prompt_len)
+
+
+def _continuous(
+    loaded: LoadedModel, waiting: list[_Answering], max_new_tokens: int, rows: int, prefill_tokens: int
+) -> Iterator[tuple[int, Sample]]:
+    model = loaded.model
+    eos = set(loaded.tokenizer.eos_token_ids)
+    waiting = waiting[::-1]
+    active: list[_Answering] = []
+    while waiting or active:
+        budget = prefill_tokens
+        while waiting and len(active) < rows and (budget >= waiting[-1].prompt_len or budget == prefill_tokens):
+            a = waiting.pop()
+            budget -= a.prompt_len
+            a.cache = model.new_cache(a.prompt_len + max_new_tokens)
+            active.append(a)
+        feeds = [torch.tensor(a.ids[a.fed :], dtype=torch.long, device=model.device) for a in active]
+        caches = [a.cache for a in active if a.cache is not None]
+        hidden = model.hidden_batch([(f, a.fed, c) for f, a, c in zip(feeds, active, caches, strict=True)])
+        logits = model.logits(torch.cat([h[-1:] for h in hidden])).float().cpu()
+        still: list[_Answering] = []
+        for a, h, f, row in zip(active, hidden, feeds, logits, strict=True):
+            a.states.append(h.cpu())
+            a.fed += f.shape[0]
+            a.ids.append(_draw(row, a.temperature, a.generator))
+            if _ended(a, eos, max_new_tokens):
+                yield _sample(a)
+            else:
+                still.append(a)
+        active = still
 
 
 def _batch_mask(pad: Tensor, t: int, start: int) -> Tensor:
@@ -44,58 +148,38 @@ def _batch_mask(pad: Tensor, t: int, start: int) -> Tensor:
     return allowed | (self_pos[None] & (queries[None, :, None] < pad[:, None, None])).expand(b, t, span)
 
 
-@torch.inference_mode()
-def generate_batch(
-    loaded: LoadedModel,
-    prompts: Sequence[list[int]],
-    max_new_tokens: int,
-    temperature: float,
-    generator: torch.Generator,
-) -> list[Sample]:
-    """Answer `prompts` (token ids) together, left-padded, until each has ended (EOS) or has
-    `max_new_tokens` tokens; greedy when temperature is 0. Padding shifts positions, which RoPE's
-    relative form makes harmless."""
+def _padded(loaded: LoadedModel, batch: list[_Answering], max_new_tokens: int) -> Iterator[tuple[int, Sample]]:
+    """`batch` left-padded in one cache, stepped until every prompt has ended; padding shifts positions, which
+    RoPE's relative form makes harmless."""
     model = loaded.model
-    dev = model.device  # the model's (a GPU's); what is kept (tokens, states) comes back to the CPU
-    eos = torch.tensor(sorted(loaded.tokenizer.eos_token_ids) or [-1])
-    b = len(prompts)
-    width = max(len(p) for p in prompts)
-    pad = torch.tensor([width - len(p) for p in prompts])
-    ids = torch.zeros(b, width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-    cache = model.new_cache(width + max_new_tokens, batch=b)
-    feats = [model.hidden(ids.to(dev), 0, cache, _batch_mask(pad, width, 0).to(dev))]
-    new: list[Tensor] = []
-    done = torch.zeros(b, dtype=torch.bool)
-    ended_at = torch.full((b,), max_new_tokens)
-    pos = width
-    for step in range(max_new_tokens):
-        logits = model.logits(feats[-1][:, -1]).float()
-        if temperature > 0:
-            # Drawn on the CPU from the CPU generator: the same corpus for a seed on any device's logits.
-            probs = torch.softmax(logits / temperature, -1).cpu()
-            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
-        else:
-            nxt = logits.argmax(-1).cpu()
-        new.append(nxt)
-        hit = torch.isin(nxt, eos) & ~done
-        ended_at[hit] = step + 1
-        done |= hit
-        if bool(done.all()) or step + 1 == max_new_tokens:
-            break
-        feats.append(model.hidden(nxt[:, None].to(dev), pos, cache, _batch_mask(pad, 1, pos).to(dev)))
+    dev = model.device
+    eos = set(loaded.tokenizer.eos_token_ids)
+    width = max(a.prompt_len for a in batch)
+    pad = torch.tensor([width - a.prompt_len for a in batch])
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    for r, a in enumerate(batch):
+        ids[r, width - a.prompt_len :] = torch.tensor(a.ids)
+    cache = model.new_cache(width + max_new_tokens, batch=len(batch))
+    hidden = model.hidden(ids.to(dev), 0, cache, _batch_mask(pad, width, 0).to(dev)).cpu()
+    for r, a in enumerate(batch):
+        a.states.append(hidden[r, int(pad[r]) :])
+    pos, last, live = width, hidden[:, -1], list(range(len(batch)))
+    while True:
+        logits = model.logits(last.to(dev)).float().cpu()
+        for r in live:
+            batch[r].ids.append(_draw(logits[r], batch[r].temperature, batch[r].generator))
+        for r in live:
+            if _ended(batch[r], eos, max_new_tokens):
+                yield _sample(batch[r])
+        live = [r for r in live if not _ended(batch[r], eos, max_new_tokens)]
+        if not live:
+            return
+        # Ended rows keep stepping (on their last token) beside the others: a padded batch cannot drop them.
+        nxt = torch.tensor([a.ids[-1] for a in batch])[:, None]
+        last = model.hidden(nxt.to(dev), pos, cache, _batch_mask(pad, 1, pos).to(dev))[:, -1].cpu()
+        for r in live:
+            batch[r].states.append(last[r : r + 1])
         pos += 1
-    hidden = torch.cat(feats, dim=1).cpu()  # [B, width + fed, dim]: a state for every token fed
-    gen = torch.stack(new, dim=1)
-    out = []
-    for i in range(b):
-        n_new = int(ended_at[i])
-        tokens = torch.cat([ids[i, int(pad[i]) :], gen[i, :n_new]])
-        # The last token was never fed, so it has no state: the sequence keeps it only as a label.
-        state = hidden[i, int(pad[i]) : width + n_new - 1]
-        out.append(Sample(tokens.to(torch.int32), state.to(torch.bfloat16).clone(), len(prompts[i])))
-    return out
 
 
 Prompt = str | list[dict[str, str]]  # an instruction, or a whole conversation ending with a user turn
@@ -196,38 +280,49 @@ def build_corpus(
     seed: int,
     progress: Callable[[int, int], None] | None = None,
     prefix: str = "shard",
+    rows: int = 48,
 ) -> list[Path]:
-    """Answer every prompt (an instruction, or a conversation ending with a user turn; chat template) and write
-    shards of `batch_size` samples into `out_dir`. Prompts some shard of `prefix` already answered are skipped,
-    so an interrupted run resumes and a run with more prompts extends the corpus; every shard of `prefix` in
-    `out_dir` belongs to the corpus. The i-th new shard samples at temperatures[i % len(temperatures)] (0:
-    greedy). Returns the paths of every shard of `prefix`."""
+    """Answer every prompt (an instruction, or a conversation ending with a user turn; chat template), `rows` at
+    a time (`generate`), and write the answers into `out_dir` in shards of `batch_size`, in the order they end.
+    Prompts some shard of `prefix` already answered are skipped, so an interrupted run resumes and a run with
+    more prompts extends the corpus; every shard of `prefix` in `out_dir` belongs to the corpus. A prompt
+    samples at one of `temperatures` (0: greedy) and from a generator seeded by `seed` and the prompt itself,
+    both chosen by its key: its answer does not depend on the other prompts of a run. `progress(answers,
+    answer tokens so far)` after each shard. Returns the paths of every shard of `prefix`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     existing = sorted(out_dir.glob(f"{prefix}-[0-9]*[0-9].pt"))
     done = {key for path in existing for key in _read_ids(path).get("keys", [])}
     todo = [(key, p) for key, p in ((prompt_key(p), p) for p in prompts) if key not in done]
     todo = list({key: p for key, p in todo}.items())  # a prompt listed twice is answered once
     encoded = [encode_prompt(loaded, p) for _, p in todo]
-    # Similar lengths batch together, so little compute goes into padding.
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    first = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in existing), default=-1)
+    numbers = [int(key, 16) for key, _ in todo]
+    temps = [temperatures[n % len(temperatures)] for n in numbers]
+    seeds = [(seed * 100_003 + n) % 2**63 for n in numbers]
     paths = list(existing)
+    shard = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in existing), default=-1)
     tokens_done = 0
-    for n, batch in enumerate(batches, start=first):
-        path = out_dir / f"{prefix}-{n:05d}.pt"
-        gen = torch.Generator().manual_seed(seed * 100_003 + n)
-        samples = generate_batch(
-            loaded, [encoded[i] for i in batch], max_new_tokens, temperatures[n % len(temperatures)], gen
-        )
+    finished: list[tuple[int, Sample]] = []
+
+    def write() -> None:
+        nonlocal shard, tokens_done
+        path = out_dir / f"{prefix}-{shard:05d}.pt"
         tmp = path.with_suffix(".tmp")
         # The states go straight to their name; the ids appear last, so a shard whose ids exist is whole.
-        save_shard(samples, tmp, [todo[i][0] for i in batch])
+        save_shard([s for _, s in finished], tmp, [todo[i][0] for i, _ in finished])
         tmp.rename(path)
         paths.append(path)
-        tokens_done += sum(len(s.tokens) - s.prompt_len for s in samples)
+        shard += 1
+        tokens_done += sum(len(s.tokens) - s.prompt_len for _, s in finished)
         if progress is not None:
-            progress(len(batch), tokens_done)
+            progress(len(finished), tokens_done)
+        finished.clear()
+
+    for answer in generate(loaded, encoded, max_new_tokens, temps, seeds, rows):
+        finished.append(answer)
+        if len(finished) == batch_size:
+            write()
+    if finished:
+        write()
     return paths
 
 

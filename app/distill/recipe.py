@@ -102,6 +102,7 @@ def _round(
             recipe.seed,
             progress,
             prefix,
+            rows=recipe.batch_size,
         )
         bar.update(len(prompts) - bar.n)  # what earlier runs answered
         return paths
