@@ -282,6 +282,10 @@ def test_training_resumes_from_a_shipped_draft_or_a_checkpoint(tiny, tmp_path):
     save_draft(other, tmp_path / "other")
     with pytest.raises(EagleError, match="another target"):
         recipe._resumed(tmp_path / "other", tiny.model, "x")
+    wider = EagleDraft(dataclasses.replace(EagleConfig.for_target(tiny.model.config, 8), intermediate_size=8))
+    torch.save({"draft": wider.state_dict()}, tmp_path / "checkpoint-other.pt")  # another target's shapes
+    with pytest.raises(EagleError, match="cannot resume from"):
+        recipe._resumed(tmp_path / "checkpoint-other.pt", tiny.model, "x")
 
 
 def test_train_draft_resume_flag_is_checked_before_anything_runs(capsys, tmp_path):

@@ -169,10 +169,11 @@ def _resumed(path: Path, target: Transformer, name: str) -> EagleDraft:
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=False)["draft"]
-        except (OSError, KeyError, RuntimeError, pickle.UnpicklingError) as exc:
+            draft = EagleDraft(EagleConfig.for_target(target.config, len(state["vocab_ids"]), name))
+            draft.load_state_dict(state)
+        except (OSError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as exc:
+            # A checkpoint of another target's draft fails here (its shapes), a draft directory below.
             raise EagleError(f"cannot resume from {path}: {exc}") from exc
-        draft = EagleDraft(EagleConfig.for_target(target.config, len(state["vocab_ids"]), name))
-        draft.load_state_dict(state)
     c = target.config
     if (draft.config.dim, draft.config.target_vocab_size) != (c.dim, c.vocab_size):
         raise EagleError(f"{path} was trained for another target")
