@@ -315,3 +315,19 @@ def test_corpus_answers_on_a_cpu_kernel_are_the_ones_each_prompt_gets_alone(pack
         alone = dict(corpus.generate(loaded, [prompt], 12, [temps[i]], [seeds[i]], rows=1))[0]
         assert together[i].tokens.tolist() == alone.tokens.tolist()
         assert torch.equal(together[i].features, alone.features)
+
+
+def test_the_committed_corpus_holds_no_held_out_instruction():
+    """model_store's corpus: every round-1 prompt is one of the recipe's training instructions (for the
+    --instructions of the run that wrote it), none of the held-out ones the card measures on."""
+    from pathlib import Path
+
+    from app.distill import recipe
+
+    folder = Path(__file__).resolve().parents[1] / "model_store" / "corpus" / "smollm2-135m-instruct"
+    keys = [k for path in sorted(folder.glob("r1-*.pt")) for k in torch.load(path, weights_only=True)["keys"]]
+    assert len(keys) == len(set(keys)) > 0
+    r = recipe.Recipe(first_round=len(keys))
+    trained = {corpus.prompt_key(q) for q in instructions.traffic_instructions(r.first_round + r.held_out, r.seed)}
+    held = {corpus.prompt_key(q) for q in recipe.held_out_instructions(r)}
+    assert set(keys) == trained - held

@@ -267,7 +267,8 @@ def train_draft(
         "output layer (restricted to the draft vocabulary)",
         "parameters": sum(p.numel() for p in draft.parameters()),
         "recipe": asdict(recipe),
-        "resumed_from": str(resume) if resume is not None else None,
+        # Its name (a draft's folder is named for it), not this machine's path to it.
+        "resumed_from": resume.name if resume is not None else None,
         "corpus": {
             "sequences": len(samples),
             "positions": sum(s.features.shape[0] for s in samples),
