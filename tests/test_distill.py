@@ -307,12 +307,13 @@ def test_corpus_answers_on_a_cpu_kernel_are_the_ones_each_prompt_gets_alone(pack
     and the very states, they get alone (a kernel's rows depend on nothing but themselves)."""
     loaded = packed_target(kernel)
     assert loaded.model.rows_independent()
-    questions = ["What is the capital of France?", "Name three fruits.", "Say hello.", "Count to five."]
+    questions = ["What is the capital of France?", "Name three fruits.", "Say hello."]
     prompts = [corpus.encode_prompt(loaded, q) for q in questions]
-    temps, seeds = [0.0, 0.7, 0.0, 0.7], [1, 2, 3, 4]
-    together = dict(corpus.generate(loaded, prompts, 12, temps, seeds, rows=3, prefill_tokens=40))
+    temps, seeds = [0.0, 0.7, 0.7], [1, 2, 3]
+    # 2 rows: the third prompt joins when one ends (the budget admits one prompt a step).
+    together = dict(corpus.generate(loaded, prompts, 6, temps, seeds, rows=2, prefill_tokens=20))
     for i, prompt in enumerate(prompts):
-        alone = dict(corpus.generate(loaded, [prompt], 12, [temps[i]], [seeds[i]], rows=1))[0]
+        alone = dict(corpus.generate(loaded, [prompt], 6, [temps[i]], [seeds[i]], rows=1))[0]
         assert together[i].tokens.tolist() == alone.tokens.tolist()
         assert torch.equal(together[i].features, alone.features)
 
