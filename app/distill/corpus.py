@@ -41,16 +41,15 @@ def _draw(logits: Tensor, temperature: float, generator: torch.Generator) -> int
 
 @dataclass
 class _Answering:
-    """A prompt in flight: its ids, what it sampled, its states so far and its own cache and generator."""
+    """A prompt in flight: its ids (prompt, then what it sampled), its states so far and its own generator."""
 
     index: int
     ids: list[int]
     temperature: float
     generator: torch.Generator
-    prompt_len: int = 0
+    prompt_len: int = field(init=False)
     states: list[Tensor] = field(default_factory=list)
-    cache: KVCache | None = None  # its own, when batched continuously
-    fed: int = 0  # tokens whose keys and values the cache holds
+    fed: int = 0  # tokens whose keys and values its cache holds (continuous batching)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.ids)
@@ -110,27 +109,25 @@ def _continuous(
     model = loaded.model
     eos = set(loaded.tokenizer.eos_token_ids)
     waiting = waiting[::-1]
-    active: list[_Answering] = []
+    active: list[tuple[_Answering, KVCache]] = []  # each prompt with its own cache
     while waiting or active:
         budget = prefill_tokens
         while waiting and len(active) < rows and (budget >= waiting[-1].prompt_len or budget == prefill_tokens):
             a = waiting.pop()
             budget -= a.prompt_len
-            a.cache = model.new_cache(a.prompt_len + max_new_tokens)
-            active.append(a)
-        feeds = [torch.tensor(a.ids[a.fed :], dtype=torch.long, device=model.device) for a in active]
-        caches = [a.cache for a in active if a.cache is not None]
-        hidden = model.hidden_batch([(f, a.fed, c) for f, a, c in zip(feeds, active, caches, strict=True)])
+            active.append((a, model.new_cache(a.prompt_len + max_new_tokens)))
+        feeds = [torch.tensor(a.ids[a.fed :], dtype=torch.long, device=model.device) for a, _ in active]
+        hidden = model.hidden_batch([(f, a.fed, c) for f, (a, c) in zip(feeds, active, strict=True)])
         logits = model.logits(torch.cat([h[-1:] for h in hidden])).float().cpu()
-        still: list[_Answering] = []
-        for a, h, f, row in zip(active, hidden, feeds, logits, strict=True):
+        still: list[tuple[_Answering, KVCache]] = []
+        for (a, cache), h, f, row in zip(active, hidden, feeds, logits, strict=True):
             a.states.append(h.cpu())
             a.fed += f.shape[0]
             a.ids.append(_draw(row, a.temperature, a.generator))
             if _ended(a, eos, max_new_tokens):
                 yield _sample(a)
             else:
-                still.append(a)
+                still.append((a, cache))
         active = still
 
 
@@ -160,25 +157,30 @@ def _padded(loaded: LoadedModel, batch: list[_Answering], max_new_tokens: int) -
     for r, a in enumerate(batch):
         ids[r, width - a.prompt_len :] = torch.tensor(a.ids)
     cache = model.new_cache(width + max_new_tokens, batch=len(batch))
-    hidden = model.hidden(ids.to(dev), 0, cache, _batch_mask(pad, width, 0).to(dev)).cpu()
+    hidden = model.hidden(ids.to(dev), 0, cache, _batch_mask(pad, width, 0).to(dev))
+    kept = hidden.cpu()
     for r, a in enumerate(batch):
-        a.states.append(hidden[r, int(pad[r]) :])
+        a.states.append(kept[r, int(pad[r]) :])
     pos, last, live = width, hidden[:, -1], list(range(len(batch)))
     while True:
-        logits = model.logits(last.to(dev)).float().cpu()
+        logits = model.logits(last).float().cpu()
+        still = []
         for r in live:
-            batch[r].ids.append(_draw(logits[r], batch[r].temperature, batch[r].generator))
-        for r in live:
-            if _ended(batch[r], eos, max_new_tokens):
-                yield _sample(batch[r])
-        live = [r for r in live if not _ended(batch[r], eos, max_new_tokens)]
+            a = batch[r]
+            a.ids.append(_draw(logits[r], a.temperature, a.generator))
+            if _ended(a, eos, max_new_tokens):
+                yield _sample(a)
+            else:
+                still.append(r)
+        live = still
         if not live:
             return
         # Ended rows keep stepping (on their last token) beside the others: a padded batch cannot drop them.
         nxt = torch.tensor([a.ids[-1] for a in batch])[:, None]
-        last = model.hidden(nxt.to(dev), pos, cache, _batch_mask(pad, 1, pos).to(dev))[:, -1].cpu()
+        last = model.hidden(nxt.to(dev), pos, cache, _batch_mask(pad, 1, pos).to(dev))[:, -1]
+        kept = last.cpu()
         for r in live:
-            batch[r].states.append(last[r : r + 1])
+            batch[r].states.append(kept[r : r + 1])
         pos += 1
 
 
