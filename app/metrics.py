@@ -15,9 +15,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:  # the metrics load without torch
+    from collections.abc import Iterator
+
+    from prometheus_client.core import Metric
+
+    from app.engine.drafting.suffix_index import TrafficIndex
     from app.engine.step import StepOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -287,6 +293,11 @@ class Metrics:
             self._accepted_per_pos.labels(self.model_name, str(position))
             self._drafted_per_pos.labels(self.model_name, str(position))
 
+    def watch_index(self, index: TrafficIndex) -> None:
+        """Export the index of earlier answers as it is at each scrape (its counts are plain ints the worker
+        keeps; reading them needs no lock)."""
+        self.registry.register(_IndexCollector(index, self.model_name))
+
     def request_ended(self, outcome: str, finish_reason: str | None = None) -> None:
         """Count a request that ended (rejected ones included) by `outcome` (see OUTCOMES)."""
         self._requests.labels(self.model_name, outcome, finish_reason or "none").inc()
@@ -363,3 +374,36 @@ class Metrics:
         self.waiting.set(waiting)
         self.kv_cache_usage.set(kv_cache_usage)
         self.gpu_cache_usage.set(kv_cache_usage)
+
+
+class _IndexCollector:
+    """The index of earlier answers (app.engine.drafting.suffix_index.TrafficIndex), read at scrape time."""
+
+    def __init__(self, index: TrafficIndex, model_name: str) -> None:
+        self._index = index
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        index, labels = self._index, ["model_name"]
+        figures: list[tuple[str, str, float, type]] = [
+            (
+                "suffix_index_bytes",
+                "Memory the index of earlier answers holds (bytes).",
+                index.bytes,
+                GaugeMetricFamily,
+            ),
+            ("suffix_index_limit_bytes", "Memory the index may hold (bytes).", index.max_bytes, GaugeMetricFamily),
+            ("suffix_index_answers", "Answers the index holds, all tenants.", index.sequences, GaugeMetricFamily),
+            ("suffix_index_tokens", "Tokens the index holds, all tenants.", index.tokens, GaugeMetricFamily),
+            (
+                "suffix_index_lookups",
+                "Lookups in the index (one per drafting step that read it).",
+                index.lookups,
+                CounterMetricFamily,
+            ),
+            ("suffix_index_hits", "Lookups in the index that found a continuation.", index.hits, CounterMetricFamily),
+        ]
+        for name, doc, value, family in figures:
+            metric = family("specserve_" + name, doc, labels=labels)
+            metric.add_metric([self._model], value)
+            yield metric

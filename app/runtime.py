@@ -66,6 +66,12 @@ class Runtime:
         return self.scheduler.engine.grammars
 
     @property
+    def suffix_index(self) -> tuple[int, int, int]:
+        """The index of earlier answers: (limit, bytes held now, answers held); zeros where there is none."""
+        index = self.scheduler.engine.traffic
+        return (index.max_bytes, index.bytes, index.sequences) if index is not None else (0, 0, 0)
+
+    @property
     def prefix_cache_bytes(self) -> tuple[int, int]:
         """The prefix cache's (limit, bytes held now); (0, 0) where there is none."""
         cache = self.scheduler.engine.prefix_cache
@@ -107,6 +113,8 @@ class Runtime:
         if metrics is not None:
             k = engine.num_draft_tokens if engine.drafters else 0
             metrics.engine_started(info.kernel, info.dtype, engine.batching, k)
+            if engine.traffic is not None:
+                metrics.watch_index(engine.traffic)
         scheduler = Scheduler(
             engine,
             settings.max_concurrent_requests,
@@ -133,6 +141,7 @@ class Runtime:
             prefill_chunk=settings.prefill_chunk_tokens,
             prefill_step_seconds=settings.prefill_step_seconds,
             prefix_cache_mb=settings.prefix_cache_mb,
+            suffix_index_mb=settings.suffix_index_mb,
             weights=settings.weights,
         )
         return cls.from_engine(engine, settings, metrics, generation_temperature(settings.target))

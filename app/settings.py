@@ -23,6 +23,7 @@ from app.engine.defaults import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
     DEFAULT_PREFIX_CACHE_MB,
+    DEFAULT_SUFFIX_INDEX_MB,
     MAX_DRAFT_TOKENS,
     WEIGHTS_HELP,
 )
@@ -103,6 +104,12 @@ class Settings(BaseSettings):
         "computed, least recently used evicted first; a prompt that starts like one of them (a chat's next turn, a "
         "shared system prompt) prefills only the rest, with the very tokens of a full prefill. 0: off. Only on "
         "the CPU kernels, whose rows do not depend on the batch",
+    )
+    suffix_index_mb: float = Field(
+        DEFAULT_SUFFIX_INDEX_MB,
+        ge=0,
+        description="memory (MiB) for the index of earlier answers that the lookups of the `suffix` and `hybrid` "
+        "drafts read (per tenant: a request's cache_salt), least recently used answers evicted first; 0: none kept",
     )
     max_queue_size: int = Field(
         16,

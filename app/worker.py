@@ -618,6 +618,7 @@ class Scheduler:
         ticket go, and give its memory back to admission; after a large one the heap is trimmed once the step is
         over."""
         if job.gen is not None:
+            job.gen.cancel()  # a no-op for a finished one; a drafter hears that an unfinished one was given up
             job.gen = None
             if self.trim_after_tokens and len(job.prompt_ids) + job.params.max_new_tokens >= self.trim_after_tokens:
                 self._trim_due = True

@@ -47,6 +47,7 @@ async def test_completions_streamed_and_not_match_native(api_client, sse_data) -
         "completion_tokens": 10,
         "total_tokens": 15,
         "prompt_tokens_details": {"cached_tokens": 0},  # the float32 engine has no prefix cache
+        "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
     chunks = _chunks(sse_data, streamed.text)
     *text_chunks, usage_chunk = chunks
@@ -221,6 +222,7 @@ async def test_several_prompts_are_one_choice_each(api_client, api_engine, sse_d
         "completion_tokens": 6,
         "total_tokens": sum(len(i) for i in ids) + 6,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
     assert got["speculative"]["target_passes"] == sum(a["speculative"]["target_passes"] for a in alone)
     # echo of token ids is their text

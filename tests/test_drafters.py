@@ -172,7 +172,7 @@ class _Recorder(Drafter, DraftSession):
 
 def test_hybrid_uses_the_lookup_on_a_long_match_and_the_model_otherwise():
     model = _Recorder()
-    session = HybridDrafter("hybrid", model, min_match=2).session(100)
+    session = HybridDrafter("hybrid", model).session(100)
     assert session.features is model.features  # a feature draft's buffer is the generation's to fill
     # "1 2 3" recurs: the lookup proposes what followed it, the model is not asked.
     assert session.propose([1, 2, 3, 9, 8, 1, 2, 3], 3) == [9, 8, 1]

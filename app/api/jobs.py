@@ -64,6 +64,8 @@ class JobSpec:
     logprobs: int | None = None  # each generated token's log-probability with this many alternatives
     prompt_logprobs: int | None = None  # each prompt token's, likewise
     grammar: Grammar | None = None  # what the output is constrained to (structured output)
+    cache_salt: str | None = None  # the tenant of the prefix cache and the index of earlier answers
+    prediction: str | None = None  # text the answer will mostly be (a lookup source)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,11 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         penalties = PenaltyParams(pen.repetition, pen.presence, pen.frequency, pen.count_prompt)
     except ValueError as exc:
         raise _invalid(str(exc)) from exc
+    prediction: tuple[int, ...] = ()
+    if spec.prediction:
+        predicted = await admission.run(runtime.tokenizer.encode, spec.prediction)
+        bos = runtime.tokenizer.bos_token_id
+        prediction = tuple(predicted[1:] if predicted[:1] == [bos] and bos is not None else predicted)
     d = spec.decoding
     params = GenerationParams(
         max_new_tokens=max_new,
@@ -134,6 +141,9 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         logprobs=spec.logprobs,
         prompt_logprobs=spec.prompt_logprobs,
         penalties=penalties,
+        cache_salt=spec.cache_salt,
+        prediction=prediction,
+        lookup_draft_tokens=spec.speculative.lookup_draft_tokens if spec.speculative is not None else None,
     )
     try:  # the engine's own checks, before anything is queued (the schemas already hold requests to most)
         names = {"prompt": spec.prompt_field, "max_new_tokens": spec.max_new_tokens_field}

@@ -80,6 +80,8 @@ async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, 
         logprobs=(p.top_n_tokens or 0) if shown else None,
         prompt_logprobs=0 if p.details and p.decoder_input_details and not stream else None,
         grammar=p.grammar.grammar() if p.grammar is not None else None,
+        cache_salt=p.cache_salt,
+        prediction=p.prediction,
     )
     return await jobs.prepare(runtime, settings, spec)
 

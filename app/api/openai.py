@@ -34,6 +34,7 @@ from app.api.schemas import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     ModelCard,
     ModelList,
     OpenAIErrorResponse,
@@ -118,7 +119,8 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, runtime: Runtime)
 
 
 def _usage(prompt_tokens: int, results: Sequence[Finished]) -> Usage:
-    """Usage of a request: each prompt's tokens once (as OpenAI and vLLM count them), every choice's output."""
+    """Usage of a request: each prompt's tokens once (as OpenAI and vLLM count them), every choice's output, and
+    how much of a prediction the answers kept (0 without one), as OpenAI reports it."""
     completion = sum(f.generated_tokens for f in results)
     # Each of the n choices of a prompt prefills it, later ones finding more in the cache: the prompts' cached
     # tokens are counted once as their prompt tokens are, the mean over their choices.
@@ -129,6 +131,10 @@ def _usage(prompt_tokens: int, results: Sequence[Finished]) -> Usage:
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=sum(f.stats.accepted_prediction_tokens for f in results),
+            rejected_prediction_tokens=sum(f.stats.rejected_prediction_tokens for f in results),
+        ),
     )
 
 
@@ -298,6 +304,8 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             decoding=body.decoding(),
             penalties=body.penalties(),
             truncate=body.truncate_prompt_tokens,
+            cache_salt=body.cache_salt,
+            prediction=body.prediction.text() if body.prediction is not None else None,
             # provenance reports each token's log-probability: the engine computes them only when asked
             logprobs=body.logprobs if body.logprobs is not None or not body.provenance else 0,
             prompt_logprobs=max(wanted) if wanted else None,
@@ -434,6 +442,8 @@ async def chat_completions(
         decoding=body.decoding(),
         penalties=body.penalties(),
         truncate=body.truncate_prompt_tokens,
+        cache_salt=body.cache_salt,
+        prediction=body.prediction.text() if body.prediction is not None else None,
         # provenance reports each token's log-probability: the engine computes them only when asked
         logprobs=(body.top_logprobs or 0) if body.logprobs else 0 if body.provenance else None,
         prompt_logprobs=body.prompt_logprobs,

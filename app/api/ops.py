@@ -56,6 +56,7 @@ async def info(
     """Models, dtype, device, draft, k, limits and version."""
     i = runtime.info
     prefix_limit, prefix_used = runtime.prefix_cache_bytes
+    index_limit, index_used, index_answers = runtime.suffix_index
     return Info(
         model_id=i.model_id,
         served_model_name=i.served_model_name,
@@ -80,6 +81,9 @@ async def info(
         max_queue_size=settings.max_queue_size,
         prefix_cache_bytes=prefix_limit,
         prefix_cache_used_bytes=prefix_used,
+        suffix_index_bytes=index_limit,
+        suffix_index_used_bytes=index_used,
+        suffix_index_answers=index_answers,
         request_timeout=settings.request_timeout,
         version=i.version,
     )

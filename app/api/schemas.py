@@ -421,6 +421,39 @@ def _provenance_field() -> Any:
     return Field(None, exclude_if=_unset, description="with `provenance: true` only (our extension)")
 
 
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
+_CACHE_SALT = (
+    "the tenant (vLLM's cache_salt): the prefix cache and the index of earlier answers are used within requests of "
+    "the same salt only, so that no other tenant's text changes how fast this answer comes"
+)
+
+
+class PredictionPart(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the answer will mostly be (a file that a code edit rewrites)."""
+
+    model_config = _REQUEST
+
+    type: Literal["content"]
+    content: str | list[PredictionPart] = Field(description="the predicted text, or its parts (joined)")
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+_PREDICTION = (
+    "text the answer will mostly be (OpenAI's predicted outputs: a code edit's file): drafted from wherever the "
+    "answer follows it and verified like any draft, so the answer is the same, only sooner; usage reports "
+    "completion_tokens_details.accepted_prediction_tokens and rejected_prediction_tokens"
+)
+
+
 class SpeculativeParameters(BaseModel):
     """How to speculate for this request (our extension of both APIs)."""
 
@@ -444,6 +477,12 @@ class SpeculativeParameters(BaseModel):
         le=1,
         description="confidence cut-off: a model draft stops below this top probability; "
         "0 turns it off; default: the server's",
+    )
+    lookup_draft_tokens: _int(ge=0, le=MAX_DRAFT_TOKENS) | None = Field(
+        None,
+        description="with the adaptive schedule, the most tokens a lookup in text already written (the request's own, "
+        "its `prediction`, the tenant's earlier answers) drafts per step, where its measured acceptance pays for "
+        "the rows; num_draft_tokens bounds the model draft's; default: the server's (16)",
     )
     sampler: Literal["gumbel", "rejection"] | None = Field(
         None,
@@ -476,6 +515,13 @@ class SpeculativeDetails(BaseModel):
     p_min: float = Field(description="the confidence cut-off used")
     draft_lengths: list[int] = Field(description="[k]: steps that asked the draft for k tokens")
     p_min_stops: int = Field(description="steps whose draft stopped early below p_min")
+    draft_sources: dict[str, int] = Field(
+        default_factory=dict,
+        description="steps whose verified draft came from each source: `model`, or a lookup in `prompt` (the "
+        "request's own text), `prediction` or `index` (the tenant's earlier answers)",
+    )
+    accepted_prediction_tokens: int = Field(0, description="tokens of the prediction drafted and kept")
+    rejected_prediction_tokens: int = Field(0, description="tokens of the prediction drafted and rejected")
     sampler: Literal["greedy", "gumbel", "rejection"] = Field(
         description="how tokens were chosen: `greedy`, or the sampler that drew them"
     )
@@ -535,6 +581,10 @@ class GenerateParameters(BaseModel):
     adapter_id: _neutral_only(str | None, None) = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
     provenance: bool = Field(False, description=_PROVENANCE)
+    prediction: str | None = Field(
+        None, description="our extension: " + _PREDICTION.replace("usage reports ", "details.speculative reports ")
+    )
+    cache_salt: CacheSalt | None = Field(None, description="our extension: " + _CACHE_SALT)
 
     @model_validator(mode="after")
     def _sampling_is_consistent(self) -> GenerateParameters:
@@ -697,9 +747,7 @@ OUTPUT_NEUTRAL_FIELDS = frozenset(
         "service_tier",
         "priority",
         "request_id",
-        "cache_salt",
         "include_reasoning",
-        "prediction",
         "prompt_cache_key",
         "safety_identifier",
     }
@@ -757,6 +805,8 @@ class _OpenAISampling(BaseModel):
     user: str | None = None
     speculative: SpeculativeParameters | None = Field(None, description="our extension: how to speculate")
     provenance: bool = Field(False, description=_PROVENANCE)
+    prediction: Prediction | None = Field(None, description=_PREDICTION)
+    cache_salt: CacheSalt | None = Field(None, description=_CACHE_SALT)
     # vLLM's extra sampling parameters that are honoured
     ignore_eos: bool = Field(False, description="vLLM's: go on past the end-of-sequence token (to max_tokens)")
     min_tokens: _int(ge=0) = Field(
@@ -1102,12 +1152,22 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(description="prompt tokens whose keys and values came from the prefix cache")
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(description="tokens of the prediction that were drafted and kept")
+    rejected_prediction_tokens: int = Field(
+        description="tokens of the prediction that were drafted and rejected (they cost rows, not tokens)"
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = Field(
         None, description="as OpenAI's: how many prompt tokens the prefix cache served (on final usage)"
+    )
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="as OpenAI's: how much of the request's `prediction` the answers kept (0s without one)"
     )
 
 
@@ -1319,6 +1379,11 @@ class Info(BaseModel):
         "batch: torch's path, a device)"
     )
     prefix_cache_used_bytes: int = Field(description="memory the prefix cache holds now")
+    suffix_index_bytes: int = Field(
+        0, description="memory the index of earlier answers may hold (--suffix-index-mb); 0: none kept"
+    )
+    suffix_index_used_bytes: int = Field(0, description="memory the index of earlier answers holds now")
+    suffix_index_answers: int = Field(0, description="answers the index holds now, all tenants together")
     request_timeout: float
     version: str
 

@@ -15,6 +15,12 @@ from __future__ import annotations
 MAX_DRAFT_TOKENS = 16
 # Tokens drafted per step: the most ever drafted under the adaptive or heuristic schedule.
 DEFAULT_NUM_DRAFT_TOKENS = 6
+# The most a lookup in text already written (the request's own, its prediction, earlier answers) drafts per step on
+# the adaptive schedule, which drafts that far only where the match's measured acceptance pays for the rows.
+DEFAULT_LOOKUP_DRAFT_TOKENS = MAX_DRAFT_TOKENS
+# The memory the index of earlier answers may hold (app.engine.drafting.suffix_index.TrafficIndex; 0: none kept).
+# 64 MiB holds about 250,000 answer tokens: every answer of a busy hour on a 2-core server.
+DEFAULT_SUFFIX_INDEX_MB = 64
 # How the draft length is chosen per step (app.engine.drafting.draft_length.SCHEDULES): from measured acceptance
 # and costs.
 DEFAULT_DRAFT_SCHEDULE = "adaptive"

@@ -26,6 +26,7 @@ from app.engine.defaults import (
 )
 from app.engine.drafting.base import Drafter
 from app.engine.drafting.draft_length import SCHEDULES, StepCosts
+from app.engine.drafting.suffix_index import TrafficIndex
 from app.engine.generation import Generation
 from app.engine.memory import kv_cache_bytes
 from app.engine.model.tokenizer import Tokenizer
@@ -70,7 +71,8 @@ class Engine:
     that a step takes about this long, from measured costs, however long the context already is.
     `prefix_cache_mb` (> 0): the keys and values of prompts and answers are kept, up to that much memory, and a
     prompt that starts like one of them prefills only the rest (`app.engine.prefix_cache`); only where rows are
-    independent, where a reused block is bit for bit what a fresh prefill computes."""
+    independent, where a reused block is bit for bit what a fresh prefill computes. `traffic`: the index of earlier
+    answers the drafters that look up read (app.engine.drafting.suffix_index), shown in `/info` and the metrics."""
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class Engine:
         prefill_step_seconds: float = DEFAULT_PREFILL_STEP_SECONDS,
         tree_rows: int = 0,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        traffic: TrafficIndex | None = None,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:
             raise GenerationError(f"default draft {default_draft!r} is not loaded")
@@ -137,6 +140,7 @@ class Engine:
         self.verify_width = verify_width
         self.batcher = Batcher(target, verify_width, self.prefill_chunk, self.prefill_step_seconds)
         # None where rows depend on the batch (a cached block would then differ in its last bits from a fresh one).
+        self.traffic = traffic
         self.prefix_cache: PrefixCache | None = None
         if self.batching and prefix_cache_mb > 0:
             self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))
@@ -199,12 +203,13 @@ class Engine:
         # Prompt log-probabilities need every prompt row's hidden state, which the cache does not keep.
         if self.prefix_cache is None or not gen.needs_prefill or gen.params.prompt_logprobs is not None:
             return
-        gen.stats.cached_tokens += self.prefix_cache.load(gen.ids, gen.prompt_len, gen.cache, gen.features)
+        salt = gen.params.cache_salt
+        gen.stats.cached_tokens += self.prefix_cache.load(gen.ids, gen.prompt_len, gen.cache, gen.features, salt)
 
     def _keep(self, gen: Generation) -> None:
         """Cache what `gen` computed: called after a prefill step and when it finishes."""
         if self.prefix_cache is not None:
-            self.prefix_cache.store(gen.ids, gen.cache, gen.features)
+            self.prefix_cache.store(gen.ids, gen.cache, gen.features, gen.params.cache_salt)
 
     @torch.inference_mode()
     def calibrate(self, rows: int | None = None, context: int = 32) -> dict[int, float]:

@@ -13,12 +13,13 @@ from app.engine.defaults import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
     DEFAULT_PREFIX_CACHE_MB,
+    DEFAULT_SUFFIX_INDEX_MB,
 )
 from app.engine.drafting.base import Drafter, DraftError
 from app.engine.drafting.eagle import EagleDrafter, EagleError, is_eagle_dir, load_draft
-from app.engine.drafting.hybrid import HybridDrafter
 from app.engine.drafting.model import ModelDrafter
-from app.engine.drafting.ngram import NgramDrafter
+from app.engine.drafting.registry import DraftContext, builtin, lookup_names
+from app.engine.drafting.suffix_index import TrafficIndex
 from app.engine.engine import Engine
 from app.engine.model.loading import LoadedModel, load_model
 
@@ -28,7 +29,7 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 # "default": the draft the catalog ships for the target (a trained feature draft for the default target);
 # prompt lookup for a target without one.
 DEFAULT_DRAFT = "default"
-FALLBACK_DRAFT = "ngram"
+FALLBACK_DRAFT = "suffix"
 # Prompt lookup where the text repeats, the loaded model draft elsewhere (registered with any model draft).
 HYBRID = "hybrid"
 
@@ -52,6 +53,7 @@ def build_engine(
     cache_dir: Path | None = None,
     weights: str = "auto",
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+    suffix_index_mb: float = DEFAULT_SUFFIX_INDEX_MB,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
@@ -61,27 +63,33 @@ def build_engine(
     Raises store.ModelStoreError for a missing model and drafters.DraftError for a draft that does not fit
     the target. `cache_dir` (default: the model store's, $SPECSERVE_CACHE) is where the engine keeps what it
     builds (the CPU kernels): the engine itself knows nothing of the store. `weights`: how a GGUF's quantized
-    matrices are held (`load_model`; a model draft follows the target).
+    matrices are held (`load_model`; a model draft follows the target). `suffix_index_mb`: the memory the index of
+    earlier answers that the lookups draft from may hold (0: none kept).
     """
+    if suffix_index_mb < 0:
+        raise DraftError("suffix_index_mb must be 0 or more")
     cache_dir = store.cache_dir() if cache_dir is None else cache_dir
     if draft == HYBRID:  # the hybrid is built on the target's catalog draft
         if default_draft_name(target) == FALLBACK_DRAFT:
             raise DraftError(f"no catalog draft for {target!r} to build the hybrid on; name a draft instead")
         draft = "default"
     loaded = load_model(store.resolve(target), dtype, device, max_seq_len, cache_dir, weights)
-    drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+    traffic = TrafficIndex(int(suffix_index_mb * 2**20))
+    drafters: dict[str, Drafter] = {}
+    model: Drafter | None = None
     default = default_draft_name(target) if draft == "default" else draft
-    if default not in ("none", "ngram"):
+    if default not in ("none", *lookup_names()):
         path = store.resolve(default)
         if is_eagle_dir(path):
             try:
-                drafters[default] = EagleDrafter(default, load_draft(path, loaded.model), loaded)
+                model = EagleDrafter(default, load_draft(path, loaded.model), loaded)
             except EagleError as exc:
                 raise DraftError(f"draft {default!r}: {exc}") from exc
         else:
             draft_model = load_model(path, loaded.model.dtype, loaded.model.device, max_seq_len, cache_dir, weights)
-            drafters[default] = ModelDrafter(default, draft_model, loaded)
-        drafters[HYBRID] = HybridDrafter(HYBRID, drafters[default])
+            model = ModelDrafter(default, draft_model, loaded)
+        drafters[default] = model
+    drafters.update(builtin(DraftContext(model, traffic)))
     # `default` with a model draft means the hybrid: measured on Spec-Bench it beats the model draft and the
     # lookup alone (README, Benchmarks).
     if draft == "default" and HYBRID in drafters:
@@ -97,6 +105,7 @@ def build_engine(
         prefill_chunk=prefill_chunk,
         prefill_step_seconds=prefill_step_seconds,
         prefix_cache_mb=prefix_cache_mb,
+        traffic=traffic,
     )
     if drafters and draft_schedule == "adaptive":
         # The first requests then choose their draft lengths from this machine's costs (a fraction of a second).

@@ -19,9 +19,9 @@ from app.engine.decoding.detokenizer import Detokenizer
 from app.engine.decoding.grammar import GrammarState, mask_logits
 from app.engine.decoding.logprobs import TokenLogprob, token_logprobs
 from app.engine.decoding.penalties import Penalty
-from app.engine.defaults import MAX_DRAFT_TOKENS
+from app.engine.defaults import DEFAULT_LOOKUP_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from app.engine.drafting.base import Drafter, DraftSession
-from app.engine.drafting.draft_length import DraftLength, StepCosts
+from app.engine.drafting.draft_length import DraftLength, StepCosts, is_lookup
 from app.engine.drafting.tree import TreeShape, compact, row_value
 from app.engine.drafting.tree import accept as accept_tree
 from app.engine.model.tokenizer import Tokenizer
@@ -78,7 +78,12 @@ class Generation:
         self.drafter = drafter
         self._draft: DraftSession | None = drafter.session(capacity) if drafter is not None and self._k else None
         lookup_only = self._draft is not None and self._draft.looks_up and self._draft.model is None
-        self._length = DraftLength(schedule, self._k, costs or StepCosts(), "lookup" if lookup_only else "model")
+        lookup_k = DEFAULT_LOOKUP_DRAFT_TOKENS if params.lookup_draft_tokens is None else params.lookup_draft_tokens
+        self._length = DraftLength(
+            schedule, self._k, costs or StepCosts(), "lookup" if lookup_only else "model", lookup_k if self._k else 0
+        )
+        if self._draft is not None:
+            self._draft.start(len(prompt_ids), params.cache_salt, params.prediction)
         # A feature-conditioned draft reads the target's final hidden state of every verified position.
         self._features = self._draft.features if self._draft is not None else None
         self._penalty: Penalty | None = None
@@ -114,6 +119,12 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """The request was given up before it finished (its client gone, a timeout, a failure): its drafter hears
+        of it. Nothing happens to a finished generation."""
+        if not self.finished and self._draft is not None:
+            self._draft.cancel()
 
     def _tree_rows_allowed(self, rows: int) -> int:
         """The rows this request's tree verifications may have (0: it verifies chains)."""
@@ -229,7 +240,8 @@ class Generation:
                 drafts, q = self._propose(k, session)
             draft_seconds = time.perf_counter() - t0
         if not chosen and k > 0 and self._draft is not None and self._draft.looks_up and self._draft.used_lookup:
-            kind = "lookup"  # a hybrid asked for k tokens (a batch's, or a fixed length) and its lookup had them
+            # A hybrid asked for k tokens (a batch's, or a fixed length) and its lookup had them.
+            kind = self._draft.last_kind
         refused = 0
         forced: list[bool] = []
         if self._grammar is not None:
@@ -265,11 +277,15 @@ class Generation:
         is not yet measured."""
         session = self._draft
         assert session is not None and session.looks_up
-        found = session.lookup(self.ids, min(self._k, limit)) if limit > 0 else []
+        proposals = session.proposals(self.ids, min(self._length.cap("lookup:"), limit)) if limit > 0 else []
+        found = {p.kind: p.tokens for p in reversed(proposals)}  # one per kind: the first source's on a tie
+        choices: list[tuple[str, int | None]] = [(kind, len(tokens)) for kind, tokens in found.items()]
+        if session.model is not None:
+            choices.append(("model", None))
         options: list[tuple[float, int, str]] = []
-        for kind, available in (("lookup", len(found)), ("model", None if session.model is not None else 0)):
-            if available == 0 or limit <= 0:
-                continue  # nothing to draft of this kind
+        for kind, available in choices:
+            if limit <= 0:
+                continue
             k = self._length.next_k(limit, kind, available)
             if k:
                 options.append((self._length.rate(k, kind) or 0.0, k, kind))
@@ -277,8 +293,8 @@ class Generation:
                 self._length.idle(kind)
         if not options:
             return 0, self._length.kind, None
-        _, k, kind = max(options, key=lambda option: option[0])
-        return k, kind, found[:k] if kind == "lookup" else None
+        _, k, kind = max(options, key=lambda option: option[0])  # the first best: lookups before the model
+        return k, kind, found[kind][:k] if kind != "model" else None
 
     def verify(
         self, plan: StepPlan, hidden: torch.Tensor, logits: torch.Tensor, forward_seconds: float, solo: bool
@@ -318,15 +334,12 @@ class Generation:
         self.stats.forced += kept_forced
         self.stats.refused += plan.refused
         if proposed:
-            self.stats.drafted += proposed
-            self.stats.accepted += kept_own
-            for i in range(kept_own):
-                self.stats.accepted_per_position[i] += 1
+            self._count_draft(plan.kind, proposed, kept_own)
         self.stats.draft_seconds += plan.draft_seconds
         self.stats.verify_seconds += verify_seconds
         k = plan.k
         if k > 0:
-            self.stats.draft_lengths[k] += 1
+            self._count_length(k)
             self.stats.p_min_stops += proposed < k
             self._length.update(proposed, kept_own, plan.kind)
         elif not solo and self._k and self.params.max_new_tokens - self.stats.generated_tokens > 1:
@@ -338,7 +351,7 @@ class Generation:
         if solo:
             self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
         new = [*drafts[:accepted], nxt]
-        drafted_by = "lookup" if plan.kind == "lookup" else "draft"
+        drafted_by = "lookup" if is_lookup(plan.kind) else "draft"
         sources = ["forced" if plan.forced and plan.forced[i] else drafted_by for i in range(accepted)]
         if accepted < len(drafts) or plan.refused:
             sources.append("correction")
@@ -385,14 +398,11 @@ class Generation:
         self.stats.target_passes += 1
         self.stats.verify_passes += bool(tree.nodes)
         if tree.nodes:
-            self.stats.drafted += tree.nodes
-            self.stats.accepted += accepted
-            for i in range(accepted):
-                self.stats.accepted_per_position[i] += 1
+            self._count_draft("model", tree.nodes, accepted)
         self.stats.draft_seconds += plan.draft_seconds
         self.stats.verify_seconds += verify_seconds
         if plan.k > 0:
-            self.stats.draft_lengths[plan.k] += 1
+            self._count_length(plan.k)
             self.stats.p_min_stops += tree.depth < plan.k
             # Acceptance along the depth, as a chain of the tree's depth would count it.
             self._length.update(tree.depth, accepted)
@@ -407,6 +417,28 @@ class Generation:
         n = self.params.logprobs
         logprobs = None if n is None else token_logprobs(logits[rows], new, n)
         return self._emit(new, tree.nodes, accepted, plan.draft_seconds, verify_seconds, logprobs, sources)
+
+    def _count_draft(self, kind: str, proposed: int, kept: int) -> None:
+        """A verified draft of `kind`: `proposed` tokens of which the first `kept` were kept."""
+        stats = self.stats
+        stats.drafted += proposed
+        stats.accepted += kept
+        # A lookup may draft further than num_draft_tokens: the per-position counts grow to its length.
+        if len(stats.accepted_per_position) < kept:
+            stats.accepted_per_position.extend([0] * (kept - len(stats.accepted_per_position)))
+        for i in range(kept):
+            stats.accepted_per_position[i] += 1
+        source = kind.split(":")[1] if kind.startswith("lookup:") else "prompt" if kind == "lookup" else "model"
+        stats.draft_sources[source] = stats.draft_sources.get(source, 0) + 1
+        if source == "prediction":
+            stats.accepted_prediction_tokens += kept
+            stats.rejected_prediction_tokens += proposed - kept
+
+    def _count_length(self, k: int) -> None:
+        lengths = self.stats.draft_lengths
+        if len(lengths) <= k:
+            lengths.extend([0] * (k + 1 - len(lengths)))
+        lengths[k] += 1
 
     def _timed_draft_steps(self, plan: StepPlan, steps: int) -> int:
         """The draft steps whose seconds `plan.draft_seconds` measures: `steps`, or 0 where they measure no draft
@@ -525,6 +557,8 @@ class Generation:
             self.finish_reason = finish
             text += self._detok.flush()
             self.stats.total_seconds = time.perf_counter() - self._started
+            if self._draft is not None:
+                self._draft.finish(self.ids)
         # Only the tokens kept (not those past the end, an end-of-sequence token or a stop string) have theirs.
         kept = None if logprobs is None else logprobs[: len(new)]
         return StepOutput(

@@ -35,9 +35,16 @@ from app.engine.model.transformer import KVCache
 DEFAULT_BLOCK_TOKENS = 16
 
 
+def _root(tenant: str | None) -> int | str:
+    """The parent key of a tenant's first blocks: 0 for the shared default, a string no block id can equal for a
+    salt, so that one tenant's blocks are never found after another's prompt (no timing side channel)."""
+    return 0 if tenant is None else f"tenant:{tenant}"
+
+
 @dataclass(eq=False)
 class _Block:
-    key: tuple[int, tuple[int, ...]]  # (the parent block's id, 0 for the first; this block's tokens)
+    # (the parent block's id, or for the first block its tenant's root: 0 for the shared one; this block's tokens)
+    key: tuple[int | str, tuple[int, ...]]
     id: int
     k: Tensor  # [n_layers, n_kv_heads, block_tokens, head_dim]
     v: Tensor
@@ -61,7 +68,7 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.limit = max_bytes  # what the blocks may take now (`bound`)
         self.block_tokens = block_tokens
-        self._blocks: OrderedDict[tuple[int, tuple[int, ...]], _Block] = OrderedDict()  # least recent first
+        self._blocks: OrderedDict[tuple[int | str, tuple[int, ...]], _Block] = OrderedDict()  # least recent first
         self._by_id: dict[int, _Block] = {}
         self._next_id = 1
         self.bytes = 0
@@ -70,12 +77,12 @@ class PrefixCache:
     def blocks(self) -> int:
         return len(self._blocks)
 
-    def _chain(self, ids: Sequence[int], limit: int, features: bool) -> list[_Block]:
-        """The cached blocks that start `ids`, at most `limit` tokens of them; with `features`, only blocks that
-        carry the target's hidden states."""
+    def _chain(self, ids: Sequence[int], limit: int, features: bool, tenant: str | None) -> list[_Block]:
+        """The cached blocks of `tenant` that start `ids`, at most `limit` tokens of them; with `features`, only
+        blocks that carry the target's hidden states."""
         b = self.block_tokens
         chain: list[_Block] = []
-        parent = 0
+        parent: int | str = _root(tenant)
         for start in range(0, limit - b + 1, b):
             block = self._blocks.get((parent, tuple(ids[start : start + b])))
             if block is None or (features and block.features is None):
@@ -84,15 +91,18 @@ class PrefixCache:
             parent = block.id
         return chain
 
-    def load(self, ids: Sequence[int], prompt_len: int, cache: KVCache, features: Tensor | None) -> int:
-        """Copy the cached blocks that continue `ids` from `cache.length` into `cache` (and `features` [capacity,
-        dim], when given) and move its length past them; returns the tokens loaded (0: none). At most
-        `prompt_len - 1` positions end up computed, so the prompt's last token still runs."""
+    def load(
+        self, ids: Sequence[int], prompt_len: int, cache: KVCache, features: Tensor | None, tenant: str | None = None
+    ) -> int:
+        """Copy the cached blocks of `tenant` (a request's cache_salt; None: the shared default) that continue `ids`
+        from `cache.length` into `cache` (and `features` [capacity, dim], when given) and move its length past
+        them; returns the tokens loaded (0: none). At most `prompt_len - 1` positions end up computed, so the
+        prompt's last token still runs."""
         start = cache.length
         b = self.block_tokens
         if start % b or self.max_bytes == 0:
             return 0
-        chain = self._chain(ids, prompt_len - 1, features is not None)[start // b :]
+        chain = self._chain(ids, prompt_len - 1, features is not None, tenant)[start // b :]
         if not chain:
             return 0
         for i, block in enumerate(chain):
@@ -106,10 +116,10 @@ class PrefixCache:
         cache.length = start + len(chain) * b
         return len(chain) * b
 
-    def store(self, ids: Sequence[int], cache: KVCache, features: Tensor | None) -> None:
-        """Keep the full blocks of positions 0..cache.length-1 (`ids` their tokens; `features` [>= length, dim] the
-        target's hidden states of those positions, or None) that are not cached yet. Blocks already cached are
-        touched, and given `features` when they had none."""
+    def store(self, ids: Sequence[int], cache: KVCache, features: Tensor | None, tenant: str | None = None) -> None:
+        """Keep, for `tenant`, the full blocks of positions 0..cache.length-1 (`ids` their tokens; `features`
+        [>= length, dim] the target's hidden states of those positions, or None) that are not cached yet. Blocks
+        already cached are touched, and given `features` when they had none."""
         b = self.block_tokens
         n = min(cache.length, len(ids)) // b * b
         if n == 0 or self.limit == 0:
@@ -117,7 +127,7 @@ class PrefixCache:
         chain: list[_Block] = []
         parent: _Block | None = None
         for lo in range(0, n, b):
-            key = (parent.id if parent is not None else 0, tuple(ids[lo : lo + b]))
+            key = (parent.id if parent is not None else _root(tenant), tuple(ids[lo : lo + b]))
             block = self._blocks.get(key)
             feats = features[lo : lo + b].clone() if features is not None else None
             if block is None:

@@ -76,6 +76,14 @@ class GenerationParams:
     # its logits) is proposed as it is, within a draft and after it, target-only too, without counting against
     # the draft length; the target still runs its row. False: only the draft proposes (to measure the gain).
     forced_tokens: bool = True
+    # The tenant (vLLM's cache_salt): the prefix cache and the index of earlier answers are read and written within
+    # it only, so one tenant's text never changes how fast another's comes. None: the shared default.
+    cache_salt: str | None = None
+    # The tokens the answer will mostly be (OpenAI's predicted outputs: a code edit's file), a lookup source.
+    prediction: tuple[int, ...] = ()
+    # The most tokens a lookup in text already written (app.engine.drafting.suffix) drafts per step on the
+    # adaptive schedule (None: the engine's default); num_draft_tokens bounds the model draft's.
+    lookup_draft_tokens: int | None = None
 
 
 @dataclass
@@ -98,6 +106,11 @@ class GenerationStats:
     p_min: float = field(default=0.0, metadata={"setting": True})
     draft_lengths: list[int] = field(default_factory=list)  # [k]: steps that asked the draft for k tokens
     p_min_stops: int = 0  # steps whose draft stopped early for lack of confidence
+    # Steps whose verified draft came from each source: "model", or a lookup's ("prompt", "prediction", "index").
+    draft_sources: dict[str, int] = field(default_factory=dict)
+    # Tokens of the request's prediction that were drafted and kept, or drafted and rejected (OpenAI's usage).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -125,18 +138,23 @@ class GenerationStats:
                 merged[f.name] = a
             elif isinstance(a, list):
                 merged[f.name] = [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
+            elif isinstance(a, dict):
+                merged[f.name] = {key: a.get(key, 0) + b.get(key, 0) for key in {**a, **b}}
             else:
                 merged[f.name] = a + b
         return GenerationStats(**merged)
 
-    def to_dict(self) -> dict[str, float | int | str | list[int]]:
+    def to_dict(self) -> dict[str, float | int | str | list[int] | dict[str, int]]:
         """The fields and rates, rounded, for JSON (the CLI's and the benchmarks' records)."""
-        out: dict[str, float | int | str | list[int]] = {}
+        out: dict[str, float | int | str | list[int] | dict[str, int]] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = (
-                round(value, 4) if isinstance(value, float) else list(value) if isinstance(value, list) else value
-            )
+            if isinstance(value, float):
+                out[f.name] = round(value, 4)
+            elif isinstance(value, list | dict):
+                out[f.name] = value.copy()
+            else:
+                out[f.name] = value
         out["acceptance_rate"] = round(self.acceptance_rate, 4)
         out["tokens_per_target_pass"] = round(self.tokens_per_target_pass, 4)
         out["tokens_per_second"] = round(self.tokens_per_second, 3)
@@ -250,6 +268,10 @@ def check_request(
         raise GenerationError(f"draft_schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")
     if not 0.0 <= (params.draft_p_min or 0.0) <= 1.0:
         raise GenerationError("draft_p_min must lie in [0, 1]")
+    if params.lookup_draft_tokens is not None and not 0 <= params.lookup_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise GenerationError(f"lookup_draft_tokens must lie in [0, {MAX_DRAFT_TOKENS}]")
+    if any(not 0 <= t < vocab_size for t in params.prediction):
+        raise GenerationError(f"prediction token ids must lie in [0, {vocab_size})")
     if params.tree_rows is not None and not 0 <= params.tree_rows <= SLACK:
         raise GenerationError(f"tree_rows must lie in [0, {SLACK}]")
     if params.seed is not None and not 0 <= params.seed < 2**64:

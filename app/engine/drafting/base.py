@@ -8,6 +8,11 @@ without its capability, fails at import, so that renaming a method cannot quietl
 - `trees`: `propose_tree`, several candidates verified in one target forward (app.engine.drafting.tree);
 - `candidates`: `propose_candidates`, a chain with the draft's next choices at each depth (a tree's material);
 - `looks_up`: `lookup`, prompt lookup first; `model` is the session that drafts where it finds nothing.
+  `proposals` gives every source's lookup apart, each with its kind, for the schedule to price.
+
+A session's lifecycle: `start` when its generation starts (the prompt's length, the request's tenant and
+predicted output), `finish` when it ended with an answer (its whole sequence), `cancel` when it was given up;
+the generation calls them, so a drafter that learns from the traffic hears of every answer.
 
 What every session takes: the request's `penalty` and `grammar` (`constrain`), and where it reads the target's
 hidden states, a `features` buffer the generation writes. A `Drafter` declares `batches` when it drafts for
@@ -17,6 +22,7 @@ several sessions at once (`propose_batch`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -34,6 +40,16 @@ Randomness = GumbelNoise | torch.Generator | None
 
 class DraftError(ValueError):
     """A draft that cannot serve this target."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A lookup's continuation: `tokens`, its draft `kind` (`lookup`, or `lookup:SOURCE:BUCKET` where the
+    schedule calibrates each source per match length) and `match`, the tokens of context it agrees on."""
+
+    tokens: list[int]
+    kind: str = "lookup"
+    match: int = 0
 
 
 def _check_capabilities(cls: type, base: type, required: dict[str, str]) -> None:
@@ -76,6 +92,18 @@ class DraftSession:
         # whether the last proposal was the lookup's.
         self.model: DraftSession | None = None
         self.used_lookup = False
+        # With `looks_up`: the kind of the last lookup's proposal (what `lookup` returned).
+        self.last_kind = "lookup"
+
+    def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int]) -> None:
+        """The generation starts: its prompt's length, its tenant (the request's cache_salt; None: the shared
+        default) and the tokens it predicted its answer will mostly be (none: empty)."""
+
+    def finish(self, token_ids: Sequence[int]) -> None:
+        """The generation ended with an answer: `token_ids` is its whole sequence, prompt first."""
+
+    def cancel(self) -> None:
+        """The generation was given up (a client gone, a timeout, a failure) before its answer was complete."""
 
     def constrain(self, penalty: Penalty | None, grammar: GrammarState | None) -> None:
         """The request's penalties (a model draft proposes what the penalised target would choose; a lookup
@@ -110,8 +138,13 @@ class DraftSession:
 
     def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the sequence's last tokens
-        (`looks_up`)."""
+        (`looks_up`); `last_kind` says which kind they are."""
         raise NotImplementedError
+
+    def proposals(self, token_ids: Sequence[int], k: int) -> list[Proposal]:
+        """Every source's lookup of up to `k` tokens, apart (`looks_up`); by default `lookup`'s alone."""
+        found = self.lookup(token_ids, k)
+        return [Proposal(found, self.last_kind)] if found else []
 
 
 class Drafter:

@@ -32,8 +32,39 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 SCHEDULES = ("adaptive", "heuristic", "fixed")
-# Kinds of draft, each with its own acceptance: a model's, and a lookup's in the text (free to propose).
+# Kinds of draft, each with its own acceptance: a model's, and a lookup's in the text (free to propose). A lookup
+# that names its source and match length (`lookup:index:16`, app.engine.drafting.suffix) is a kind of its own,
+# created when first seen: each source's acceptance is calibrated per match length.
 KINDS = ("model", "lookup")
+
+
+def is_lookup(kind: str) -> bool:
+    """Whether drafts of `kind` are lookups in what was written (free to propose: made before the choice)."""
+    return kind.startswith("lookup")
+
+
+def _shorter(kind: str, known: dict[str, Acceptance]) -> Acceptance | None:
+    """Of the kinds in `known` from the same lookup source as `kind`, the one with the longest match shorter than
+    its own (None: none): a longer match is accepted at least as often, so a new length class starts from it."""
+    source, _, bucket = kind.rpartition(":")
+    if not kind.startswith("lookup:") or not bucket.isdigit():
+        return None
+    best, best_bucket = None, -1
+    for other, seen in known.items():
+        other_source, _, other_bucket = other.rpartition(":")
+        if other_source == source and other_bucket.isdigit() and best_bucket < int(other_bucket) < int(bucket):
+            best, best_bucket = seen, int(other_bucket)
+    return best
+
+
+def prior(kind: str) -> float:
+    """The acceptance a kind starts from before any draft of it was verified: 0.5, or for a lookup whose match
+    is m tokens long m / (m + 2) (a Laplace-like guess that a longer agreement goes on longer: 0.5 at 2 tokens,
+    0.8 at 8, 0.94 at 32), which the first verifications then correct."""
+    _, _, bucket = kind.partition(":")[2].partition(":")
+    m = int(bucket) if bucket.isdigit() else 0
+    return m / (m + 2) if m >= 2 else 0.5
+
 
 _DECAY = 0.8  # weight of the past in a request's figures (about the last five steps count)
 _DRAFTER_DECAY = 0.99  # the same in the drafter-wide figures (each new request's starting point)
@@ -121,6 +152,18 @@ class StepCosts:
         # Drafter-wide acceptance, the starting point of each new request's estimate.
         self.acceptance: dict[str, Acceptance] = {kind: Acceptance() for kind in KINDS}
 
+    def kind(self, kind: str) -> Acceptance:
+        """The drafter-wide acceptance of `kind`, created at its prior the first time."""
+        seen = self.acceptance.get(kind)
+        if seen is None:
+            start = prior(kind)
+            shorter = _shorter(kind, self.acceptance)
+            first, then = (
+                (start, start) if shorter is None else (max(start, shorter.p_first), max(start, shorter.p_then))
+            )
+            seen = self.acceptance[kind] = Acceptance(first, then)
+        return seen
+
     def observe(self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float | None) -> None:
         """One step's measured times; `verify_seconds` None when the verification was not this request's alone."""
         if draft_steps > 0:
@@ -130,7 +173,7 @@ class StepCosts:
         self.verify[rows] = _smooth(self.verify.get(rows), verify_seconds)
 
     def observe_acceptance(self, drafted: int, accepted: int, kind: str = "model") -> None:
-        self.acceptance[kind].observe(drafted, accepted, _DRAFTER_DECAY)
+        self.kind(kind).observe(drafted, accepted, _DRAFTER_DECAY)
 
     def verify_cost(self, rows: int) -> float | None:
         """Seconds to verify `rows` rows: measured, or a line through what was measured (None: nothing was)."""
@@ -159,29 +202,50 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 class DraftLength:
     """The draft-length schedule of one request. `kind`: what its drafter drafts unless told ("lookup" for
-    prompt lookup alone, else "model"); a hybrid's steps say which of its parts drafted."""
+    prompt lookup alone, else "model"); a hybrid's steps say which of its parts drafted. `max_lookup`: the most
+    a lookup of a named source (`lookup:SOURCE:BUCKET`) may draft on the adaptive schedule (default `max_k`): a
+    long match in text already written is worth drafting further than a model's guesses."""
 
-    def __init__(self, schedule: str, max_k: int, costs: StepCosts, kind: str = "model") -> None:
+    def __init__(
+        self, schedule: str, max_k: int, costs: StepCosts, kind: str = "model", max_lookup: int | None = None
+    ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {', '.join(SCHEDULES)}")
         if kind not in KINDS:
             raise ValueError(f"draft kind must be one of {', '.join(KINDS)}")
         self.schedule = schedule
         self.max_k = max_k
+        self.max_lookup = max_k if max_lookup is None else max_lookup
         self.costs = costs
         self.kind = kind
         self._k = max_k  # the heuristic's current length
         # The drafter-wide rates, worth a couple of steps, until this request's own evidence outweighs them.
-        self._seen = {
-            kind: Acceptance(seen.p_first, seen.p_then, _PRIOR_STEPS) for kind, seen in costs.acceptance.items()
-        }
+        self._seen = {kind: self._start(seen) for kind, seen in costs.acceptance.items()}
         # Per kind: steps on which it could have drafted and drafted nothing, and how many before a probe.
-        self._idle = dict.fromkeys(KINDS, 0)
-        self._wait = dict.fromkeys(KINDS, _PROBE_AFTER)
+        self._idle: dict[str, int] = {}
+        self._wait: dict[str, int] = {}
+
+    @staticmethod
+    def _start(seen: Acceptance) -> Acceptance:
+        return Acceptance(seen.p_first, seen.p_then, _PRIOR_STEPS)
 
     def estimate(self, kind: str | None = None) -> Acceptance:
         """This request's acceptance of drafts of `kind` (default: its drafter's)."""
-        return self._seen[kind or self.kind]
+        kind = kind or self.kind
+        seen = self._seen.get(kind)
+        if seen is None:
+            start = self.costs.kind(kind)
+            # This request's own evidence at a shorter match of the same source, where it is better.
+            shorter = _shorter(kind, self._seen)
+            if shorter is not None and shorter.p_then > start.p_then:
+                start = Acceptance(max(start.p_first, shorter.p_first), shorter.p_then)
+            seen = self._seen[kind] = self._start(start)
+        return seen
+
+    def cap(self, kind: str | None = None) -> int:
+        """The most tokens a draft of `kind` may have."""
+        kind = kind or self.kind
+        return self.max_lookup if kind.startswith("lookup:") and self.schedule == "adaptive" else self.max_k
 
     @property
     def acceptance(self) -> float:
@@ -196,7 +260,7 @@ class DraftLength:
         """Seconds of a step with a draft of `k` tokens of `kind`: k draft steps and a verification of k + 1 rows
         (k = 0: a plain target step); None while a cost it needs was not measured. A lookup's proposal counts
         as free: it is made before the choice."""
-        draft = 0.0 if (kind or self.kind) == "lookup" or k == 0 else self.costs.draft_step
+        draft = 0.0 if is_lookup(kind or self.kind) or k == 0 else self.costs.draft_step
         verify = self.costs.verify_cost(k + 1)
         if draft is None or verify is None:
             return None
@@ -216,7 +280,8 @@ class DraftLength:
         if self.schedule == "heuristic":
             return min(self._k, limit)
         kind = kind or self.kind
-        cap = min(self.max_k, limit, self.max_k if available is None else available)
+        most = self.cap(kind)
+        cap = min(most, limit, most if available is None else available)
         if cap <= 0:
             return 0
         rates = [self.rate(k, kind) for k in range(cap + 1)]
@@ -238,18 +303,19 @@ class DraftLength:
     def probing(self, kind: str | None = None) -> bool:
         """Whether the next draft of `kind` would be a probe: enough steps went without one."""
         kind = kind or self.kind
-        return self._idle[kind] >= self._wait[kind]
+        return self._idle.get(kind, 0) >= self._wait.get(kind, _PROBE_AFTER)
 
     def idle(self, kind: str | None = None) -> None:
         """A step on which this request could have drafted (`kind`) and the schedule chose not to."""
-        self._idle[kind or self.kind] += 1
+        kind = kind or self.kind
+        self._idle[kind] = self._idle.get(kind, 0) + 1
 
     def rest(self) -> None:
         """A step on which a batch gave this request nothing to draft: with no new evidence, the estimate
         drifts back toward the drafter-wide acceptance, so that a request is not kept from drafting for the rest
         of its life by the misses that once made the batch skip it; and it counts toward a probe."""
         for kind, seen in self._seen.items():
-            seen.drift(self.costs.acceptance[kind], _DECAY, (1.0 - _DECAY) * _PRIOR_STEPS)
+            seen.drift(self.costs.kind(kind), _DECAY, (1.0 - _DECAY) * _PRIOR_STEPS)
         self.idle()
 
     def update(self, drafted: int, accepted: int, kind: str | None = None) -> None:
@@ -257,13 +323,14 @@ class DraftLength:
         kind = kind or self.kind
         if self.probing(kind):
             # A probe that failed (or found nothing to propose) makes the next one wait longer.
-            self._wait[kind] = _PROBE_AFTER if accepted else min(2 * self._wait[kind], _PROBE_MAX)
+            wait = self._wait.get(kind, _PROBE_AFTER)
+            self._wait[kind] = _PROBE_AFTER if accepted else min(2 * wait, _PROBE_MAX)
         else:
             self._wait[kind] = _PROBE_AFTER
         self._idle[kind] = 0
         if drafted == 0:
             return
-        self._seen[kind].observe(drafted, accepted, _DECAY)
+        self.estimate(kind).observe(drafted, accepted, _DECAY)
         self.costs.observe_acceptance(drafted, accepted, kind)
         if self.schedule == "heuristic":
             rejected = accepted < drafted

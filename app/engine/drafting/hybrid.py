@@ -1,4 +1,5 @@
-"""The hybrid draft: prompt lookup where the text repeats itself, a model draft everywhere else."""
+"""The hybrid draft: lookups where the text repeats what was written (the request's own text, its predicted output,
+the tenant's earlier answers: app.engine.drafting.suffix), a model draft everywhere else."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from torch import Tensor
 from app.engine.decoding.grammar import GrammarState
 from app.engine.decoding.penalties import Penalty
 from app.engine.decoding.sampling import SamplingParams
-from app.engine.drafting.base import Drafter, DraftSession, Randomness
-from app.engine.drafting.ngram import NgramDrafter
+from app.engine.drafting.base import Drafter, DraftSession, Proposal, Randomness
+from app.engine.drafting.suffix import SuffixDrafter
+from app.engine.drafting.suffix_index import TrafficIndex
 from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tree
 
 
@@ -32,7 +34,23 @@ class _HybridSession(DraftSession):
         found = self._lookup.lookup(token_ids, k)
         self.lookups += bool(found)
         self.used_lookup = bool(found)
+        self.last_kind = self._lookup.last_kind
         return found
+
+    def proposals(self, token_ids: Sequence[int], k: int) -> list[Proposal]:
+        return self._lookup.proposals(token_ids, k)
+
+    def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int]) -> None:
+        self._lookup.start(prompt_len, tenant, prediction)
+        self.model.start(prompt_len, tenant, prediction)
+
+    def finish(self, token_ids: Sequence[int]) -> None:
+        self._lookup.finish(token_ids)
+        self.model.finish(token_ids)
+
+    def cancel(self) -> None:
+        self._lookup.cancel()
+        self.model.cancel()
 
     def constrain(self, penalty: Penalty | None, grammar: GrammarState | None) -> None:
         # A lookup proposes what the text holds, penalties or not (and stops at a token the grammar refuses,
@@ -68,20 +86,22 @@ class _HybridSession(DraftSession):
 
 
 class HybridDrafter(Drafter):
-    """Prompt lookup where the text repeats itself, a model draft everywhere else.
+    """Lookups where the text repeats what was written, a model draft everywhere else.
 
-    Each step first looks for the last `min_match` or more tokens earlier in the sequence (a summary quoting
-    its document, code repeating its names, a rewrite): when found, what followed is proposed, at no cost
-    and often accepted many tokens at a time. Only without such a match does the model draft run. A short
-    match is not trusted (min_match 1 would fire on nearly every common token, crowding the model out).
+    Each step first looks the end of the sequence up in the request's own text (a summary quoting its document,
+    code repeating its names, a rewrite), its predicted output and the tenant's earlier answers (`traffic`):
+    what followed a match is proposed at no cost and often accepted many tokens at a time. The adaptive schedule
+    prices each lookup by its source and match length beside the model draft and drafts whichever is worth most
+    (app.engine.generation); other schedules, and batches, take the longest match where there is one, and the
+    model draft elsewhere.
     """
 
     batches: ClassVar[bool] = True
 
-    def __init__(self, name: str, model: Drafter, min_match: int = 2, max_match: int = 4) -> None:
+    def __init__(self, name: str, model: Drafter, traffic: TrafficIndex | None = None) -> None:
         self.name = name
         self.model = model
-        self.lookup = NgramDrafter(max_n=max_match, min_n=min_match)
+        self.lookup = SuffixDrafter(f"{name}/lookup", traffic)
 
     def session(self, capacity: int) -> DraftSession:
         return _HybridSession(self, capacity)
