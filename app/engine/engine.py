@@ -193,10 +193,24 @@ class Engine:
             except GrammarError as exc:
                 raise GenerationError(f"the grammar cannot be compiled: {exc}") from exc
         gen = Generation(
-            self.target, self.tokenizer, prompt_ids, params, drafter, self.verify_width, costs, grammar=grammar
+            self.target,
+            self.tokenizer,
+            prompt_ids,
+            params,
+            drafter,
+            self.verify_width,
+            costs,
+            grammar=grammar,
+            on_finish=self._file if self.traffic is not None and self.traffic.max_bytes else None,
         )
         self._reuse(gen)
         return gen
+
+    def _file(self, gen: Generation) -> None:
+        """A finished answer goes into the index of earlier answers, for its tenant's later requests to draft from
+        (target-only answers too: what the server wrote, whichever draft the request chose)."""
+        assert self.traffic is not None
+        self.traffic.add(gen.params.cache_salt, gen.ids, gen.prompt_len)
 
     def _reuse(self, gen: Generation) -> None:
         """Load the cached blocks that continue `gen`'s prompt past what its cache holds."""

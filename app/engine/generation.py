@@ -10,7 +10,7 @@ moving a length. Greedy output is token for token the target's own.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -52,6 +52,7 @@ class Generation:
         verify_width: int = 0,
         costs: StepCosts | None = None,
         grammar: GrammarState | None = None,
+        on_finish: Callable[[Generation], None] | None = None,
     ) -> None:
         limit = target.config.max_seq_len
         vocab = target.config.vocab_size
@@ -112,9 +113,12 @@ class Generation:
         # after a step that drafted the same kind: a model draft that did not run last step first catches up on
         # the tokens since (the whole prompt, the first time), which is no cost of the tokens it drafts now.
         self._last_kind: str | None = None
+        # The adaptive choice's lookups by kind, for the plan to carry to verification.
+        self._lookups: dict[str, list[int]] = {}
         # The prompt's log-probabilities gathered chunk by chunk, sent with the first token (None: not asked).
         self._prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self._started = time.perf_counter()
+        self._on_finish = on_finish  # told of the finished generation (the engine files its answer)
 
     @property
     def finished(self) -> bool:
@@ -267,7 +271,8 @@ class Generation:
         # sits after the real rows, so causality keeps it from touching them.
         pad = max(0, min(width, self._cache.capacity - start) - real)
         feed = torch.tensor([self.ids[-1], *drafts, *[0] * pad], dtype=torch.long, device=self.target.device)
-        return StepPlan(k, drafts, q, start, real, feed, draft_seconds, refused, forced, kind)
+        lookups, self._lookups = self._lookups, {}
+        return StepPlan(k, drafts, q, start, real, feed, draft_seconds, refused, forced, kind, lookups)
 
     def _choose_with_lookup(self, limit: int) -> tuple[int, str, list[int] | None]:
         """The adaptive choice of a session that looks up first: (k, its kind, the lookup's tokens to verify or
@@ -291,6 +296,7 @@ class Generation:
                 options.append((self._length.rate(k, kind) or 0.0, k, kind))
             else:
                 self._length.idle(kind)
+        self._lookups = found
         if not options:
             return 0, self._length.kind, None
         _, k, kind = max(options, key=lambda option: option[0])  # the first best: lookups before the model
@@ -338,10 +344,21 @@ class Generation:
         self.stats.draft_seconds += plan.draft_seconds
         self.stats.verify_seconds += verify_seconds
         k = plan.k
+        new = [*drafts[:accepted], nxt]
+        # How far each lookup's proposal agrees with the target's tokens: free evidence of its kind's acceptance,
+        # past what was drafted too (a drafted lookup's next token against the bonus), so that one-token drafts
+        # still teach how long a match goes on, and a lookup not drafted still shows whether it would have paid.
+        tested = {kind: (min(len(t), len(new)), _agreed(t, new)) for kind, t in plan.lookups.items()}
+        for kind, (n, agreed) in tested.items():
+            if kind != plan.kind or k == 0:
+                self._length.observe(n, agreed, kind)
         if k > 0:
             self._count_length(k)
             self.stats.p_min_stops += proposed < k
-            self._length.update(proposed, kept_own, plan.kind)
+            if plan.kind in tested and not plan.refused and not kept_forced:
+                self._length.update(*tested[plan.kind], plan.kind)
+            else:
+                self._length.update(proposed, kept_own, plan.kind)
         elif not solo and self._k and self.params.max_new_tokens - self.stats.generated_tokens > 1:
             # A batch chose not to draft for this request. (Alone, the schedule's own 0 was counted by `plan`.)
             self._length.rest()
@@ -350,7 +367,6 @@ class Generation:
         steps = self._timed_draft_steps(plan, min(k, proposed + 1))
         if solo:
             self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
-        new = [*drafts[:accepted], nxt]
         drafted_by = "lookup" if is_lookup(plan.kind) else "draft"
         sources = ["forced" if plan.forced and plan.forced[i] else drafted_by for i in range(accepted)]
         if accepted < len(drafts) or plan.refused:
@@ -559,6 +575,8 @@ class Generation:
             self.stats.total_seconds = time.perf_counter() - self._started
             if self._draft is not None:
                 self._draft.finish(self.ids)
+            if self._on_finish is not None:
+                self._on_finish(self)
         # Only the tokens kept (not those past the end, an end-of-sequence token or a stop string) have theirs.
         kept = None if logprobs is None else logprobs[: len(new)]
         return StepOutput(
@@ -573,3 +591,13 @@ class Generation:
             sources=(sources or [])[: len(new)],
             pieces=self._detok.pieces(len(new)),
         )
+
+
+def _agreed(proposal: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading tokens of `proposal` equal `tokens`'."""
+    n = 0
+    for a, b in zip(proposal, tokens, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n

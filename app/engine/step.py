@@ -203,6 +203,9 @@ class StepPlan:
     # Per draft: whether the grammar forced it (the only token it allowed there), proposed at no draft's cost.
     forced: list[bool] = field(default_factory=list)
     kind: str = "model"  # what drafted: "model" or "lookup" (app.engine.drafting.draft_length.KINDS)
+    # Every lookup's whole proposal by kind (the adaptive choice's), whether drafted or not: the target's tokens
+    # say how far each would have been accepted, free evidence of each kind's acceptance.
+    lookups: dict[str, list[int]] = field(default_factory=dict)
 
 
 # Spare cache slots of every request: a verification of the longest draft allowed (k + 1 rows), so that every

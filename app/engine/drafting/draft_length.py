@@ -84,7 +84,9 @@ def _smooth(old: float | None, new: float) -> float:
     row count out of use (and unused, it would never be measured again)."""
     if old is None:
         return new
-    return old + (0.5 if new < old else 0.1) * (new - old)
+    # One outlier (a page fault, another process's burst) moves the figure at most a fifth: a row count priced
+    # far out of use would not be measured again for a long time.
+    return old + (0.5 if new < old else 0.1) * (min(new, 3.0 * old) - old)
 
 
 class Acceptance:
@@ -161,7 +163,8 @@ class StepCosts:
             first, then = (
                 (start, start) if shorter is None else (max(start, shorter.p_first), max(start, shorter.p_then))
             )
-            seen = self.acceptance[kind] = Acceptance(first, then)
+            # Worth one verification: the first real ones outweigh it.
+            seen = self.acceptance[kind] = Acceptance(first, then, 1.0)
         return seen
 
     def observe(self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float | None) -> None:
@@ -317,6 +320,13 @@ class DraftLength:
         for kind, seen in self._seen.items():
             seen.drift(self.costs.kind(kind), _DECAY, (1.0 - _DECAY) * _PRIOR_STEPS)
         self.idle()
+
+    def observe(self, drafted: int, accepted: int, kind: str) -> None:
+        """Evidence of `kind`'s acceptance without a draft of it: of `drafted` tokens a lookup proposed, the
+        target's own tokens agreed with the first `accepted` (probes and lengths are not touched)."""
+        if drafted > 0:
+            self.estimate(kind).observe(drafted, accepted, _DECAY)
+            self.costs.observe_acceptance(drafted, accepted, kind)
 
     def update(self, drafted: int, accepted: int, kind: str | None = None) -> None:
         """After a step that asked for a draft: `drafted` tokens of `kind` verified, the first `accepted` kept."""

@@ -6,8 +6,9 @@ Three sources, each a `SuffixIndex` (app.engine.drafting.suffix_index):
   repeating its names, a chat answering in the words of its earlier turns);
 - `prediction`: the text the request said the answer will mostly be (OpenAI's predicted outputs: a code edit's
   file), proposed from its start while the answer follows it from its first token;
-- `index`: the server's earlier answers, of the request's tenant only (`TrafficIndex`): agents writing the same
-  JSON shapes turn after turn, extraction filling one template a thousand times.
+- `index`: the server's earlier answers, of the request's tenant only (`TrafficIndex`, which the engine files
+  every finished answer in, target-only ones too): agents writing the same JSON shapes turn after turn,
+  extraction filling one template a thousand times.
 
 Each lookup is a `Proposal` whose kind names its source and how long its match is (`lookup:index:16`), so that the
 adaptive schedule prices each kind with its own measured acceptance: a long match in a resent schema drafts long,
@@ -66,11 +67,6 @@ class _SuffixSession(DraftSession):
         if self._prediction:
             self._predicted.add(self._prediction)
 
-    def finish(self, token_ids: Sequence[int]) -> None:
-        """A finished answer goes into the server's index, for the tenant's later requests."""
-        if self._d.traffic is not None:
-            self._d.traffic.add(self._tenant, token_ids, self._prompt_len)
-
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
         return self.lookup(token_ids, k)
 
@@ -123,7 +119,8 @@ class _SuffixSession(DraftSession):
 
     def _catch_up(self, ids: list[int]) -> None:
         """File the tokens of `ids` not yet in the own-text index (the accepted sequence only grows)."""
-        if self._seen > len(ids):  # not the sequence indexed so far (never, in a generation): start over
+        if self._seen > len(ids) or (self._seen and ids[self._seen - 1] != self._own.last(self._own_id)):
+            # Not the sequence indexed so far (never, in a generation, whose accepted sequence only grows).
             self._own = SuffixIndex(None)
             self._own_id, self._seen = self._own.open(), 0
         if self._seen < len(ids):

@@ -121,6 +121,11 @@ class SuffixIndex:
         self.bytes += added * _OCCURRENCE_BYTES + (len(seq) - start) * _TOKEN_BYTES
         self.tokens += len(seq) - start
 
+    def last(self, sid: int) -> int | None:
+        """The last token of sequence `sid` (None: it is empty)."""
+        seq = self._sequences[sid]
+        return seq[-1] if seq else None
+
     def remove(self, sid: int) -> None:
         """Forget sequence `sid` and every occurrence filed for it."""
         seq = self._sequences.pop(sid)
