@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app import __version__
 from app.engine.defaults import (
@@ -26,6 +26,12 @@ from app.engine.defaults import (
 from app.store import ModelStoreError
 from app.synthetic import FORMATS as SYNTHETIC_FORMATS
 from app.synthetic import SHAPES as SYNTHETIC_SHAPES
+from app.workloads import WORKLOADS
+
+if TYPE_CHECKING:
+    from app.bench import Config
+    from app.engine.engine import Engine
+    from app.engine.model.loading import LoadedModel
 
 # `specserve bench`'s default prompts: 13 of the project's own, one per Spec-Bench category, shipped in the
 # package so that the command runs from any checkout or install; Spec-Bench files come in with --input.
@@ -353,6 +359,19 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction, flags: bool = True
         "--per-category", type=_positive_int, default=None, help="only the first N prompts of each category"
     )
     parser.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts")
+    parser.add_argument(
+        "--workload",
+        action="append",
+        choices=["specbench", *WORKLOADS, "all"],
+        default=None,
+        help="specbench (the default): Spec-Bench-format prompts, as --input; or traffic a server sees, built from "
+        f"the package's own texts: {', '.join(WORKLOADS)}, or all of them (repeatable; workloads.json and "
+        "workloads.md): every turn of every episode target-only and with each draft, each configuration its own "
+        "tenant, against target-only in the same run",
+    )
+    parser.add_argument(
+        "--episodes", type=_positive_int, default=None, help="traffic workloads: only the first N episodes of each"
+    )
     parser.add_argument("--target", default=None, help="catalog name or path (default: smollm2-135m-instruct)")
     parser.add_argument(
         "--draft", action="append", default=None, help="draft to measure (repeatable; default: default and ngram)"
@@ -385,15 +404,22 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction, flags: bool = True
     # As serve spells them (app.settings, one table).
     if flags:
         _add_setting_flags(parser, ["num_draft_tokens", "dtype", "weights"], {"num_draft_tokens": ["-k"]})
-    parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
+    parser.add_argument(
+        "--max-new-tokens",
+        "-n",
+        type=int,
+        default=None,
+        help="tokens per answer (default 128; traffic workloads: each episode's own, 40 to 448)",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     parser.add_argument(
         "--llama-cpp",
         action="append",
-        choices=["gguf", "f32", "bf16"],
+        choices=["gguf", "f32", "bf16", "lookup"],
         default=None,
-        help="also run llama.cpp (pip install llama-cpp-python) on the target's GGUF as it is (gguf) or "
-        "dequantized to f32 / bf16 (repeatable; greedy only)",
+        help="also run llama.cpp (pip install llama-cpp-python) on the target's GGUF as it is (gguf), "
+        "dequantized to f32 / bf16, or as it is with the binding's prompt-lookup decoding (lookup, 10 tokens; "
+        "gguf runs beside it) (repeatable; greedy only)",
     )
     parser.add_argument(
         "--kernels",
@@ -441,10 +467,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from app.bench import Config, markdown, per_prompt_medians, plots, read_prompts, run_bench, summarize
+    from app.engine.drafting.registry import lookup_names
     from app.engine.factory import DEFAULT_TARGET, HYBRID, build_engine, default_draft_name
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    workloads = _bench_workload_names(args)
+    if args.max_new_tokens is None and not workloads:
+        args.max_new_tokens = 128
     sampling = _sampling_kwargs(args)
     if args.temperature > 0 and sampling["seed"] is None:
         sampling["seed"] = 0  # one seed for every configuration, so gumbel outputs can be compared to target-only
@@ -473,16 +503,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"| {name} | {cells} | {floor / times[min(times)]:.2f} |")
         return 0
     path = Path(args.input)
-    if not path.is_file():
+    if not workloads and not path.is_file():
         raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
     limit = 4 if synthetic and args.limit is None and args.per_category is None else args.limit
-    prompts = read_prompts(path, args.per_category, limit)
+    prompts = [] if workloads else read_prompts(path, args.per_category, limit)
     drafts = args.draft or (["ngram"] if synthetic else ["default", "ngram"])
     fallback = default_draft_name(target)
-    drafts = [(HYBRID if fallback != "ngram" else "ngram") if d == "default" else d for d in drafts]
-    model_drafts = list(dict.fromkeys(d for d in drafts if d not in ("ngram", "none", HYBRID)))
+    lookups = {"none", *lookup_names()}  # drafts every target has: no model draft to load for them
+    drafts = [(HYBRID if fallback not in lookups else fallback) if d == "default" else d for d in drafts]
+    model_drafts = list(dict.fromkeys(d for d in drafts if d not in lookups and d != HYBRID))
     if len(model_drafts) > 1:
-        raise CliError("one model draft per run (plus ngram and hybrid)")
+        raise CliError("one model draft per run (plus the lookups and hybrid)")
     if not model_drafts and HYBRID in drafts:
         model_drafts = [default_draft_name(target)]
     engine, loaded = build_engine(
@@ -503,24 +534,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for rows in (dict.fromkeys(args.tree_rows or [None]) if d != "ngram" else [None])
     ]
     threads = torch.get_num_threads()
-    baselines = {}
     llama_cpp = args.llama_cpp or (["gguf"] if synthetic else None)
     if synthetic and llama_cpp and importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp: not installed (pip install llama-cpp-python), not measured", file=sys.stderr)
         llama_cpp = None
-    if llama_cpp:
-        from app import llamacpp, store
-
-        if args.temperature > 0:
-            raise CliError("--llama-cpp runs greedy only")
-        if not Path(loaded.source).is_file() or Path(loaded.source).suffix != ".gguf":
-            raise CliError(f"--llama-cpp needs a GGUF target; {loaded.source} is not one")
-        try:
-            baselines = llamacpp.runners(
-                Path(loaded.source), list(dict.fromkeys(llama_cpp)), store.cache_dir() / "gguf", threads
-            )
-        except RuntimeError as exc:
-            raise CliError(str(exc)) from exc
+    # A conversation's turns extend each other: llama.cpp keeps its cache between them as ours keeps the tenant's.
+    baselines = _llama_cpp_baselines(args, loaded.source, llama_cpp, threads, reuse_prefix=bool(workloads))
+    if workloads:
+        return _bench_workloads(args, engine, loaded, workloads, configs, baselines, threads)
     runs = run_bench(
         engine,
         loaded,
@@ -565,6 +586,84 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(table)
     print("median tokens/s per prompt: " + ", ".join(f"{c} {v:.1f}" for c, v in medians.items()))
     print("plots: " + (", ".join(map(str, pictures)) if pictures else "none (pip install 'specserve[bench]')"))
+    return 0
+
+
+def _bench_workload_names(args: argparse.Namespace) -> list[str]:
+    """The traffic workloads `--workload` names (`all`: every one), none for Spec-Bench; refuses mixing them and
+    the other bench modes."""
+    names = list(dict.fromkeys(args.workload or ["specbench"]))
+    if "all" in names:
+        names = [n for n in names if n != "all"] + [n for n in WORKLOADS if n not in names]
+    traffic = [n for n in names if n != "specbench"]
+    if not traffic:
+        if args.episodes is not None:
+            raise CliError("--episodes is for the traffic workloads (--workload agent, ..., all)")
+        return []
+    if "specbench" in names:
+        raise CliError("run --workload specbench and the traffic workloads in separate runs")
+    modes = {"--structured": args.structured, "--rows": args.rows, "--kernels": args.kernels}
+    modes["--synthetic"] = args.synthetic is not None
+    if any(modes.values()) or args.temperature > 0:
+        used = [flag for flag, on in modes.items() if on] + (["--temperature"] if args.temperature > 0 else [])
+        raise CliError(f"--workload {traffic[0]} decodes greedily on its own: leave out {', '.join(used)}")
+    return traffic
+
+
+def _llama_cpp_baselines(
+    args: argparse.Namespace, source: str, kinds: list[str] | None, threads: int, reuse_prefix: bool
+) -> dict[str, Any]:
+    """The llama.cpp runners `--llama-cpp` asks for (none without it), on the target's GGUF."""
+    if not kinds:
+        return {}
+    from app import llamacpp, store
+
+    if args.temperature > 0:
+        raise CliError("--llama-cpp runs greedy only")
+    if not Path(source).is_file() or Path(source).suffix != ".gguf":
+        raise CliError(f"--llama-cpp needs a GGUF target; {source} is not one")
+    try:
+        return llamacpp.runners(
+            Path(source), list(dict.fromkeys(kinds)), store.cache_dir() / "gguf", threads, reuse_prefix
+        )
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def _bench_workloads(
+    args: argparse.Namespace,
+    engine: Engine,
+    loaded: LoadedModel,
+    names: list[str],
+    configs: list[Config],
+    baselines: dict[str, Any],
+    threads: int,
+) -> int:
+    """`specserve bench --workload NAME`: every episode of each traffic workload, interleaved configurations;
+    workloads.json (meta, summary, runs) and workloads.md."""
+    import json
+
+    from app import workloads
+    from app.bench import run_workloads, summarize_workloads, workloads_markdown
+
+    episodes = [e for name in names for e in workloads.episodes(name, limit=args.episodes)]
+    runs = run_workloads(engine, episodes, configs, args.num_draft_tokens, args.max_new_tokens, baselines)
+    summary = summarize_workloads(runs)
+    meta = {
+        "target": loaded.source,
+        "dtype": str(loaded.model.dtype),
+        "weights": loaded.weights,
+        "workloads": names,
+        "episodes": {name: sum(e.workload == name for e in episodes) for name in names},
+        "max_new_tokens": args.max_new_tokens or "each episode's own",
+        "num_draft_tokens": args.num_draft_tokens,
+        "decoding": "greedy",
+        "threads": threads,
+        "speedup": "total tokens / total seconds, over target-only's",
+    }
+    print(json.dumps(meta))
+    data = {"meta": meta, "summary": summary, "runs": [r.__dict__ for r in runs]}
+    _write_tables(Path(args.out), "workloads", data, workloads_markdown(summary))
     return 0
 
 
@@ -715,7 +814,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"invalid settings: {problems}") from exc
     # A model that is not there fails here, with what to run, before the port opens.
     store.resolve(settings.target)
-    if settings.draft not in ("default", "none", "ngram"):
+    from app.engine.drafting.registry import REGISTRY
+
+    if settings.draft not in ("default", "none", *REGISTRY):
         store.resolve(settings.draft)
     configure_logging(settings.log_format, settings.log_level)
     # 3 is uvicorn's own status for a server that did not start (the port taken, say).

@@ -36,7 +36,10 @@ class Settings(BaseSettings):
 
     target: str = Field("smollm2-135m-instruct", description="target model: catalog name or path")
     draft: str = Field(
-        "default", description="default draft: `default`, `none`, `ngram`, or a draft model's catalog name or path"
+        "default",
+        description="default draft: `default` (the hybrid of lookups and the catalog's draft; `suffix` for a target "
+        "without one), `none`, `ngram` (prompt lookup), `suffix` (lookups in the request, its prediction and earlier "
+        "answers), `hybrid`, or a draft model's catalog name or path",
     )
     num_draft_tokens: int = Field(
         DEFAULT_NUM_DRAFT_TOKENS,

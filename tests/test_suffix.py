@@ -199,3 +199,68 @@ def test_a_prediction_is_drafted_and_counted_as_openai_counts_it(tiny):
         engine.start(PROMPT, replace(params, prediction=(V + 1,)), "suffix")
     with pytest.raises(GenerationError, match="lookup_draft_tokens"):
         engine.start(PROMPT, replace(params, lookup_draft_tokens=17), "suffix")
+
+
+@pytest.mark.anyio
+async def test_prediction_and_cache_salt_over_http(packed_target, api_client):
+    """Both APIs: a prediction is drafted from (usage counts what it kept, OpenAI's fields), the answer is the one
+    without it; a cache_salt keeps the prefix cache and the index apart (another salt gets nothing cached); the
+    index shows in /info and /metrics; a malformed prediction or salt is a 400 naming it."""
+    from app.engine import kernels
+
+    packed = packed_target(kernels.available()[0])
+    traffic = TrafficIndex(1 << 22)
+    suffix = SuffixDrafter("suffix", traffic)
+    engine = Engine(packed.model, packed.tokenizer, {"suffix": suffix}, "suffix", 4, traffic=traffic, **FIXED_DRAFT)
+    question = "List the days of the week, one per line, then say which one is the first of the weekend. " * 3
+    chat = {"messages": [{"role": "user", "content": question}], "max_tokens": 40, "temperature": 0}
+    async with api_client(engine) as c:
+        plain = (await c.post("/v1/chat/completions", json={**chat, "cache_salt": "a"})).json()
+        text = plain["choices"][0]["message"]["content"]
+        assert plain["usage"]["completion_tokens_details"] == {
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        }
+        again = (await c.post("/v1/chat/completions", json={**chat, "cache_salt": "a"})).json()
+        assert again["choices"][0]["message"]["content"] == text
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # tenant a's prompt, cached
+        assert again["speculative"]["draft_sources"].get("index", 0) > 0  # and its answer, drafted from
+        other = (await c.post("/v1/chat/completions", json={**chat, "cache_salt": "b"})).json()
+        assert other["choices"][0]["message"]["content"] == text
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing of tenant a's
+        assert other["speculative"]["draft_sources"].get("index", 0) == 0
+        # A fresh tenant, so that only the prediction has the answer: drafted from it, the same text.
+        predicted = {"type": "content", "content": [{"type": "text", "text": text.replace("Monday", "Sunday")}]}
+        r = await c.post("/v1/chat/completions", json={**chat, "cache_salt": "p", "prediction": predicted})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["choices"][0]["message"]["content"] == text
+        assert got["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+
+        native = await c.post(
+            "/generate",
+            json={
+                "inputs": "Count: one, two, three,",
+                "parameters": {
+                    "max_new_tokens": 12,
+                    "details": True,
+                    "prediction": " four, five, six, seven, eight",
+                    "cache_salt": "n",
+                },
+            },
+        )
+        assert native.status_code == 200, native.text
+        spec = native.json()["details"]["speculative"]
+        assert spec["accepted_prediction_tokens"] + spec["rejected_prediction_tokens"] > 0
+        assert spec["draft_sources"].get("prediction", 0) > 0
+
+        for bad, field in (({"type": "text", "content": "x"}, "prediction"), ("x", "prediction")):
+            r = await c.post("/v1/chat/completions", json={**chat, field: bad})
+            assert r.status_code == 400 and field in r.text, r.text
+        r = await c.post("/v1/chat/completions", json={**chat, "cache_salt": ""})
+        assert r.status_code == 400 and "cache_salt" in r.text
+
+        info = (await c.get("/info")).json()
+        assert info["suffix_index_answers"] >= 4 and 0 < info["suffix_index_used_bytes"] <= info["suffix_index_bytes"]
+        metrics = (await c.get("/metrics")).text
+        assert "specserve_suffix_index_bytes{" in metrics and "specserve_suffix_index_hits_total{" in metrics

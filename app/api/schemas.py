@@ -463,7 +463,10 @@ class SpeculativeParameters(BaseModel):
         None, description="tokens drafted per step (0: target only); default: the server's"
     )
     draft: str | None = Field(
-        None, description="`default`, `none` (target only), `ngram` (prompt lookup) or the name of the loaded draft"
+        None,
+        description="`default`, `none` (target only), `ngram` (prompt lookup), `suffix` (lookups in the request's own "
+        "text, its `prediction` and the tenant's earlier answers), `hybrid` (those lookups and the loaded model "
+        "draft, the default where there is one) or the name of the loaded draft",
     )
     schedule: Literal["adaptive", "heuristic", "fixed"] | None = Field(
         None,
