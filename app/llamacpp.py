@@ -58,22 +58,44 @@ def convert_gguf(src: Path, dst: Path, kind: str) -> Path:
 
 
 class LlamaCppRunner:
-    """Greedy decoding by llama.cpp (2 threads by default, like torch here) on one GGUF file."""
+    """Greedy decoding by llama.cpp (2 threads by default, like torch here) on one GGUF file.
 
-    def __init__(self, path: Path, threads: int, context: int = 4096) -> None:
+    `lookup` > 0: the binding's prompt-lookup decoding (`LlamaPromptLookupDecoding`, drafting up to `lookup`
+    tokens from an earlier occurrence of the last one or two tokens), its llama.cpp anchor beside our lookups.
+    `reuse_prefix`: keep the KV cache between calls, so that a prompt extending the previous call's prompt
+    prefills only what is new (as llama-cpp-python does for a conversation); otherwise every call prefills its
+    whole prompt."""
+
+    def __init__(
+        self, path: Path, threads: int, context: int = 4096, lookup: int = 0, reuse_prefix: bool = False
+    ) -> None:
         try:
             from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         except ImportError as exc:
             raise RuntimeError(
                 "llama.cpp baselines need its Python binding: pip install llama-cpp-python (builds llama.cpp)"
             ) from exc
-        self.model = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup > 0 else None
+        self.model = Llama(
+            str(path),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=context,
+            draft_model=draft,
+            # A draft needs every position's logits; the binding sizes its buffer for them only when asked (left
+            # False with a draft, prompts past n_batch tokens overflow it).
+            logits_all=draft is not None,
+            verbose=False,
+        )
         self.eos = self.model.token_eos()
+        self.reuse_prefix = reuse_prefix
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
         """Generated token ids and the seconds they took (prefill included), greedy, stopping at EOS."""
         out: list[int] = []
-        self.model.reset()
+        if not self.reuse_prefix:
+            self.model.reset()
         t0 = time.perf_counter()
         for tok in self.model.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
             out.append(int(tok))
@@ -82,10 +104,21 @@ class LlamaCppRunner:
         return out, time.perf_counter() - t0
 
 
-def runners(source: Path, kinds: list[str], cache: Path, threads: int) -> dict[str, Any]:
-    """`llama.cpp/KIND` runners for `source`: KIND `gguf` is the file itself, `f32`/`bf16` converted copies."""
+# `lookup` runs the catalog GGUF with the binding's prompt lookup drafting this many tokens (its own default).
+LOOKUP_TOKENS = 10
+
+
+def runners(source: Path, kinds: list[str], cache: Path, threads: int, reuse_prefix: bool = False) -> dict[str, Any]:
+    """`llama.cpp/KIND` runners for `source`: KIND `gguf` is the file itself, `f32`/`bf16` converted copies,
+    `lookup` the file with prompt-lookup decoding (which brings `gguf` along first, the target-only output its
+    greedy output must equal). `reuse_prefix`: as `LlamaCppRunner`'s."""
+    if "lookup" in kinds and "gguf" not in kinds:
+        kinds = ["gguf", *kinds]
     out: dict[str, Any] = {}
     for kind in kinds:
+        if kind == "lookup":
+            out["llama.cpp/lookup"] = LlamaCppRunner(source, threads, lookup=LOOKUP_TOKENS, reuse_prefix=reuse_prefix)
+            continue
         path = source if kind == "gguf" else convert_gguf(source, cache / f"{source.stem}.{kind}.gguf", kind)
-        out[f"llama.cpp/{kind}"] = LlamaCppRunner(path, threads)
+        out[f"llama.cpp/{kind}"] = LlamaCppRunner(path, threads, reuse_prefix=reuse_prefix)
     return out
