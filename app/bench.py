@@ -210,6 +210,9 @@ def run_bench(
             sampler=c.sampler,
             tree_rows=c.tree_rows,
             ignore_eos=ignore_eos,
+            # Each configuration its own tenant: the index of earlier answers would otherwise hold target-only's
+            # answer to this very prompt, and every draft would copy it (its own earlier prompts' answers count).
+            cache_salt=f"specbench/{c.label}",
             **sampling,
         )
 
@@ -653,20 +656,25 @@ def run_structured(
             return f"unconstrained/{draft}"
         return f"{draft}/forced" if forced else draft
 
-    def params(schema: dict[str, Any], constrained: bool, forced: bool, max_new: int) -> GenerationParams:
+    def params(schema: dict[str, Any], draft: str, constrained: bool, forced: bool, max_new: int) -> GenerationParams:
         spec = GrammarSpec("json_schema", json.dumps(schema)) if constrained else None
         return GenerationParams(
-            max_new_tokens=max_new, num_draft_tokens=num_draft_tokens, grammar=spec, forced_tokens=forced
+            max_new_tokens=max_new,
+            num_draft_tokens=num_draft_tokens,
+            grammar=spec,
+            forced_tokens=forced,
+            # Its own tenant per configuration: another's answer to the same prompt is no draft (see run_bench).
+            cache_salt=f"structured/{label(draft, constrained, forced)}",
         )
 
     prompts = [(tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])), s) for t, s in STRUCTURED]
     for draft, constrained, forced in configs:  # warm-up: llguidance's view of the vocabulary, kernels, costs
-        for _ in engine.generate(prompts[0][0], params(prompts[0][1], constrained, forced, 24), draft):
+        for _ in engine.generate(prompts[0][0], params(prompts[0][1], draft, constrained, forced, 24), draft):
             pass
     runs: list[dict[str, Any]] = []
     for i, (ids, schema) in enumerate(prompts):
         for draft, constrained, forced in configs:
-            gen = engine.start(ids, params(schema, constrained, forced, max_new_tokens), draft)
+            gen = engine.start(ids, params(schema, draft, constrained, forced, max_new_tokens), draft)
             t0 = time.perf_counter()
             while not gen.finished:
                 gen.step()

@@ -305,7 +305,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if args.compare:
                 # With the same seed, the gumbel sampler gives target-only's tokens; the rejection sampler consumes
                 # randomness per drafted token, so its outputs are equal in distribution only (reported as null).
-                base = engine.start(prompt_ids, replace(params, seed=gen.seed), "none")
+                # A tenant of its own: its answers are no draft for the next prompts' speculative runs.
+                base = engine.start(prompt_ids, replace(params, seed=gen.seed, cache_salt="target-only"), "none")
                 while not base.finished:
                     base.step()
                 b = base.stats.to_dict()

@@ -687,7 +687,10 @@ def test_adaptive_hybrid_drafts_with_its_model_where_that_pays_more(tiny_target,
         **FIXED_DRAFT,
     )
     _fixed_costs(engine, monkeypatch, row=0.02)
-    params = GenerationParams(max_new_tokens=40, ignore_eos=True, draft_schedule="adaptive", num_draft_tokens=4)
+    # The lookup held to one token (a repeated token's lookup would otherwise continue it 16 tokens at a time).
+    params = GenerationParams(
+        max_new_tokens=40, ignore_eos=True, draft_schedule="adaptive", num_draft_tokens=4, lookup_draft_tokens=1
+    )
     gen, steps = _run_engine(engine, params, draft_step=0.0005)
     assert gen.generated_ids == expected_greedy(tiny_target, PROMPT, 40, set())
     # 3 tokens at the starting acceptance (0.5), 4 once they are all accepted; the lookup's one token never.

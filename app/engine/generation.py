@@ -294,7 +294,7 @@ class Generation:
             k = self._length.next_k(limit, kind, available)
             if k:
                 options.append((self._length.rate(k, kind) or 0.0, k, kind))
-            else:
+            elif kind == "model" or kind == "lookup":  # a named lookup kind learns without drafting: no probes
                 self._length.idle(kind)
         self._lookups = found
         if not options:

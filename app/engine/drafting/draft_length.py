@@ -291,6 +291,8 @@ class DraftLength:
         if any(r is None for r in rates):
             return min(_START_K, cap)
         best = max(range(cap + 1), key=lambda k: rates[k] or 0.0)  # the first best: the shorter on a tie
+        if kind.startswith("lookup:"):
+            return best  # no probes: the target's tokens show every step how far a lookup would have been accepted
         return 1 if best == 0 and self.probing(kind) and self.could_pay(cap, kind) else best
 
     def could_pay(self, cap: int, kind: str | None = None) -> bool:

@@ -58,6 +58,11 @@ class Match:
     position: int = 0  # where in it `tokens` start
 
 
+def _cost(tokens: int) -> int:
+    """The most bytes a sequence of `tokens` tokens may be charged."""
+    return _SEQUENCE_BYTES + tokens * (_TOKEN_BYTES + _OCCURRENCE_BYTES + _ANCHOR_BYTES)
+
+
 def _key(a: int, b: int) -> int:
     return (a << _TOKEN_BITS) | b
 
@@ -83,7 +88,7 @@ class SuffixIndex:
     def add(self, tokens: Sequence[int]) -> int | None:
         """Index a whole sequence (a finished answer) as the most recent; its id, or None when it could not fit
         the budget even alone (nothing else is evicted for it then)."""
-        if self.max_bytes is not None and self._cost(len(tokens)) > self.max_bytes:
+        if self.max_bytes is not None and _cost(len(tokens)) > self.max_bytes:
             return None
         sid = self.open()
         self.extend(sid, tokens)
@@ -178,10 +183,6 @@ class SuffixIndex:
             self._sequences.move_to_end(best_sid)
         return Match(seq[best_pos : best_pos + k].tolist(), best_len, best_sid, best_pos)
 
-    def _cost(self, tokens: int) -> int:
-        """The most bytes a sequence of `tokens` tokens may be charged."""
-        return _SEQUENCE_BYTES + tokens * (_TOKEN_BYTES + _OCCURRENCE_BYTES + _ANCHOR_BYTES)
-
     def _evict(self) -> None:
         while self.max_bytes is not None and self.bytes > self.max_bytes and self._sequences:
             self.remove(next(iter(self._sequences)))
@@ -208,7 +209,7 @@ class TrafficIndex:
             raise ValueError("max_bytes must be 0 or more")
         self.max_bytes = max_bytes
         self._tenants: dict[str | None, SuffixIndex] = {}
-        self._order: OrderedDict[tuple[str | None, int], int] = OrderedDict()  # (tenant, sequence) -> bytes
+        self._order: OrderedDict[tuple[str | None, int], None] = OrderedDict()  # (tenant, sequence), least recent first
         self.lookups = 0
         self.hits = 0
 
@@ -226,13 +227,13 @@ class TrafficIndex:
 
     def add(self, tenant: str | None, token_ids: Sequence[int], prompt_len: int) -> None:
         """File a finished request's answer (token_ids[prompt_len:], after the prompt's last CONTEXT tokens)."""
-        if self.max_bytes == 0 or len(token_ids) - prompt_len < 1:
-            return
+        answer = token_ids[max(0, prompt_len - self.CONTEXT) :]
+        if len(token_ids) - prompt_len < 1 or _cost(len(answer)) > self.max_bytes:
+            return  # nothing written, or more than the whole budget (which would evict every other answer)
         index = self._tenants.setdefault(tenant, SuffixIndex(None))
-        before = index.bytes
-        sid = index.add(token_ids[max(0, prompt_len - self.CONTEXT) :])
+        sid = index.add(answer)
         assert sid is not None  # unbounded per tenant: the budget is kept here, across tenants
-        self._order[(tenant, sid)] = index.bytes - before
+        self._order[(tenant, sid)] = None
         self._evict()
 
     def match(self, tenant: str | None, context: Sequence[int], k: int) -> Match | None:
