@@ -84,7 +84,10 @@ class Generation:
             schedule, self._k, costs or StepCosts(), "lookup" if lookup_only else "model", lookup_k if self._k else 0
         )
         if self._draft is not None:
-            self._draft.start(len(prompt_ids), params.cache_salt, params.prediction)
+            # The rejection sampler's text depends on its drafts: no drafts from other requests' answers, so that its
+            # seed gives the same text whatever the server answered before.
+            history = self.sampling.greedy or params.sampler != "rejection"
+            self._draft.start(len(prompt_ids), params.cache_salt, params.prediction, history)
         # A feature-conditioned draft reads the target's final hidden state of every verified position.
         self._features = self._draft.features if self._draft is not None else None
         self._penalty: Penalty | None = None

@@ -95,9 +95,11 @@ class DraftSession:
         # With `looks_up`: the kind of the last lookup's proposal (what `lookup` returned).
         self.last_kind = "lookup"
 
-    def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int]) -> None:
+    def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int], history: bool = True) -> None:
         """The generation starts: its prompt's length, its tenant (the request's cache_salt; None: the shared
-        default) and the tokens it predicted its answer will mostly be (none: empty)."""
+        default), the tokens it predicted its answer will mostly be (none: empty), and whether it may draft from
+        other requests' answers (not where its text depends on its drafts: the rejection sampler, whose seed must
+        give the same text whatever the server answered before)."""
 
     def finish(self, token_ids: Sequence[int]) -> None:
         """The generation ended with an answer: `token_ids` is its whole sequence, prompt first."""

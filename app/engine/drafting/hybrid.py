@@ -40,9 +40,9 @@ class _HybridSession(DraftSession):
     def proposals(self, token_ids: Sequence[int], k: int) -> list[Proposal]:
         return self._lookup.proposals(token_ids, k)
 
-    def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int]) -> None:
-        self._lookup.start(prompt_len, tenant, prediction)
-        self.model.start(prompt_len, tenant, prediction)
+    def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int], history: bool = True) -> None:
+        self._lookup.start(prompt_len, tenant, prediction, history)
+        self.model.start(prompt_len, tenant, prediction, history)
 
     def finish(self, token_ids: Sequence[int]) -> None:
         self._lookup.finish(token_ids)

@@ -57,11 +57,13 @@ class _SuffixSession(DraftSession):
         self._predicted = SuffixIndex(None)
         self._prompt_len = 0
         self._tenant: str | None = None
+        self._history = True  # whether the index of other requests' answers is read
         self.used_lookup = True
         self.last_kind = "lookup"
 
-    def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int]) -> None:
+    def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int], history: bool = True) -> None:
         self._prompt_len = prompt_len
+        self._history = history
         self._tenant = tenant
         self._prediction = list(prediction)
         if self._prediction:
@@ -108,7 +110,9 @@ class _SuffixSession(DraftSession):
                 match = Match(tokens, match.length, match.sequence, match.position)
             return match
         if source == "index":
-            return self._d.traffic.match(self._tenant, ids, k) if self._d.traffic is not None else None
+            if self._d.traffic is None or not self._history:
+                return None
+            return self._d.traffic.match(self._tenant, ids, k)
         if not self._prediction:
             return None
         # The answer's first tokens follow the prediction's: proposed from its start, before an anchor can match.
