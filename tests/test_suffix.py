@@ -41,19 +41,23 @@ def test_the_index_evicts_whole_answers_least_recently_used_within_its_budget():
     one = SuffixIndex()
     one.add(list(range(200)))
     size = one.bytes
-    index = SuffixIndex(3 * size)
-    ids = [index.add([i * 1000 + t for t in range(200)]) for i in range(3)]
+    index = TrafficIndex(3 * size)
+    for i in range(3):
+        index.add(None, [i * 1000 + t for t in range(200)], 0)
     assert index.sequences == 3 and index.bytes <= 3 * size
-    assert index.match([1000, 1001], 1) is not None  # answer 1 drafted: now the most recent
-    index.add([9000 + t for t in range(200)])
+    assert index.match(None, [1000, 1001], 1) is not None  # answer 1 drafted: now the most recent
+    index.add(None, [9000 + t for t in range(200)], 0)
     assert index.sequences == 3 and index.bytes <= index.max_bytes
-    assert index.match([0, 1], 1) is None  # answer 0 was the least recently used
-    assert index.match([1000, 1001], 1) is not None and index.match([2000, 2001], 1) is not None
-    for sid in (ids[1], ids[2]):
-        index.remove(sid)
-    index.remove(next(iter(index._sequences)))
-    assert (index.bytes, index.tokens, index.sequences, index._table) == (0, 0, 0, {})
-    assert SuffixIndex(100).add(list(range(200))) is None  # larger than the whole budget: not kept
+    assert index.match(None, [0, 1], 1) is None  # answer 0 was the least recently used
+    assert index.match(None, [1000, 1001], 1) is not None and index.match(None, [2000, 2001], 1) is not None
+    for i in range(2):  # sequences sharing anchors, some of which fell out of a common anchor's list
+        one.add([t % 7 for t in range(100 * i, 100 * i + 300)])
+    for sid in list(one._sequences):
+        one.remove(sid)
+    assert (one.bytes, one.tokens, one.sequences, one._table) == (0, 0, 0, {})
+    small = TrafficIndex(100)
+    small.add(None, list(range(200)), 0)
+    assert small.sequences == 0  # larger than the whole budget: not kept
 
 
 def test_the_index_counts_the_memory_it_holds():

@@ -118,9 +118,8 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         raise _invalid(str(exc)) from exc
     prediction: tuple[int, ...] = ()
     if spec.prediction:
-        predicted = await admission.run(runtime.tokenizer.encode, spec.prediction)
-        bos = runtime.tokenizer.bos_token_id
-        prediction = tuple(predicted[1:] if predicted[:1] == [bos] and bos is not None else predicted)
+        # The answer's text, not a prompt: no BOS in front of it.
+        prediction = tuple(await admission.run(runtime.tokenizer.encode, spec.prediction, False))
     d = spec.decoding
     params = GenerationParams(
         max_new_tokens=max_new,

@@ -428,7 +428,9 @@ _CACHE_SALT = (
 )
 
 
-class PredictionPart(BaseModel):
+class ContentPart(BaseModel):
+    """A text part of a message's (or a prediction's) content."""
+
     model_config = _REQUEST
 
     type: Literal["text"]
@@ -441,7 +443,7 @@ class Prediction(BaseModel):
     model_config = _REQUEST
 
     type: Literal["content"]
-    content: str | list[PredictionPart] = Field(description="the predicted text, or its parts (joined)")
+    content: str | list[ContentPart] = Field(description="the predicted text, or its parts (joined)")
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -979,13 +981,6 @@ class CompletionRequest(_OpenAISampling):
                 "choosing the best of more samples is not"
             )
         return self
-
-
-class ContentPart(BaseModel):
-    model_config = _REQUEST
-
-    type: Literal["text"]
-    text: str
 
 
 class CalledFunction(BaseModel):

@@ -38,12 +38,8 @@ async def tokenize(body: TokenizeRequest, runtime: Runtime_) -> TokenizeResponse
     else:
         assert body.prompt is not None
         text, special = body.prompt, body.add_special_tokens is not False
-    ids = await admission.run(tokenizer.encode, text)  # a long prompt: in the bounded pool, as /v1/completions'
-    bos = _bos(runtime)
-    added_bos = bos is not None and tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id]
-    added_bos = added_bos and not text.startswith(bos)  # type: ignore[arg-type]
-    if added_bos and not special:
-        ids = ids[1:]  # the BOS the tokenizer added, not one the text wrote
+    # A long prompt: in the bounded pool, as /v1/completions'. Without special tokens, no BOS but one the text wrote.
+    ids = await admission.run(tokenizer.encode, text, special)
     strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=runtime.info.context_length, tokens=ids, token_strs=strs)
 

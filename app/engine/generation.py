@@ -21,7 +21,7 @@ from app.engine.decoding.logprobs import TokenLogprob, token_logprobs
 from app.engine.decoding.penalties import Penalty
 from app.engine.defaults import DEFAULT_LOOKUP_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from app.engine.drafting.base import Drafter, DraftSession
-from app.engine.drafting.draft_length import DraftLength, StepCosts, is_lookup
+from app.engine.drafting.draft_length import DraftLength, StepCosts, is_lookup, named_lookup
 from app.engine.drafting.tree import TreeShape, compact, row_value
 from app.engine.drafting.tree import accept as accept_tree
 from app.engine.model.tokenizer import Tokenizer
@@ -116,8 +116,6 @@ class Generation:
         # after a step that drafted the same kind: a model draft that did not run last step first catches up on
         # the tokens since (the whole prompt, the first time), which is no cost of the tokens it drafts now.
         self._last_kind: str | None = None
-        # The adaptive choice's lookups by kind, for the plan to carry to verification.
-        self._lookups: dict[str, list[int]] = {}
         # The prompt's log-probabilities gathered chunk by chunk, sent with the first token (None: not asked).
         self._prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self._started = time.perf_counter()
@@ -225,12 +223,13 @@ class Generation:
         remaining = self.params.max_new_tokens - self.stats.generated_tokens
         t0 = time.perf_counter()
         found: list[int] | None = None  # a lookup's tokens, chosen before any draft ran
+        lookups: dict[str, list[int]] = {}  # every lookup's proposal by kind, for verification's evidence
         kind = self._length.kind
         chosen = k is None and self._lookup_first  # the kind is known from the choice
         if k is None:
             # A step adds up to k+1 tokens; never draft what could not be kept.
             if chosen:
-                k, kind, found = self._choose_with_lookup(remaining - 1)
+                k, kind, found, lookups = self._choose_with_lookup(remaining - 1)
             else:
                 k = self._length.next_k(remaining - 1) if self._k else 0
                 if k == 0 and self._k and remaining > 1:
@@ -274,36 +273,34 @@ class Generation:
         # sits after the real rows, so causality keeps it from touching them.
         pad = max(0, min(width, self._cache.capacity - start) - real)
         feed = torch.tensor([self.ids[-1], *drafts, *[0] * pad], dtype=torch.long, device=self.target.device)
-        lookups, self._lookups = self._lookups, {}
         return StepPlan(k, drafts, q, start, real, feed, draft_seconds, refused, forced, kind, lookups)
 
-    def _choose_with_lookup(self, limit: int) -> tuple[int, str, list[int] | None]:
+    def _choose_with_lookup(self, limit: int) -> tuple[int, str, list[int] | None, dict[str, list[int]]]:
         """The adaptive choice of a session that looks up first: (k, its kind, the lookup's tokens to verify or
-        None). Verifying some of the lookup's tokens (free to propose: only their rows cost) and a model draft
-        are priced each with its own acceptance; the one expected to yield more tokens per second is drafted,
-        neither when a plain step yields more (bar a probe). A lookup wins a tie, and while the model's step
-        is not yet measured."""
+        None, every lookup's proposal by kind). Verifying some of a lookup's tokens (free to propose: only their
+        rows cost) and a model draft are priced each with its own acceptance; the one expected to yield more
+        tokens per second is drafted, none when a plain step yields more (bar a probe). A lookup wins a tie, and
+        while the model's step is not yet measured."""
         session = self._draft
         assert session is not None and session.looks_up
-        proposals = session.proposals(self.ids, min(self._length.cap("lookup:"), limit)) if limit > 0 else []
+        if limit <= 0:
+            return 0, self._length.kind, None, {}
+        proposals = session.proposals(self.ids, min(self._length.lookup_cap, limit))
         found = {p.kind: p.tokens for p in reversed(proposals)}  # one per kind: the first source's on a tie
         choices: list[tuple[str, int | None]] = [(kind, len(tokens)) for kind, tokens in found.items()]
         if session.model is not None:
             choices.append(("model", None))
         options: list[tuple[float, int, str]] = []
         for kind, available in choices:
-            if limit <= 0:
-                continue
             k = self._length.next_k(limit, kind, available)
             if k:
                 options.append((self._length.rate(k, kind) or 0.0, k, kind))
-            elif kind == "model" or kind == "lookup":  # a named lookup kind learns without drafting: no probes
+            elif named_lookup(kind) is None:  # a named lookup kind learns without drafting: no probes
                 self._length.idle(kind)
-        self._lookups = found
         if not options:
-            return 0, self._length.kind, None
+            return 0, self._length.kind, None, found
         _, k, kind = max(options, key=lambda option: option[0])  # the first best: lookups before the model
-        return k, kind, found[kind][:k] if kind != "model" else None
+        return k, kind, found[kind][:k] if kind != "model" else None, found
 
     def verify(
         self, plan: StepPlan, hidden: torch.Tensor, logits: torch.Tensor, forward_seconds: float, solo: bool
@@ -447,7 +444,8 @@ class Generation:
             stats.accepted_per_position.extend([0] * (kept - len(stats.accepted_per_position)))
         for i in range(kept):
             stats.accepted_per_position[i] += 1
-        source = kind.split(":")[1] if kind.startswith("lookup:") else "prompt" if kind == "lookup" else "model"
+        named = named_lookup(kind)
+        source = named[0] if named is not None else "prompt" if kind == "lookup" else "model"
         stats.draft_sources[source] = stats.draft_sources.get(source, 0) + 1
         if source == "prediction":
             stats.accepted_prediction_tokens += kept

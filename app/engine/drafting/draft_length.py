@@ -43,17 +43,30 @@ def is_lookup(kind: str) -> bool:
     return kind.startswith("lookup")
 
 
+def lookup_kind(source: str, bucket: int) -> str:
+    """The kind of a lookup from `source` whose match falls in length class `bucket`."""
+    return f"lookup:{source}:{bucket}"
+
+
+def named_lookup(kind: str) -> tuple[str, int] | None:
+    """(source, match-length class) of a kind `lookup_kind` made; None for any other kind."""
+    head, _, rest = kind.partition(":")
+    source, _, bucket = rest.partition(":")
+    return (source, int(bucket)) if head == "lookup" and source and bucket.isdigit() else None
+
+
 def _shorter(kind: str, known: dict[str, Acceptance]) -> Acceptance | None:
     """Of the kinds in `known` from the same lookup source as `kind`, the one with the longest match shorter than
     its own (None: none): a longer match is accepted at least as often, so a new length class starts from it."""
-    source, _, bucket = kind.rpartition(":")
-    if not kind.startswith("lookup:") or not bucket.isdigit():
+    named = named_lookup(kind)
+    if named is None:
         return None
+    source, bucket = named
     best, best_bucket = None, -1
     for other, seen in known.items():
-        other_source, _, other_bucket = other.rpartition(":")
-        if other_source == source and other_bucket.isdigit() and best_bucket < int(other_bucket) < int(bucket):
-            best, best_bucket = seen, int(other_bucket)
+        other_named = named_lookup(other)
+        if other_named is not None and other_named[0] == source and best_bucket < other_named[1] < bucket:
+            best, best_bucket = seen, other_named[1]
     return best
 
 
@@ -61,8 +74,8 @@ def prior(kind: str) -> float:
     """The acceptance a kind starts from before any draft of it was verified: 0.5, or for a lookup whose match
     is m tokens long m / (m + 2) (a Laplace-like guess that a longer agreement goes on longer: 0.5 at 2 tokens,
     0.8 at 8, 0.94 at 32), which the first verifications then correct."""
-    _, _, bucket = kind.partition(":")[2].partition(":")
-    m = int(bucket) if bucket.isdigit() else 0
+    named = named_lookup(kind)
+    m = named[1] if named is not None else 0
     return m / (m + 2) if m >= 2 else 0.5
 
 
@@ -245,10 +258,14 @@ class DraftLength:
             seen = self._seen[kind] = self._start(start)
         return seen
 
+    @property
+    def lookup_cap(self) -> int:
+        """The most tokens a lookup of a named source may draft."""
+        return self.max_lookup if self.schedule == "adaptive" else self.max_k
+
     def cap(self, kind: str | None = None) -> int:
         """The most tokens a draft of `kind` may have."""
-        kind = kind or self.kind
-        return self.max_lookup if kind.startswith("lookup:") and self.schedule == "adaptive" else self.max_k
+        return self.lookup_cap if named_lookup(kind or self.kind) is not None else self.max_k
 
     @property
     def acceptance(self) -> float:
@@ -291,7 +308,7 @@ class DraftLength:
         if any(r is None for r in rates):
             return min(_START_K, cap)
         best = max(range(cap + 1), key=lambda k: rates[k] or 0.0)  # the first best: the shorter on a tie
-        if kind.startswith("lookup:"):
+        if named_lookup(kind) is not None:
             return best  # no probes: the target's tokens show every step how far a lookup would have been accepted
         return 1 if best == 0 and self.probing(kind) and self.could_pay(cap, kind) else best
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+from app.engine.drafting import draft_length
 from app.engine.drafting.base import Drafter, DraftSession, Proposal
 from app.engine.drafting.suffix_index import ANCHOR, Match, SuffixIndex, TrafficIndex
 
@@ -41,7 +42,7 @@ def match_bucket(length: int) -> int:
 
 def lookup_kind(source: str, length: int) -> str:
     """The draft kind of a lookup from `source` with a match of `length` tokens (draft_length prices each)."""
-    return f"lookup:{source}:{match_bucket(length)}"
+    return draft_length.lookup_kind(source, match_bucket(length))
 
 
 class _SuffixSession(DraftSession):
@@ -50,16 +51,14 @@ class _SuffixSession(DraftSession):
     def __init__(self, drafter: SuffixDrafter) -> None:
         super().__init__()
         self._d = drafter
-        self._own = SuffixIndex(None)
-        self._own_id = self._own.open()
-        self._seen = 0  # tokens of the request's sequence in `_own`
+        self._own = SuffixIndex()
+        self._own_id = self._own.open()  # the request's sequence, filed as far as `_own.tokens`
         self._prediction: list[int] = []
-        self._predicted = SuffixIndex(None)
+        self._predicted = SuffixIndex()
         self._prompt_len = 0
         self._tenant: str | None = None
         self._history = True  # whether the index of other requests' answers is read
         self.used_lookup = True
-        self.last_kind = "lookup"
 
     def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int], history: bool = True) -> None:
         self._prompt_len = prompt_len
@@ -123,13 +122,13 @@ class _SuffixSession(DraftSession):
 
     def _catch_up(self, ids: list[int]) -> None:
         """File the tokens of `ids` not yet in the own-text index (the accepted sequence only grows)."""
-        if self._seen > len(ids) or (self._seen and ids[self._seen - 1] != self._own.last(self._own_id)):
+        seen = self._own.tokens
+        if seen > len(ids) or (seen and ids[seen - 1] != self._own.last(self._own_id)):
             # Not the sequence indexed so far (never, in a generation, whose accepted sequence only grows).
-            self._own = SuffixIndex(None)
-            self._own_id, self._seen = self._own.open(), 0
-        if self._seen < len(ids):
-            self._own.extend(self._own_id, ids[self._seen :])
-            self._seen = len(ids)
+            self._own = SuffixIndex()
+            self._own_id, seen = self._own.open(), 0
+        if seen < len(ids):
+            self._own.extend(self._own_id, ids[seen:])
 
 
 class SuffixDrafter(Drafter):

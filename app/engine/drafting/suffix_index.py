@@ -14,9 +14,10 @@ per step cost microseconds in Python, a sequence is added or evicted in one pass
 per token is a packed int in a list (SuffixDecoding's suffix tree needs a node per distinct suffix and per-node
 counts, which in Python objects cost several times more per token for no better drafts at these match lengths).
 
-Memory is bounded (`max_bytes`): whole sequences are evicted least recently used first (a lookup that drafts from a
-sequence makes it the most recent), and `bytes` counts what the lists, ints and dict entries hold (checked against
-tracemalloc in the tests). Not thread-safe: the worker thread alone adds and looks up; gauges read plain ints.
+`SuffixIndex.bytes` counts what the lists, ints and dict entries hold (checked against tracemalloc in the tests);
+`TrafficIndex` keeps the server's answers within `max_bytes`, evicting whole answers least recently used first (a
+lookup that drafts from an answer makes it the most recent). Not thread-safe: the worker thread alone adds and
+looks up; gauges read plain ints.
 """
 
 from __future__ import annotations
@@ -68,14 +69,10 @@ def _key(a: int, b: int) -> int:
 
 
 class SuffixIndex:
-    """Token sequences filed by anchor, at most `max_bytes` of them (None: unbounded, for one request's own
-    text), the least recently used evicted first."""
+    """Token sequences filed by anchor, with the bytes they hold (`TrafficIndex` keeps a budget over them)."""
 
-    def __init__(self, max_bytes: int | None = None) -> None:
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError("max_bytes must be 0 or more")
-        self.max_bytes = max_bytes
-        self._sequences: OrderedDict[int, array] = OrderedDict()  # least recent first
+    def __init__(self) -> None:
+        self._sequences: dict[int, array] = {}
         self._table: dict[int, list[int]] = {}  # anchor -> packed (sequence, position), oldest first
         self._next_id = 0
         self.bytes = 0
@@ -85,18 +82,14 @@ class SuffixIndex:
     def sequences(self) -> int:
         return len(self._sequences)
 
-    def add(self, tokens: Sequence[int]) -> int | None:
-        """Index a whole sequence (a finished answer) as the most recent; its id, or None when it could not fit
-        the budget even alone (nothing else is evicted for it then)."""
-        if self.max_bytes is not None and _cost(len(tokens)) > self.max_bytes:
-            return None
+    def add(self, tokens: Sequence[int]) -> int:
+        """Index a whole sequence (a finished answer); its id."""
         sid = self.open()
         self.extend(sid, tokens)
-        self._evict()
         return sid
 
     def open(self) -> int:
-        """A new empty sequence, the most recent, to `extend` as its text grows."""
+        """A new empty sequence, to `extend` as its text grows."""
         sid = self._next_id
         self._next_id += 1
         self._sequences[sid] = array("i")
@@ -154,8 +147,8 @@ class SuffixIndex:
 
     def match(self, context: Sequence[int], k: int, floor: int = ANCHOR) -> Match | None:
         """Up to `k` tokens that followed the best occurrence of the end of `context` (the longest agreement
-        with it, the most recent on a tie), which becomes the most recent sequence; None when no occurrence
-        agrees on at least `floor` tokens or none has a token after it."""
+        with it, the most recent on a tie); None when no occurrence agrees on at least `floor` tokens or none has
+        a token after it."""
         n = len(context)
         if k <= 0 or n < ANCHOR:
             return None
@@ -179,18 +172,7 @@ class SuffixIndex:
         seq = self._sequences[best_sid]
         if best_pos >= len(seq):
             return None
-        if self.max_bytes is not None:
-            self._sequences.move_to_end(best_sid)
         return Match(seq[best_pos : best_pos + k].tolist(), best_len, best_sid, best_pos)
-
-    def _evict(self) -> None:
-        while self.max_bytes is not None and self.bytes > self.max_bytes and self._sequences:
-            self.remove(next(iter(self._sequences)))
-
-    def bound(self, max_bytes: int) -> None:
-        """A new budget, met at once by evicting the least recently used sequences."""
-        self.max_bytes = max_bytes
-        self._evict()
 
 
 class TrafficIndex:
@@ -230,9 +212,7 @@ class TrafficIndex:
         answer = token_ids[max(0, prompt_len - self.CONTEXT) :]
         if len(token_ids) - prompt_len < 1 or _cost(len(answer)) > self.max_bytes:
             return  # nothing written, or more than the whole budget (which would evict every other answer)
-        index = self._tenants.setdefault(tenant, SuffixIndex(None))
-        sid = index.add(answer)
-        assert sid is not None  # unbounded per tenant: the budget is kept here, across tenants
+        sid = self._tenants.setdefault(tenant, SuffixIndex()).add(answer)
         self._order[(tenant, sid)] = None
         self._evict()
 
@@ -256,7 +236,3 @@ class TrafficIndex:
             total -= before - index.bytes
             if not index.sequences:
                 del self._tenants[tenant]
-
-    def bound(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._evict()

@@ -156,14 +156,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, bos: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings in it (as a chat template writes them) are parsed. BOS comes
-        first where the model's tokenizer adds it (`add_bos`), unless the text begins with it already."""
+        first where the model's tokenizer adds it (`add_bos`) and `bos` asks for it, unless the text begins with it
+        already (False: text that continues a sequence, such as a predicted answer)."""
         # encode_batch, not encode: the same ids, but it lets go of the GIL while it works, where encode holds
         # it throughout (0.5 s for a megabyte of prompt, during which no other thread, the worker stepping the
         # running generations included, runs a line of Python).
         ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
-        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        if bos and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
 
