@@ -569,6 +569,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         **sampling,
         "prompts": len(prompts),
         "threads": threads,
+        "kernel": engine.kernel,
     }
     if synthetic:
         meta["synthetic"] = f"{args.synthetic} {args.synthetic_format}: random weights, speed only"
@@ -660,6 +661,7 @@ def _bench_workloads(
         "num_draft_tokens": args.num_draft_tokens,
         "decoding": "greedy",
         "threads": threads,
+        "kernel": engine.kernel,
         "speedup": "total tokens / total seconds, over target-only's",
     }
     print(json.dumps(meta))
