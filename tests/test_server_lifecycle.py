@@ -23,6 +23,7 @@ import pytest
 from _server import metric, server_process
 
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy counts on for hundreds of tokens
+MODEL = "smollm2-135m-instruct"
 LONG = {"inputs": COUNTING, "parameters": {"max_new_tokens": 1500}}
 # Target-only decoding: one token per step, so that 1,500 tokens take far longer than the grace period.
 BASE_ARGS = ("--dtype", "float32", "--draft", "none", "--log-level", "warning")
@@ -127,7 +128,7 @@ def test_sigterm_drains_then_exits(tmp_path: Path, target_path: Path) -> None:
             url,
             "/v1/completions",
             # Greedy: OpenAI's default temperature of 1 may sample an end of text within the grace period.
-            {"prompt": COUNTING, "max_tokens": 1500, "temperature": 0, "stream": True, "model": "smollm2-135m-instruct"},
+            {"prompt": COUNTING, "max_tokens": 1500, "temperature": 0, "stream": True, "model": MODEL},
         )
         long_tgi = _start_stream(pool, url, "/generate_stream", LONG)
         short = _start_stream(pool, url, "/generate_stream", {"inputs": COUNTING, "parameters": {"max_new_tokens": 4}})
