@@ -20,7 +20,7 @@ NOT_MODELS = ("none", "ngram")
 def models_to_fetch(argv: Sequence[str], environ: Mapping[str, str]) -> list[str]:
     """The catalog names among the target and the draft `specserve serve argv` will load."""
     from app import store
-    from app.settings import Settings
+    from app.service.settings import Settings
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--target")

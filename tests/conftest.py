@@ -140,7 +140,7 @@ def hf_tokenizer(target_path: Path):
 
 @pytest.fixture(scope="session")
 def first_turns() -> list[str]:
-    """The first turns of the first three of `specserve bench`'s own prompts (app/bench_prompts.jsonl: writing,
+    """The first turns of the first three of `specserve bench`'s own prompts (app/bench/prompts.jsonl: writing,
     role-play, reasoning), shipped with the package: the tests read nothing outside the repository."""
     rows = [json.loads(line) for line in BENCH_PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [row["turns"][0] for row in rows[:3]]
@@ -272,8 +272,8 @@ def api_client(api_engine):
 
     import httpx
 
-    from app.server import create_app
-    from app.settings import Settings
+    from app.service.server import create_app
+    from app.service.settings import Settings
 
     @contextlib.asynccontextmanager
     async def client(engine=None, **settings):

@@ -252,7 +252,7 @@ async def test_openai_answers_report_the_seed_and_the_sampler(api_client, sse_da
 def test_the_default_temperature_comes_from_the_generation_config(tmp_path, target_path) -> None:
     """An HF checkpoint's generation_config.json gives the OpenAI routes' default temperature (as vLLM takes it);
     a GGUF, a config without one, or a target that is not there give none (the server then takes 1.0)."""
-    from app.runtime import generation_temperature
+    from app.service.runtime import generation_temperature
 
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.9}')
     assert generation_temperature(str(tmp_path)) == 0.6

@@ -12,8 +12,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from app.server import create_app
-from app.settings import Settings
+from app.service.server import create_app
+from app.service.settings import Settings
 
 OPERATIONS = [
     ("POST", "/generate"),

@@ -20,9 +20,9 @@ from app.api import security
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.ngram import NgramDrafter
 from app.engine.engine import Engine
-from app.logs import _JSONFormatter, _RequestIdFilter
-from app.server import create_app
-from app.settings import Settings
+from app.service.logs import _JSONFormatter, _RequestIdFilter
+from app.service.server import create_app
+from app.service.settings import Settings
 from tests.conftest import FIXED_DRAFT
 
 # The requests counter's sample for an outcome, on an app serving the default target.
@@ -222,7 +222,7 @@ async def test_no_traceback_in_answers_and_the_id_in_the_log(api_engine, json_lo
     records = [json.loads(line) for line in json_log.getvalue().splitlines()]
     by_id = {r.get("request_id"): r for r in records if r["level"] == "error"}
     assert "secret detail" in by_id["crash-1"]["exception"]  # the traceback is in the log, not the answer
-    assert by_id["failed-2"]["logger"] == "app.worker" and "draft exploded" in by_id["failed-2"]["exception"]
+    assert by_id["failed-2"]["logger"] == "app.service.scheduler" and "draft exploded" in by_id["failed-2"]["exception"]
 
 
 def test_key_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,7 +245,7 @@ def test_key_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("log_format", ["text", "json"])
 def test_log_lines_carry_the_request_id(log_format: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from app.logs import configure_logging, request_id_var
+    from app.service.logs import configure_logging, request_id_var
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level

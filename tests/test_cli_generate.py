@@ -179,7 +179,7 @@ def test_bad_sampling_flags_are_one_error_line(capsys, flags, message):
 
 
 def test_bench_summary_reports_equality_only_where_promised():
-    from app.bench import Run, markdown, summarize
+    from app.bench.specbench import Run, markdown, summarize
 
     stats = {
         "drafted": 4,
@@ -234,7 +234,7 @@ def test_bench_default_prompts_ship_with_the_package():
     none of its prompts is a Spec-Bench one (those come in with --input)."""
     import tomllib
 
-    from app.bench import MT_BENCH, read_prompts
+    from app.bench.specbench import MT_BENCH, read_prompts
     from app.cli import BENCH_PROMPTS, _build_parser
     from tests.conftest import SPECBENCH
 

@@ -23,7 +23,7 @@ from types import ModuleType
 import pytest
 import yaml
 
-from app.settings import Settings
+from app.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

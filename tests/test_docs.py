@@ -204,9 +204,9 @@ def configuration_rows(text: str) -> dict[str, tuple[str, str]]:
 
 
 def configuration_problems(text: str) -> list[str]:
-    """How service.md's table differs from the serve flags (generated from app.settings.Settings)."""
+    """How service.md's table differs from the serve flags (generated from app.service.settings.Settings)."""
     from app import cli
-    from app.settings import Settings
+    from app.service.settings import Settings
 
     rows = configuration_rows(text)
     flags = {flag: field for flag, field, _ in cli._serve_flags()}
@@ -342,8 +342,8 @@ def curls(path: Path) -> list[Curl]:
 
 @cache
 def openapi() -> dict[str, Any]:
-    from app.server import create_app
-    from app.settings import Settings
+    from app.service.server import create_app
+    from app.service.settings import Settings
 
     return create_app(Settings()).openapi()
 

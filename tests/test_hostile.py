@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from app.api import admission
 from app.api import body as body_module
 from app.engine.decoding.grammar import MAX_ALTERNATIVES, MAX_SCHEMA_DEPTH
-from app.logs import _NotTwice
+from app.service.logs import _NotTwice
 
 SMALL = 4096  # the most bytes an error body may take
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.loadtest import (
+from app.bench.loadtest import (
     NO_PREFIX_CACHE,
     Result,
     markdown,
@@ -27,9 +27,9 @@ from app.loadtest import (
     summarize_mixed,
     summarize_turns,
 )
-from app.server import create_app
-from app.settings import Settings
-from app.workloads import SHORT_PROMPTS, SYSTEM_PROMPT, long_document, long_prompt, user_turns
+from app.bench.workloads import SHORT_PROMPTS, SYSTEM_PROMPT, long_document, long_prompt, user_turns
+from app.service.server import create_app
+from app.service.settings import Settings
 
 pytestmark = pytest.mark.anyio
 
@@ -89,7 +89,7 @@ async def test_a_full_server_is_counted_as_429s(api_engine):
 
 
 def test_a_reference_mismatch_is_reported():
-    from app.loadtest import Result
+    from app.bench.loadtest import Result
 
     r = Result(0, ok=True, text="other", tokens=2, start=0.0, token_times=[0.1, 0.2], end=0.3)
     assert summarize_level([r], 1.0, {0: "expected"}, greedy=True)["differs_from_alone"] == 1
@@ -98,7 +98,7 @@ def test_a_reference_mismatch_is_reported():
 async def test_an_open_loop_level_sends_every_request_at_its_arrival_time(api_engine):
     """At a request rate, requests arrive on a seeded Poisson schedule whatever is in flight (so they overlap),
     and each still completes with the text its prompt gets alone."""
-    from app.loadtest import run_rate
+    from app.bench.loadtest import run_rate
 
     alone, _ = await _level(api_engine, 1, 3, "chat")
     reference = {r.prompt_index: r.text for r in alone}
@@ -119,9 +119,9 @@ async def test_an_open_loop_level_sends_every_request_at_its_arrival_time(api_en
 def test_loadtest_sends_the_packages_prompts_by_default(monkeypatch, tmp_path):
     """With no --input, `specserve loadtest` sends the package's own prompts (as `specserve bench`), from any
     directory: no path that only this repository's CI layout has."""
-    import app.loadtest
+    import app.bench.loadtest
     from app import cli
-    from app.bench import read_prompts
+    from app.bench.specbench import read_prompts
 
     class Answer:
         status_code = 200
@@ -137,9 +137,9 @@ def test_loadtest_sends_the_packages_prompts_by_default(monkeypatch, tmp_path):
         return [], 1.0
 
     monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: Answer())
-    monkeypatch.setattr(app.loadtest, "run_level", run_level)
-    monkeypatch.setattr(app.loadtest, "summarize_level", lambda *args: {})
-    monkeypatch.setattr(app.loadtest, "markdown", lambda rows: "")
+    monkeypatch.setattr(app.bench.loadtest, "run_level", run_level)
+    monkeypatch.setattr(app.bench.loadtest, "summarize_level", lambda *args: {})
+    monkeypatch.setattr(app.bench.loadtest, "markdown", lambda rows: "")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["loadtest", "--clients", "2", "--draft", "none", "--out", "out"]) == 0
     texts = [p.text for p in read_prompts(cli.BENCH_PROMPTS)]
@@ -166,12 +166,12 @@ def test_conversations_are_seeded_distinct_per_user_and_about_300_tokens_a_turn_
 
 
 def test_the_workload_texts_are_the_projects_own_not_a_benchmarks():
-    """The texts are written in app/workloads.py: it reads no file, and none of them is a Spec-Bench prompt."""
-    import app.workloads
+    """The texts are written in app/bench/workloads.py: it reads no file, and none of them is a Spec-Bench prompt."""
+    import app.bench.workloads
 
-    source = Path(app.workloads.__file__).read_text()
+    source = Path(app.bench.workloads.__file__).read_text()
     assert "shared" not in source and "open(" not in source and "read_text" not in source
-    bench = [json.loads(line) for line in Path("app/bench_prompts.jsonl").read_text().splitlines() if line]
+    bench = [json.loads(line) for line in Path("app/bench/prompts.jsonl").read_text().splitlines() if line]
     specbench = Path(__file__).resolve().parents[2] / "shared" / "bench" / "specbench-dev.jsonl"
     if specbench.is_file():
         bench += [json.loads(line) for line in specbench.read_text().splitlines() if line]
@@ -335,7 +335,7 @@ def test_loadtest_mixed_sizes_the_long_prompts_from_info_and_reports_them_apart(
     """`specserve loadtest --workload mixed`: long prompts sized to /info's limits (less the answer) by the
     server's /tokenize, the short ones with --short-tokens, the table and JSON with both parts and the
     prefix-cache hit rate (this server's /metrics has the counters)."""
-    import app.loadtest
+    import app.bench.loadtest
     from app import cli
 
     metrics = iter([METRICS.format(queries=0.0, hits=0.0), METRICS.format(queries=9000.0, hits=3000.0)])
@@ -366,7 +366,7 @@ def test_loadtest_mixed_sizes_the_long_prompts_from_info_and_reports_them_apart(
 
     monkeypatch.setattr(httpx, "get", lambda url, **kwargs: Answer(url))
     monkeypatch.setattr(httpx, "post", lambda url, json=None, **kwargs: Answer(url, json))
-    monkeypatch.setattr(app.loadtest, "run_mixed", run_mixed)
+    monkeypatch.setattr(app.bench.loadtest, "run_mixed", run_mixed)
     args = ["loadtest", "--workload", "mixed", "--draft", "none", "--long-prompts", "2", "-n", "64"]
     assert cli.main([*args, "--short-requests", "3", "--out", str(tmp_path)]) == 0
     assert len(sent["longs"]) == 2 and sent["short_requests"] == 3 and sent["short_tokens"] == 4

@@ -27,7 +27,7 @@ from _server import free_port, metric, running_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.engine.step import StepOutput
-from app.metrics import Metrics
+from app.service.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = json.loads((ROOT / "docker" / "grafana" / "dashboards" / "specserve.json").read_text())

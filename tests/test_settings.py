@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app import cli
-from app.settings import Settings
+from app.service.settings import Settings
 
 # Every serve flag there has been: generated from the settings now, they must keep their names.
 SERVE_FLAGS = [
@@ -56,12 +56,12 @@ def test_every_setting_has_a_flag() -> None:
 
 
 def _parsed_settings(monkeypatch: pytest.MonkeyPatch, *argv: str) -> Settings:
-    import app.logs
-    import app.server
+    import app.service.logs
+    import app.service.server
 
     seen: list[Settings] = []
-    monkeypatch.setattr(app.server, "serve", lambda settings: seen.append(settings) or True)
-    monkeypatch.setattr(app.logs, "configure_logging", lambda *args: None)
+    monkeypatch.setattr(app.service.server, "serve", lambda settings: seen.append(settings) or True)
+    monkeypatch.setattr(app.service.logs, "configure_logging", lambda *args: None)
     assert cli.main(["serve", *argv]) == 0
     return seen[0]
 
@@ -98,12 +98,12 @@ def test_a_new_setting_becomes_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing but the field: its flag, type, help and default come from it."""
     from pydantic import Field
 
-    import app.settings
+    import app.service.settings
 
     class More(Settings):
         spare_knob: float = Field(2.5, ge=0, description="a knob")
 
-    monkeypatch.setattr(app.settings, "Settings", More)
+    monkeypatch.setattr(app.service.settings, "Settings", More)
     flags = {flag: (field, kwargs) for flag, field, kwargs in cli._serve_flags()}
     assert flags["--spare-knob"] == (
         "spare_knob",
@@ -113,15 +113,15 @@ def test_a_new_setting_becomes_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_only_serve_loads_the_settings() -> None:
-    """The flags come from app.settings (pydantic-settings, slow to import): other commands do not load it."""
+    """The flags come from app.service.settings (pydantic-settings, slow to import): other commands do not load it."""
     import subprocess
     import sys
 
     code = (
         "import sys\nfrom app import cli\n"
         "try:\n    cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
-        "print('app.settings' in sys.modules)\n"
-        "cli._build_parser(serve_flags=True)\nprint('app.settings' in sys.modules)\n"
+        "print('app.service.settings' in sys.modules)\n"
+        "cli._build_parser(serve_flags=True)\nprint('app.service.settings' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[-2:] == ["False", "True"]  # after `specserve VERSION`

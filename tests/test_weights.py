@@ -724,7 +724,7 @@ def test_llama_cpp_baseline_copies_keep_the_weights(tmp_path, kind):
     """`specserve bench --llama-cpp f32|bf16` runs llama.cpp on a dequantized copy of the target's GGUF: every
     metadata field is kept (file type updated), vectors stay F32, and the weights read back as the source's,
     exactly in f32 and to bf16's rounding in bf16."""
-    from app.llamacpp import convert_gguf
+    from app.bench.llamacpp import convert_gguf
 
     src = tmp_path / "tiny-Q4_1.gguf"
     _write_gguf(src, "llama", _gguf_source_model("llama", True, 5).state_dict(), Q.Q4_1, True, 5)

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from app.engine import kernels
 from app.engine.step import GenerationParams
-from app.metrics import Metrics
-from app.worker import Overloaded, RequestFailed, Scheduler, Ticket
+from app.service.metrics import Metrics
+from app.service.scheduler import Overloaded, RequestFailed, Scheduler, Ticket
 from tests.conftest import FIXED_DRAFT, KERNELS
 
 pytestmark = pytest.mark.anyio

@@ -1,4 +1,5 @@
-"""`specserve bench --workload`: the traffic workloads' texts (app.workloads) and their runner (app.bench).
+"""`specserve bench --workload`: the traffic workloads' texts (app.bench.workloads) and their
+runner (app.bench.specbench).
 
 The runner runs on a tiny random target with the real tokenizer and chat template (a synthetic GGUF, as
 test_bench's), so prompts are rendered and counted as the server would, in seconds. Speeds on a shared machine
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from app import bench, synthetic, workloads
+from app.bench import specbench, synthetic, workloads
 from app.cli import _bench_workload_names, _build_parser, main
 from app.engine import factory
 
@@ -90,7 +91,7 @@ def test_agent_feeds_back_each_call_result(tiny) -> None:
     planned = messages[4]["tool_calls"][0]["function"]
     assert messages[4]["content"] is None and planned["name"] == "search_docs"  # the plan's second call
     assert json.loads(messages[5]["content"])["results"]
-    text = bench.render_chat(tiny[1].tokenizer, messages, episode.tools)
+    text = specbench.render_chat(tiny[1].tokenizer, messages, episode.tools)
     system = text.split("<|im_end|>")[0]
     assert text.count("<tool_response>") == 2 and '"name": "run_tests"' in system and "<tool_call>" in system
     assert text.endswith("<|im_start|>assistant\n")
@@ -110,7 +111,7 @@ def test_prompts_fit_with_the_longest_answers(tiny) -> None:
                 text = tok.decode(filler[: e.max_new_tokens - len(tok.encode(call))])
                 answers = [longest, text + call] * e.turns
             for t in range(e.turns):
-                n = len(tok.encode(bench.render_chat(tok, e.messages(answers[:t]), e.tools)))
+                n = len(tok.encode(specbench.render_chat(tok, e.messages(answers[:t]), e.tools)))
                 assert n <= PROMPT_LIMIT, (name, e.index, t, n)
 
 
@@ -145,16 +146,16 @@ def test_workload_bench_end_to_end(tiny, tmp_path: Path, monkeypatch) -> None:
     workloads.md written."""
     monkeypatch.setattr(factory, "build_engine", lambda *args, **kwargs: tiny)
     seen: list[list[dict]] = []
-    render = bench.render_chat
+    render = specbench.render_chat
     monkeypatch.setattr(
-        bench, "render_chat", lambda tok, messages, tools: seen.append(messages) or render(tok, messages, tools)
+        specbench, "render_chat", lambda tok, messages, tools: seen.append(messages) or render(tok, messages, tools)
     )
     out = tmp_path / "out"
     argv = ["bench", "--workload", "chat", "--workload", "code-edit", "--episodes", "1", "-n", "6"]
     assert main([*argv, "--draft", "suffix", "--draft", "ngram", "--out", str(out)]) == 0
     result = json.loads((out / "workloads.json").read_text())
-    runs = [bench.Run(**r) for r in result["runs"]]
-    by_turn: dict[str, dict[str, bench.Run]] = {}
+    runs = [specbench.Run(**r) for r in result["runs"]]
+    by_turn: dict[str, dict[str, specbench.Run]] = {}
     for r in runs:
         by_turn.setdefault(r.question_id, {})[r.config] = r
     chat, edit = (
@@ -188,14 +189,18 @@ def test_workload_bench_end_to_end(tiny, tmp_path: Path, monkeypatch) -> None:
 
 
 def test_workload_configs_order() -> None:
-    configs = [bench.Config("hybrid", "adaptive"), bench.Config("ngram", "adaptive"), bench.Config("none")]
-    assert [c.label for c in bench.workload_configs(configs, True)] == [
+    configs = [specbench.Config("hybrid", "adaptive"), specbench.Config("ngram", "adaptive"), specbench.Config("none")]
+    assert [c.label for c in specbench.workload_configs(configs, True)] == [
         "none",
         "hybrid/adaptive",
         "hybrid/adaptive/prediction",
         "ngram/adaptive",
     ]
-    assert [c.label for c in bench.workload_configs(configs, False)] == ["none", "hybrid/adaptive", "ngram/adaptive"]
+    assert [c.label for c in specbench.workload_configs(configs, False)] == [
+        "none",
+        "hybrid/adaptive",
+        "ngram/adaptive",
+    ]
     assert dataclasses.replace(configs[0], prediction=True).label == "hybrid/adaptive/prediction"
 
 
@@ -204,7 +209,7 @@ def test_llama_cpp_lookup_equals_its_target_only(tiny_gguf: Path, tmp_path: Path
     """`--llama-cpp lookup`: the binding's prompt-lookup decoding brings llama.cpp target-only along, and its
     greedy tokens are target-only's, on a prompt longer than the binding's batch (its logits buffer must hold
     every position) and on a next turn that extends it (the kept prefix reused)."""
-    from app import llamacpp
+    from app.bench import llamacpp
 
     runners = llamacpp.runners(tiny_gguf, ["lookup"], tmp_path, threads=2, reuse_prefix=True)
     assert list(runners) == ["llama.cpp/gguf", "llama.cpp/lookup"]

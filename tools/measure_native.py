@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 
 from app import store
+from app.bench.llamacpp import LlamaCppRunner
 from app.engine.factory import build_engine
 from app.engine.step import GenerationParams
-from app.llamacpp import LlamaCppRunner
 
 
 def main() -> None:
     """What the docstring says, when run as a script."""
     torch.set_num_threads(1)
-    lines = [json.loads(line) for line in (Path(__file__).parents[1] / "app/bench_prompts.jsonl").open()]
+    lines = [json.loads(line) for line in (Path(__file__).parents[1] / "app/bench/prompts.jsonl").open()]
     engines = {w: build_engine(dtype="auto", device="cpu", weights=w)[0] for w in ("native", "bf16")}
     tok = engines["native"].tokenizer
     chat = [[{"role": "user", "content": d["turns"][0]}] for d in lines[: int(os.environ.get("P", "6"))]]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from app.engine.factory import build_engine
 from app.engine.step import GenerationParams
-from app.worker import Scheduler, Ticket
+from app.service.scheduler import Scheduler, Ticket
 
 SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "bench" / "specbench-dev.jsonl"
 

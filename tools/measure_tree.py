@@ -11,7 +11,7 @@ import collections
 import sys
 from pathlib import Path
 
-from app.bench import read_prompts
+from app.bench.specbench import read_prompts
 from app.engine import generation
 from app.engine.factory import build_engine
 from app.engine.step import GenerationParams

@@ -99,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", help="one kernel (default: every kernel this CPU runs, then torch)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--limit", type=int, default=13, help="prompts (one per category, app/bench_prompts.jsonl)")
+    parser.add_argument("--limit", type=int, default=13, help="prompts (one per category, app/bench/prompts.jsonl)")
     # Pinned: `auto` on the torch path times bf16 against float32 at load, and a busy machine can flip the choice.
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api import admission
 from app.api.errors import error_response
 from app.engine.decoding.grammar import json_depth
-from app.metrics import Metrics
+from app.service.metrics import Metrics
 
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 # Deepest a body may nest (objects and arrays). No field needs more (a JSON schema may nest 100 levels, and

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import Request
 
 from app.api.errors import APIError
-from app.metrics import Metrics
-from app.runtime import Runtime
-from app.settings import Settings
+from app.service.metrics import Metrics
+from app.service.runtime import Runtime
+from app.service.settings import Settings
 
 
 def get_settings(request: Request) -> Settings:

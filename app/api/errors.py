@@ -220,7 +220,7 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     # The traceback goes to the log, never to the client: the answer names the exception's type only. This
     # handler runs outside the middleware, so it adds the request id header itself.
     # Once: this handler may see the same exception twice, and Starlette raises it again for the server, whose
-    # own log line would repeat the traceback (app.logs drops that one).
+    # own log line would repeat the traceback (app.service.logs drops that one).
     if not getattr(exc, "specserve_logged", False):
         log.exception("unhandled error on %s %r", request.method, cut(request.url.path, 80))
         exc.specserve_logged = True  # type: ignore[attr-defined]

@@ -37,9 +37,9 @@ from app.engine.decoding.grammar import GrammarError, GrammarSpec
 from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.decoding.penalties import PenaltyParams
 from app.engine.step import GenerationError, GenerationParams, GenerationStats, check_request
-from app.runtime import Runtime
-from app.settings import Settings
-from app.worker import Finished, Overloaded, PassFigures, RequestFailed, StepEvent, Ticket, TokenOut
+from app.service.runtime import Runtime
+from app.service.scheduler import Finished, Overloaded, PassFigures, RequestFailed, StepEvent, Ticket, TokenOut
+from app.service.settings import Settings
 
 
 class ClientGone(Exception):

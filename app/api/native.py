@@ -27,9 +27,9 @@ from app.api.schemas import (
     StreamResponse,
     Token,
 )
-from app.runtime import Runtime
-from app.settings import Settings
-from app.worker import Finished, RequestFailed, TokenOut
+from app.service.runtime import Runtime
+from app.service.scheduler import Finished, RequestFailed, TokenOut
+from app.service.settings import Settings
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["native (TGI-compatible)"])

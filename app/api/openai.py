@@ -44,9 +44,9 @@ from app.api.schemas import (
     Usage,
 )
 from app.engine.model.tokenizer import TokenizerError
-from app.runtime import Runtime
-from app.settings import Settings
-from app.worker import Finished, RequestFailed, StepEvent, Ticket, TokenOut
+from app.service.runtime import Runtime
+from app.service.scheduler import Finished, RequestFailed, StepEvent, Ticket, TokenOut
+from app.service.settings import Settings
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])

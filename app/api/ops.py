@@ -9,9 +9,9 @@ from fastapi.responses import JSONResponse
 
 from app.api.deps import get_metrics, get_runtime, get_settings
 from app.api.schemas import ErrorResponse, Health, Info
-from app.metrics import Metrics
-from app.runtime import Runtime
-from app.settings import Settings
+from app.service.metrics import Metrics
+from app.service.runtime import Runtime
+from app.service.settings import Settings
 
 router = APIRouter(tags=["operations"])
 

@@ -21,8 +21,8 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import error_response
-from app.logs import request_id_var
-from app.metrics import Metrics
+from app.service.logs import request_id_var
+from app.service.metrics import Metrics
 
 REQUEST_ID_HEADER = "X-Request-ID"
 # What a client's own id may look like: no spaces, quotes or control characters (it goes into log lines).

@@ -17,7 +17,7 @@ from app.api.errors import APIError
 from app.api.openai import check_model
 from app.api.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo
 from app.engine.model.tokenizer import TokenizerError
-from app.runtime import Runtime
+from app.service.runtime import Runtime
 
 router = APIRouter(tags=["tokenizer (vLLM-compatible)"])
 Runtime_ = Annotated[Runtime, Depends(get_runtime)]

@@ -1,6 +1,6 @@
 """The engine's defaults, in one place.
 
-`app.settings.Settings` (and through it the serve flags, which `generate` and `bench` share), `Engine`,
+`app.service.settings.Settings` (and through it the serve flags, which `generate` and `bench` share), `Engine`,
 `GenerationParams` and `app.engine.factory.build_engine` all read these, so that a server, a CLI run and an
 engine built in code decode alike unless told otherwise (tests that need a deterministic draft length ask for
 a fixed one).

@@ -1,6 +1,6 @@
 """The engine: a loaded target with its drafters, which starts generations and steps them, alone or batched.
 
-It knows nothing of HTTP: the worker (app.worker) calls `start` and `step_batch`, and reads each step's
+It knows nothing of HTTP: the worker (app.service.scheduler) calls `start` and `step_batch`, and reads each step's
 `StepOutput` and each generation's statistics.
 """
 

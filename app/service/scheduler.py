@@ -53,8 +53,8 @@ from app.engine.generation import Generation
 from app.engine.memory import format_bytes
 from app.engine.step import GenerationError, GenerationParams, GenerationStats, StepOutput
 from app.engine.threads import ThreadGovernor
-from app.logs import current_request_id
-from app.metrics import Metrics, RequestRecord
+from app.service.logs import current_request_id
+from app.service.metrics import Metrics, RequestRecord
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from app.engine.decoding.grammar import Grammars
 from app.engine.engine import Engine
 from app.engine.memory import auto_budget, format_bytes
 from app.engine.model.tokenizer import Tokenizer
-from app.metrics import Metrics
-from app.settings import Settings
-from app.worker import Scheduler, largest_request_bytes
+from app.service.metrics import Metrics
+from app.service.scheduler import Scheduler, largest_request_bytes
+from app.service.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from app.api.errors import OPENAI_PREFIX, error_body, install_error_handlers
 from app.api.schemas import ChatCompletionChunk
 from app.api.security import REQUEST_ID_HEADER, APIKeyGuard, RequestID
 from app.engine.engine import Engine
-from app.metrics import Metrics
-from app.runtime import Runtime
-from app.settings import Settings
+from app.service.metrics import Metrics
+from app.service.runtime import Runtime
+from app.service.settings import Settings
 
 log = logging.getLogger(__name__)
 

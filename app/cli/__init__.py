@@ -18,24 +18,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app import __version__
+from app.bench.synthetic import FORMATS as SYNTHETIC_FORMATS
+from app.bench.synthetic import SHAPES as SYNTHETIC_SHAPES
+from app.bench.workloads import WORKLOADS
 from app.engine.defaults import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_DRAFT_SCHEDULE,
     SAMPLERS,
 )
 from app.store import ModelStoreError
-from app.synthetic import FORMATS as SYNTHETIC_FORMATS
-from app.synthetic import SHAPES as SYNTHETIC_SHAPES
-from app.workloads import WORKLOADS
 
 if TYPE_CHECKING:
-    from app.bench import Config
+    from app.bench.specbench import Config
     from app.engine.engine import Engine
     from app.engine.model.loading import LoadedModel
 
 # `specserve bench`'s default prompts: 13 of the project's own, one per Spec-Bench category, shipped in the
 # package so that the command runs from any checkout or install; Spec-Bench files come in with --input.
-BENCH_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
+BENCH_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 
 
 class CliError(Exception):
@@ -139,7 +139,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction, flags: bool = T
     parser.add_argument("--input", metavar="FILE.jsonl", help="Spec-Bench-format lines; the first turn is used")
     parser.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts of --input")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    # The engine's flags as serve spells them, with its help and defaults (app.settings, one table).
+    # The engine's flags as serve spells them, with its help and defaults (app.service.settings, one table).
     if flags:
         _add_setting_flags(
             parser,
@@ -402,7 +402,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction, flags: bool = True
         default=None,
         help="rows of a tree verification (repeatable: one configuration each; 0: chains; default: the engine's)",
     )
-    # As serve spells them (app.settings, one table).
+    # As serve spells them (app.service.settings, one table).
     if flags:
         _add_setting_flags(parser, ["num_draft_tokens", "dtype", "weights"], {"num_draft_tokens": ["-k"]})
     parser.add_argument(
@@ -467,7 +467,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from app.bench import Config, markdown, per_prompt_medians, plots, read_prompts, run_bench, summarize
+    from app.bench.specbench import Config, markdown, per_prompt_medians, plots, read_prompts, run_bench, summarize
     from app.engine.drafting.registry import lookup_names
     from app.engine.factory import DEFAULT_TARGET, HYBRID, build_engine, default_draft_name
 
@@ -491,7 +491,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_rows(args, target)
     if args.kernels:
         from app import store
-        from app.bench import kernel_steps
+        from app.bench.specbench import kernel_steps
 
         bandwidth, weight_bytes, table = kernel_steps(store.resolve(target))
         floor = weight_bytes / bandwidth * 1e3
@@ -521,7 +521,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         target, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype, weights=args.weights
     )
     if args.structured:
-        from app.bench import run_structured, structured_markdown
+        from app.bench.specbench import run_structured, structured_markdown
 
         rows, runs = run_structured(engine, list(dict.fromkeys(drafts)), args.max_new_tokens, args.num_draft_tokens)
         _write_tables(Path(args.out), "structured", {"rows": rows, "runs": runs}, structured_markdown(rows))
@@ -618,7 +618,8 @@ def _llama_cpp_baselines(
     """The llama.cpp runners `--llama-cpp` asks for (none without it), on the target's GGUF."""
     if not kinds:
         return {}
-    from app import llamacpp, store
+    from app import store
+    from app.bench import llamacpp
 
     if args.temperature > 0:
         raise CliError("--llama-cpp runs greedy only")
@@ -645,8 +646,8 @@ def _bench_workloads(
     workloads.json (meta, summary, runs) and workloads.md."""
     import json
 
-    from app import workloads
-    from app.bench import run_workloads, summarize_workloads, workloads_markdown
+    from app.bench import workloads
+    from app.bench.specbench import run_workloads, summarize_workloads, workloads_markdown
 
     episodes = [e for name in names for e in workloads.episodes(name, limit=args.episodes)]
     runs = run_workloads(engine, episodes, configs, args.num_draft_tokens, args.max_new_tokens, baselines)
@@ -673,7 +674,7 @@ def _bench_workloads(
 def _bench_rows(args: argparse.Namespace, target: str) -> int:
     """`specserve bench --rows`: what 1-16 verification rows cost per kernel and weight format."""
     from app import store
-    from app.bench import ROW_WEIGHTS, row_costs, rows_markdown
+    from app.bench.specbench import ROW_WEIGHTS, row_costs, rows_markdown
 
     if args.weights not in ("auto", *ROW_WEIGHTS):
         raise CliError(f"--rows times {' and '.join(ROW_WEIGHTS)} weights (--weights auto: both)")
@@ -696,7 +697,8 @@ def _write_tables(out: Path, name: str, data: Any, table: str) -> None:
 def _synthetic_target(shape: str, fmt: str) -> Path:
     """The synthetic target's GGUF in the model store's cache (written the first time, with the default
     target's tokenizer)."""
-    from app import store, synthetic
+    from app import store
+    from app.bench import synthetic
     from app.engine.factory import DEFAULT_TARGET
 
     path = synthetic.synthetic_path(store.cache_dir(), shape, fmt)
@@ -720,8 +722,8 @@ def _serve_default(value: object) -> str | None:
 
 
 def _serve_flags() -> list[tuple[str, str, dict[str, Any]]]:
-    """(flag, Settings field, add_argument keywords) for every field of `app.settings.Settings`, read from it: the
-    flag is the field's name with dashes, the help its description and default, the type its annotation.
+    """(flag, Settings field, add_argument keywords) for every field of `app.service.settings.Settings`, read from
+    it: the flag is the field's name with dashes, the help its description and default, the type its annotation.
 
     Every flag defaults to None, so that the SPECSERVE_* variables apply unless a flag is given. Values are
     checked by the settings, not by argparse (a `Literal`'s choices are only shown), so that a value out of
@@ -732,7 +734,7 @@ def _serve_flags() -> list[tuple[str, str, dict[str, Any]]]:
 
     from pydantic import SecretStr
 
-    from app.settings import Settings
+    from app.service.settings import Settings
 
     flags = []
     for field, info in Settings.model_fields.items():
@@ -767,7 +769,7 @@ def _add_setting_flags(
     by argparse where the setting lists its choices. `aliases`: more spellings of a flag (older ones)."""
     import typing
 
-    from app.settings import Settings
+    from app.service.settings import Settings
 
     table = {field: (flag, kwargs) for flag, field, kwargs in _serve_flags()}
     for field in fields:
@@ -801,9 +803,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from app import store
-    from app.logs import configure_logging
-    from app.server import serve
-    from app.settings import Settings
+    from app.service.logs import configure_logging
+    from app.service.server import serve
+    from app.service.settings import Settings
 
     overrides = {field: getattr(args, field) for field in Settings.model_fields if getattr(args, field) is not None}
     overrides.update({f: ",".join(v) for f, v in overrides.items() if isinstance(v, list)})
@@ -1036,7 +1038,7 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from app import loadtest
+    from app.bench import loadtest
 
     try:
         rates = [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else []
@@ -1085,7 +1087,7 @@ def _measured(args: argparse.Namespace, headers: dict[str, str], level: Coroutin
     /metrics before and after)."""
     import asyncio
 
-    from app import loadtest
+    from app.bench import loadtest
 
     before = loadtest.read_metrics(args.url, headers)
     answer = asyncio.run(level)
@@ -1098,8 +1100,8 @@ def _loadtest_prompts(
     """The one-turn workload: every draft at every client count (closed loop), then every rate (open loop)."""
     import json
 
-    from app import loadtest
-    from app.bench import read_prompts
+    from app.bench import loadtest
+    from app.bench.specbench import read_prompts
 
     path = Path(args.input)
     if not path.is_file():
@@ -1192,7 +1194,7 @@ def _loadtest_multiturn(
 ) -> list[dict[str, Any]]:
     """The multi-turn workload: every draft at every user count, one conversation of --turns turns per user."""
 
-    from app import loadtest
+    from app.bench import loadtest
 
     rows: list[dict[str, Any]] = []
     for draft in args.draft or ["default", "none"]:
@@ -1228,8 +1230,8 @@ def _loadtest_mixed(args: argparse.Namespace, model: str, headers: dict[str, str
 
     import httpx
 
-    from app import loadtest
-    from app.workloads import SHORT_PROMPTS, long_prompt
+    from app.bench import loadtest
+    from app.bench.workloads import SHORT_PROMPTS, long_prompt
 
     target = args.long_tokens
     if target is None:
@@ -1309,6 +1311,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

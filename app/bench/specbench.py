@@ -14,7 +14,7 @@ measured acceptance a, mean draft length k and measured costs predict:
 (1 - a^(k+1)) / (1 - a) tokens per pass, over (k draft steps + one verification) in units of a
 target-only step. Their ratio shows what the loop loses outside the two models' forward passes.
 
-`run_workloads` measures the traffic a server sees instead (app.workloads: agent loops, chat, code edits,
+`run_workloads` measures the traffic a server sees instead (app.bench.workloads: agent loops, chat, code edits,
 extraction, RAG): episodes of turns, each turn built from target-only's earlier answers, every configuration its
 own tenant, so that what it learns from its own traffic (prefix cache, index of earlier answers) counts and no
 other configuration's does.
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from app.bench.workloads import Episode
 from app.engine import kernels
 from app.engine.drafting.draft_length import expected_tokens
 from app.engine.engine import Engine
@@ -41,7 +42,6 @@ from app.engine.model.loading import LoadedModel
 from app.engine.model.tokenizer import Tokenizer
 from app.engine.model.transformer import PackedLinear, Transformer
 from app.engine.step import GenerationParams
-from app.workloads import Episode
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 

@@ -1,0 +1,811 @@
+"""The texts of `specserve loadtest`'s and `specserve bench --workload`'s workloads.
+
+Everything here is written for this project (no benchmark data set) and deterministic for a seed, so every run
+offers the same load. For the load test:
+
+* `SYSTEM_PROMPT`, a few hundred tokens every conversation shares (what a prefix cache can keep);
+* `user_turns`: one user's messages, a conversation about one topic, each about 150 tokens, so that with an
+  answer of about 128 tokens a turn adds about 300 tokens of conversation (issue 31's shape);
+* `long_prompt`: a document sized to a token budget (near the server's max input), distinct per index so that
+  long prompts share no prefix but their first words;
+* `SHORT_PROMPTS`: one-line questions sent beside the long ones.
+
+For the bench, the traffic a server sees (`WORKLOADS`, `episodes`): each workload is a list of `Episode`s, an
+episode a few requests sent one after another, each built from the answers to the earlier ones:
+
+* `agent`: a tool-calling loop over a fixed schema of four tools (OpenAI's `tools`, rendered by the server in
+  the Hermes `<tool_call>` format), a task, then 10 tool results fed back as `tool` messages, one per turn;
+* `chat`: conversations of 5 turns, each turn's history holding the model's earlier answers;
+* `code-edit`: a short source file and an instruction to change a few lines; the answer is mostly the file,
+  which the request carries as its `prediction`;
+* `extraction`: one instruction and JSON schema over 10 invoices, one conversation each;
+* `rag`: a document of five paragraphs, then a question to answer from it or a summary to write.
+
+Every prompt stays under about 1,500 tokens of SmolLM2's tokenizer with answers of the episode's
+`max_new_tokens` (the longest history included).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SYSTEM_PROMPT = """You are the assistant of specserve, a text-generation server that answers with speculative \
+decoding: a small draft proposes several tokens, the target model checks them in one forward pass, and every \
+token the target agrees with is kept, so the answers are exactly the target's own, only sooner. You help the \
+engineers who run the server, and the people who write programs against it.
+
+How you answer:
+1. Answer the question that was asked first, in one or two sentences, then give the details that support it. \
+Do not repeat the question back.
+2. Be concrete. When a setting matters, name it as the server names it (for example max_concurrent_requests, \
+max_queue_size, prefill_chunk_tokens or num_draft_tokens) and say what it changes and what it costs.
+3. When you give a command or a request body, give one that works as written: the routes are \
+/v1/chat/completions, /v1/completions, /generate and /generate_stream, and every request may stream.
+4. Say plainly when you do not know, or when the answer depends on the machine: throughput on two CPU cores is \
+not throughput on a GPU, and a measurement on a busy machine is not a measurement.
+5. Keep earlier turns of the conversation in mind. If the user changes the question, answer the new one; if the \
+user corrects you, say what was wrong and correct it.
+6. Prefer short paragraphs and short lists. Use a table only when the user compares several options.
+7. Never invent figures. If a figure would help, say how to measure it: which command, which flags, and what to \
+read in the report (time to first token, the gaps between tokens, tokens per second, errors and refusals).
+
+What you know about the server: requests wait in a bounded queue and are refused with 429 when it is full; the \
+engine decodes every running request in one batch, one step at a time; long prompts are prefilled in chunks so \
+that running streams keep receiving tokens; greedy answers are the same alone and in a batch; the metrics follow \
+vLLM's names with the prefix specserve_. Answer in English unless the user writes in another language."""
+
+# A conversation is about one topic; every turn asks about one aspect of it, in one of several phrasings.
+_TOPICS = [
+    ("speculative decoding", "a draft model proposes tokens and the target verifies them"),
+    ("the key-value cache", "every layer keeps the keys and values of the tokens it has seen"),
+    ("continuous batching", "requests join and leave the running batch between decoding steps"),
+    ("chunked prefill", "a long prompt is processed a slice at a time beside the running streams"),
+    ("admission control", "a bounded queue decides which request waits and which one is refused"),
+    ("tokenization", "text becomes token ids through a learned vocabulary of pieces"),
+    ("streaming responses", "each step's new text is sent to the client as a server-sent event"),
+    ("quantized weights", "the weights are stored in fewer bits and widened when they are used"),
+    ("Prometheus metrics", "counters and histograms describe what the server did"),
+    ("sampling", "a temperature and top-p turn the model's scores into a random choice"),
+    ("prefix caching", "requests that start with the same tokens reuse the cached work of the first one"),
+    ("load testing", "many clients send requests at once while the latency of each is recorded"),
+]
+_ASPECTS = [
+    "how it works step by step",
+    "what it costs in memory",
+    "what it costs in latency for the first token",
+    "how it changes the tokens per second of a busy server",
+    "which settings control it and what their defaults should be",
+    "how it can fail and how the failure shows in the logs",
+    "how to measure whether it helps on a machine with two CPU cores",
+    "how it interacts with many users that share one long system prompt",
+    "what a beginner usually gets wrong about it",
+    "how it compares with what vLLM and text-generation-inference do",
+    "how to explain it to a product manager in three sentences",
+    "what to test before turning it on in production",
+]
+_OPENINGS = [
+    "Thanks, that helps.",
+    "Let me follow up on that.",
+    "I am still thinking about your last answer.",
+    "Good, now a related question.",
+    "That is clearer now.",
+    "I tried to apply this to our deployment.",
+]
+_CONTEXTS = [
+    "We run the server on a small machine for an internal tool, with about {n} people using it during the day, "
+    "most of them sending short questions, a few of them pasting whole documents.",
+    "Our team is comparing serving options before we commit to one, and we have about {n} requests a minute at "
+    "the busiest hour, with answers of a few hundred tokens each.",
+    "I am writing the runbook for the people on call, and I want every paragraph to be correct, because they "
+    "will read it at three in the morning when {n} users are waiting for an answer.",
+    "A colleague measured the server last week and saw the first token arrive later when {n} conversations were "
+    "open at once, and we would like to understand why before we change anything.",
+]
+_DETAILS = [
+    "The machine has two CPU cores and no GPU, the model is the small default one, and the server runs with its "
+    "default settings except for a larger queue, because refusing requests looked worse to us than waiting.",
+    "Most of our prompts are between two hundred and a thousand tokens long, and the answers we ask for are "
+    "usually a few paragraphs, although some users ask for a single word and expect it at once.",
+    "We watch the time to first token and the gaps between tokens on a dashboard, and we would like both to stay "
+    "steady when a colleague pastes a long document into the chat in the middle of the afternoon.",
+    "Nobody on the team has run a serving stack before this one, so please do not assume we know the usual "
+    "vocabulary, and say so when a term you use has a precise meaning that matters here.",
+]
+_ASKS = [
+    "Could you explain {aspect} for {topic}? In short: {summary}; I would like the details.",
+    "For {topic}, please tell me {aspect}. I understand the outline, that {summary}, but not more.",
+    "What should I know about {aspect}, in the case of {topic}? My understanding is that {summary}.",
+    "Walk me through {aspect} for {topic}, assuming I know only that {summary}.",
+]
+_CLOSINGS = [
+    "Please keep the answer practical and name the settings involved.",
+    "A short list of points would be ideal, with one example.",
+    "If there is a trade-off, say which side you would choose for us and why.",
+    "Please say what you are unsure about, too.",
+]
+
+# Questions a user sends beside the long prompts: short prompts, short answers.
+SHORT_PROMPTS = [
+    "Say hello in one word.",
+    "Name three colours.",
+    "What is the capital of Italy?",
+    "Count from one to five.",
+    "Give me a synonym for fast.",
+    "Is water wet? Answer yes or no.",
+]
+
+# The long documents are status reports assembled from these parts (seeded), so that no two are the same.
+_SUBJECTS = [
+    "The scheduler",
+    "The worker thread",
+    "The draft model",
+    "The target model",
+    "The tokenizer",
+    "The admission queue",
+    "The metrics registry",
+    "The streaming route",
+    "The batch planner",
+    "The prefill stage",
+    "The detokenizer",
+    "The health check",
+]
+_VERBS = [
+    "handled",
+    "delayed",
+    "measured",
+    "reported",
+    "rejected",
+    "verified",
+    "cached",
+    "split",
+    "merged",
+    "streamed",
+    "recorded",
+    "prefilled",
+]
+_OBJECTS = [
+    "{n} requests",
+    "{n} tokens of context",
+    "a batch of {n} rows",
+    "{n} drafted tokens",
+    "a prompt of {n} tokens",
+    "{n} refusals",
+    "{n} streamed events",
+    "a queue of {n} waiting requests",
+]
+_WHENS = [
+    "during the morning peak",
+    "after the restart at {n}:00",
+    "while the long prompts were prefilled",
+    "before the cache was warm",
+    "in the nightly load test",
+    "when two users sent the same question",
+    "in step {n} of the run",
+    "beside a chunked prefill",
+]
+
+
+def user_turns(user: int, turns: int, seed: int = 0) -> list[str]:
+    """The `turns` user messages of conversation `user`: one topic, a different aspect each turn, each about
+    150 tokens; the same for the same (user, turns, seed), different across users."""
+    rng = random.Random(seed * 1_000_003 + user)
+    topic, summary = _TOPICS[(user + seed) % len(_TOPICS)]
+    aspects = rng.sample(_ASPECTS, min(turns, len(_ASPECTS)))
+    messages = []
+    for t in range(turns):
+        aspect = aspects[t % len(aspects)]
+        parts = [] if t == 0 else [rng.choice(_OPENINGS)]
+        parts.append(rng.choice(_CONTEXTS).format(n=rng.randint(3, 200)))
+        parts.append(rng.choice(_DETAILS))
+        parts.append(rng.choice(_ASKS).format(aspect=aspect, topic=topic, summary=summary))
+        parts.append(rng.choice(_CLOSINGS))
+        if t > 0:  # refer back, as a user in a conversation does: the earlier turns matter to the answer
+            parts.append(f"This is question {t + 1} of our conversation; keep your earlier answers consistent.")
+        messages.append(" ".join(parts))
+    return messages
+
+
+def _sentence(rng: random.Random) -> str:
+    n = rng.randint(2, 9000)
+    return (
+        f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS).format(n=n)} "
+        f"{rng.choice(_WHENS).format(n=rng.randint(0, 23))}."
+    )
+
+
+def long_document(index: int, sentences: int, seed: int = 0) -> str:
+    """Report `index` of `sentences` seeded sentences, with a question at the end; distinct per index."""
+    rng = random.Random(seed * 1_000_003 + 500_000 + index)
+    body = " ".join(_sentence(rng) for _ in range(sentences))
+    return (
+        f"Operations report number {index + 1}. {body}\n\n"
+        "Read the report above and say in one sentence which component appears most often."
+    )
+
+
+def long_prompt(index: int, target_tokens: int, count_tokens: Callable[[str], int], seed: int = 0) -> str:
+    """`long_document(index)` with as many sentences as fit in `target_tokens` as `count_tokens` counts them
+    (the server's tokenizer, chat template included): a few counts, each scaling the length to the target."""
+    sentences = max(1, target_tokens // 16)  # a sentence is about 16 tokens: a first guess
+    best = 0  # the most sentences counted to fit
+    for _ in range(6):
+        n = count_tokens(long_document(index, sentences, seed))
+        if n <= target_tokens:
+            best = max(best, sentences)
+            if n >= 0.97 * target_tokens:
+                break
+        # Aim a little under: the header and the question do not scale with the sentences.
+        scaled = int(sentences * 0.99 * target_tokens / max(n, 1))
+        sentences = max(1, min(scaled, sentences - 1) if n > target_tokens else max(scaled, sentences + 1))
+    return long_document(index, max(best, 1), seed)
+
+
+# --- the bench's workloads: what a server's traffic looks like ------------------------------------------------
+
+
+@dataclass
+class Episode:
+    """`turns` requests of one workload, sent one after another: turn t's messages are `messages(answers)`, the
+    answers being the model's to turns 0..t-1 (one-turn workloads ignore them). `tools`: OpenAI's `tools` sent
+    with every turn; `prediction`: the text the answers will mostly be (OpenAI's predicted outputs)."""
+
+    workload: str
+    index: int
+    turns: int
+    max_new_tokens: int
+    build: Callable[[Sequence[str]], list[dict[str, Any]]] = field(repr=False, compare=False)
+    tools: list[dict[str, Any]] | None = None
+    prediction: str | None = None
+
+    def messages(self, answers: Sequence[str]) -> list[dict[str, Any]]:
+        """The chat messages of turn `len(answers)`, built from the model's answers to the turns before it."""
+        if len(answers) >= self.turns:
+            raise ValueError(f"{self.workload} episode {self.index} has {self.turns} turns, not {len(answers) + 1}")
+        return self.build(answers)
+
+
+def _one_turn(workload: str, index: int, max_new_tokens: int, prompt: str, prediction: str | None = None) -> Episode:
+    """A one-turn episode: the user's `prompt`, whatever came before."""
+    return Episode(
+        workload, index, 1, max_new_tokens, lambda answers: [{"role": "user", "content": prompt}], prediction=prediction
+    )
+
+
+def _function(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    schema = {"type": "object", "properties": properties, "required": required}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+
+
+AGENT_TOOLS: list[dict[str, Any]] = [
+    _function(
+        "search_docs",
+        "Search the documentation; returns the best matching passage.",
+        {"query": {"type": "string"}},
+        ["query"],
+    ),
+    _function(
+        "list_files",
+        "List a folder of the repository.",
+        {"path": {"type": "string"}},
+        ["path"],
+    ),
+    _function(
+        "read_file",
+        "Read a few lines of a file, from line `start`.",
+        {"path": {"type": "string"}, "start": {"type": "integer"}},
+        ["path"],
+    ),
+    _function(
+        "run_tests",
+        "Run the tests matching a pattern.",
+        {"pattern": {"type": "string"}},
+        ["pattern"],
+    ),
+]
+AGENT_SYSTEM = (
+    "You are a coding agent in the specserve repository. Call one tool per turn and read its result before the "
+    "next step; when you know the answer, reply to the user without a tool call."
+)
+# The repository the agent's tools answer about: folders and their entries.
+_TREE = {
+    ".": ["app/", "tests/", "docs/", "README.md", "Makefile"],
+    "app": ["engine/", "api/", "cli.py", "settings.py", "worker.py"],
+    "app/engine": ["engine.py", "step.py", "prefix_cache.py", "drafting/", "model/"],
+    "app/engine/drafting": ["base.py", "ngram.py", "hybrid.py", "suffix.py", "draft_length.py"],
+    "app/api": ["openai.py", "native.py", "tools.py", "schemas.py", "jobs.py"],
+    "tests": ["test_prefix_cache.py", "test_drafters.py", "test_api_tools.py", "test_settings.py"],
+    "docs": ["architecture.md", "service.md", "deploy.md", "bench/"],
+}
+# Each task: the request, then the plan a careful agent follows (one call per turn, the last ten turns fed back).
+_Call = tuple[str, dict[str, Any]]  # a tool's name and arguments
+_AGENT_TASKS: list[tuple[str, list[_Call]]] = [
+    (
+        "The prefix cache hit rate drops to zero after the server restarts with a larger prefix_cache_mb. Find "
+        "where the cache's size is read, why a restart could clear it, and say what to change.",
+        [
+            ("list_files", {"path": "app/engine"}),
+            ("search_docs", {"query": "prefix_cache_mb"}),
+            ("read_file", {"path": "app/engine/prefix_cache.py", "start": 1}),
+            ("read_file", {"path": "app/engine/prefix_cache.py", "start": 90}),
+            ("search_docs", {"query": "restart cache eviction"}),
+            ("read_file", {"path": "app/settings.py", "start": 1}),
+            ("list_files", {"path": "tests"}),
+            ("run_tests", {"pattern": "test_prefix_cache"}),
+            ("read_file", {"path": "app/engine/engine.py", "start": 190}),
+            ("run_tests", {"pattern": "test_settings"}),
+        ],
+    ),
+    (
+        "A user reports that tool calls stream as plain text when tool_choice is auto. Find how the chat route "
+        "reads tool calls out of the answer, find a test that covers it, and explain the likely cause.",
+        [
+            ("list_files", {"path": "app/api"}),
+            ("search_docs", {"query": "tool_choice auto"}),
+            ("read_file", {"path": "app/api/tools.py", "start": 1}),
+            ("read_file", {"path": "app/api/tools.py", "start": 280}),
+            ("search_docs", {"query": "tool_call streaming delta"}),
+            ("read_file", {"path": "app/api/openai.py", "start": 420}),
+            ("list_files", {"path": "tests"}),
+            ("run_tests", {"pattern": "test_api_tools"}),
+            ("read_file", {"path": "app/api/tools.py", "start": 400}),
+            ("run_tests", {"pattern": "test_api_tools and stream"}),
+        ],
+    ),
+    (
+        "Decoding got slower after the draft-length schedule changed. Find which module picks the draft length, "
+        "what it measures, and which setting turns the old behaviour back on.",
+        [
+            ("list_files", {"path": "app/engine/drafting"}),
+            ("search_docs", {"query": "draft_schedule adaptive"}),
+            ("read_file", {"path": "app/engine/drafting/draft_length.py", "start": 1}),
+            ("read_file", {"path": "app/engine/drafting/draft_length.py", "start": 60}),
+            ("search_docs", {"query": "num_draft_tokens default"}),
+            ("read_file", {"path": "app/settings.py", "start": 40}),
+            ("list_files", {"path": "tests"}),
+            ("run_tests", {"pattern": "test_drafters"}),
+            ("read_file", {"path": "app/engine/drafting/hybrid.py", "start": 1}),
+            ("run_tests", {"pattern": "test_draft_length"}),
+        ],
+    ),
+]
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _parse_call(answer: str) -> tuple[str, str, dict[str, Any]] | None:
+    """(the text before the call, the tool's name, its arguments) of an answer's first `<tool_call>` block
+    that names one of `AGENT_TOOLS` with object arguments, as the server's `auto` parser reads it; else None."""
+    match = _TOOL_CALL.search(answer)
+    if match is None:
+        return None
+    try:
+        call = json.loads(match.group(1))
+    except json.JSONDecodeError:
+        return None
+    names = {t["function"]["name"] for t in AGENT_TOOLS}
+    if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
+        return None
+    return answer[: match.start()].strip(), call["name"], call["arguments"]
+
+
+def tool_result(name: str, arguments: dict[str, Any], seed: int = 0) -> str:
+    """What tool `name` answers to `arguments`: a short JSON string, the same for the same call and seed (a
+    call the plan never makes gets an answer too, so a model's own calls are answered)."""
+    rng = random.Random(f"{seed}|{name}|{json.dumps(arguments, sort_keys=True)}")
+    path = str(arguments.get("path", "")).strip("/") or "."
+    if name == "list_files":
+        if path not in _TREE:
+            return json.dumps({"error": f"no folder {path}"})
+        return json.dumps({"path": path, "entries": _TREE[path]})
+    if name == "search_docs":
+        passage = {"file": f"docs/{rng.choice(['architecture', 'service', 'deploy'])}.md", "text": _sentence(rng)}
+        return json.dumps({"results": [passage]})
+    if name == "read_file":
+        start = max(1, _as_int(arguments.get("start"), 1))
+        source = rng.choice([text for _, text in _SOURCES]).splitlines()
+        first = rng.randrange(max(1, len(source) - 2))
+        return json.dumps(
+            {"path": path, "lines": {str(start + i): line for i, line in enumerate(source[first : first + 2])}}
+        )
+    if name == "run_tests":
+        failed = rng.randint(0, 1)
+        failures = [f"tests/{rng.choice(_TREE['tests'])}::test_{rng.choice(_VERBS)}" for _ in range(failed)]
+        return json.dumps(
+            {
+                "pattern": str(arguments.get("pattern", ""))[:60],
+                "passed": rng.randint(3, 40),
+                "failed": failed,
+                "failures": failures,
+            }
+        )
+    return json.dumps({"error": f"no tool {name}"})
+
+
+def _as_int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _agent(seed: int) -> list[Episode]:
+    """One episode per task: the task, then ten turns each feeding back the last call's result. The call is the
+    model's own where its answer holds one the server would parse; otherwise the plan's call of that turn is
+    made in its place (a fixed-plan harness), so that every episode keeps its ten results whatever the model."""
+    episodes = []
+    for index, (task, plan) in enumerate(_AGENT_TASKS):
+
+        def build(
+            answers: Sequence[str], index: int = index, task: str = task, plan: list[_Call] = plan
+        ) -> list[dict[str, Any]]:
+            messages: list[dict[str, Any]] = [
+                {"role": "system", "content": AGENT_SYSTEM},
+                {"role": "user", "content": task},
+            ]
+            for turn, answer in enumerate(answers):
+                parsed = _parse_call(answer)
+                # An answer without a call the server would read is replaced by the plan's call (its text
+                # dropped, as a fixed-plan harness does), which also bounds the history's growth per turn.
+                content, name, arguments = parsed if parsed is not None else (None, *plan[turn])
+                call_id = f"call_{index:012x}{turn:012x}"
+                call = {"name": name, "arguments": json.dumps(arguments)}
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": content or None,
+                        "tool_calls": [{"id": call_id, "type": "function", "function": call}],
+                    }
+                )
+                messages.append(
+                    {"role": "tool", "tool_call_id": call_id, "content": tool_result(name, arguments, seed)}
+                )
+            return messages
+
+        episodes.append(Episode("agent", index, len(plan) + 1, 40, build, tools=AGENT_TOOLS))
+    return episodes
+
+
+CHAT_SYSTEM = "You are a helpful assistant who knows how text-generation servers work. Answer clearly and briefly."
+
+
+def _chat(seed: int) -> list[Episode]:
+    """Three conversations of five turns (the load test's user messages), each turn's history holding the
+    model's earlier answers."""
+    episodes = []
+    for index in range(3):
+        texts = user_turns(index, 5, seed)
+
+        def build(answers: Sequence[str], texts: list[str] = texts) -> list[dict[str, Any]]:
+            messages: list[dict[str, Any]] = [{"role": "system", "content": CHAT_SYSTEM}]
+            for text, answer in zip(texts, answers, strict=False):
+                messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+            return [*messages, {"role": "user", "content": texts[len(answers)]}]
+
+        episodes.append(Episode("chat", index, len(texts), 128, build))
+    return episodes
+
+
+# Short source files of our own for the code-edit workload (and the lines `read_file` answers with).
+_SOURCES: list[tuple[str, str]] = [
+    (
+        "rate_limiter.py",
+        '''"""A token bucket: requests spend tokens, which refill at a steady rate."""
+
+import time
+
+
+class TokenBucket:
+    """Allows `rate` requests per second on average, bursts of up to `capacity`."""
+
+    def __init__(self, rate: float, capacity: int) -> None:
+        if rate <= 0 or capacity < 1:
+            raise ValueError("rate must be positive and capacity at least 1")
+        self.rate = rate
+        self.capacity = capacity
+        self.tokens = float(capacity)
+        self.updated = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def try_acquire(self, cost: float = 1.0) -> bool:
+        """Spend `cost` tokens if there are enough; say whether they were spent."""
+        self._refill()
+        if self.tokens < cost:
+            return False
+        self.tokens -= cost
+        return True
+
+    def wait_time(self, cost: float = 1.0) -> float:
+        """Seconds until `cost` tokens will be there."""
+        self._refill()
+        missing = max(0.0, cost - self.tokens)
+        return missing / self.rate
+''',
+    ),
+    (
+        "latency_report.py",
+        '''"""Latency figures of a load test: percentiles and a one-line summary."""
+
+import statistics
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th quantile (0..1) of `values`, nearest rank."""
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summarize(latencies: list[float]) -> dict[str, float]:
+    """Median, p95, p99 and mean of latencies in seconds, as milliseconds."""
+    return {
+        "p50_ms": percentile(latencies, 0.50) * 1000,
+        "p95_ms": percentile(latencies, 0.95) * 1000,
+        "p99_ms": percentile(latencies, 0.99) * 1000,
+        "mean_ms": statistics.mean(latencies) * 1000,
+    }
+
+
+def format_line(name: str, latencies: list[float]) -> str:
+    """One line of a report: the name, the request count and the figures."""
+    figures = summarize(latencies)
+    cells = ", ".join(f"{key} {value:.1f}" for key, value in figures.items())
+    return f"{name}: {len(latencies)} requests, {cells}"
+''',
+    ),
+    (
+        "env_settings.py",
+        '''"""Settings read from environment variables, each with a default."""
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 64
+    log_level: str = "info"
+
+
+def _read_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, not {value!r}") from None
+
+
+def load_settings() -> Settings:
+    """The settings, each from its SERVER_* variable when set."""
+    return Settings(
+        host=os.environ.get("SERVER_HOST", "127.0.0.1"),
+        port=_read_int("SERVER_PORT", 8000),
+        max_queue=_read_int("SERVER_MAX_QUEUE", 64),
+        log_level=os.environ.get("SERVER_LOG_LEVEL", "info").lower(),
+    )
+''',
+    ),
+]
+# Two edits per file, each a few lines: a rename, a new parameter, a changed default.
+_EDITS: list[list[str]] = [
+    [
+        "Rename the attribute `capacity` to `burst` everywhere, the parameter and the error message included.",
+        "Add a `clock` parameter to `TokenBucket.__init__` (default `time.monotonic`), keep it as `self.clock`, "
+        "and call it instead of `time.monotonic()`.",
+    ],
+    [
+        "Add a `digits` parameter to `format_line` (default 1) and use it for the figures' decimals.",
+        "Rename `percentile` to `quantile` and update its callers.",
+    ],
+    [
+        "Change the default port from 8000 to 8080, in the dataclass and in `load_settings`.",
+        "Add a `workers: int = 1` setting read from SERVER_WORKERS with `_read_int`.",
+    ],
+]
+
+
+def _code_edit(seed: int) -> list[Episode]:
+    """Every (file, edit): the file in a fenced block, the edit, and the request's prediction is the file itself
+    (the answer is the file with a few lines changed); one turn each, in a seeded order."""
+    pairs = [(f, e) for f in range(len(_SOURCES)) for e in range(len(_EDITS[f]))]
+    random.Random(seed).shuffle(pairs)
+    episodes = []
+    for index, (f, e) in enumerate(pairs):
+        name, source = _SOURCES[f]
+        prompt = (
+            f"Here is `{name}`:\n\n```python\n{source}```\n\n{_EDITS[f][e]} Answer with the whole changed file in "
+            "one ```python block and nothing else."
+        )
+        episodes.append(_one_turn("code-edit", index, 448, prompt, prediction=source))
+    return episodes
+
+
+INVOICE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "vendor": {"type": "string"},
+        "invoice_number": {"type": "string"},
+        "date": {"type": "string", "description": "YYYY-MM-DD"},
+        "currency": {"enum": ["EUR", "USD", "GBP"]},
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "description": {"type": "string"},
+                    "quantity": {"type": "integer"},
+                    "unit_price": {"type": "number"},
+                },
+                "required": ["description", "quantity", "unit_price"],
+            },
+        },
+        "total": {"type": "number"},
+    },
+    "required": ["vendor", "invoice_number", "date", "currency", "items", "total"],
+}
+EXTRACTION_INSTRUCTION = (
+    "Extract the invoice below into JSON that follows this schema. Use numbers for amounts, the date as "
+    "YYYY-MM-DD, and answer with the JSON object only.\n\nSchema:\n"
+)
+_VENDORS = [
+    "Nordlicht Papier GmbH",
+    "Harbour Lane Coffee Ltd",
+    "Atlas Office Supply Co.",
+    "Verde Garden Services",
+    "Blue Fjord Software AS",
+    "Maple Street Printing",
+    "Oakridge Cleaning Ltd",
+    "Lumen Electrical Supplies",
+]
+_ITEMS = [
+    ("A4 copy paper, box of 5 reams", 18.5),
+    ("Toner cartridge, black", 64.0),
+    ("Espresso beans, 1 kg", 21.9),
+    ("Monthly plant care visit", 85.0),
+    ("Software licence, one seat, one year", 240.0),
+    ("Business cards, 500", 39.0),
+    ("Office cleaning, per hour", 28.0),
+    ("LED panel light 60x60", 47.5),
+    ("Extension cord, 5 m", 12.75),
+    ("Printed brochures, 250", 132.0),
+]
+_CURRENCIES = [("EUR", "€"), ("USD", "$"), ("GBP", "£")]
+_MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October"]
+
+
+def invoice(index: int, seed: int = 0) -> str:
+    """Invoice `index`: a short letter-like document (vendor, number, date, two to four items, total), seeded."""
+    rng = random.Random(seed * 1_000_003 + 700_000 + index)
+    vendor = rng.choice(_VENDORS)
+    code, sign = rng.choice(_CURRENCIES)
+    number = f"{vendor.split()[0][:3].upper()}-{rng.randint(2024, 2026)}-{rng.randint(100, 9999):04d}"
+    day, month = rng.randint(1, 28), rng.randrange(len(_MONTHS))
+    lines, total = [], 0.0
+    for description, price in rng.sample(_ITEMS, rng.randint(2, 4)):
+        quantity = rng.randint(1, 12)
+        total += quantity * price
+        lines.append(f"- {description}: {quantity} x {sign}{price:.2f} = {sign}{quantity * price:.2f}")
+    items = "\n".join(lines)
+    return (
+        f"{vendor}\nInvoice {number}, issued on {_MONTHS[month]} {day}, 2025\n"
+        f"Bill to: customer account {rng.randint(10000, 99999)}\n\n{items}\n\n"
+        f"Total due: {sign}{total:.2f} ({code}), payable within {rng.choice([14, 30, 45])} days.\n"
+        "Thank you for your business."
+    )
+
+
+def _extraction(seed: int) -> list[Episode]:
+    """Ten invoices, each its own one-turn conversation under the same instruction and schema (what a batch
+    extraction job sends)."""
+    head = EXTRACTION_INSTRUCTION + json.dumps(INVOICE_SCHEMA) + "\n\nInvoice:\n"
+    return [_one_turn("extraction", i, 192, head + invoice(i, seed)) for i in range(10)]
+
+
+# The RAG documents are five of these paragraphs (a design review of a fictional service), each with a question
+# its text answers.
+_PARAGRAPHS: list[tuple[str, str]] = [
+    (
+        "The review covers the request router that the platform team rewrote in the spring. The old router kept a "
+        "single queue for every model and sent each request to the first replica that answered a health check, "
+        "which meant that a slow replica received as much work as a fast one. The new router keeps one queue per "
+        "model and sends each request to the replica with the fewest tokens still to generate, a figure every "
+        "replica reports twice a second.",
+        "How does the new router choose the replica for a request?",
+    ),
+    (
+        "Capacity was planned for the busiest hour of the week, Monday between nine and ten, when the service "
+        "received about 4,200 requests with a median prompt of 850 tokens and a median answer of 210 tokens. The "
+        "team sized the fleet at twelve replicas, so that the busiest hour runs at about sixty percent of what the "
+        "replicas can decode, and kept two more replicas warm for failures and deployments.",
+        "How many replicas was the fleet sized at, and why?",
+    ),
+    (
+        "Three incidents shaped the design. In March a replica with a failing disk kept passing its health check "
+        "while answering every request in forty seconds. In April a configuration push set the queue limit to "
+        "zero and every request was refused for eleven minutes. In May a client retried refused requests without "
+        "waiting, and the retries alone filled the queues of two regions.",
+        "What happened in April?",
+    ),
+    (
+        "Refusals are now explicit. When a model's queue holds more than its limit, the router answers 429 with a "
+        "Retry-After header computed from the queue's current drain rate, never less than one second. Clients in "
+        "the official libraries wait that long and then retry at most three times, with jitter, so that a burst of "
+        "refusals does not return as a burst of retries.",
+        "What does a client of the official libraries do after a 429?",
+    ),
+    (
+        "Streaming changed the most for users. Answers are sent as server-sent events, one event per decoding "
+        "step, and the router forwards each event as it arrives instead of buffering a whole answer. The median "
+        "time to first token fell from 1.9 seconds to 0.6 seconds in the busiest hour, while the total time of an "
+        "answer stayed about the same.",
+        "How did the median time to first token change?",
+    ),
+    (
+        "Prefix caching was enabled in June. Requests that share a long system prompt reuse the keys and values "
+        "computed for the first of them, per tenant, so that one customer's prompts never change how fast another "
+        "customer's answers arrive. In the week after the change the cache served 71 percent of prompt tokens and "
+        "the prefill time per request fell by more than half.",
+        "Why is the prefix cache kept per tenant?",
+    ),
+    (
+        "Observability follows the names other serving stacks use, so that existing dashboards work unchanged. "
+        "Every replica exports the number of running and waiting requests, histograms of time to first token and "
+        "of the time between tokens, the prefix cache's hit rate, and counters of refused requests by reason. "
+        "Alerts fire when the p95 time to first token stays above two seconds for ten minutes.",
+        "When do the alerts fire?",
+    ),
+    (
+        "Two questions stay open. The first is whether speculative decoding should be on by default for every "
+        "model, since it helps most when answers repeat their prompts and least on short creative answers. The "
+        "second is how to share replicas between a model and its fine-tuned variants without loading the weights "
+        "twice. The team will decide both after a month of measurements on production traffic.",
+        "Which two questions are still open?",
+    ),
+]
+_RAG_TASKS = [
+    "Summarise the document in five bullet points, one sentence each.",
+    "Answer from the document only: {question}",
+    "Write a one-paragraph abstract of the document for an engineer who has not read it.",
+    "Answer from the document only, quoting the sentence you rely on: {question}",
+]
+
+
+def _rag(seed: int) -> list[Episode]:
+    """Four documents of five paragraphs each (seeded choice, in the review's order) and a task on each:
+    a summary, or a question one of its paragraphs answers."""
+    rng = random.Random(seed * 1_000_003 + 900_000)
+    episodes = []
+    for index, task in enumerate(_RAG_TASKS):
+        chosen = sorted(rng.sample(range(len(_PARAGRAPHS)), 5))
+        document = "\n\n".join(_PARAGRAPHS[i][0] for i in chosen)
+        question = _PARAGRAPHS[rng.choice(chosen)][1]
+        prompt = f"Document:\n\n{document}\n\n{task.format(question=question)}"
+        episodes.append(_one_turn("rag", index, 160, prompt))
+    return episodes
+
+
+# The bench's workloads by name, each `(seed) -> episodes`.
+WORKLOADS: dict[str, Callable[[int], list[Episode]]] = {
+    "agent": _agent,
+    "chat": _chat,
+    "code-edit": _code_edit,
+    "extraction": _extraction,
+    "rag": _rag,
+}
+
+
+def episodes(name: str, seed: int = 0, limit: int | None = None) -> list[Episode]:
+    """Workload `name`'s episodes for `seed` (the first `limit` of them); the same for the same arguments."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](seed)[:limit]

@@ -1,0 +1,7 @@
+"""`python -m app.cli`: the `specserve` command."""
+
+import sys
+
+from app.cli import main
+
+sys.exit(main())
