@@ -43,7 +43,7 @@ if _WORKERS > 1:
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_NAME = "smollm2-135m-instruct"
 SPECBENCH = REPO_ROOT.parent / "shared" / "bench" / "specbench-dev.jsonl"  # read only where present
-BENCH_PROMPTS = REPO_ROOT / "app" / "bench_prompts.jsonl"
+BENCH_PROMPTS = REPO_ROOT / "app" / "bench" / "prompts.jsonl"
 # What engine tests pin where they count steps or forwards: a fixed draft length without a confidence cut-off,
 # prompts prefilled whole (the library's defaults are the server's, app.engine.defaults).
 FIXED_DRAFT = {"draft_schedule": "fixed", "draft_p_min": 0.0, "prefill_chunk": 0, "prefill_step_seconds": 0.0}
