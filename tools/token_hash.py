@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROMPTS = Path(__file__).resolve().parent.parent / "app" / "bench_prompts.jsonl"
+PROMPTS = Path(__file__).resolve().parent.parent / "app" / "bench" / "prompts.jsonl"
 
 
 def _digest(tokens: list[list[int]]) -> str:
