@@ -237,7 +237,7 @@ def test_key_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings(cors_allow_origins=" ").cors_origins == []
     with pytest.raises(ValueError, match="printable ASCII"):
         Settings(api_key="two words")
-    parser = cli._build_parser()
+    parser = cli.build_parser()
     assert parser.parse_args(["serve", "--metrics-public"]).metrics_public is True
     assert parser.parse_args(["serve", "--no-metrics-public"]).metrics_public is False
     assert parser.parse_args(["serve"]).metrics_public is None  # then SPECSERVE_METRICS_PUBLIC applies

@@ -235,14 +235,15 @@ def test_bench_default_prompts_ship_with_the_package():
     import tomllib
 
     from app.bench.specbench import MT_BENCH, read_prompts
-    from app.cli import BENCH_PROMPTS, _build_parser
+    from app.cli import build_parser
+    from app.cli.common import BENCH_PROMPTS
     from tests.conftest import SPECBENCH
 
-    args = _build_parser().parse_args(["bench"])
+    args = build_parser().parse_args(["bench"])
     assert Path(args.input) == BENCH_PROMPTS and BENCH_PROMPTS.is_file()
-    assert BENCH_PROMPTS.parent == ROOT / "app"
+    assert BENCH_PROMPTS.parent == ROOT / "app" / "bench"
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert BENCH_PROMPTS.name in package_data["app"]
+    assert BENCH_PROMPTS.name in package_data["app.bench"]
     prompts = read_prompts(BENCH_PROMPTS)
     categories = [p.category for p in prompts]
     assert sorted(categories) == sorted(MT_BENCH | {"translation", "summarization", "qa", "math_reasoning", "rag"})

@@ -205,11 +205,11 @@ def configuration_rows(text: str) -> dict[str, tuple[str, str]]:
 
 def configuration_problems(text: str) -> list[str]:
     """How service.md's table differs from the serve flags (generated from app.service.settings.Settings)."""
-    from app import cli
+    from app.cli import common
     from app.service.settings import Settings
 
     rows = configuration_rows(text)
-    flags = {flag: field for flag, field, _ in cli._serve_flags()}
+    flags = {flag: field for flag, field, _ in common.serve_flags()}
     problems = [f"{flag}: not in the table" for flag in flags.keys() - rows.keys()]
     problems += [f"{flag}: no such flag" for flag in rows.keys() - flags.keys()]
     for flag, (variable, default) in rows.items():
@@ -223,7 +223,7 @@ def configuration_problems(text: str) -> list[str]:
             if default.startswith("`"):
                 problems.append(f"{flag}: default {default}, the setting has none")
         else:
-            shown = str(value).lower() if isinstance(value, bool) else cli._serve_default(value)
+            shown = str(value).lower() if isinstance(value, bool) else common.serve_default(value)
             if default != f"`{shown}`":
                 problems.append(f"{flag}: default {default}, the setting's is `{shown}`")
     return problems

@@ -122,6 +122,7 @@ def test_loadtest_sends_the_packages_prompts_by_default(monkeypatch, tmp_path):
     import app.bench.loadtest
     from app import cli
     from app.bench.specbench import read_prompts
+    from app.cli import common
 
     class Answer:
         status_code = 200
@@ -142,7 +143,7 @@ def test_loadtest_sends_the_packages_prompts_by_default(monkeypatch, tmp_path):
     monkeypatch.setattr(app.bench.loadtest, "markdown", lambda rows: "")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["loadtest", "--clients", "2", "--draft", "none", "--out", "out"]) == 0
-    texts = [p.text for p in read_prompts(cli.BENCH_PROMPTS)]
+    texts = [p.text for p in read_prompts(common.BENCH_PROMPTS)]
     # First the warm-up (each prompt once, one client: the server's prefix cache is as warm for the first level
     # as for the others), then the level.
     assert sent == [(texts, 1, 13), (texts, 2, 16)] and len(texts) == 13  # 16 requests: the default

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app import cli
+from app.cli import common
 from app.service.settings import Settings
 
 # Every serve flag there has been: generated from the settings now, they must keep their names.
@@ -47,11 +48,11 @@ def _serve_parser(parser):
 
 
 def test_every_setting_has_a_flag() -> None:
-    flags = {field: flag for flag, field, _ in cli._serve_flags()}
+    flags = {field: flag for flag, field, _ in common.serve_flags()}
     assert set(flags) == set(Settings.model_fields)
     for field, flag in flags.items():
         assert flag == "--" + field.replace("_", "-")
-    options = {o for a in _serve_parser(cli._build_parser())._actions for o in a.option_strings}
+    options = {o for a in _serve_parser(cli.build_parser())._actions for o in a.option_strings}
     assert set(SERVE_FLAGS) | {"--no-metrics-public"} <= options
 
 
@@ -77,11 +78,11 @@ def test_flags_take_their_types_from_the_settings(monkeypatch: pytest.MonkeyPatc
     assert _parsed_settings(monkeypatch, "--no-metrics-public").metrics_public is False  # the flag wins
     assert _parsed_settings(monkeypatch, "--dtype", "float32", "--api-key", "k").api_key.get_secret_value() == "k"
 
-    help_ = _serve_parser(cli._build_parser()).format_help()
+    help_ = _serve_parser(cli.build_parser()).format_help()
     assert "--dtype {auto,float32,bfloat16,float16}" in help_
     assert "--metrics-public, --no-metrics-public" in help_
     assert "--served-model-name NAME [NAME ...]" in help_
-    flags = {flag: kwargs for flag, _, kwargs in cli._serve_flags()}
+    flags = {flag: kwargs for flag, _, kwargs in common.serve_flags()}
     assert flags["--port"]["help"] == "TCP port to listen on (default: 8000)"
     assert flags["--request-timeout"]["help"].endswith("(default: 300)")
     assert flags["--metrics-public"]["help"].endswith("(default: no)")
@@ -104,7 +105,7 @@ def test_a_new_setting_becomes_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
         spare_knob: float = Field(2.5, ge=0, description="a knob")
 
     monkeypatch.setattr(app.service.settings, "Settings", More)
-    flags = {flag: (field, kwargs) for flag, field, kwargs in cli._serve_flags()}
+    flags = {flag: (field, kwargs) for flag, field, kwargs in common.serve_flags()}
     assert flags["--spare-knob"] == (
         "spare_knob",
         {"dest": "spare_knob", "default": None, "help": "a knob (default: 2.5)", "type": float},
@@ -121,7 +122,7 @@ def test_only_serve_loads_the_settings() -> None:
         "import sys\nfrom app import cli\n"
         "try:\n    cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
         "print('app.service.settings' in sys.modules)\n"
-        "cli._build_parser(serve_flags=True)\nprint('app.service.settings' in sys.modules)\n"
+        "cli.build_parser(serve_flags=True)\nprint('app.service.settings' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[-2:] == ["False", "True"]  # after `specserve VERSION`
@@ -206,7 +207,7 @@ def test_server_cli_and_build_engine_share_the_draft_defaults(monkeypatch: pytes
         SpeculativeParameters.model_validate({"num_draft_tokens": defaults.MAX_DRAFT_TOKENS + 1})
     signature = inspect.signature(build_engine).parameters
     assert {field: signature[field].default for field in expected} == expected
-    parser = cli._build_parser()
+    parser = cli.build_parser()
     generate = parser.parse_args(["generate", "hi"])
     assert (generate.num_draft_tokens, generate.draft_schedule, generate.draft_p_min) == tuple(expected.values())
     # bench leaves p_min and the schedule to the engine (None), which build_engine gives the shared defaults.

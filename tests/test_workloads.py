@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from app.bench import specbench, synthetic, workloads
-from app.cli import _bench_workload_names, _build_parser, main
+from app.cli import build_parser, main
+from app.cli.bench import workload_names
 from app.engine import factory
 
 TINY = synthetic.Shape("tiny", n_layers=2, dim=64, intermediate=128, n_heads=2, n_kv_heads=1, head_dim=32)
@@ -116,13 +117,13 @@ def test_prompts_fit_with_the_longest_answers(tiny) -> None:
 
 
 def test_bench_workload_flags() -> None:
-    args = _build_parser().parse_args(
+    args = build_parser().parse_args(
         ["bench", "--workload", "chat", "--workload", "all", "--episodes", "2", "--llama-cpp", "lookup"]
     )
     assert args.workload == ["chat", "all"] and args.episodes == 2 and args.llama_cpp == ["lookup"]
-    assert _bench_workload_names(args) == ["chat", "agent", "code-edit", "extraction", "rag"]
-    assert _bench_workload_names(_build_parser().parse_args(["bench"])) == []
-    assert _build_parser().parse_args(["bench"]).max_new_tokens is None  # 128 for Spec-Bench, set in _cmd_bench
+    assert workload_names(args) == ["chat", "agent", "code-edit", "extraction", "rag"]
+    assert workload_names(build_parser().parse_args(["bench"])) == []
+    assert build_parser().parse_args(["bench"]).max_new_tokens is None  # 128 for Spec-Bench, set in _cmd_bench
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,361 @@
+"""`specserve loadtest`: concurrent clients against a running server, level by level (app/bench/loadtest.py
+sends and measures; the drivers here walk the levels the flags ask for and print each as it ends)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from app.cli.common import (
+    BENCH_PROMPTS,
+    CliError,
+    positive_int,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "loadtest",
+        help="N concurrent streaming clients against a running server: throughput, TTFT, ITL, errors",
+        description="For each draft (speculation on and off) and each client count, send streamed greedy requests "
+        "and report tokens/s, time to first token and inter-token latency (p50/p95/p99), errors by kind and 429s; "
+        "every response is checked for completeness and against the text its prompt got alone. --workload "
+        "multiturn adds TTFT per turn and the prompts' growth; --workload mixed reports short requests beside long "
+        "prompts apart. Every level reports the server's prefix-cache hit rate where its /metrics has one.",
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument(
+        "--input",
+        default=str(BENCH_PROMPTS),
+        help="Spec-Bench-format JSONL (default: the package's 13 prompts, one per Spec-Bench category, as bench's)",
+    )
+    parser.add_argument("--prompts", type=positive_int, default=16, help="distinct prompts (first turns) to send")
+    parser.add_argument(
+        "--clients",
+        default=None,
+        help="comma-separated concurrency levels (default: 1,2,4,8,16; 1 with --rates); multiturn: users (4)",
+    )
+    parser.add_argument(
+        "--rates",
+        default=None,
+        help="comma-separated request rates per second: open-loop levels, Poisson arrivals (after the client levels)",
+    )
+    parser.add_argument("--requests", type=positive_int, default=16, help="requests per level (at least the clients)")
+    parser.add_argument(
+        "--draft", action="append", default=None, help="speculative.draft values (default: default, none)"
+    )
+    parser.add_argument("--max-new-tokens", "-n", type=positive_int, default=128)
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per level before clients stop")
+    parser.add_argument("--api", choices=["chat", "tgi"], default="chat", help="chat: OpenAI chat API (chat template)")
+    parser.add_argument("--api-key", default=None, help="bearer key, if the server requires one")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="also run the one-client requests straight on an engine in this process (the server's models and "
+        "settings, read from /info), to measure what HTTP and streaming cost",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=["prompts", "multiturn", "mixed"],
+        default="prompts",
+        help="prompts: independent one-turn prompts from --input (closed loop, or --rates); multiturn: --clients "
+        "users, each a conversation of --turns turns with a shared system prompt (chat API); mixed: --long-prompts "
+        "prompts near the server's max input, and short requests sent one after another beside them",
+    )
+    parser.add_argument("--turns", type=positive_int, default=10, help="multiturn: turns per conversation (10)")
+    parser.add_argument("--seed", type=int, default=0, help="multiturn and mixed: the texts' seed; --rates: arrivals")
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="prompts workload: skip sending each prompt once before the levels (the warm-up fills the server's "
+        "prefix cache, so that no level, the first one included, pays cold prefills that the others do not)",
+    )
+    parser.add_argument("--long-prompts", type=positive_int, default=4, help="mixed: long prompts sent at once (4)")
+    parser.add_argument(
+        "--long-tokens",
+        type=positive_int,
+        default=None,
+        help="mixed: tokens per long prompt (default: the most /info's max_input_tokens and context allow)",
+    )
+    parser.add_argument("--short-requests", type=positive_int, default=4, help="mixed: short requests, in turn (4)")
+    parser.add_argument("--short-tokens", type=positive_int, default=4, help="mixed: max new tokens of a short one (4)")
+    parser.add_argument(
+        "--short-delay",
+        type=float,
+        default=1.5,
+        help="mixed: seconds after the long prompts before the first short (1.5)",
+    )
+    parser.add_argument("--out", default="bench_out", help="directory for loadtest.json and loadtest.md")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    import httpx
+
+    from app.bench import loadtest
+
+    try:
+        rates = [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else []
+    except ValueError as exc:
+        raise CliError("--rates takes comma-separated numbers, e.g. 0.5,1,2") from exc
+    if args.rates is not None and (not rates or min(rates) <= 0):
+        raise CliError("--rates needs at least one rate > 0")
+    if args.workload != "prompts" and (args.rates is not None or args.in_process):
+        raise CliError(f"--rates and --in-process are for --workload prompts, not {args.workload}")
+    if args.workload == "multiturn" and args.api != "chat":
+        raise CliError("--workload multiturn sends conversations: it needs --api chat")
+    if args.workload == "mixed" and args.clients is not None:
+        raise CliError("--workload mixed sends --long-prompts at once and --short-requests in turn: no --clients")
+    default_clients = {"prompts": "1" if rates else "1,2,4,8,16", "multiturn": "4", "mixed": "1"}[args.workload]
+    clients = args.clients if args.clients is not None else default_clients
+    try:
+        levels = [int(x) for x in clients.split(",") if x.strip()]
+    except ValueError as exc:
+        raise CliError("--clients takes comma-separated integers, e.g. 1,2,4,8") from exc
+    if not levels or min(levels) < 1:
+        raise CliError("--clients needs at least one level >= 1")
+    headers = loadtest.auth_headers(args.api_key)
+    try:
+        model = httpx.get(f"{args.url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise CliError(f"no specserve answering at {args.url}: {exc}") from exc
+    if args.workload == "multiturn":
+        rows = _loadtest_multiturn(args, levels, model, headers)
+        table = loadtest.markdown_multiturn(rows)
+    elif args.workload == "mixed":
+        rows = _loadtest_mixed(args, model, headers)
+        table = loadtest.markdown_mixed(rows)
+    else:
+        rows = _loadtest_prompts(args, levels, rates, model, headers)
+        table = loadtest.markdown(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loadtest.json").write_text(json.dumps(rows, indent=1))
+    (out / "loadtest.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def _loadtest_engine(url: str, headers: dict[str, str]):
+    """An engine with the models and draft settings the server at `url` reports in /info."""
+    import httpx
+
+    from app.engine.factory import build_engine
+
+    try:
+        info = httpx.get(f"{url}/info", headers=headers, timeout=10).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise CliError(f"no /info at {url}: {exc}") from exc
+    dtype = str(info["model_dtype"]).removeprefix("torch.")
+    engine, _ = build_engine(
+        info["model_id"],
+        info["draft"],
+        info["num_draft_tokens"],
+        dtype,
+        draft_schedule=info["draft_schedule"],
+        draft_p_min=info["draft_p_min"],
+    )
+    return engine
+
+
+def _measured(args: argparse.Namespace, headers: dict[str, str], level: Coroutine[Any, Any, Any]) -> tuple[Any, dict]:
+    """What the `level` run in a new event loop returns, and the server's prefix-cache hit rate over it (its
+    /metrics before and after)."""
+    import asyncio
+
+    from app.bench import loadtest
+
+    before = loadtest.read_metrics(args.url, headers)
+    answer = asyncio.run(level)
+    return answer, loadtest.prefix_cache_hit_rate(before, loadtest.read_metrics(args.url, headers))
+
+
+def _loadtest_prompts(
+    args: argparse.Namespace, levels: list[int], rates: list[float], model: str, headers: dict[str, str]
+) -> list[dict[str, Any]]:
+    """The one-turn workload: every draft at every client count (closed loop), then every rate (open loop)."""
+    import json
+
+    from app.bench import loadtest
+    from app.bench.specbench import read_prompts
+
+    path = Path(args.input)
+    if not path.is_file():
+        raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
+    prompts = [p.text for p in read_prompts(path, None, None)][: args.prompts]
+    engine = _loadtest_engine(args.url, headers) if args.in_process else None
+    rows: list[dict[str, Any]] = []
+    # Greedy text is the target's own whatever the draft: the first level's answers are every level's reference.
+    reference: dict[int, str] | None = None
+    drafts = args.draft or ["default", "none"]
+
+    def options_for(draft: str) -> dict[str, Any]:
+        options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
+        if args.api == "tgi":
+            options.pop("model")
+        return options
+
+    if args.warmup:
+        level = loadtest.run_level(
+            args.url, prompts, 1, len(prompts), options_for(drafts[0]), args.time_limit, args.api, args.api_key
+        )
+        (results, _), prefix = _measured(args, headers, level)
+        reference = {r.prompt_index: r.text for r in results if r.ok}
+        print(
+            f"warm-up: {len(prompts)} prompts sent once, not reported (prefix cache "
+            f"{loadtest.prefix_cache_summary(prefix)})",
+            flush=True,
+        )
+    for draft in drafts:
+        if engine is not None:  # the server is idle meanwhile: nothing else competes for the cores
+            results, wall = loadtest.run_in_process(
+                engine, prompts, max(args.requests, 1), args.max_new_tokens, draft, args.api == "chat"
+            )
+            if reference is None:
+                reference = {r.prompt_index: r.text for r in results}
+            row = {"speculative": draft, "via": "in-process", "clients": 1}
+            row.update(loadtest.summarize_level(results, wall, reference, True))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        options = options_for(draft)
+        for clients in levels:
+            (results, wall), prefix = _measured(
+                args,
+                headers,
+                loadtest.run_level(
+                    args.url,
+                    prompts,
+                    clients,
+                    max(args.requests, clients),
+                    options,
+                    args.time_limit,
+                    args.api,
+                    args.api_key,
+                ),
+            )
+            if reference is None:
+                reference = {r.prompt_index: r.text for r in results if r.ok}
+            row = {"speculative": draft, "via": "http", "clients": clients}
+            row.update(loadtest.summarize_level(results, wall, reference, True))
+            row["prefix_cache"] = prefix
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        for rate in rates:
+            (results, wall), prefix = _measured(
+                args,
+                headers,
+                loadtest.run_rate(
+                    args.url,
+                    prompts,
+                    rate,
+                    args.requests,
+                    options,
+                    args.time_limit,
+                    args.api,
+                    args.api_key,
+                    None,
+                    args.seed,
+                ),
+            )
+            row = {"speculative": draft, "via": "http", "clients": None, "rate": rate}
+            row.update(loadtest.summarize_level(results, wall, reference, True))
+            row["prefix_cache"] = prefix
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _loadtest_multiturn(
+    args: argparse.Namespace, levels: list[int], model: str, headers: dict[str, str]
+) -> list[dict[str, Any]]:
+    """The multi-turn workload: every draft at every user count, one conversation of --turns turns per user."""
+
+    from app.bench import loadtest
+
+    rows: list[dict[str, Any]] = []
+    for draft in args.draft or ["default", "none"]:
+        options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
+        for users in levels:
+            (results, wall), prefix = _measured(
+                args,
+                headers,
+                loadtest.run_conversations(
+                    args.url, users, args.turns, options, args.time_limit, args.api_key, seed=args.seed
+                ),
+            )
+            # Conversations differ in every answer: no text to compare with a request sent alone.
+            row: dict[str, Any] = {"speculative": draft, "via": "http", "workload": "multiturn", "clients": users}
+            row.update(loadtest.summarize_level(results, wall, None, True))
+            row["multiturn"] = loadtest.summarize_turns(results, args.turns)
+            row["prefix_cache"] = prefix
+            rows.append(row)
+            m = row["multiturn"]
+            print(
+                f"{draft}, {users} users: TTFT p50 turn 1 {m['per_turn'][0]['ttft_p50_ms'] if m['per_turn'] else '-'} "
+                f"ms, last turn x{m['ttft_last_over_first']}, prompts grew {m['prompts_grew']}, "
+                f"prefix cache {loadtest.prefix_cache_summary(prefix)}, answers {m['answers_sha256']}",
+                flush=True,
+            )
+    return rows
+
+
+def _loadtest_mixed(args: argparse.Namespace, model: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    """The mixed workload: for every draft, --long-prompts near-max-length prompts at once and the short
+    requests one after another beside them."""
+    import json
+
+    import httpx
+
+    from app.bench import loadtest
+    from app.bench.workloads import SHORT_PROMPTS, long_prompt
+
+    target = args.long_tokens
+    if target is None:
+        try:
+            info = httpx.get(f"{args.url}/info", headers=headers, timeout=10).json()
+            # The prompt leaves room for the answer; a few tokens spare, as the count may differ by a token or two.
+            target = min(info["max_input_tokens"], info["max_total_tokens"] - args.max_new_tokens) - 8
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+            raise CliError(f"no limits in {args.url}/info ({exc}); give --long-tokens N") from exc
+        if target < 1:
+            raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a long prompt")
+    count = loadtest.token_counter(args.url, headers, model if args.api == "chat" else None, args.api)
+    longs = [long_prompt(i, target, count, args.seed) for i in range(args.long_prompts)]
+    rows: list[dict[str, Any]] = []
+    for draft in args.draft or ["default", "none"]:
+        options = {"max_new_tokens": args.max_new_tokens, "speculative": {"draft": draft}, "model": model}
+        if args.api == "tgi":
+            options.pop("model")
+        (results, wall), prefix = _measured(
+            args,
+            headers,
+            loadtest.run_mixed(
+                args.url,
+                longs,
+                SHORT_PROMPTS,
+                args.short_requests,
+                options,
+                args.short_tokens,
+                args.short_delay,
+                args.time_limit,
+                args.api,
+                args.api_key,
+            ),
+        )
+        row: dict[str, Any] = {"speculative": draft, "via": "http", "workload": "mixed"}
+        row["clients"] = args.long_prompts + 1
+        row.update(loadtest.summarize_level(results, wall, None, True))
+        row["mixed"] = loadtest.summarize_mixed(results)
+        row["mixed"]["long"]["target_tokens"] = target
+        row["prefix_cache"] = prefix
+        rows.append(row)
+        print(json.dumps(row["mixed"]), flush=True)
+    return rows
