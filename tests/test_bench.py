@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.bench import specbench, synthetic
+from app.bench import rows, synthetic
 from app.cli import main
 from app.engine import kernels
 from app.engine.model.loading import load_model
@@ -31,13 +31,13 @@ TINY_K = synthetic.Shape("tiny-k", n_layers=3, dim=256, intermediate=512, n_head
 def test_rows_times_every_kernel_and_weight_format(target_path: Path, tmp_path: Path, monkeypatch) -> None:
     """`specserve bench --rows`, two row counts for speed: a table per kernel and weight format, rows.json and
     rows.md written, each row's extra cost as defined, and native weights' read floor under bf16's."""
-    cheap = functools.partial(specbench.row_costs, rows=(2, 1), context=8, repeats=1, warmup=0)
-    monkeypatch.setattr(specbench, "row_costs", lambda target, weights: cheap(target, weights=weights))
+    cheap = functools.partial(rows.row_costs, rows=(2, 1), context=8, repeats=1, warmup=0)
+    monkeypatch.setattr(rows, "row_costs", lambda target, weights: cheap(target, weights=weights))
     assert main(["bench", "--rows", "--target", str(target_path), "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "rows.json").read_text())
     tables = result["tables"]
     assert [(t["kernel"], t["weights"]) for t in tables] == [
-        (k, w) for k in kernels.available() for w in specbench.ROW_WEIGHTS
+        (k, w) for k in kernels.available() for w in rows.ROW_WEIGHTS
     ]
     assert result["read_bandwidth"] > 1e8 and result["context"] == 8 and result["threads"] >= 1
     for t in tables:

@@ -340,7 +340,7 @@ def test_a_damaged_cached_library_is_rebuilt(tmp_path: Path) -> None:
 
 def test_bench_times_a_target_step_on_every_kernel(target_path: Path) -> None:
     """`specserve bench --kernels`: one real target step per kernel and row count, and what bounds it."""
-    from app.bench.specbench import kernel_steps
+    from app.bench.rows import kernel_steps
 
     bandwidth, weight_bytes, table = kernel_steps(target_path, rows=(1, 3), context=8, repeats=1)
     assert list(table) == [*HERE, "torch"]

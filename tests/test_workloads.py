@@ -1,5 +1,5 @@
 """`specserve bench --workload`: the traffic workloads' texts (app.bench.workloads) and their
-runner (app.bench.specbench).
+runner (app.bench.traffic).
 
 The runner runs on a tiny random target with the real tokenizer and chat template (a synthetic GGUF, as
 test_bench's), so prompts are rendered and counted as the server would, in seconds. Speeds on a shared machine
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench import specbench, synthetic, workloads
+from app.bench import synthetic, traffic, workloads
 from app.cli import build_parser, main
 from app.cli.bench import workload_names
 from app.engine import factory
@@ -92,7 +92,7 @@ def test_agent_feeds_back_each_call_result(tiny) -> None:
     planned = messages[4]["tool_calls"][0]["function"]
     assert messages[4]["content"] is None and planned["name"] == "search_docs"  # the plan's second call
     assert json.loads(messages[5]["content"])["results"]
-    text = specbench.render_chat(tiny[1].tokenizer, messages, episode.tools)
+    text = traffic.render_chat(tiny[1].tokenizer, messages, episode.tools)
     system = text.split("<|im_end|>")[0]
     assert text.count("<tool_response>") == 2 and '"name": "run_tests"' in system and "<tool_call>" in system
     assert text.endswith("<|im_start|>assistant\n")
@@ -112,7 +112,7 @@ def test_prompts_fit_with_the_longest_answers(tiny) -> None:
                 text = tok.decode(filler[: e.max_new_tokens - len(tok.encode(call))])
                 answers = [longest, text + call] * e.turns
             for t in range(e.turns):
-                n = len(tok.encode(specbench.render_chat(tok, e.messages(answers[:t]), e.tools)))
+                n = len(tok.encode(traffic.render_chat(tok, e.messages(answers[:t]), e.tools)))
                 assert n <= PROMPT_LIMIT, (name, e.index, t, n)
 
 
@@ -147,16 +147,16 @@ def test_workload_bench_end_to_end(tiny, tmp_path: Path, monkeypatch) -> None:
     workloads.md written."""
     monkeypatch.setattr(factory, "build_engine", lambda *args, **kwargs: tiny)
     seen: list[list[dict]] = []
-    render = specbench.render_chat
+    render = traffic.render_chat
     monkeypatch.setattr(
-        specbench, "render_chat", lambda tok, messages, tools: seen.append(messages) or render(tok, messages, tools)
+        traffic, "render_chat", lambda tok, messages, tools: seen.append(messages) or render(tok, messages, tools)
     )
     out = tmp_path / "out"
     argv = ["bench", "--workload", "chat", "--workload", "code-edit", "--episodes", "1", "-n", "6"]
     assert main([*argv, "--draft", "suffix", "--draft", "ngram", "--out", str(out)]) == 0
     result = json.loads((out / "workloads.json").read_text())
-    runs = [specbench.Run(**r) for r in result["runs"]]
-    by_turn: dict[str, dict[str, specbench.Run]] = {}
+    runs = [traffic.Run(**r) for r in result["runs"]]
+    by_turn: dict[str, dict[str, traffic.Run]] = {}
     for r in runs:
         by_turn.setdefault(r.question_id, {})[r.config] = r
     chat, edit = (
@@ -190,14 +190,14 @@ def test_workload_bench_end_to_end(tiny, tmp_path: Path, monkeypatch) -> None:
 
 
 def test_workload_configs_order() -> None:
-    configs = [specbench.Config("hybrid", "adaptive"), specbench.Config("ngram", "adaptive"), specbench.Config("none")]
-    assert [c.label for c in specbench.workload_configs(configs, True)] == [
+    configs = [traffic.Config("hybrid", "adaptive"), traffic.Config("ngram", "adaptive"), traffic.Config("none")]
+    assert [c.label for c in traffic.workload_configs(configs, True)] == [
         "none",
         "hybrid/adaptive",
         "hybrid/adaptive/prediction",
         "ngram/adaptive",
     ]
-    assert [c.label for c in specbench.workload_configs(configs, False)] == [
+    assert [c.label for c in traffic.workload_configs(configs, False)] == [
         "none",
         "hybrid/adaptive",
         "ngram/adaptive",

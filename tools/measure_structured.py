@@ -8,7 +8,7 @@ import json
 import statistics
 import time
 
-from app.bench.specbench import STRUCTURED
+from app.bench.structured import STRUCTURED
 from app.engine.decoding.grammar import GrammarSpec
 from app.engine.factory import build_engine
 from app.engine.step import GenerationParams

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         return _bench_rows(args, target)
     if args.kernels:
         from app import store
-        from app.bench.specbench import kernel_steps
+        from app.bench.rows import kernel_steps
 
         bandwidth, weight_bytes, table = kernel_steps(store.resolve(target))
         floor = weight_bytes / bandwidth * 1e3
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         target, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype, weights=args.weights
     )
     if args.structured:
-        from app.bench.specbench import run_structured, structured_markdown
+        from app.bench.structured import run_structured, structured_markdown
 
         rows, runs = run_structured(engine, list(dict.fromkeys(drafts)), args.max_new_tokens, args.num_draft_tokens)
         _write_tables(Path(args.out), "structured", {"rows": rows, "runs": runs}, structured_markdown(rows))
@@ -331,7 +331,7 @@ def _bench_workloads(
     import json
 
     from app.bench import workloads
-    from app.bench.specbench import run_workloads, summarize_workloads, workloads_markdown
+    from app.bench.traffic import run_workloads, summarize_workloads, workloads_markdown
 
     episodes = [e for name in names for e in workloads.episodes(name, limit=args.episodes)]
     runs = run_workloads(engine, episodes, configs, args.num_draft_tokens, args.max_new_tokens, baselines)
@@ -358,7 +358,7 @@ def _bench_workloads(
 def _bench_rows(args: argparse.Namespace, target: str) -> int:
     """`specserve bench --rows`: what 1-16 verification rows cost per kernel and weight format."""
     from app import store
-    from app.bench.specbench import ROW_WEIGHTS, row_costs, rows_markdown
+    from app.bench.rows import ROW_WEIGHTS, row_costs, rows_markdown
 
     if args.weights not in ("auto", *ROW_WEIGHTS):
         raise CliError(f"--rows times {' and '.join(ROW_WEIGHTS)} weights (--weights auto: both)")
