@@ -1,4 +1,5 @@
-"""The engine's layout: its import map has no circle, and nothing imports upward.
+"""The layout: the engine's import map has no circle and nothing in it imports upward; above it, each part of app/
+imports only the parts below it (ALLOWED).
 
 app/engine is layered along the decoding loop: kernels < model < memory < decoding < drafting < step < generation
 < batch < engine (defaults and threads, which import nothing of the engine, sit beside; memory, what a KV cache
@@ -72,3 +73,64 @@ def test_the_engine_import_map_has_no_circle() -> None:
 
     for module in sorted(graph):
         visit(module, [])
+
+
+# Above the engine, app/ is cut by what each part is for, and a part may import only the parts listed here
+# (every import counts, those inside functions too: a lazy import couples the parts as much as any). The request
+# flows one way: the server (app.service.server, which assembles the app) -> the routes (app/api) -> the
+# scheduler, runtime, metrics and settings (the rest of app/service) -> the engine -> the model store.
+APP = ENGINE.parent
+ALLOWED = {
+    "store": set(),
+    "engine": {"store"},
+    "distill": {"engine", "store"},
+    "service": {"engine", "store"},
+    "api": {"service", "engine", "store"},
+    "server": {"api", "service", "engine", "store"},
+    # The traffic workloads render tool calls as the chat route does (app.api.tools).
+    "bench": {"api", "engine", "store"},
+    "cli": {"server", "api", "service", "bench", "distill", "engine", "store"},
+}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    if module == "app.service.server":
+        return "server"
+    return parts[1] if len(parts) > 1 else "app"
+
+
+def _all_imports() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in APP.rglob("*.py"):
+        name = ".".join(path.relative_to(APP.parent).with_suffix("").parts).removesuffix(".__init__")
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "app":
+                # `from app import store` names a module of app (`__version__` is app's own); `from app.x import y`,
+                # one of app.x
+                if node.module != "app":
+                    deps.add(node.module)
+                for alias in node.names if node.module == "app" else ():
+                    mine = (APP / alias.name).is_dir() or (APP / f"{alias.name}.py").is_file()
+                    deps.add(f"app.{alias.name}" if mine else "app")
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.split(".")[0] == "app")
+    return graph
+
+
+def test_every_part_of_app_has_its_rule() -> None:
+    parts = {_part(m) for m in _all_imports()} - {"app"}
+    assert parts == set(ALLOWED), "a new folder of app/ needs its line in ALLOWED"
+
+
+def test_the_parts_of_app_import_only_what_their_rule_allows() -> None:
+    wrong = sorted(
+        (module, dep)
+        for module, deps in _all_imports().items()
+        for dep in deps
+        if _part(module) != "app"
+        and _part(dep) not in ("app", _part(module))
+        and _part(dep) not in ALLOWED[_part(module)]
+    )
+    assert wrong == []
