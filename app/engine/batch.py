@@ -35,9 +35,8 @@ class Batcher:
     `prefill_chunk` (> 0): prompts are prefilled at most that many tokens per step beside the decoding rows;
     `prefill_step_seconds` (> 0): chunks are sized from measured costs so a step takes about that long."""
 
-    def __init__(self, target: Transformer, verify_width: int, prefill_chunk: int, prefill_step_seconds: float) -> None:
+    def __init__(self, target: Transformer, prefill_chunk: int, prefill_step_seconds: float) -> None:
         self.target = target
-        self.verify_width = verify_width
         self.prefill_chunk = prefill_chunk
         self.prefill_step_seconds = prefill_step_seconds
         self.row_keys = row_keys(target)
@@ -123,9 +122,6 @@ class Batcher:
     def _plan(self, gens: list[Generation]) -> list[StepPlan | Exception]:
         """Draft lengths chosen for the batch as a whole, the drafts (batched where a drafter can), and each
         request's rows; an exception in place of a request whose drafting failed."""
-        # In half precision each request's rows are padded to two: a single row takes another attention path,
-        # whose last bits differ from the solo step's.
-        min_rows = 2 if self.verify_width else 0
         limits = [gen.params.max_new_tokens - gen.stats.generated_tokens - 1 for gen in gens]
         # Greedy requests of a drafter that drafts several at once share one draft forward per position: its
         # seconds measured on batched drafts when there were, else one solo step.
@@ -136,7 +132,7 @@ class Batcher:
             else gen.draft_length.costs.draft_step
             for gen, key in zip(gens, groups, strict=True)
         ]
-        ks = batch_draft_lengths([gen.draft_length for gen in gens], limits, self._batch_costs, min_rows, steps, groups)
+        ks = batch_draft_lengths([gen.draft_length for gen in gens], limits, self._batch_costs, 0, steps, groups)
         ks = [k if gen.max_draft else 0 for gen, k in zip(gens, ks, strict=True)]
         failed: list[StepOutput | Exception | None] = [None] * len(gens)
         drafted = self._draft(gens, ks, failed)
@@ -147,7 +143,7 @@ class Batcher:
                 plans.append(problem)
                 continue
             try:
-                plans.append(gen.plan(min_rows, k, drafted.get(j)))
+                plans.append(gen.plan(0, k, drafted.get(j)))
             except Exception as exc:
                 plans.append(exc)
         return plans

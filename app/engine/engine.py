@@ -138,7 +138,7 @@ class Engine:
             half = target.dtype in (torch.bfloat16, torch.float16)
             verify_width = 8 if half and not target.rows_independent() else 0
         self.verify_width = verify_width
-        self.batcher = Batcher(target, verify_width, self.prefill_chunk, self.prefill_step_seconds)
+        self.batcher = Batcher(target, self.prefill_chunk, self.prefill_step_seconds)
         # None where rows depend on the batch (a cached block would then differ in its last bits from a fresh one).
         self.traffic = traffic
         self.prefix_cache: PrefixCache | None = None
@@ -264,12 +264,12 @@ class Engine:
     def step_batch(self, gens: Sequence[Generation]) -> BatchStep:
         """One step of every generation in `gens`, the decoding ones verified in ONE target forward.
 
-        Each request drafts on its own (lengths chosen for the batch as a whole, see
-        `batch_draft_lengths`), then the target runs all their rows together, reading its weights once
-        instead of once per request, and each request verifies its own rows. Prompts are prefilled one by
-        one. Returns, per generation, its step's output or the exception that ended it: one request's
-        failure leaves the others untouched, and which of them ran in the shared forward. Greedy tokens are
-        the same as with `Generation.step`.
+        Draft lengths are chosen for the batch as a whole (`batch_draft_lengths`), and requests of a drafter
+        that drafts several at once share its forwards; then the target runs all their rows together, prompts'
+        prefill chunks beside (`Batcher`), reading its weights once instead of once per request, and each
+        request verifies its own rows. Returns, per generation, its step's output or the exception that ended
+        it (one request's failure leaves the others untouched), and which of them ran in the shared forward.
+        Greedy tokens are the same as with `Generation.step`.
         """
         results: dict[int, StepOutput | Exception] = {}
         prefilling = [gen.needs_prefill for gen in gens]
