@@ -67,9 +67,15 @@ def test_real_logits_match_transformers(real, hf_target, prompt):
 
 
 def test_real_kv_cached_incremental_forward_equals_full_forward(real):
+    """The reference's full forward with a causal mask (`full_lm_forward`, `build_causal_mask`) equals one
+    uncached forward, and a prefill with single tokens and verification-sized chunks after it, on the real
+    target (tests/test_reference.py checks the same on a tiny model)."""
+    from app.engine.reference import build_causal_mask, full_lm_forward
+
     model, tok = real
     ids = tok.encode(PROMPTS[0] + "The capital of France is Paris. It is known for the Eiffel Tower.")
     full = _forward(model, ids)
+    torch.testing.assert_close(full_lm_forward(model, ids, build_causal_mask(len(ids))), full, atol=1e-4, rtol=0)
     cache = model.new_cache(len(ids) + 4)
     parts, pos = [], 0
     # A prefill, then single tokens and verification-sized chunks, as the production loop feeds them.

@@ -303,6 +303,9 @@ def test_completion_mode_streams_through_the_native_route(browser: Any, server: 
     verdict = driver.find_element("id", "race-verdict").text
     assert identical == "true" and "sampling, seed" in verdict, verdict
     race = driver.execute_script("return window.playground.runs.slice(-2);")
-    assert [r["draft"] for r in race] == ["ngram", "none"] and all(len(r["tokens"]) == 16 for r in race)
+    assert [r["draft"] for r in race] == ["ngram", "none"]
+    # The page draws the seed: a sample may end (EOS) before 16 tokens, at the same token in both runs.
+    lengths = {len(r["tokens"]) for r in race}
+    assert len(lengths) == 1 and 0 < lengths.pop() <= 16, race
     urls = _page_requests(driver)
     assert urls and all(u.startswith(server + "/") for u in urls), urls
