@@ -261,9 +261,10 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kerne
 
 
 def test_a_short_prompt_goes_before_long_ones_and_a_lone_long_prompt_is_chunked(packed_target, prompts):
-    """Chunked prefill takes the shortest prompt left first: a short request arriving while long prompts are
-    being prefilled gets its first token at the next step, and a long prompt prefilling alone still goes a
-    chunk per step (a request arriving meanwhile waits one step, not the whole prompt). Tokens as alone."""
+    """Chunked prefill gives the oldest prompt first claim on half the step's budget and the rest to the shortest
+    prompt left first: a short request arriving while a long prompt is being prefilled gets its first token at the
+    next step, the long one keeps its half (and what the short one left), and a long prompt prefilling alone still
+    goes a chunk per step (a request arriving meanwhile waits one step, not the whole prompt). Tokens as alone."""
     packed = packed_target(KERNELS[0])
     engine = Engine(
         packed.model,
@@ -284,13 +285,13 @@ def test_a_short_prompt_goes_before_long_ones_and_a_lone_long_prompt_is_chunked(
     assert engine.together([late]) == [0]
     engine.step_batch([late])
     assert late.needs_prefill and late.cache.length == 48
-    short = engine.start(prompts[0][:40], params, "ngram")
+    short = engine.start(prompts[0][:20], params, "ngram")
     long_left = late.prompt_len - late.cache.length
     outs = engine.step_batch([late, short])
     assert outs.together == [0, 1]  # one forward, as the worker's metrics count it
-    assert outs[1].token_ids and not outs[0].token_ids  # the short prompt took the budget first
-    assert late.prompt_len - late.cache.length == long_left - (48 - 40)
-    short_ref = _run_alone(engine, prompts[0][:40], params, "ngram")
+    assert outs[1].token_ids and not outs[0].token_ids  # the short prompt is in, within the budget's other half
+    assert late.prompt_len - late.cache.length == long_left - (48 - 20)  # its half, and what the short one left
+    short_ref = _run_alone(engine, prompts[0][:20], params, "ngram")
     gens = [late, short]
     while any(not g.finished for g in gens):
         engine.step_batch([g for g in gens if not g.finished])
@@ -326,12 +327,13 @@ def test_chunks_shrink_with_the_context_to_keep_a_step_near_its_target(packed_ta
     (deep,) = batcher.chunk_sizes([fresh], [])
     assert batcher.units(deep, 500) <= 100 < batcher.units(deep + 1, 500)
     assert deep < 90
-    # Decoding rows take their share first; a step still moves a prompt along when they take it all.
-    fewer = batcher.chunk_sizes([fresh], [_FakePlan(real=60, start=0)])
-    assert fewer == [batcher.rows_within(100 - batcher.units(60, 0), 500)] and 0 < fewer[0] < deep
-    floor = batcher.rows_within(16, 500)  # 16 units: the least a step gives
-    assert batcher.chunk_sizes([fresh], [_FakePlan(real=90, start=0)]) == [floor]
-    assert batcher.chunk_sizes([fresh], [_FakePlan(real=500, start=0)]) == [floor]
+    # Decoding rows take their share first; however much they take, the prompt gets as much work as they do
+    # (PREFILL_SHARE), and never less than 16 units.
+    fewer = batcher.chunk_sizes([fresh], [_FakePlan(real=40, start=0)])
+    assert fewer == [batcher.rows_within(100 - batcher.units(40, 0), 500)] and 0 < fewer[0] < deep
+    for real in (90, 300):
+        assert batcher.chunk_sizes([fresh], [_FakePlan(real, 0)]) == [batcher.rows_within(batcher.units(real, 0), 500)]
+    assert batcher.chunk_sizes([fresh], [_FakePlan(8, 0)]) == [batcher.rows_within(100 - batcher.units(8, 0), 500)]
 
 
 class _FakePlan:

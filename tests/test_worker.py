@@ -605,3 +605,49 @@ async def test_the_prefix_cache_keeps_what_admitted_requests_leave_of_the_budget
         assert cache.limit == cache.max_bytes and cache.bytes >= filled
     finally:
         s.stop()
+
+
+async def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones() -> None:
+    """Issue 48's long prompts, in worker steps: a 2,000-token prompt prefilling in chunks of 64 while a new
+    64-token request arrives every step. Shortest first alone (the old rule), the short ones took every step's
+    whole budget and the long prompt never moved past its first chunk; the oldest prompt's first claim on half
+    the budget gets it in within 2,000 / 32 steps, while the short ones still go on."""
+    import random
+
+    engine = _chunking_engine()
+    if engine is None:
+        pytest.skip("no CPU kernel here to prefill prompts in chunks on")
+    long_len, chunk = 2000, 64
+    s = Scheduler(engine, max_running=256, max_waiting=16, kv_budget=1 << 40)
+    loop = asyncio.get_running_loop()
+    rng = random.Random(11)
+    shorts: list[Ticket] = []
+    steps: list[int] = []  # per worker step: the long prompt's tokens in
+    real = engine.step_batch
+
+    async def arrive() -> None:
+        ids = [rng.randrange(64) for _ in range(chunk)]  # random: nothing of it in the prefix cache
+        shorts.append(s.submit(ids, GenerationParams(max_new_tokens=2, num_draft_tokens=0), "none", 60))
+
+    def step_batch(gens):
+        if len(steps) < 200:  # the next request is admitted before the next step
+            asyncio.run_coroutine_threadsafe(arrive(), loop).result(10)
+        out = real(gens)
+        steps.append(next((g.cache.length for g in gens if g.prompt_len == long_len), long_len))
+        return out
+
+    engine.step_batch = step_batch
+    prompt = [rng.randrange(64) for _ in range(long_len)]
+    s.submit(prompt, GenerationParams(max_new_tokens=2, num_draft_tokens=0), "none", 120)
+    s.start()
+    try:
+        while (not steps or steps[-1] < long_len) and len(steps) < 200:
+            await asyncio.sleep(0.01)
+    finally:
+        s.stop()
+        del engine.step_batch
+    done = next((i for i, n in enumerate(steps) if n >= long_len), None)
+    assert done is not None, f"the long prompt was starved: {steps[-1]} of {long_len} tokens in after 200 steps"
+    assert done <= long_len // (chunk // 2) + 2, done
+    started = [t for t in shorts if t._job.first_token is not None]
+    assert len(started) >= done // 3, "the short requests kept getting their first tokens meanwhile"

@@ -29,6 +29,14 @@ def row_keys(target: Transformer) -> float:
     return products / (2 * c.n_heads * c.head_dim)
 
 
+# Prefill's least share of a step beside decoding, in units of work relative to the decoding rows' (1.0: a step
+# that decodes D units also prefills at least D while prompts wait: a prompt's prefill then runs at half the
+# machine's speed or more, and the decoding rows wait at most twice their own forward between tokens).
+PREFILL_SHARE = 1.0
+# The part of the step's prefill budget the oldest prompt still prefilling has first claim on (docs/service.md).
+OLDEST_SHARE = 0.5
+
+
 class Batcher:
     """Steps generations together in one target forward; created by `Engine`, which decides who joins.
 
@@ -94,29 +102,42 @@ class Batcher:
     def chunk_sizes(self, prompts: list[Generation], plans: list[StepPlan]) -> list[int]:
         """Prompt tokens each prefilling generation runs this step, within the step's budget: `prefill_chunk`
         tokens, and with `prefill_step_seconds` what the measured seconds per unit of work leave beside the
-        decoding rows (`plans`). The shortest prompt left goes first (a short request is not held behind long
-        ones; a long one then takes every step's budget until it is in)."""
+        decoding rows (`plans`), but never less than `PREFILL_SHARE` of the decoding rows' own work: however many
+        requests decode, prompts keep moving at a known fraction of the machine's speed.
+
+        `prompts` come in the order they started (the scheduler's). The oldest has first claim on `OLDEST_SHARE`
+        of the budget (tokens and work); the rest goes to the shortest prompts left first, the oldest included
+        (a short request is not held behind long ones, and a stream of short ones cannot starve a long one)."""
         cap = self.prefill_chunk
         units = math.inf  # without a step time, the budget is cap tokens, whatever they cost
         if self.prefill_step_seconds:
             if self.unit_seconds is None:  # nothing measured yet: a modest first chunk, which measures
                 units = float(min(cap, 64))
             else:
-                units = self.prefill_step_seconds / self.unit_seconds
-                units -= sum(self.units(p.real, p.start) for p in plans)
+                decoding = sum(self.units(p.real, p.start) for p in plans)
+                units = max(self.prefill_step_seconds / self.unit_seconds - decoding, PREFILL_SHARE * decoding)
             # However busy the step, each one moves a prompt along by some tokens.
             units = max(units, min(cap, 16))
         sizes = [0] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: prompts[i].prompt_len - prompts[i].cache.length)
-        for i in order:
-            if units < 1 or cap <= 0:
-                break
-            start = prompts[i].cache.length
+        budget = [units, cap]  # work and tokens left this step
+
+        def grant(i: int, most_units: float, most_tokens: int) -> None:
+            start = prompts[i].cache.length + sizes[i]
             left = prompts[i].prompt_len - start
-            n = min(left, cap, max(1, self.rows_within(units, start)) if units < math.inf else cap)
-            sizes[i] = n
-            units -= self.units(n, start)
-            cap -= n
+            if left <= 0 or most_tokens <= 0 or most_units < 1:
+                return
+            n = min(left, most_tokens, max(1, self.rows_within(most_units, start)) if most_units < math.inf else left)
+            sizes[i] += n
+            budget[0] -= self.units(n, start)
+            budget[1] -= n
+
+        if len(prompts) > 1:
+            grant(0, units * OLDEST_SHARE, max(1, int(cap * OLDEST_SHARE)))
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i].prompt_len - prompts[i].cache.length - sizes[i])
+        for i in order:
+            if budget[0] < 1 or budget[1] <= 0:
+                break
+            grant(i, budget[0], budget[1])
         return sizes
 
     def _plan(self, gens: list[Generation]) -> list[StepPlan | Exception]:
