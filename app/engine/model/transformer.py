@@ -1,13 +1,20 @@
-"""A lean Llama-family decoder in plain PyTorch, with a static KV cache indexed by position.
+"""A lean decoder in plain PyTorch, with a static KV cache indexed by position.
 
-Covers Llama 2/3, SmolLM/SmolLM2, Mistral and Qwen2/2.5: grouped-query attention, RoPE with the
-model's theta (and Llama 3.1 frequency scaling), RMSNorm, optional q/k/v bias, tied or untied
-embeddings. Weights use the HuggingFace layout (rotate-half RoPE); loaders convert other layouts.
+One pre-norm block, its steps switched by `ModelConfig`'s fields: grouped-query attention, RoPE with the
+model's theta (and Llama 3.1 frequency scaling), RMSNorm, optional q/k/v bias, tied or untied embeddings (the
+Llama family: Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5), and what other families add: q/k norms per head
+(Qwen3, Gemma 3), norms after attention and MLP (Gemma 2/3), GeGLU, scaled embeddings, sliding-window layers
+with their own RoPE base, a query scale, attention and final logit soft-capping (Gemma 2). Which architecture
+sets which fields, and how its checkpoints name their tensors, is its module in `app.engine.model.architectures`.
+Weights use the HuggingFace layout (rotate-half RoPE) with norms as multipliers (Gemma's `1 + w`);
+loaders convert other layouts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -20,6 +27,9 @@ from torch import Tensor, nn
 from app.engine import kernels
 from app.engine.kernels import Kernel
 from app.engine.kernels.quantized import QuantizedWeight
+
+log = logging.getLogger(__name__)
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -41,22 +51,59 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # What a block does beyond Llama's (the defaults are Llama's; an architecture's module sets the rest).
+    architecture: str = "llama"
+    qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # a norm on the attention's and on the MLP's output too, before the residual add
+    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(dim), rounded to the activations' dtype)
+    attn_scale: float = 0.0  # scores times this; 0: 1 / sqrt(head_dim)
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax; 0: none (Gemma 2)
+    final_softcap: float = 0.0  # the same on the logits (Gemma 2)
+    sliding_window: int = 0  # the layers in `sliding_layers` attend their last `sliding_window` positions only
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0  # the sliding layers' RoPE base, without scaling (Gemma 3); 0: rope_theta
+    # Whether the C layer stack (one kernel call for every layer) may run this model: an architecture opts in,
+    # and only a plain Llama block can (the stack knows nothing of the fields above).
+    fused_stack: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
+        if self.fused_stack and self.block_features():
+            raise ValueError(f"the C layer stack runs plain Llama blocks only, not {', '.join(self.block_features())}")
+
+    def block_features(self) -> list[str]:
+        """What this block does that a plain Llama block does not (empty for the Llama family)."""
+        features = {
+            "q/k norms": self.qk_norm,
+            "post-attention and post-MLP norms": self.sandwich_norms,
+            self.activation: self.activation != "silu",
+            "scaled embeddings": self.embed_scale != 1.0,
+            "a query scale": self.attn_scale != 0.0,
+            "attention soft-capping": self.attn_softcap != 0.0,
+            "final logit soft-capping": self.final_softcap != 0.0,
+            "sliding-window layers": bool(self.sliding_window and self.sliding_layers),
+            "a local RoPE base": self.rope_local_theta != 0.0,
+        }
+        return [name for name, on in features.items() if on]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["sliding_layers"] = list(self.sliding_layers)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         return cls(**d)
 
 
@@ -77,15 +124,21 @@ class KVCache:
         kernel: Kernel | None = None,
     ) -> None:
         shape = (config.n_layers, batch, config.n_kv_heads, capacity, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Sliding-window layers: a row attends its last `window` positions, on a kernel through a view of the cache
+        # that starts later (`_window_parts`); the storage's tail leaves room for the last layer's view.
+        self.window = config.sliding_window if config.sliding_layers else 0
+        tail = capacity * config.head_dim if self.window else 0
+        numel = math.prod(shape)
+        self.k = torch.zeros(numel + tail, dtype=dtype, device=device)[:numel].view(shape)
+        self.v = torch.zeros(numel + tail, dtype=dtype, device=device)[:numel].view(shape)
         self.capacity = capacity
         self.length = 0
         # Attention over this cache runs on a CPU kernel (`Kernel.attention`), whose rows depend on nothing but
         # themselves: no causal mask to build, no padding or fixed span needed for bit-exact results.
         # `kernel`: the one the model's products were packed for (see `Transformer.pack`), None for SDPA.
+        # Soft-capped scores are not in the kernel's attention.
         fits = batch == 1 and kernels.attention_fits(kernel, config.head_dim, dtype, torch.device(device))
-        self.kernel = kernel if fits else None
+        self.kernel = kernel if fits and not config.attn_softcap else None
         # Attend over the whole capacity (masked) instead of the valid length: every forward then reduces over
         # the same number of keys, so a token's attention does not depend on how many tokens were fed with it.
         # (Softmax and attention kernels vectorise over the key axis, and a different length changes the order
@@ -135,7 +188,7 @@ def _rope_inv_freq(config: ModelConfig) -> Tensor:
 
 
 class _Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
@@ -145,6 +198,12 @@ class _Attention(nn.Module):
         # One fused projection: three small matmuls cost three dispatches on the hot path.
         self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(q_size, config.dim, bias=False)
+        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        # None: SDPA's own 1 / sqrt(head_dim) (the kernel's too).
+        self.scale = config.attn_scale or None
+        self.softcap = config.attn_softcap
+        self.window = config.sliding_window if layer in config.sliding_layers else 0
 
     def forward(
         self,
@@ -177,9 +236,16 @@ class _Attention(nn.Module):
                 (p.offset, p.rows, p.cache.k[layer, 0], p.cache.v[layer, 0], p.start_pos, p.parents)
                 for p in layout.parts
             ]
-            return kernel.attention(q, k, v, parts)
+            return kernel.attention(self._kernel_query(q), k, v, self._window_parts(parts))
         ys = [
-            self._attend(*(t[:, p.offset : p.offset + p.rows] for t in (q, k, v)), layer, p.cache, p.start_pos, p.mask)
+            self._attend(
+                *(t[:, p.offset : p.offset + p.rows] for t in (q, k, v)),
+                layer,
+                p.cache,
+                p.start_pos,
+                p.mask,
+                p.positions,
+            )
             for p in layout.parts
         ]
         return torch.cat(ys, dim=1)
@@ -187,9 +253,42 @@ class _Attention(nn.Module):
     def _project(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # qkv [B, T, (H + 2 KV) * D] -> q [B, T, H, D], k and v [B, T, KV, D]; q and k rotated in one pass.
         b, t, _ = qkv.shape
-        heads = qkv.view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        qk = _apply_rope(heads[:, :, : self.n_heads + self.n_kv_heads], cos, sin)
-        return qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], heads[:, :, self.n_heads + self.n_kv_heads :]
+        h, kv = self.n_heads, self.n_kv_heads
+        heads = qkv.view(b, t, h + 2 * kv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat([self.q_norm(heads[:, :, :h]), self.k_norm(heads[:, :, h : h + kv])], dim=2)
+        else:
+            qk = heads[:, :, : h + kv]
+        qk = _apply_rope(qk, cos, sin)
+        return qk[:, :, :h], qk[:, :, h:], heads[:, :, h + kv :]
+
+    def _kernel_query(self, q: Tensor) -> Tensor:
+        # The kernel scales scores by 1 / sqrt(head_dim): another scale is folded into the queries.
+        if self.scale is None or self.scale == 1.0 / math.sqrt(self.head_dim):
+            return q
+        return (q * (self.scale * math.sqrt(self.head_dim))).contiguous()
+
+    def _window_parts(self, parts: list[tuple]) -> list[tuple]:
+        """Kernel attention parts with this layer's sliding window: a row at position p >= window attends positions
+        p - window + 1..p, as its own part over a view of the cache that starts at p - window + 1 (the keys in
+        their order, as alone: each row's bits still depend on nothing but itself)."""
+        w = self.window
+        if not w or all(start + rows <= w for _, rows, _, _, start, *_ in parts):
+            return parts
+        out: list[tuple] = []
+        for offset, rows, kc, vc, start, *tree in parts:
+            if start + rows <= w:
+                out.append((offset, rows, kc, vc, start, *tree))
+                continue
+            if tree and tree[0] is not None:
+                raise ValueError("a tree past the sliding window attends with a mask (layout_rows)")
+            first = max(0, w - start)  # rows whose window still starts at position 0
+            if first:
+                out.append((offset, first, kc, vc, start))
+            for r in range(first, rows):
+                s = start + r - w + 1
+                out.append((offset + r, 1, _shifted(kc, s), _shifted(vc, s), w - 1))
+        return out
 
     def _attend(
         self,
@@ -200,12 +299,15 @@ class _Attention(nn.Module):
         cache: KVCache | None,
         start_pos: int,
         mask: Tensor | None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         b, t = q.shape[:2]
         if cache is not None and cache.kernel is not None and mask is None:
-            return cache.kernel.attention(q, k, v, [(0, t, cache.k[layer, 0], cache.v[layer, 0], start_pos)])
+            parts = [(0, t, cache.k[layer, 0], cache.v[layer, 0], start_pos)]
+            return cache.kernel.attention(self._kernel_query(q), k, v, self._window_parts(parts))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         causal = mask is None and t > 1
+        span = t
         if cache is not None:
             end = start_pos + t
             cache.k[layer, :, :, start_pos:end] = k
@@ -213,8 +315,57 @@ class _Attention(nn.Module):
             span = mask.shape[-1] if mask is not None else end
             k = cache.k[layer, :, :, :span]
             v = cache.v[layer, :, :, :span]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        if self.window and start_pos + t > self.window:
+            mask = _window_mask(mask, start_pos, t, span, self.window, positions, q)
+            causal = False
+        if self.softcap:
+            y = _softcapped_attention(q, k, v, mask, causal, self.scale or 1.0 / math.sqrt(self.head_dim), self.softcap)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True, scale=self.scale
+            )
         return y.transpose(1, 2).reshape(b, t, -1)
+
+
+def _shifted(cache: Tensor, start: int) -> Tensor:
+    """cache [KV, capacity, D] seen from position `start` on: the same strides, so that the kernel reads head g's
+    keys at g * capacity * D from the new start (the cache's storage has room past its end; see KVCache)."""
+    return torch.as_strided(cache, cache.shape, cache.stride(), cache.storage_offset() + start * cache.stride(1))
+
+
+def _window_mask(
+    mask: Tensor | None, start: int, t: int, span: int, window: int, positions: Tensor | None, like: Tensor
+) -> Tensor:
+    """The additive mask [.., T, span] of a sliding-window layer: `mask` (None: causal) with the keys before each
+    row's window masked out. `positions` (a tree's rows', [T]): only the keys before `start` are windowed (a
+    tree's own rows are its row's ancestors, within the window)."""
+    device = like.device
+    keys = torch.arange(span, device=device)[None, :]
+    rows = (start + torch.arange(t, device=device) if positions is None else positions.to(device))[:, None]
+    if mask is None:
+        allowed = keys <= rows
+        mask = torch.zeros(allowed.shape, dtype=like.dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    old = keys <= rows - window
+    if positions is not None:
+        old = old & (keys < start)
+    return mask.masked_fill(old, float("-inf"))
+
+
+def _softcapped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float, cap: float
+) -> Tensor:
+    """Attention with scores soft-capped to (-cap, cap) before the mask and softmax (Gemma 2): q [B, H, T, D],
+    k and v [B, KV, S, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap
+    if causal:
+        t, s = scores.shape[-2:]
+        allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
 
 # A batched forward multiplies at most this many rows per call. Measured with oneDNN's bfloat16 kernels on
@@ -242,16 +393,23 @@ class SequenceRows:
     cache: KVCache
     mask: Tensor | None
     parents: Tensor | None = None  # int32 [rows]: the rows are a tree (see `layout_rows`)
+    positions: Tensor | None = None  # long [rows]: a tree's rows' positions, where a mask carries the tree
 
 
 @dataclass(frozen=True)
 class RowsLayout:
     """Several sequences' rows, one after another, for a batched forward: each sequence's place, cache and
-    mask, and the RoPE tables of every row ([N, 1, head_dim], see `rope_tables`)."""
+    mask, and the RoPE tables of every row ([N, 1, head_dim], see `rope_tables`; `local`: the sliding layers'
+    own, where their RoPE base differs)."""
 
     parts: list[SequenceRows]
     cos: Tensor
     sin: Tensor
+    local: tuple[Tensor, Tensor] | None = None
+
+    def tables(self, local: bool) -> tuple[Tensor, Tensor]:
+        """The RoPE tables of a layer (`local`: a sliding one)."""
+        return self.local if local and self.local is not None else (self.cos, self.sin)
 
     def advance(self) -> None:
         """After the forward: each cache now holds its sequence's rows."""
@@ -279,21 +437,27 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
 def layout_rows(
     sequences: Sequence[tuple[int, int, KVCache] | tuple[int, int, KVCache, Tensor | None]],
     rope: Callable[[int, int], tuple[Tensor, Tensor]],
+    rope_local: Callable[[int, int], tuple[Tensor, Tensor]] | None = None,
 ) -> RowsLayout:
     """Lay sequences of (rows T_i, start_pos_i, cache_i[, parents_i]) one after another for a batched forward,
     with the RoPE tables of their positions (`rope(start, end)` gives a sequence's) and each one's causal mask
     over its own cache. `parents_i` (int32 [T_i], see `tree_depths`): the rows are a tree (speculative tree
     verification): row r sits at position start_i + its depth and sees the keys before start_i, its ancestors'
-    and its own (the kernel's attention reads them in that order; elsewhere an explicit mask)."""
+    and its own (the kernel's attention reads them in that order; elsewhere an explicit mask). `rope_local`: the
+    sliding layers' tables, where their RoPE base differs."""
     parts: list[SequenceRows] = []
     tables: list[tuple[Tensor, Tensor]] = []
+    local: list[tuple[Tensor, Tensor]] = []
     offset = 0
     for t, start, cache, *tree in sequences:
         parents = tree[0] if tree else None
         end = start + t
         cache.check_span(start, end)
+        positions = None
         if parents is None:
             tables.append(rope(start, end))
+            if rope_local is not None:
+                local.append(rope_local(start, end))
             mask = Transformer._cache_mask(cache, start, t, None) if cache.needs_mask(t) else None
         else:
             listed = parents.tolist()
@@ -303,8 +467,14 @@ def layout_rows(
             cos, sin = rope(start, start + max(depths) + 1)
             at = torch.tensor(depths, device=cos.device)
             tables.append((cos[at], sin[at]))
+            if rope_local is not None:
+                cos_l, sin_l = rope_local(start, start + max(depths) + 1)
+                local.append((cos_l[at], sin_l[at]))
             mask = None
-            if cache.kernel is None or not cache.kernel.trees:
+            # A tree past a sliding window: the window and the tree in one mask (the kernel's parts take either).
+            windowed = cache.window and start + t > cache.window
+            if cache.kernel is None or not cache.kernel.trees or windowed:
+                positions = start + at
                 seen = torch.ones(t, start + t, dtype=torch.bool, device=cache.k.device)
                 tail = seen[:, start:]
                 tail.fill_(False)
@@ -315,9 +485,10 @@ def layout_rows(
                         a = listed[a]
                 mask = Transformer._cache_mask(cache, start, t, seen)
                 parents = None
-        parts.append(SequenceRows(offset, t, start, cache, mask, parents))
+        parts.append(SequenceRows(offset, t, start, cache, mask, parents, positions))
         offset += t
-    return RowsLayout(parts, torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables]))
+    both = (torch.cat([c for c, _ in local]), torch.cat([s for _, s in local])) if local else None
+    return RowsLayout(parts, torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables]), both)
 
 
 class PackedLinear(nn.Module):
@@ -408,15 +579,25 @@ class QuantizedEmbedding(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """One pre-norm decoder layer: attention then a gated MLP, each with a residual."""
+    """One pre-norm decoder layer: attention then a gated MLP, each with a residual (and, with `sandwich_norms`,
+    a norm on each one's output before its residual add).
 
-    def __init__(self, config: ModelConfig) -> None:
+    On a kernel with every product on it (`_fusable`), the norms before the products, SwiGLU and the residual adds
+    run inside the product calls; what the kernel's products do not take (GeGLU, the output norms, q/k norms) runs
+    in torch between them, row by row. Elsewhere every step is its own torch op."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.attn = _Attention(config)
+        self.attn = _Attention(config, layer)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        sandwich = config.sandwich_norms
+        self.post_attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps) if sandwich else None
+        self.post_ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps) if sandwich else None
+        self.gelu = config.activation == "gelu_tanh"
+        self.sliding = layer in config.sliding_layers
 
     def forward(
         self,
@@ -428,23 +609,15 @@ class DecoderBlock(nn.Module):
         start_pos: int,
         mask: Tensor | None,
     ) -> Tensor:
-        if self._fusable():
-            a = self.attn
-            q, k, v = a._project(self._qkv(x), cos, sin)
-            return self._mlp(a.wo.fused(a._attend(q, k, v, layer, cache, start_pos, mask), residual=x))
-        x = x + self.attn(self.attn_norm(x), cos, sin, layer, cache, start_pos, mask)
-        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        fused = self._fusable()
+        q, k, v = self.attn._project(self._qkv(x, fused, False), cos, sin)
+        return self._rest(self.attn._attend(q, k, v, layer, cache, start_pos, mask), x, fused, False)
 
     def forward_parts(self, x: Tensor, layout: RowsLayout, layer: int) -> Tensor:
         """The layer over several sequences' rows at once (see `_Attention.forward_parts`)."""
-        if self._fusable():  # a kernel's rows do not depend on the row count: no chunking
-            a = self.attn
-            q, k, v = a._project(self._qkv(x), layout.cos, layout.sin)
-            return self._mlp(a.wo.fused(a._attend_parts(q, k, v, layout, layer), residual=x))
-        x = x + self.attn.forward_parts(self.attn_norm(x), layout, layer)
-        gate, up = _rows(self.w13, self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + _rows(self.w2, F.silu(gate) * up)
+        fused = self._fusable()  # a kernel's rows do not depend on the row count: no chunking
+        q, k, v = self.attn._project(self._qkv(x, fused, True), *layout.tables(self.sliding))
+        return self._rest(self.attn._attend_parts(q, k, v, layout, layer), x, fused, True)
 
     def _fusable(self) -> bool:
         # Every product on a kernel: the norms, SwiGLU and residual adds then run inside the product calls (about a
@@ -452,16 +625,42 @@ class DecoderBlock(nn.Module):
         products = (self.attn.wqkv, self.attn.wo, self.w13, self.w2)
         return all(isinstance(p, PackedLinear) and p.fused is not None for p in products)
 
-    def _qkv(self, x: Tensor) -> Tensor:
-        return self.attn.wqkv.fused(x, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
+    def _qkv(self, x: Tensor, fused: bool, chunked: bool) -> Tensor:
+        if fused:
+            return self.attn.wqkv.fused(x, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
+        h = self.attn_norm(x)
+        return _rows(self.attn.wqkv, h) if chunked else self.attn.wqkv(h)
 
-    def _mlp(self, x: Tensor) -> Tensor:
-        gate_up = self.w13.fused(x, norm=self.ffn_norm.weight, eps=self.ffn_norm.eps)
-        return self.w2.fused(gate_up, swiglu=True, residual=x)
+    def _rest(self, y: Tensor, x: Tensor, fused: bool, chunked: bool) -> Tensor:
+        """After attention (`y`, the heads' outputs; `x`, the layer's input): the output projection, the residual,
+        the MLP and its residual."""
+        a = self.attn
+        if fused:
+            # The residual rides along with the product unless a norm comes between them.
+            h = a.wo.fused(y, residual=x) if self.post_attn_norm is None else x + self.post_attn_norm(a.wo.fused(y))
+            gate_up = self.w13.fused(h, norm=self.ffn_norm.weight, eps=self.ffn_norm.eps)
+            if not self.gelu:
+                if self.post_ffn_norm is None:
+                    return self.w2.fused(gate_up, swiglu=True, residual=h)
+                return h + self.post_ffn_norm(self.w2.fused(gate_up, swiglu=True))
+            return h + self._post_ffn(self.w2.fused(self._act(gate_up)))
+        o = _rows(a.wo, y) if chunked else a.wo(y)
+        h = x + (o if self.post_attn_norm is None else self.post_attn_norm(o))
+        n = self.ffn_norm(h)
+        gate_up = _rows(self.w13, n) if chunked else self.w13(n)
+        act = self._act(gate_up)
+        return h + self._post_ffn(_rows(self.w2, act) if chunked else self.w2(act))
+
+    def _act(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
+
+    def _post_ffn(self, d: Tensor) -> Tensor:
+        return d if self.post_ffn_norm is None else self.post_ffn_norm(d)
 
 
 class Transformer(nn.Module):
-    """A Llama-family decoder.
+    """A decoder of any architecture `ModelConfig` describes (see `app.engine.model.architectures`).
 
     `forward(input_ids [B, T], start_pos, cache)` runs tokens at positions start_pos..start_pos+T-1
     and returns logits [B, T, vocab]; `hidden(...)` returns the final-normed hidden states [B, T, dim]
@@ -472,13 +671,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(DecoderBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         # RoPE tables are plain attributes, not buffers: rebuilt lazily for the current dtype and device.
         self._rope_len = 0
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self._local: tuple[Tensor, Tensor] | None = None  # the sliding layers' tables (their own RoPE base)
         self._packed_head: PackedLinear | None = None
         self.kernel: Kernel | None = None  # what pack() laid the products out for; its caches attend on it too
         self._stack: kernels.LayerStack | None = None  # every layer in one kernel call (see `hidden`)
@@ -503,12 +703,43 @@ class Transformer(nn.Module):
         else:
             self._packed_head = PackedLinear(self._head_weight(), None, kernel)
         self._stack = self._layer_stack()
+        self._say_path()
         return True
+
+    def _say_path(self) -> None:
+        # Loudly, once at load: what of the fast path this architecture cannot take, and what that costs.
+        cfg = self.config
+        if self.kernel is None:
+            return
+        if not cfg.fused_stack and all(block._fusable() for block in self.layers):
+            log.info(
+                "%s: layer by layer (products fused on the %s kernel; the C layer stack runs plain Llama blocks, "
+                "not %s)",
+                cfg.architecture,
+                self.kernel.name,
+                ", ".join(cfg.block_features()) or "this one",
+            )
+        if not self.rows_independent():
+            why = (
+                "attention soft-capping is not in the kernel's attention"
+                if cfg.attn_softcap
+                else "some product or the attention does not fit the kernel"
+            )
+            log.warning(
+                "%s on the %s kernel: %s, so it runs per op in torch and rows are not independent (no batching, "
+                "chunked prefill or prefix cache)",
+                cfg.architecture,
+                self.kernel.name,
+                why,
+            )
 
     def _layer_stack(self) -> kernels.LayerStack | None:
         # Every product and the attention on the kernel: one call runs all the layers of a sequence's forward
         # (per-call overhead of a dozen small calls per layer cost about as much as a decoding step's products).
+        # Only where the architecture declares its block a plain Llama one (`ModelConfig.fused_stack`).
         cfg = self.config
+        if not cfg.fused_stack:
+            return None
         if self.kernel is None or not kernels.attention_fits(self.kernel, cfg.head_dim, self.dtype, self.device):
             return None
         if not all(block._fusable() for block in self.layers):
@@ -598,6 +829,7 @@ class Transformer(nn.Module):
         depend on how many rows were fed with it (true on the CPU kernels: products and attention)."""
         head = self._packed_head is not None and self._packed_head.fused is not None
         attention = kernels.attention_fits(self.kernel, self.config.head_dim, self.dtype, self.device)
+        attention = attention and not self.config.attn_softcap  # scores capped in torch (see KVCache)
         return head and attention and all(block._fusable() for block in self.layers)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
@@ -610,8 +842,22 @@ class Transformer(nn.Module):
         if end > self._rope_len or self._cos.dtype != self.dtype or self._cos.device != self.device:
             n = max(end, min(self.config.max_seq_len, 4096))
             self._cos, self._sin = rope_tables(self.config, n, self.dtype, self.device)
+            if self.config.rope_local_theta:
+                local = dataclasses.replace(self.config, rope_theta=self.config.rope_local_theta, rope_scaling=None)
+                self._local = rope_tables(local, n, self.dtype, self.device)
             self._rope_len = n
         return self._cos[start:end], self._sin[start:end]
+
+    def _rope_local(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        self._rope(start, end)
+        assert self._local is not None
+        return self._local[0][start:end], self._local[1][start:end]
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        x = self.embed(ids)
+        if self.config.embed_scale != 1.0:  # as Gemma scales them: by the factor in the activations' dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
 
     def hidden(
         self,
@@ -634,16 +880,18 @@ class Transformer(nn.Module):
         elif start_pos != 0:
             raise ValueError("start_pos must be 0 without a cache")
         cos, sin = self._rope(start_pos, end)
+        local = self._rope_local(start_pos, end) if self.config.rope_local_theta else (cos, sin)
         if cache is not None and (mask is not None or cache.needs_mask(t)):
             mask = self._cache_mask(cache, start_pos, t, mask)
-        x = self.embed(input_ids)
+        x = self._embed(input_ids)
         stack = self._stack if mask is None and cache is not None and cache.kernel is self.kernel else None
         if stack is not None and stack.n_layers == len(self.layers):
             # The layers below in one call, bit for bit (the cache has one sequence and attends on the kernel).
             x = stack(x, cos, sin, cache.k, cache.v, start_pos)
         else:
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, i, cache, start_pos, mask)
+                c, s = local if layer.sliding else (cos, sin)
+                x = layer(x, c, s, i, cache, start_pos, mask)
         if cache is not None:
             cache.length = end
         return self.norm(x)
@@ -662,8 +910,9 @@ class Transformer(nn.Module):
         as `hidden(input_ids[None], start_pos, cache)` would, and its rows come out bit-identical to that
         call as long as the products' row results do not depend on the row count (see `_MAX_ROWS`).
         """
-        layout = layout_rows([(ids.shape[0], *rest) for ids, *rest in sequences], self._rope)
-        x = self.embed(torch.cat([ids for ids, *_ in sequences])[None])
+        local = self._rope_local if self.config.rope_local_theta else None
+        layout = layout_rows([(ids.shape[0], *rest) for ids, *rest in sequences], self._rope, local)
+        x = self._embed(torch.cat([ids for ids, *_ in sequences])[None])
         for i, layer in enumerate(self.layers):
             x = layer.forward_parts(x, layout, i)
         layout.advance()
@@ -695,9 +944,10 @@ class Transformer(nn.Module):
             weight = self._head_weight()
             assert isinstance(weight, Tensor), "quantized weights run packed"
             head = lambda h: F.linear(h, weight)  # noqa: E731
-        if hidden.dim() == 2 and hidden.shape[0] > _MAX_ROWS:
-            return _rows(head, hidden[None])[0]
-        return head(hidden)
+        chunked = hidden.dim() == 2 and hidden.shape[0] > _MAX_ROWS
+        logits = _rows(head, hidden[None])[0] if chunked else head(hidden)
+        cap = self.config.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def forward(
         self,

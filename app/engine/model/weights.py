@@ -18,21 +18,13 @@ import torch
 from torch import Tensor
 
 from app.engine.kernels.quantized import QuantizedWeight, computable
+from app.engine.model import architectures
+from app.engine.model.architectures.base import WeightsError
 from app.engine.model.transformer import ModelConfig
 
-# Architectures this decoder implements, as GGUF `general.architecture` and HF `model_type` name them.
-_GGUF_ARCHS = {"llama", "mistral", "qwen2", "smollm"}
-_HF_ARCHS = {"llama", "mistral", "qwen2"}
-# Llama-like architectures this decoder does not implement, with the reason, so that the refusal says what is
-# missing rather than just "not supported" (the same name in GGUF `general.architecture` and HF `model_type`).
-_UNIMPLEMENTED_ARCHS = {
-    "smollm3": "its NoPE layers (every 4th layer without RoPE) are not implemented, so every logit would be wrong",
-}
+__all__ = ["Checkpoint", "WeightsError", "held_weights", "read_checkpoint"]
+
 _GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q2_K", "Q3_K"}
-
-
-class WeightsError(ValueError):
-    """A checkpoint this engine cannot use; the message says why in one line."""
 
 
 @dataclass
@@ -114,21 +106,30 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-def _unpermute_rope(w: Tensor | QuantizedWeight, n_heads: int) -> Tensor | QuantizedWeight:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs) back to HF's rotate-half order."""
-    out = w.shape[0]
-    if isinstance(w, QuantizedWeight):  # whole rows move: the blocks of a row stay as they are
-        return w.permute_rows(_unpermute_rope(torch.arange(out), n_heads))  # type: ignore[arg-type]
-    rest = w.shape[1:]
-    return w.reshape(n_heads, out // n_heads // 2, 2, *rest).transpose(1, 2).reshape(out, *rest)
+class _GGUFMeta:
+    """The metadata and tensor names of a GGUF, as an architecture module reads them (`base.Meta`)."""
+
+    def __init__(self, reader: Any, arch: str, tensors: dict[str, Any]) -> None:
+        self._reader, self._arch, self._tensors = reader, arch, tensors
+
+    def __call__(self, key: str, default: Any = None) -> Any:
+        return _field(self._reader, f"{self._arch}.{key}", default)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
 
 
-def _cat(parts: list[Tensor | QuantizedWeight]) -> Tensor | QuantizedWeight:
-    """Rows of `parts` one after another: quantized if every part is (a fused projection of mixed kinds is
-    dequantized whole)."""
-    if all(isinstance(p, QuantizedWeight) for p in parts):
-        return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
-    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
+class _Tensors:
+    """One layer's tensors of a GGUF (`blk.{i}.` + name; `base.Layer`), or the file's own (prefix "")."""
+
+    def __init__(self, load: Any, tensors: dict[str, Any], prefix: str) -> None:
+        self._load, self._tensors, self._prefix = load, tensors, prefix
+
+    def __call__(self, name: str, matrix: bool = False) -> Tensor | QuantizedWeight:
+        return self._load(self._prefix + name, matrix)
+
+    def has(self, name: str) -> bool:
+        return self._prefix + name in self._tensors
 
 
 def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> Checkpoint:
@@ -136,10 +137,7 @@ def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> 
 
     reader = gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
-    if arch in _UNIMPLEMENTED_ARCHS:
-        raise WeightsError(f"{path.name}: architecture {arch!r} is not supported: {_UNIMPLEMENTED_ARCHS[arch]}")
-    if arch not in _GGUF_ARCHS:
-        raise WeightsError(f"{path.name}: architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
+    entry = architectures.gguf(arch, path.name)
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -162,25 +160,32 @@ def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> 
         # Silently ignoring it (YaRN, ...) would give wrong logits at every position.
         raise WeightsError(f"{path.name}: RoPE scaling {meta('rope.scaling.type')!r} is not supported")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    config = ModelConfig(
-        vocab_size=vocab,
-        dim=dim,
-        n_layers=int(meta("block_count")),
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        intermediate_size=int(meta("feed_forward_length")),
-        head_dim=int(meta("attention.key_length", meta("rope.dimension_count", dim // n_heads))),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
-        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
-        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
-        rope_scaling=rope_scaling,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
-    )
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "dim": dim,
+        "n_layers": int(meta("block_count")),
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "head_dim": int(meta("attention.key_length", meta("rope.dimension_count", dim // n_heads))),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "tie_embeddings": "output.weight" not in tensors,
+        "qkv_bias": "blk.0.attn_q.bias" in tensors,
+        "max_seq_len": min(ctx, max_seq_len) if max_seq_len else ctx,
+        "rope_scaling": rope_scaling,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_ids": (int(eos),) if eos is not None else (),
+        "architecture": entry.name,
+    }
+    try:
+        config = ModelConfig(**{**common, **entry.gguf_config(_GGUFMeta(reader, arch, tensors), common)})
+    except WeightsError as exc:
+        raise WeightsError(f"{path.name}: {exc}") from None
 
     def load(name: str, matrix: bool = False) -> Tensor | QuantizedWeight:
+        if name not in tensors:
+            raise WeightsError(f"{path.name}: no tensor {name}, which a {arch} layer has")
         t = tensors[name]
         qtype = t.tensor_type.name
         if qtype not in _GGUF_TYPES:
@@ -192,8 +197,6 @@ def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> 
         # Unquantized tensors come back as read-only views of the memory-mapped file.
         return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
-    # llama.cpp permutes q/k rows for its interleaved RoPE in the llama family only.
-    permuted = arch in {"llama", "mistral", "smollm"}
     sd: dict[str, Tensor | QuantizedWeight] = {
         "embed.weight": load("token_embd.weight", matrix=True),
         "norm.weight": load("output_norm.weight"),
@@ -201,32 +204,23 @@ def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> 
     if not config.tie_embeddings:
         sd["lm_head.weight"] = load("output.weight", matrix=True)
     for i in range(config.n_layers):
-        p = f"blk.{i}."
-        q, k, v = (load(p + f"attn_{n}.weight", matrix=True) for n in "qkv")
-        if permuted:
-            q, k = _unpermute_rope(q, n_heads), _unpermute_rope(k, n_kv)
-        o = f"layers.{i}."
-        sd[o + "attn.wqkv.weight"] = _cat([q, k, v])
-        if config.qkv_bias:
-            sd[o + "attn.wqkv.bias"] = torch.cat(
-                [load(p + "attn_q.bias"), load(p + "attn_k.bias"), load(p + "attn_v.bias")]  # type: ignore[misc]
-            )
-        sd[o + "attn.wo.weight"] = load(p + "attn_output.weight", matrix=True)
-        sd[o + "attn_norm.weight"] = load(p + "attn_norm.weight")
-        sd[o + "ffn_norm.weight"] = load(p + "ffn_norm.weight")
-        sd[o + "w13.weight"] = _cat([load(p + "ffn_gate.weight", matrix=True), load(p + "ffn_up.weight", matrix=True)])
-        sd[o + "w2.weight"] = load(p + "ffn_down.weight", matrix=True)
+        layer = entry.gguf_layer(_Tensors(load, tensors, f"blk.{i}."), config)
+        sd.update({f"layers.{i}.{name}": w for name, w in layer.items()})
 
     tokenizer_meta = {
         "format": "gguf",
+        "architecture": arch,
         "model": _field(reader, "tokenizer.ggml.model"),
         "pre": _field(reader, "tokenizer.ggml.pre"),
         "tokens": tokens,
+        "scores": _field(reader, "tokenizer.ggml.scores"),
         "token_type": _field(reader, "tokenizer.ggml.token_type"),
         "merges": _field(reader, "tokenizer.ggml.merges"),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
+        "unk_token_id": _field(reader, "tokenizer.ggml.unknown_token_id"),
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_space_prefix": _field(reader, "tokenizer.ggml.add_space_prefix"),
         "chat_template": _field(reader, "tokenizer.chat_template"),
     }
     return Checkpoint(config, sd, tokenizer_meta, source=str(path))
@@ -251,16 +245,28 @@ def _hf_tensors(path: Path) -> dict[str, Tensor]:
     return sd
 
 
+class _HFLayer:
+    """One layer's tensors of an HF checkpoint (`model.layers.{i}.` + name; `base.Layer`), float32."""
+
+    def __init__(self, raw: dict[str, Tensor], prefix: str, source: Path) -> None:
+        self._raw, self._prefix, self._source = raw, prefix, source
+
+    def __call__(self, name: str, matrix: bool = False) -> Tensor:
+        if self._prefix + name not in self._raw:
+            raise WeightsError(f"{self._source}: no tensor {self._prefix + name}")
+        return self._raw[self._prefix + name]
+
+    def has(self, name: str) -> bool:
+        return self._prefix + name in self._raw
+
+
 def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise WeightsError(f"{path}: no config.json, so not an HF-format model directory")
     c = json.loads(cfg_path.read_text())
     arch = c.get("model_type")
-    if arch in _UNIMPLEMENTED_ARCHS:
-        raise WeightsError(f"{path}: model_type {arch!r} is not supported: {_UNIMPLEMENTED_ARCHS[arch]}")
-    if arch not in _HF_ARCHS:
-        raise WeightsError(f"{path}: model_type {arch!r} is not supported (supported: {sorted(_HF_ARCHS)})")
+    entry = architectures.hf(arch, str(path))
     rope = c.get("rope_parameters") or {}
     rope_theta = float(c.get("rope_theta", rope.get("rope_theta", 10000.0)))
     rope_scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -272,24 +278,32 @@ def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     ctx = int(c.get("max_position_embeddings", 4096))
-    config = ModelConfig(
-        vocab_size=int(c["vocab_size"]),
-        dim=int(c["hidden_size"]),
-        n_layers=int(c["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
-        intermediate_size=int(c["intermediate_size"]),
-        head_dim=int(c.get("head_dim") or c["hidden_size"] // n_heads),
-        rope_theta=rope_theta,
-        norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
-        rope_scaling=rope_scaling,
-        bos_token_id=c.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-    )
+    common: dict[str, Any] = {
+        "vocab_size": int(c["vocab_size"]),
+        "dim": int(c["hidden_size"]),
+        "n_layers": int(c["num_hidden_layers"]),
+        "n_heads": n_heads,
+        "n_kv_heads": int(c.get("num_key_value_heads") or n_heads),
+        "intermediate_size": int(c["intermediate_size"]),
+        "head_dim": int(c.get("head_dim") or c["hidden_size"] // n_heads),
+        "rope_theta": rope_theta,
+        "norm_eps": float(c.get("rms_norm_eps", 1e-5)),
+        "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "max_seq_len": min(ctx, max_seq_len) if max_seq_len else ctx,
+        "rope_scaling": rope_scaling,
+        "bos_token_id": c.get("bos_token_id"),
+        "eos_token_ids": eos_ids,
+        "architecture": entry.name,
+    }
+    assert entry.hf_config is not None and entry.hf_layer is not None  # every entry with model types has them
+    try:
+        config = ModelConfig(**{**common, **entry.hf_config(c, common)})
+    except WeightsError as exc:
+        raise WeightsError(f"{path}: {exc}") from None
     raw = {k: v.float() for k, v in _hf_tensors(path).items()}
+    if entry.norm_offset:
+        # Stored as w for a norm that multiplies by offset + w (Gemma): the block multiplies by the sum.
+        raw = {k: v + entry.norm_offset if k.rsplit(".", 2)[-2].endswith("norm") else v for k, v in raw.items()}
     sd: dict[str, Tensor] = {
         "embed.weight": raw["model.embed_tokens.weight"],
         "norm.weight": raw["model.norm.weight"],
@@ -297,17 +311,8 @@ def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
     if not config.tie_embeddings:
         sd["lm_head.weight"] = raw.get("lm_head.weight", raw["model.embed_tokens.weight"])
     for i in range(config.n_layers):
-        p = f"model.layers.{i}."
-        o = f"layers.{i}."
-        attn = p + "self_attn."
-        sd[o + "attn.wqkv.weight"] = torch.cat([raw[attn + n + "_proj.weight"] for n in "qkv"])
-        if config.qkv_bias:
-            sd[o + "attn.wqkv.bias"] = torch.cat([raw[attn + n + "_proj.bias"] for n in "qkv"])
-        sd[o + "attn.wo.weight"] = raw[attn + "o_proj.weight"]
-        sd[o + "attn_norm.weight"] = raw[p + "input_layernorm.weight"]
-        sd[o + "ffn_norm.weight"] = raw[p + "post_attention_layernorm.weight"]
-        sd[o + "w13.weight"] = torch.cat([raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"]])
-        sd[o + "w2.weight"] = raw[p + "mlp.down_proj.weight"]
+        layer = entry.hf_layer(_HFLayer(raw, f"model.layers.{i}.", path), config)
+        sd.update({f"layers.{i}.{name}": w for name, w in layer.items()})  # type: ignore[misc]
     tokenizer_meta: dict[str, Any] = {"format": "hf", "path": str(path)}
     tok_cfg = path / "tokenizer_config.json"
     if tok_cfg.exists():
