@@ -210,6 +210,6 @@ def test_chat_errors():
 
 
 def test_unsupported_gguf_tokenizer_model():
-    meta = {"format": "gguf", "model": "llama", "tokens": ["a"], "merges": []}
-    with pytest.raises(TokenizerError, match="'llama' is not supported"):
+    meta = {"format": "gguf", "model": "t5", "tokens": ["a"], "merges": []}
+    with pytest.raises(TokenizerError, match=r"'t5' is not supported \(supported: gpt2, llama\)"):
         Tokenizer.from_metadata(meta)

@@ -68,13 +68,11 @@ class ModelDrafter(Drafter):
     """A small decoder sharing the target's vocabulary, proposing with its own KV cache."""
 
     def __init__(self, name: str, draft: LoadedModel, target: LoadedModel) -> None:
-        t_vocab = target.tokenizer.backend.get_vocab()
-        d_vocab = draft.tokenizer.backend.get_vocab()
-        if t_vocab != d_vocab:
-            differing = len(set(t_vocab.items()) ^ set(d_vocab.items()))
+        differs = target.tokenizer.difference(draft.tokenizer)
+        if differs is not None:
             raise DraftError(
-                f"draft {name!r} does not share the target's vocabulary ({len(d_vocab)} vs {len(t_vocab)} tokens, "
-                f"{differing} entries differ); a draft must use the target's tokenizer"
+                f"draft {name!r} does not share the target's vocabulary ({differs}); a draft must use the target's "
+                "tokenizer (any target has the lookup drafts: ngram, suffix)"
             )
         self.name = name
         self.model = draft.model

@@ -1,7 +1,9 @@
 """Text <-> token ids with the `tokenizers` library, and the model's chat template with jinja2.
 
 A GGUF tokenizer is rebuilt from the file's own metadata (tokens, merges, special tokens, pre-tokenizer
-kind), the way llama.cpp reads it; an HF directory brings its tokenizer.json.
+kind), the way llama.cpp reads it: byte-level BPE (`tokenizer.ggml.model` gpt2) or SentencePiece BPE (`llama`:
+Gemma, Phi-3, Llama 2; pieces merged best first, unknown characters as their UTF-8 bytes); an HF directory
+brings its tokenizer.json.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 # Regexes of llama.cpp's pre-tokenizer kinds (`tokenizer.ggml.pre`), for byte-level BPE vocabularies.
@@ -28,8 +30,22 @@ _QWEN2_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # Tokens that end a turn in the chat formats we know; generation stops on any of them that is special.
-_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "</s>", "<|eom_id|>")
+_END_OF_TURN = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "</s>",
+    "<|eom_id|>",
+    "<end_of_turn>",
+)
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+_GGUF_MODELS = ("gpt2", "llama")
+# SentencePiece's word boundary: a space, as its pieces spell it.
+_SPACE = "\u2581"
+# Architectures whose SentencePiece vocabulary lists its pieces in merge order (their scores do not follow it).
+_PIECES_IN_ORDER = ("gemma", "gemma2", "gemma3")
 
 
 class TokenizerError(ValueError):
@@ -53,22 +69,71 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 
 
 def _from_gguf_meta(meta: dict[str, Any]) -> tuple[HFTokenizer, list[str]]:
-    if meta.get("model") != "gpt2":
+    if meta.get("model") not in _GGUF_MODELS:
         raise TokenizerError(
-            f"GGUF tokenizer model {meta.get('model')!r} is not supported (byte-level BPE 'gpt2' is); "
+            f"GGUF tokenizer model {meta.get('model')!r} is not supported (supported: {', '.join(_GGUF_MODELS)}); "
             "use the model's HF-format directory instead"
         )
     tokens: list[str] = list(meta["tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
-    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("pre"))
-    tok.decoder = decoders.ByteLevel()
+    if meta["model"] == "llama":
+        tok, tokens = _sentencepiece(meta, tokens)
+    else:
+        merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("pre"))
+        tok.decoder = decoders.ByteLevel()
     types = list(meta.get("token_type") or [])
     special = [tokens[i] for i, t in enumerate(types) if t == _GGUF_CONTROL]
-    user = [tokens[i] for i, t in enumerate(types) if t == _GGUF_USER_DEFINED]
+    # (A user-defined piece the vocabulary spells otherwise, Gemma's runs of spaces, is a piece like any other.)
+    vocab = tok.get_vocab()
+    user = [tokens[i] for i, t in enumerate(types) if t == _GGUF_USER_DEFINED and tokens[i] in vocab]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
     return tok, special
+
+
+def _sentencepiece(meta: dict[str, Any], tokens: list[str]) -> tuple[HFTokenizer, list[str]]:
+    """SentencePiece BPE from a GGUF's pieces: spaces are U+2581, two pieces merge into the piece they spell when it
+    is in the vocabulary, the best such piece first (by score; by its place in the file where the architecture's
+    scores do not follow the merge order), and a character no piece covers becomes its UTF-8 bytes' <0xXX>
+    pieces. A space is prefixed to the text after a special token and at the start where the file says
+    `add_space_prefix` (llama.cpp's default for these vocabularies), as llama.cpp does."""
+    in_order = meta.get("architecture") in _PIECES_IN_ORDER
+    if in_order:
+        # Gemma files spell its pieces of two or more spaces with spaces, not U+2581.
+        tokens = [_SPACE * len(t) if len(t) > 1 and not t.strip(" ") else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    scores = list(meta.get("scores") or [])
+    if in_order or len(scores) != len(tokens):
+        priority = {t: -float(i) for i, t in enumerate(tokens)}
+    else:
+        priority = {t: float(x) for t, x in zip(tokens, scores, strict=True)}
+    unk_id = meta.get("unk_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    model = models.BPE(
+        vocab=vocab, merges=_piece_merges(vocab, priority), unk_token=unk, fuse_unk=True, byte_fallback=True
+    )
+    tok = HFTokenizer(model)
+    prefix = meta.get("add_space_prefix")
+    prefix = (not in_order) if prefix is None else bool(prefix)
+    replace = normalizers.Replace(" ", _SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if prefix else replace
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    return tok, tokens
+
+
+def _piece_merges(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies: every split of a piece into two pieces, best piece first,
+    then the longer left part, the longer right part; ties in the order the pieces come, then by the parts' ids."""
+    found: list[tuple[float, int, int, int, int, int, str, str]] = []
+    for rank, (piece, score) in enumerate(priority.items()):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                found.append((-score, -len(left), -len(right), rank, vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
 
 
 def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None) -> str:
@@ -198,6 +263,24 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
+
+    def difference(self, other: Tokenizer) -> str | None:
+        """What differs between this tokenizer's vocabulary and `other`'s, in a few words (None: the same ids for the
+        same tokens, and the same special tokens): the sizes, then a special token, then the first differing id."""
+        mine, theirs = self.backend.get_vocab(), other.backend.get_vocab()
+        if mine == theirs and self.special_ids == other.special_ids:
+            return None
+        head = f"{len(theirs)} vs {len(mine)} tokens"
+        names = {i: t for t, i in mine.items()}
+        other_names = {i: t for t, i in theirs.items()}
+        special = sorted(self.special_ids ^ other.special_ids)
+        if special:
+            i = special[0]
+            return f"{head}; special token {names.get(i, other_names.get(i))!r} (id {i}) is special in only one"
+        for i in sorted(set(names) | set(other_names)):
+            if names.get(i) != other_names.get(i):
+                return f"{head}; id {i} is {other_names.get(i)!r} in one and {names.get(i)!r} in the other"
+        return head
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for logs and /info."""
