@@ -13,7 +13,7 @@ from app.engine.drafting.ngram import NgramDrafter
 from app.engine.engine import Engine
 from app.engine.generation import Generation
 from app.engine.step import GenerationParams
-from tests.conftest import FIXED_DRAFT, KERNELS, use_kernel
+from tests.conftest import FIXED_DRAFT, KERNEL_ENDS, KERNELS, use_kernel
 
 MAX_NEW = 24
 
@@ -157,10 +157,10 @@ def test_step_batch_keeps_a_failure_to_its_request(packed_target, prompts):
     assert gens[0].generated_ids == expected
 
 
-@pytest.mark.parametrize("kernel", kernels.available())
+@pytest.mark.parametrize("kernel", KERNEL_ENDS)
 def test_the_shipped_draft_and_hybrid_batched_equal_alone(prompts, kernel):
     """The server's default engine (bfloat16, the trained feature draft drafting for several requests at
-    once, the hybrid), on every kernel: every request's greedy tokens are the ones it gets alone."""
+    once, the hybrid), on the best kernel and generic: every request's greedy tokens are the ones it gets alone."""
     from app.engine.factory import build_engine
 
     with use_kernel(kernel):
@@ -216,7 +216,7 @@ def test_seeded_sampling_is_target_only_sampling_whatever_the_draft_and_the_batc
     assert sum(g.stats.accepted for g in gens) > 0 and len(set(map(tuple, target_only))) == len(jobs)
 
 
-@pytest.mark.parametrize("kernel", kernels.available())
+@pytest.mark.parametrize("kernel", KERNEL_ENDS)
 def test_a_long_prompt_prefills_in_chunks_beside_running_requests(prompts, kernel):
     """On the CPU kernels (rows independent of the batch), a prompt joining running requests is prefilled a
     chunk per step inside their forward: they keep getting tokens meanwhile, it gets none until its last

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,18 +116,19 @@ def row_costs(
     context: int = 300,
     repeats: int = 9,
     warmup: int = 3,
+    on: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """What 1..16 verification rows cost per CPU kernel this machine runs and weight format (`native` GGUF
-    blocks, `bf16`): one target forward with its head over R new rows, `context` tokens in the cache, the
-    median of `repeats` calls after `warmup`, beside the floor of a 1-row step (the bytes a step reads over the
-    measured read bandwidth). Per (kernel, weights): ms by row count, each row's extra cost as a fraction of a
-    1-row step ((ms(R) - ms(1)) / (R - 1) / ms(1)) and the floor. `rows` must hold 1."""
+    """What 1..16 verification rows cost per CPU kernel this machine runs (or those `on` names) and weight
+    format (`native` GGUF blocks, `bf16`): one target forward with its head over R new rows, `context` tokens in
+    the cache, the median of `repeats` calls after `warmup`, beside the floor of a 1-row step (the bytes a step
+    reads over the measured read bandwidth). Per (kernel, weights): ms by row count, each row's extra cost as a
+    fraction of a 1-row step ((ms(R) - ms(1)) / (R - 1) / ms(1)) and the floor. `rows` must hold 1."""
     if 1 not in rows:
         raise ValueError("row costs are fractions of a 1-row step: rows must hold 1")
     rows = tuple(sorted(set(rows)))
     bandwidth = read_bandwidth()
     tables = []
-    for name in kernels.available():
+    for name in kernels.available() if on is None else on:
         for w in weights:
             model = _load_on(name, target, w)
             nbytes = step_bytes(model)
