@@ -651,3 +651,55 @@ async def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones() -> None:
     assert done <= long_len // (chunk // 2) + 2, done
     started = [t for t in shorts if t._job.first_token is not None]
     assert len(started) >= done // 3, "the short requests kept getting their first tokens meanwhile"
+
+
+async def test_a_request_not_started_within_the_queue_timeout_is_refused_with_retry_after(tiny_engine) -> None:
+    """Issue 48: every request starts within the queue timeout or is refused (``queue_timeout``, a 503) with a
+    Retry-After; one admitted in time waits on to its own timeout. A stream hears ``: queued`` meanwhile."""
+    from app.api import jobs
+
+    big = tiny_engine.kv_bytes(*BIG, "none")
+    metrics = Metrics(MODEL)
+    s = Scheduler(tiny_engine, max_running=8, max_waiting=4, kv_budget=big, metrics=metrics, queue_timeout=0.2)
+    running, late = _submit(s, BIG), _submit(s, BIG)  # not started: the first holds the memory for ever
+    assert not _started(s, late) and late.state == "queued" and running.state == "prefilling"
+    t0 = time.monotonic()
+    seen = []
+    with pytest.raises(RequestFailed) as refused:
+        async for item in jobs.merged_events([late], keepalive=0.05):
+            seen.append(item)
+    assert 0.2 <= time.monotonic() - t0 < 2
+    assert refused.value.kind == "queue_timeout" and "queue timeout of 0.2 s" in refused.value.message
+    assert refused.value.retry_after is not None and refused.value.retry_after >= 1
+    assert seen[0] == (-1, None) and len(seen) >= 3, "a comment at once, then one every keepalive"
+    assert (s.waiting, s.holding) == (0, 1)
+    labels = {"reason": "queue_timeout"}
+    assert _sample(metrics.registry, "specserve_requests_refused_total", labels) == 1
+    outcome = {"outcome": "overloaded", "finish_reason": "none"}
+    assert _sample(metrics.registry, "specserve_requests_total", outcome) == 1
+    assert "retry: " in jobs.sse_error(refused.value, openai=True).split("\n")[0]
+    assert jobs.failure(refused.value).headers == {"Retry-After": str(refused.value.retry_after)}
+    # Admitted before its queue deadline: no refusal, its own timeout ends it.
+    params = GenerationParams(max_new_tokens=BIG[1], num_draft_tokens=0)
+    admitted = s.submit([i % 64 for i in range(BIG[0])], params, "none", 0.4)
+    running.cancel()
+    assert _started(s, admitted)
+    with pytest.raises(RequestFailed) as timed_out:
+        async for _ in admitted.events():
+            pass
+    assert timed_out.value.kind == "timeout" and timed_out.value.retry_after is None
+
+
+async def test_retry_after_is_the_queue_over_the_measured_service_rate(tiny_engine) -> None:
+    s = Scheduler(tiny_engine, max_running=1, max_waiting=2, queue_timeout=30)
+    assert s.retry_after_now() == 30, "nothing measured: the queue timeout"
+    now = time.monotonic()
+    s._ended_at.extend(now - 30 + 3 * i for i in range(10))  # 10 requests ended over the last 30 s: 1 per 3 s
+    with s._lock:
+        assert s._retry_after(4) == 12
+    s._ended_at.appendleft(now - 100)  # out of the window: forgotten
+    _submit(s, SHORT)
+    _submit(s, SHORT), _submit(s, SHORT)  # the queue is full
+    with pytest.raises(Overloaded) as refused:
+        _submit(s, SHORT)
+    assert refused.value.retry_after == 9 and "retry after 9 s" in str(refused.value)  # 3 ahead of it

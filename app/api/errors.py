@@ -42,6 +42,7 @@ _KINDS: dict[str, tuple[int, int, str]] = {
     "generation": (424, 424, "server_error"),
     "internal": (500, 500, "server_error"),
     "unavailable": (503, 503, "server_error"),
+    "queue_timeout": (503, 503, "server_error"),  # not started within queue_timeout; with Retry-After
     "timeout": (504, 504, "timeout"),
 }
 
@@ -249,7 +250,8 @@ def documented_errors(model: type, validation_status: int) -> dict[int | str, di
         415: "body not JSON",
         424: "the generation failed",
         429: "no memory to start the request and the queue is full; see Retry-After",
-        503: "the model is loading",
+        503: "the model is loading, the server is draining, or the request was not started within queue_timeout "
+        "(error_type queue_timeout, with Retry-After)",
         504: "the request outlived its timeout",
     }
     return {status: {"model": model, "description": text} for status, text in described.items()}

@@ -17,7 +17,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from app.api import admission
-from app.api.errors import APIError, shown
+from app.api.errors import APIError, error_body, shown
 from app.api.schemas import (
     GREEDY,
     NO_PENALTIES,
@@ -200,8 +200,10 @@ def submit(runtime: Runtime, settings: Settings, prepared: Prepared) -> Ticket:
 
 
 def failure(exc: RequestFailed) -> APIError:
-    """The APIError answering a request that failed in the worker."""
-    return APIError(exc.kind, exc.message)
+    """The APIError answering a request that failed in the worker (a refusal by the queue deadline carries its
+    Retry-After)."""
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    return APIError(exc.kind, exc.message, headers)
 
 
 async def _client_disconnect(request: Request) -> None:
@@ -259,9 +261,15 @@ async def run_all_to_end(tickets: Sequence[Ticket], request: Request) -> list[Ou
             ticket.cancel()
 
 
-async def merged_events(tickets: Sequence[Ticket]) -> AsyncIterator[tuple[int, StepEvent]]:
+async def merged_events(
+    tickets: Sequence[Ticket], keepalive: float = 0.0
+) -> AsyncIterator[tuple[int, StepEvent | None]]:
     """The events of several generations as they come, each with the index of its ticket, until every one has
-    finished; the first failure is raised (RequestFailed), and leaving early gives them all up."""
+    finished; the first failure is raised (RequestFailed), and leaving early gives them all up.
+
+    With `keepalive` (> 0), ``(-1, None)`` whenever no event came for that many seconds, and once at the start
+    while a ticket waits in the queue: the stream's cue to send a comment (`sse_comment`) that tells the client
+    and every proxy between that the request is alive."""
     queue: asyncio.Queue[tuple[int, StepEvent | RequestFailed]] = asyncio.Queue()
 
     async def pump(index: int, ticket: Ticket) -> None:
@@ -273,9 +281,15 @@ async def merged_events(tickets: Sequence[Ticket]) -> AsyncIterator[tuple[int, S
 
     pumps = [asyncio.ensure_future(pump(i, ticket)) for i, ticket in enumerate(tickets)]
     try:
+        if keepalive > 0 and any(ticket.state == "queued" for ticket in tickets):
+            yield -1, None
         running = len(tickets)
         while running:
-            index, item = await queue.get()
+            try:
+                index, item = await asyncio.wait_for(queue.get(), keepalive) if keepalive > 0 else await queue.get()
+            except asyncio.TimeoutError:
+                yield -1, None
+                continue
             if isinstance(item, RequestFailed):
                 raise item
             yield index, item
@@ -285,6 +299,21 @@ async def merged_events(tickets: Sequence[Ticket]) -> AsyncIterator[tuple[int, S
             task.cancel()
         for ticket in tickets:
             ticket.cancel()
+
+
+def sse_comment(tickets: Sequence[Ticket]) -> str:
+    """An SSE comment saying where the stream's requests are: ``: queued`` while one waits for a place,
+    ``: prefilling`` while a prompt is read in, ``: running`` between tokens (clients skip comments)."""
+    states = {ticket.state for ticket in tickets}
+    state = next((s for s in ("queued", "prefilling") if s in states), "running")
+    return f": {state}\n\n"
+
+
+def sse_error(exc: RequestFailed, openai: bool) -> str:
+    """The error event that ends a stream whose 200 headers went already; a refusal by the queue deadline is
+    preceded by SSE's ``retry:`` field, its Retry-After in milliseconds."""
+    event = sse(error_body(exc.kind, exc.message, openai=openai))
+    return f"retry: {exc.retry_after * 1000}\n{event}" if exc.retry_after is not None else event
 
 
 def speculative_details(prepared: Prepared, stats: GenerationStats) -> SpeculativeDetails:

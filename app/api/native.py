@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api import jobs
 from app.api.deps import get_runtime, get_settings
-from app.api.errors import APIError, documented_errors, error_body
+from app.api.errors import APIError, documented_errors
 from app.api.logprobs import TokenNames, tgi_top_tokens
 from app.api.schemas import (
     Details,
@@ -137,7 +137,10 @@ async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -
     async def events() -> AsyncIterator[str]:
         index = 0
         try:
-            async for step in ticket.events():
+            async for _, step in jobs.merged_events([ticket], settings.stream_keepalive):
+                if step is None:  # nothing for a while (or queued): a comment, so that everyone sees it live
+                    yield jobs.sse_comment([ticket])
+                    continue
                 for n, tok in enumerate(step.tokens, 1):
                     index += 1
                     event = StreamResponse(index=index, token=_token(tok))
@@ -159,7 +162,7 @@ async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -
                             )
                     yield jobs.sse(event)
         except RequestFailed as exc:
-            yield jobs.sse(error_body(exc.kind, exc.message, openai=False))
+            yield jobs.sse_error(exc, openai=False)
         finally:
             ticket.cancel()
 

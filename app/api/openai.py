@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api import jobs, tools
 from app.api.deps import get_runtime, get_settings
-from app.api.errors import APIError, cut, documented_errors, error_body
+from app.api.errors import APIError, cut, documented_errors
 from app.api.logprobs import TokenNames, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.api.schemas import (
     MAX_SEED,
@@ -194,6 +194,7 @@ def _stream(
     logprobs: bool = False,
     continuous_usage: bool = False,
     provenance: bool = False,
+    keepalive: float = 0.0,
 ) -> StreamingResponse:
     """SSE of a request's generations: `chunk(index, text, finish_reason, tokens)` per step of choice `index` that
     adds text, or tokens whose `logprobs` were asked for (a speculative step's accepted tokens share one chunk, as
@@ -204,7 +205,9 @@ def _stream(
     later chunk says so. Then the usage when asked, then ``[DONE]``. With `continuous_usage` (vLLM's
     `stream_options.continuous_usage_stats`) every chunk carries the usage so far. With `provenance` every step's
     tokens go too (a step's without text in the next chunk of its choice) and each chunk carries the provenance
-    of the tokens and passes since the choice's previous one."""
+    of the tokens and passes since the choice's previous one. With `keepalive`, a comment (``: queued``) at once
+    while a request waits in the queue and after every `keepalive` seconds without an event (`jobs.merged_events`);
+    a refusal by the queue deadline is an error event (`jobs.sse_error`), then ``[DONE]``."""
     generated = [0] * len(tickets)
     unsent = [jobs.ProvenanceBuffer() for _ in tickets]
 
@@ -228,7 +231,10 @@ def _stream(
         try:
             for event in first:
                 yield sent(event)
-            async for index, step in jobs.merged_events(tickets):
+            async for index, step in jobs.merged_events(tickets, keepalive):
+                if step is None:  # nothing for a while (or queued): a comment, so that everyone sees it live
+                    yield jobs.sse_comment(tickets)
+                    continue
                 for event in lead(index, step) if lead is not None else ():
                     yield sent(event)
                 generated[index] += len(step.tokens)
@@ -259,7 +265,7 @@ def _stream(
                 usage.choices, usage.usage = [], _usage(prompt_tokens, done)
                 yield jobs.sse(usage)
         except RequestFailed as exc:
-            yield jobs.sse(error_body(exc.kind, exc.message, openai=True))
+            yield jobs.sse_error(exc, openai=True)
         finally:
             for ticket in tickets:
                 ticket.cancel()
@@ -346,6 +352,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
                 logprobs=body.logprobs is not None,
                 continuous_usage=continuous,
                 provenance=body.provenance,
+                keepalive=settings.stream_keepalive,
             )
         pending = set(range(len(runs)))
 
@@ -371,6 +378,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             logprobs=True,
             continuous_usage=continuous,
             provenance=body.provenance,
+            keepalive=settings.stream_keepalive,
         )
     try:
         outcomes = await jobs.run_all_to_end(tickets, request)
@@ -495,6 +503,7 @@ async def chat_completions(
             logprobs=bool(body.logprobs),
             continuous_usage=continuous,
             provenance=body.provenance,
+            keepalive=settings.stream_keepalive,
         )
     try:
         outcomes = await jobs.run_all_to_end(tickets, request)

@@ -61,11 +61,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--workload",
-        choices=["prompts", "multiturn", "mixed"],
+        choices=["prompts", "multiturn", "mixed", "chaos"],
         default="prompts",
         help="prompts: independent one-turn prompts from --input (closed loop, or --rates); multiturn: --clients "
         "users, each a conversation of --turns turns with a shared system prompt (chat API); mixed: --long-prompts "
-        "prompts near the server's max input, and short requests sent one after another beside them",
+        "prompts near the server's max input, and short requests sent one after another beside them; chaos: "
+        "--clients (16) clients for --duration seconds sending greedy and seeded requests on all four routes, "
+        "streamed and not, multi-turn chats, streams left mid-way, malformed bodies and long prompts, with /health "
+        "polled and RSS read meanwhile (app/bench/chaos.py)",
+    )
+    parser.add_argument("--duration", type=float, default=300.0, help="chaos: seconds of load (300)")
+    parser.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=5.0,
+        help="chaos: a request without its first byte (headers) within this many seconds is counted (5)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=60.0,
+        help="chaos: a request with no byte at all (headers, events or comments) for this long is a hang (60)",
+    )
+    parser.add_argument("--health-interval", type=float, default=5.0, help="chaos: seconds between /health polls")
+    parser.add_argument(
+        "--pid",
+        type=int,
+        default=None,
+        help="chaos: the server's process id on this machine, to read its RSS from /proc where its /metrics has "
+        "no process_resident_memory_bytes (an older server)",
     )
     parser.add_argument("--turns", type=positive_int, default=10, help="multiturn: turns per conversation (10)")
     parser.add_argument("--seed", type=int, default=0, help="multiturn and mixed: the texts' seed; --rates: arrivals")
@@ -112,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--rates and --in-process are for --workload prompts, not {args.workload}")
     if args.workload == "multiturn" and args.api != "chat":
         raise CliError("--workload multiturn sends conversations: it needs --api chat")
+    if args.workload == "chaos":
+        return _loadtest_chaos(args)
     if args.workload == "mixed" and args.clients is not None:
         raise CliError("--workload mixed sends --long-prompts at once and --short-requests in turn: no --clients")
     default_clients = {"prompts": "1" if rates else "1,2,4,8,16", "multiturn": "4", "mixed": "1"}[args.workload]
@@ -359,3 +385,38 @@ def _loadtest_mixed(args: argparse.Namespace, model: str, headers: dict[str, str
         rows.append(row)
         print(json.dumps(row["mixed"]), flush=True)
     return rows
+
+
+def _loadtest_chaos(args: argparse.Namespace) -> int:
+    """The chaos workload: one run of --clients clients for --duration seconds, its report per kind of request."""
+    import asyncio
+    import json
+
+    from app.bench import chaos
+
+    try:
+        clients = int(args.clients) if args.clients is not None else 16
+    except ValueError as exc:
+        raise CliError("--workload chaos takes one --clients count, e.g. 16") from exc
+    if clients < 1 or args.duration <= 0:
+        raise CliError("--workload chaos needs --clients >= 1 and --duration > 0")
+    load = chaos.Chaos(
+        args.url,
+        clients=clients,
+        duration=args.duration,
+        first_byte_timeout=args.first_byte_timeout,
+        hang_timeout=args.hang_timeout,
+        health_interval=args.health_interval,
+        seed=args.seed,
+        api_key=args.api_key,
+        log=lambda line: print(line, flush=True),
+        pid=args.pid,
+    )
+    row = asyncio.run(load.run())
+    table = chaos.markdown(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "chaos.json").write_text(json.dumps(row, indent=1))
+    (out / "chaos.md").write_text(table + "\n")
+    print(table)
+    return 0

@@ -11,6 +11,7 @@ at a position. Each app has its own registry so that several apps (tests) can li
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,9 @@ _LENGTH_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "timeout", "error")
 FINISH_REASONS = ("eos", "stop", "length", "none")
+# Why a request was refused before it started (``specserve_requests_refused_total``): the queue was full (429), or
+# it waited in the queue past queue_timeout (503); both with Retry-After.
+REFUSALS = ("queue_full", "queue_timeout")
 # vLLM's finish reasons, for ``request_success``: an end of sequence is a stop there too; an admitted request
 # that ended without finishing (cancelled, timed out, failed) is an abort.
 FINISHED_REASONS = ("stop", "length", "abort")
@@ -273,7 +277,17 @@ class Metrics:
         self.prefix_cache_hits = Counter(
             p + "prefix_cache_hits", "Prompt tokens the prefix cache served (not prefilled).", labels, registry=r
         ).labels(m)
+        self._refused = Counter(
+            p + "requests_refused",
+            "Requests refused before they started, by reason: queue_full (429: memory and the queue were full) or "
+            "queue_timeout (503: not started within queue_timeout); also counted as outcome overloaded.",
+            [*labels, "reason"],
+            registry=r,
+        )
+        r.register(_MemoryCollector(m))
         # Every series exists from the start, so that rate() has a zero to begin from.
+        for reason in REFUSALS:
+            self._refused.labels(m, reason)
         for outcome in OUTCOMES:
             for reason in FINISH_REASONS[:-1] if outcome == "success" else ("none",):
                 self._requests.labels(m, outcome, reason)
@@ -301,6 +315,10 @@ class Metrics:
     def request_ended(self, outcome: str, finish_reason: str | None = None) -> None:
         """Count a request that ended (rejected ones included) by `outcome` (see OUTCOMES)."""
         self._requests.labels(self.model_name, outcome, finish_reason or "none").inc()
+
+    def request_refused(self, reason: str) -> None:
+        """A request refused before it started (`reason`: one of REFUSALS), counted as outcome overloaded too."""
+        self._refused.labels(self.model_name, reason).inc()
 
     def request_started(self, queue_seconds: float, prompt_tokens: int) -> None:
         """The worker took the request off the queue."""
@@ -374,6 +392,34 @@ class Metrics:
         self.waiting.set(waiting)
         self.kv_cache_usage.set(kv_cache_usage)
         self.gpu_cache_usage.set(kv_cache_usage)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux /proc/self/statm); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _MemoryCollector:
+    """The process's resident memory at each scrape (Prometheus' process collector's figure, with the prefix and
+    the model_name label every series here carries)."""
+
+    def __init__(self, model_name: str) -> None:
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        rss = resident_bytes()
+        if rss is not None:
+            metric = GaugeMetricFamily(
+                "specserve_process_resident_memory_bytes",
+                "Resident memory of the process (bytes).",
+                labels=["model_name"],
+            )
+            metric.add_metric([self._model], rss)
+            yield metric
 
 
 class _IndexCollector:

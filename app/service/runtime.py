@@ -121,6 +121,7 @@ class Runtime:
             settings.max_queue_size,
             metrics,
             kv_budget=kv_budget(engine, settings),
+            queue_timeout=settings.queue_timeout,
         )
         scheduler.start()
         return cls(scheduler, engine.tokenizer, info)

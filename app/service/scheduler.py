@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 
 # How many later requests may be admitted past a waiting one before it blocks the queue (module docstring).
 MAX_OVERTAKES = 8
+# Retry-After is the requests ahead over the rate at which admitted requests ended in the last RATE_WINDOW
+# seconds, at most MAX_RETRY_AFTER.
+RATE_WINDOW = 60.0
+MAX_RETRY_AFTER = 600
 
 
 class Overloaded(Exception):
@@ -73,13 +77,15 @@ class Overloaded(Exception):
 
 
 class RequestFailed(Exception):
-    """A request that ended without a result; `kind` is ``validation``, ``generation``, ``timeout`` or
-    ``unavailable``."""
+    """A request that ended without a result; `kind` is ``validation``, ``generation``, ``timeout``,
+    ``unavailable`` or ``queue_timeout`` (not started within the queue deadline: the client should retry after
+    `retry_after` seconds)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,8 @@ class _Job:
     deadline: float
     timeout: float
     arrived: float = field(default_factory=time.monotonic)
+    queue_deadline: float = float("inf")  # refused if not admitted by then (`Scheduler.queue_timeout`)
+    admitted: bool = False  # set once, under the scheduler's lock: its memory counts, the worker may start it
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = field(default_factory=lambda: next(_ids))
     # The HTTP request's id, read where the job is made (the request's task), for the worker's log records.
@@ -178,21 +186,37 @@ class Ticket:
     def prompt_tokens(self) -> int:
         return len(self._job.prompt_ids)
 
+    @property
+    def state(self) -> str:
+        """``queued`` (waiting for memory or a place), ``prefilling`` (admitted, no token yet) or ``running``."""
+        job = self._job
+        if not job.admitted:
+            return "queued"
+        return "prefilling" if job.first_token is None else "running"
+
     async def events(self) -> AsyncIterator[StepEvent]:
         """Each step's tokens until the last (which carries `finished`).
 
-        Raises RequestFailed when the request fails or outlives its timeout. Leaving the iteration early
-        (a disconnect, an error) cancels the request.
+        Raises RequestFailed when the request fails or outlives its timeout, and ``queue_timeout`` (with
+        `retry_after`) when it was not admitted within the scheduler's queue timeout. Leaving the iteration
+        early (a disconnect, an error) cancels the request.
         """
         job = self._job
         try:
             while True:
-                remaining = job.deadline - time.monotonic()
+                now = time.monotonic()
+                queued = not job.admitted and job.queue_deadline < job.deadline
+                remaining = (job.queue_deadline if queued else job.deadline) - now
                 try:
                     if remaining <= 0:
                         raise asyncio.TimeoutError
                     item = await asyncio.wait_for(job.queue.get(), remaining)
                 except asyncio.TimeoutError:
+                    if queued:
+                        refused = self._scheduler._refuse_late(job)
+                        if refused is None:  # admitted meanwhile (or ended): on to its own deadline
+                            continue
+                        raise refused from None
                     if self._scheduler._end(job, "timeout"):  # else the worker ended it first, and logged it
                         log.warning("request %d: %s", job.id, _timeout_message(job), extra=job.log_extra)
                     raise RequestFailed("timeout", _timeout_message(job)) from None
@@ -230,9 +254,11 @@ class Scheduler:
     `max_running`: the most requests admitted at once; `kv_budget`: the bytes of KV cache they may hold together
     (default: what `max_running` requests of the model's full context hold, with the largest draft);
     `max_waiting`: the most that wait for room; `max_overtakes`: see the module docstring.
-    `trim_after_tokens`: once a request whose prompt plus max_new_tokens reached this many tokens has ended,
-    the worker returns the heap's free memory to the system (0: never). `threads`: what sets the CPU products'
-    thread count around each step (default: a `ThreadGovernor` of torch's count).
+    `queue_timeout`: seconds a request may wait in the queue; one not admitted by then is refused
+    (RequestFailed ``queue_timeout``, with a Retry-After from the measured service rate; None: it waits until
+    its own timeout). `trim_after_tokens`: once a request whose prompt plus max_new_tokens reached this many
+    tokens has ended, the worker returns the heap's free memory to the system (0: never). `threads`: what sets
+    the CPU products' thread count around each step (default: a `ThreadGovernor` of torch's count).
     """
 
     def __init__(
@@ -246,9 +272,12 @@ class Scheduler:
         threads: ThreadGovernor | None = None,
         kv_budget: int | None = None,
         max_overtakes: int = MAX_OVERTAKES,
+        queue_timeout: float | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or max_overtakes < 0:
             raise ValueError("need max_running >= 1, max_waiting >= 0 and max_overtakes >= 0")
+        if queue_timeout is not None and queue_timeout <= 0:
+            raise ValueError("the queue timeout must be positive (None: none)")
         if kv_budget is not None and kv_budget < 1:
             raise ValueError("the KV-cache budget must be positive")
         self.engine = engine
@@ -262,7 +291,10 @@ class Scheduler:
         # start now, before the next one's size is known (`check_room`).
         self._smallest = engine.kv_bytes(1, 1, "none")
         self.metrics = metrics
-        self.retry_after = retry_after
+        self.retry_after = retry_after  # the least Retry-After a refusal says
+        self.queue_timeout = queue_timeout
+        # When admitted requests ended (any outcome) in the last RATE_WINDOW seconds: the service rate.
+        self._ended_at: deque[float] = deque()
         self.trim_after_tokens = trim_after_tokens
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -359,6 +391,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         job = _Job(list(prompt_ids), params, draft, loop, deadline=now + timeout, timeout=timeout, arrived=now)
+        if self.queue_timeout is not None:
+            job.queue_deadline = now + self.queue_timeout
         with self._lock:
             if self._stopping or self._draining:
                 raise RequestFailed("unavailable", "the server is shutting down")
@@ -395,15 +429,54 @@ class Scheduler:
         return need
 
     def _overloaded(self) -> Overloaded:
-        """The refusal of a request that can neither start nor queue, counted."""
+        """The refusal of a request that can neither start nor queue, counted; under the lock."""
         if self.metrics is not None:
             self.metrics.request_ended("overloaded")
+            self.metrics.request_refused("queue_full")
+        retry = self._retry_after(len(self._waiting) + 1)
         return Overloaded(
             f"the server is at capacity ({len(self._reserved)} running of at most {self.max_running}, "
             f"{format_bytes(self._held_bytes)} of its {format_bytes(self.kv_budget)} KV-cache budget held, "
-            f"{len(self._waiting)} queued of {self.max_waiting}); retry later",
-            self.retry_after,
+            f"{len(self._waiting)} queued of {self.max_waiting}); retry after {retry} s",
+            retry,
         )
+
+    def _retry_after(self, ahead: int) -> int:
+        """Seconds until about `ahead` more requests could start: `ahead` over the rate at which admitted requests
+        ended in the last RATE_WINDOW seconds (the queue timeout, or the window, when fewer than two did); at
+        least `retry_after`, at most MAX_RETRY_AFTER. Under the lock."""
+        now = time.monotonic()
+        ended = self._ended_at
+        while ended and now - ended[0] > RATE_WINDOW:
+            ended.popleft()
+        if len(ended) >= 2:
+            seconds = ahead * max(now - ended[0], 1.0) / len(ended)
+        else:
+            seconds = self.queue_timeout or RATE_WINDOW
+        return max(self.retry_after, min(MAX_RETRY_AFTER, round(seconds)))
+
+    def retry_after_now(self) -> int:
+        """The Retry-After a request refused now would be told (`_retry_after` for one more than those queued)."""
+        with self._lock:
+            return self._retry_after(len(self._waiting) + 1)
+
+    def _refuse_late(self, job: _Job) -> RequestFailed | None:
+        """Refuse `job`, still queued at its queue deadline (the event loop's side, `Ticket.events`); None when it
+        was admitted (or ended) meanwhile."""
+        with self._lock:
+            if job.ended or job.admitted or job not in self._waiting:
+                return None
+            retry = self._retry_after(self._waiting.index(job) + 1)
+            message = (
+                f"the request was not started within the queue timeout of {self.queue_timeout:g} s "
+                f"({len(self._reserved)} running, {len(self._waiting)} queued); retry after {retry} s"
+            )
+        if not self._end(job, "overloaded", queued_only=True):
+            return None
+        if self.metrics is not None:
+            self.metrics.request_refused("queue_timeout")
+        log.warning("request %d: %s", job.id, message, extra=job.log_extra)
+        return RequestFailed("queue_timeout", message, retry)
 
     # --- admission, under the lock ------------------------------------------------------------------
 
@@ -435,6 +508,7 @@ class Scheduler:
                 for earlier in passed:
                     earlier.overtaken += 1
                 blocked = any(earlier.overtaken >= self.max_overtakes for earlier in passed)
+                job.admitted = True
                 self._reserved[job] = job.kv_bytes
                 self._held_bytes += job.kv_bytes
                 self._admitted.append(job)
@@ -451,12 +525,15 @@ class Scheduler:
 
     # --- shared by both threads ---------------------------------------------------------------------
 
-    def _end(self, job: _Job, outcome: str, finish_reason: str | None = None) -> bool:
-        """End `job` once: free its place and count how it ended. False when it had already ended."""
+    def _end(self, job: _Job, outcome: str, finish_reason: str | None = None, queued_only: bool = False) -> bool:
+        """End `job` once: free its place and count how it ended. False when it had already ended (or, with
+        `queued_only`, when it is no longer queued)."""
         with self._lock:
-            if job.ended:
+            if job.ended or (queued_only and job not in self._waiting):
                 return False
             job.ended = True
+            if job.admitted:
+                self._ended_at.append(time.monotonic())
             self._held.discard(job)
             # Out of the queue at once. Admitted but not yet taken by the worker: its cache was never allocated.
             # Taken by the worker: its memory counts until the worker drops its generation (`_release`).

@@ -343,6 +343,7 @@ def serve(settings: Settings) -> bool:
         port=settings.port,
         log_config=None,
         timeout_graceful_shutdown=_CLOSE_SECONDS,
+        timeout_keep_alive=settings.keep_alive_timeout,
         http=_JSONErrorsH11,
     )
     server = _DrainingServer(config, app, settings.shutdown_grace_period)

@@ -124,6 +124,27 @@ class Settings(BaseSettings):
     request_timeout: float = Field(
         300.0, gt=0, description="seconds from arrival until a request is abandoned with an error"
     )
+    queue_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a request may wait in the queue for memory or a place; one not started by then is "
+        "refused with 503 (error_type queue_timeout) and a Retry-After from the measured service rate, or, when "
+        "streamed (its 200 headers sent), with that error as its last event",
+    )
+    stream_keepalive: float = Field(
+        2.0,
+        ge=0,
+        description="a stream sends an SSE comment (`: queued`, `: prefilling`, `: running`) at once while its "
+        "request is queued and after this many seconds without an event, so that clients and proxies see it "
+        "live; 0: never",
+    )
+    keep_alive_timeout: float = Field(
+        75.0,
+        gt=0,
+        description="seconds an idle HTTP connection is kept open for the client's next request (uvicorn's "
+        "timeout_keep_alive; longer than clients' pools keep idle connections, so that the server is not the one "
+        "that closes a connection a client is reusing)",
+    )
     max_input_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens (default: the model's context minus one)"
     )
