@@ -466,6 +466,9 @@ class Chaos:
                 1 for o in loaded if o.route.endswith("_stream") and _late(o, self.first_byte_timeout)
             ),
             "hangs": sum(o.hang for o in loaded),
+            # A non-streamed answer has no byte before it is done: a long one that outlives hang_timeout while it
+            # runs is counted a hang too, so the streamed ones are told apart.
+            "hangs_streamed": sum(1 for o in loaded if o.route.endswith("_stream") and o.hang),
             "5xx": sum(1 for o in loaded if isinstance(o.status, int) and o.status >= 500 and o.status != 503),
             "refusals": len(refusals),
             "refusals_with_retry_after": sum(o.retry_after for o in refusals),
@@ -559,7 +562,8 @@ def markdown(row: dict[str, Any]) -> str:
         "",
         f"{row['requests']} requests from {row['clients']} clients in {row['duration_s']} s: "
         f"{row['no_first_byte']} without a first byte within {row['first_byte_timeout_s']:g} s "
-        f"({row['no_first_byte_streamed']} streamed), {row['hangs']} hangs, {row['5xx']} x 5xx (503 apart), "
+        f"({row['no_first_byte_streamed']} streamed), {row['hangs']} hangs ({row['hangs_streamed']} streamed), "
+        f"{row['5xx']} x 5xx (503 apart), "
         f"{row['bad_frames']} bad frames, {row['texts_changed']} of {row['texts_compared']} texts changed; "
         f"{row['refusals']} refusals, {row['refusals_with_retry_after']} with Retry-After; stream errors "
         f"{row['stream_errors'] or 'none'}; /health {row['health']}; long prompts p50 {row['long']['p50_s']} s, "
