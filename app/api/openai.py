@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from app.api import jobs, tools
 from app.api.deps import get_runtime, get_settings
@@ -380,34 +381,33 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             provenance=body.provenance,
             keepalive=settings.stream_keepalive,
         )
-    try:
-        outcomes = await jobs.run_all_to_end(tickets, request)
-    except jobs.ClientGone:
-        return Response(status_code=499)
-    results = [o.finished for o in outcomes]
-    choices = []
-    for i, o in enumerate(outcomes):
-        choice = CompletionChoice(
-            index=i, text=echo[i // n] + o.finished.text, finish_reason=_FINISH[o.finished.finish_reason]
-        )  # type: ignore[arg-type]
-        ids = prepared[i // n].prompt_ids
-        if body.logprobs is not None:
-            prompt = o.prompt_logprobs if echoed is not None else None
-            choice.logprobs = completion_logprobs(names, o.tokens, prompt, ids, len(echo[i // n]), echoed)
-        if body.prompt_logprobs is not None and o.prompt_logprobs is not None:
-            choice.prompt_logprobs = prompt_logprobs(names, o.prompt_logprobs, body.prompt_logprobs)
-        choices.append(choice)
-    result = CompletionResponse(
-        id=rid,
-        created=created,
-        model=model,
-        system_fingerprint=_FINGERPRINT,
-        seed=results[0].seed,
-        choices=choices,
-        usage=_usage(prompt_tokens, results),
-        speculative=_speculative(runs, results),
-    )
-    return Response(result.model_dump_json(), media_type="application/json")
+
+    def answer(outcomes: list[jobs.Outcome]) -> CompletionResponse:
+        results = [o.finished for o in outcomes]
+        choices = []
+        for i, o in enumerate(outcomes):
+            choice = CompletionChoice(
+                index=i, text=echo[i // n] + o.finished.text, finish_reason=_FINISH[o.finished.finish_reason]
+            )  # type: ignore[arg-type]
+            ids = prepared[i // n].prompt_ids
+            if body.logprobs is not None:
+                prompt = o.prompt_logprobs if echoed is not None else None
+                choice.logprobs = completion_logprobs(names, o.tokens, prompt, ids, len(echo[i // n]), echoed)
+            if body.prompt_logprobs is not None and o.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs(names, o.prompt_logprobs, body.prompt_logprobs)
+            choices.append(choice)
+        return CompletionResponse(
+            id=rid,
+            created=created,
+            model=model,
+            system_fingerprint=_FINGERPRINT,
+            seed=results[0].seed,
+            choices=choices,
+            usage=_usage(prompt_tokens, results),
+            speculative=_speculative(runs, results),
+        )
+
+    return await _answer(request, tickets, answer)
 
 
 @router.post(
@@ -505,25 +505,37 @@ async def chat_completions(
             provenance=body.provenance,
             keepalive=settings.stream_keepalive,
         )
+
+    def answer(outcomes: list[jobs.Outcome]) -> ChatCompletionResponse:
+        results = [o.finished for o in outcomes]
+        prompt = outcomes[0].prompt_logprobs
+        result = ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=model,
+            system_fingerprint=_FINGERPRINT,
+            seed=results[0].seed,
+            choices=[_chat_choice(i, readers[i], o, logprobs(o.tokens)) for i, o in enumerate(outcomes)],
+            usage=_usage(len(prepared.prompt_ids), results),
+            speculative=_speculative(runs, results),
+        )
+        if body.prompt_logprobs is not None and prompt is not None:
+            result.prompt_logprobs = prompt_logprobs(names, prompt, body.prompt_logprobs)
+        return result
+
+    return await _answer(request, tickets, answer)
+
+
+async def _answer(
+    request: Request, tickets: Sequence[jobs.Ticket], build: Callable[[list[jobs.Outcome]], BaseModel]
+) -> Response:
+    """The non-streamed answer of both routes: every choice run to its end, then `build` of their outcomes as
+    JSON; 499 when the client left first (its generations are given up)."""
     try:
         outcomes = await jobs.run_all_to_end(tickets, request)
     except jobs.ClientGone:
         return Response(status_code=499)
-    results = [o.finished for o in outcomes]
-    prompt = outcomes[0].prompt_logprobs
-    result = ChatCompletionResponse(
-        id=rid,
-        created=created,
-        model=model,
-        system_fingerprint=_FINGERPRINT,
-        seed=results[0].seed,
-        choices=[_chat_choice(i, readers[i], o, logprobs(o.tokens)) for i, o in enumerate(outcomes)],
-        usage=_usage(len(prepared.prompt_ids), results),
-        speculative=_speculative(runs, results),
-    )
-    if body.prompt_logprobs is not None and prompt is not None:
-        result.prompt_logprobs = prompt_logprobs(names, prompt, body.prompt_logprobs)
-    return Response(result.model_dump_json(), media_type="application/json")
+    return Response(build(outcomes).model_dump_json(), media_type="application/json")
 
 
 def _chat_choice(
