@@ -120,7 +120,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
 
     import httpx
 
@@ -162,12 +161,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         rows = _loadtest_prompts(args, levels, rates, model, headers)
         table = loadtest.markdown(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "loadtest.json").write_text(json.dumps(rows, indent=1))
-    (out / "loadtest.md").write_text(table + "\n")
-    print(table)
-    return 0
+    return _report(args.out, "loadtest", rows, table)
 
 
 def _loadtest_engine(url: str, headers: dict[str, str]):
@@ -390,7 +384,6 @@ def _loadtest_mixed(args: argparse.Namespace, model: str, headers: dict[str, str
 def _loadtest_chaos(args: argparse.Namespace) -> int:
     """The chaos workload: one run of --clients clients for --duration seconds, its report per kind of request."""
     import asyncio
-    import json
 
     from app.bench import chaos
 
@@ -414,9 +407,16 @@ def _loadtest_chaos(args: argparse.Namespace) -> int:
     )
     row = asyncio.run(load.run())
     table = chaos.markdown(row)
-    out = Path(args.out)
+    return _report(args.out, "chaos", row, table)
+
+
+def _report(out_dir: str, name: str, result: object, table: str) -> int:
+    """Write `name`.json (the figures) and `name`.md (the table) under `out_dir`, print the table."""
+    import json
+
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "chaos.json").write_text(json.dumps(row, indent=1))
-    (out / "chaos.md").write_text(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(table + "\n")
     print(table)
     return 0
