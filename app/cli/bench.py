@@ -57,7 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
     parser.add_argument(
         "--episodes", type=positive_int, default=None, help="traffic workloads: only the first N episodes of each"
     )
-    parser.add_argument("--target", default=None, help="catalog name or path (default: smollm2-135m-instruct)")
+    parser.add_argument(
+        "--target", "--model", default=None, help="catalog name, path or Hub id (default: smollm2-135m-instruct)"
+    )
     parser.add_argument(
         "--draft", action="append", default=None, help="draft to measure (repeatable; default: default and ngram)"
     )

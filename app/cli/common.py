@@ -160,6 +160,10 @@ def serve_flags() -> list[tuple[str, str, dict[str, Any]]]:
     return flags
 
 
+# More spellings of a setting's flag, on every command that takes it: `--model` as vLLM's users type it.
+FLAG_ALIASES: dict[str, list[str]] = {"target": ["--model"]}
+
+
 def add_setting_flags(
     parser: argparse.ArgumentParser, fields: Sequence[str], aliases: dict[str, list[str]] | None = None
 ) -> None:
@@ -180,4 +184,4 @@ def add_setting_flags(
         if typing.get_origin(annotation) is typing.Literal:
             kwargs.pop("metavar", None)
             kwargs["choices"] = list(typing.get_args(annotation))
-        parser.add_argument(flag, *(aliases or {}).get(field, []), **kwargs)
+        parser.add_argument(flag, *FLAG_ALIASES.get(field, []), *(aliases or {}).get(field, []), **kwargs)

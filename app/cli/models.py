@@ -29,7 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Download and verify a model into the cache (SPECSERVE_CACHE, default "
         "~/.cache/specserve). Progress goes to stderr; the local path is the last line of stdout.",
     )
-    fetch.add_argument("name", help="catalog name, e.g. smollm2-135m-instruct")
+    fetch.add_argument(
+        "name", help="catalog name (smollm2-135m-instruct) or Hugging Face Hub id (owner/repo:QUANT, owner/repo)"
+    )
     fetch.add_argument("--force", action="store_true", help="download again even if already present")
     fetch.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     parser.set_defaults(func=run)

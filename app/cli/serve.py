@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from app.cli.common import (
+    FLAG_ALIASES,
     CliError,
     serve_flags,
 )
@@ -22,11 +23,29 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
         "can also be set by its SPECSERVE_* environment variable (--max-queue-size: SPECSERVE_MAX_QUEUE_SIZE); "
         "a flag wins over the environment.",
     )
+    # `vllm serve MODEL`'s spelling: the target as the one positional argument.
+    parser.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL", help="the target model, as --target (or --model) names it"
+    )
     # The flags come from the settings (pydantic-settings, a quarter of a second to import): only built when the
     # command line names serve, so that `specserve models ...` stays fast.
-    for flag, _, kwargs in serve_flags() if flags else ():
-        parser.add_argument(flag, **kwargs)
+    for flag, field, kwargs in serve_flags() if flags else ():
+        parser.add_argument(flag, *FLAG_ALIASES.get(field, []), **kwargs)
     parser.set_defaults(func=run)
+
+
+def overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The settings the command line gives (the rest come from SPECSERVE_* or the defaults): every flag given,
+    and the positional MODEL as the target; raises CliError when MODEL and --target/--model disagree."""
+    from app.service.settings import Settings
+
+    given = {field: getattr(args, field) for field in Settings.model_fields if getattr(args, field) is not None}
+    given.update({f: ",".join(v) for f, v in given.items() if isinstance(v, list)})
+    if args.model is not None:
+        if given.get("target", args.model) != args.model:
+            raise CliError(f"two targets given: MODEL {args.model!r} and --target/--model {given['target']!r}")
+        given["target"] = args.model
+    return given
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,10 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from app.service.server import serve
     from app.service.settings import Settings
 
-    overrides = {field: getattr(args, field) for field in Settings.model_fields if getattr(args, field) is not None}
-    overrides.update({f: ",".join(v) for f, v in overrides.items() if isinstance(v, list)})
     try:
-        settings = Settings(**overrides)
+        settings = Settings(**overrides(args))
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"

@@ -34,7 +34,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_", extra="ignore", frozen=True)
 
-    target: str = Field("smollm2-135m-instruct", description="target model: catalog name or path")
+    target: str = Field(
+        "smollm2-135m-instruct",
+        description="target model: catalog name, path, or Hugging Face Hub id (owner/repo, owner/repo:QUANT)",
+    )
     draft: str = Field(
         "default",
         description="default draft: `default` (the hybrid of lookups and the catalog's draft; `suffix` for a target "
