@@ -14,11 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from app.engine import kernels
+from app.engine.kernels import build, detect
 from app.engine.model.transformer import PackedLinear, Transformer
 from tests.conftest import assert_same_on_1_and_2_threads, use_kernel
 
 HERE = kernels.available()
-PORTABLE = [name for name in HERE if name != "amx"]
+# The kernels that give the generic kernel's bits, and those that only come near them (in their own order).
+PORTABLE = [name for name in HERE if kernels.SPECS[name].exact]
+INEXACT = [name for name in kernels.KERNELS if not kernels.SPECS[name].exact]
 
 
 @pytest.fixture(params=HERE)
@@ -106,8 +109,8 @@ def _attend(kern, q, k, v, start):
 )
 def test_attention_matches_float32_sdpa(kern, t: int, start: int, heads: int, kv: int, d: int) -> None:
     if not kernels.attention_fits(kern, d, torch.bfloat16, torch.device("cpu")):
-        assert kern.name == "amx" and d % 64, "every other head size this test takes must run"
-        return  # a model of this head size keeps SDPA on amx (see attention_fits)
+        assert d % kern.spec.head_multiple, "every other head size this test takes must run"
+        return  # a model of this head size keeps SDPA on this kernel (amx: see attention_fits)
     g = torch.Generator().manual_seed(t + start)
     capacity = start + t + 20
     k = torch.randn(kv, capacity, d, generator=g).bfloat16()
@@ -212,22 +215,37 @@ def test_portable_kernels_give_the_generic_kernels_bits(name: str) -> None:
         assert torch.equal(got, want)
 
 
-def test_amx_stays_within_a_stated_bound_of_the_generic_kernel() -> None:
+@pytest.mark.parametrize("name", INEXACT)
+def test_inexact_kernels_stay_within_a_stated_bound_of_the_generic_kernel(name: str) -> None:
     """AMX tiles add in their own order: within bf16 rounding of the generic kernel, not the same bits."""
-    if "amx" not in HERE:
-        assert not kernels.runs_here("amx")
-        return  # nothing of AMX's to compare on this CPU (its source still compiles: see below)
-    for got, want in zip(_everything(kernels.load("amx")), _everything(kernels.load("generic")), strict=True):
+    if name not in HERE:
+        assert not kernels.runs_here(name)
+        return  # nothing of this kernel's to compare on this CPU (its source still compiles: see below)
+    for got, want in zip(_everything(kernels.load(name)), _everything(kernels.load("generic")), strict=True):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=0.02 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("name", [*kernels.KERNELS, *kernels.STAND_INS])
+def test_the_table_names_every_kernel_once() -> None:
+    """One record per kernel (app/engine/kernels/table.py), each naming a C source beside it; the stand-ins are
+    loadable but never a choice."""
+    assert list(kernels.SPECS) == [*kernels.KERNELS, *kernels.STAND_INS]
+    assert all(name == spec.name for name, spec in kernels.SPECS.items())
+    assert kernels.KERNELS[-1] == "generic" and not kernels.SPECS["generic"].needs
+    assert not set(kernels.STAND_INS) & set(kernels.CHOICES)
+    for spec in kernels.SPECS.values():
+        assert (build.HERE / f"{spec.source}.c").is_file(), spec.name
+        assert spec.block in (16, 32) and spec.head_multiple % 32 == 0, spec.name
+    # Every header is part of the build key: a library built before a header changed is never reused.
+    assert sorted(build.HEADERS) == sorted(p.name for p in build.HERE.glob("*.h"))
+
+
+@pytest.mark.parametrize("name", list(kernels.SPECS))
 def test_every_kernel_source_compiles(name: str, tmp_path: Path) -> None:
     """Kernels this CPU cannot run are still compiled, so that a change that breaks one shows here too."""
     gcc = shutil.which("gcc")
     assert gcc is not None, "the kernels need gcc (the Makefile and the Docker image install it)"
-    here = Path(kernels.__file__).parent
-    cmd = [gcc, *kernels._COMMON, *kernels._FLAGS[name], f"-I{here}", str(here / f"{kernels.source(name)}.c")]
+    spec = kernels.SPECS[name]
+    cmd = [gcc, *build.COMMON, *spec.flags, f"-I{build.HERE}", str(build.HERE / f"{spec.source}.c")]
     done = subprocess.run([*cmd, "-o", str(tmp_path / "k.so"), "-Wall", "-Werror"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -251,7 +269,7 @@ def test_the_setting_selects_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_a_kernel_this_cpu_cannot_run_is_refused_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "_cpu", lambda: ("an old CPU", frozenset({"sse2"})))
+    monkeypatch.setattr(detect, "cpu", lambda: ("an old CPU", frozenset({"sse2"})))
     kernels.load.cache_clear()
     try:
         assert kernels.available() == ["generic"]
@@ -272,7 +290,7 @@ def test_kernels_are_built_where_the_caller_says(tmp_path: Path) -> None:
         assert kernels.kernel(tmp_path / "b") is chosen and kernels.kernel() is chosen
     with use_kernel("generic"):
         private = kernels.kernel()
-        assert private is not None and private.path.parent == kernels._private_dir() != tmp_path / "a"
+        assert private is not None and private.path.parent == build.private_dir() != tmp_path / "a"
     assert not (tmp_path / "b").exists()
 
 
@@ -324,7 +342,7 @@ def test_a_damaged_cached_library_is_rebuilt(tmp_path: Path) -> None:
     try:
         first = kernels.load("generic", tmp_path)
         stamp = Path(f"{first.path}.sha256")
-        assert first.path.parent == tmp_path and stamp.read_text() == kernels._digest(first.path)
+        assert first.path.parent == tmp_path and stamp.read_text() == build.digest(first.path)
         # A library cut short (a crash mid-copy, a full disk) must never be loaded: dlopen of it could crash.
         # (Written beside it and moved over it: the loaded library's own pages stay mapped and whole.)
         cut = tmp_path / "cut"
@@ -332,7 +350,7 @@ def test_a_damaged_cached_library_is_rebuilt(tmp_path: Path) -> None:
         os.replace(cut, first.path)
         kernels.load.cache_clear()
         again = kernels.load("generic", tmp_path)
-        assert again.path == first.path and stamp.read_text() == kernels._digest(again.path)
+        assert again.path == first.path and stamp.read_text() == build.digest(again.path)
         assert os.path.getsize(again.path) > 1000
     finally:
         kernels.load.cache_clear()

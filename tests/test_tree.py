@@ -26,7 +26,7 @@ from app.engine.step import GenerationParams
 from tests.conftest import FIXED_DRAFT
 
 # Kernels whose attention takes trees (amx reads keys by slot: it keeps the chain).
-TREE_KERNELS = [name for name in kernels.available() if name != "amx"]
+TREE_KERNELS = [name for name in kernels.available() if kernels.SPECS[name].trees]
 
 # Row 0 the root; a chain 1-2-3; siblings 4 (of the root) and 5 (of 1); a branch 6-7 below sibling 4, whose
 # ancestors do not sit in consecutive slots.

@@ -45,7 +45,7 @@ MAX_LOGPROBS = 20
 
 # How a GGUF's quantized matrices are held (app.engine.model.loading.load_model): `native` as the file's blocks,
 # computed on by the CPU kernels; `bf16` / `float32` dequantized at load; `auto` the default: native on the avx2,
-# avx512 and VNNI kernels, else dequantized (loading.AUTO_NATIVE_KERNELS).
+# avx512 and VNNI kernels, else dequantized (each kernel's `auto_native`, app/engine/kernels/table.py).
 WEIGHTS = ("auto", "native", "bf16", "float32")
 WEIGHTS_HELP = (
     "a GGUF's quantized matrices: `native` computed on as the file's blocks by the CPU kernels (8-bit activations "

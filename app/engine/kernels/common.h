@@ -32,7 +32,7 @@ typedef struct {
     const int32_t *parent;
 } part_t;
 
-/* The interface each kernel library exports (see app/engine/kernels/__init__.py).
+/* The interface each kernel library exports (ctypes signatures: app/engine/kernels/abi.py).
    sk_linear: y [m, n] = x [m, k] @ w.T (+ bias), w packed as the kernel's Python side lays it out; op 1:
    RMS-normalise each row of x with norm_w and eps first (rounded to bf16); op 2: x is [m, 2k] = [gate | up],
    taken as silu(gate) * up (rounded to bf16) first; residual [m, n] added to the bf16 result where given.

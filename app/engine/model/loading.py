@@ -20,18 +20,14 @@ from app.engine.model.weights import WeightsError, read_checkpoint
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# How a GGUF's quantized matrices are held: `native` as the file's blocks, computed on by the CPU kernels
-# (activations bfloat16); `bf16` / `float32` dequantized at load to that dtype; `auto`: native on the kernels
-# below (dtype auto or bfloat16), else dequantized to the dtype. The generic kernel's integer products are plain
-# C, three times slower than its bf16 ones (docs/bench); amx multiplies bf16 rows in tiles, so a verification's
-# rows cost little there, while the integer products cost per row (docs/bench, issue 22). The VNNI builds of
-# avx2 and avx512 take the integer products' dot products in one instruction.
-AUTO_NATIVE_KERNELS = frozenset({"avx2", "avxvnni", "avx512", "avx512vnni"})
 
 
 def auto_native(kernel: str) -> bool:
-    """Whether `weights=auto` keeps a GGUF's quantized matrices quantized on kernel `kernel` (`torch`: none)."""
-    return kernel in AUTO_NATIVE_KERNELS
+    """Whether `weights=auto` keeps a GGUF's quantized matrices as the file's blocks on kernel `kernel`, computed
+    on by it with bfloat16 activations (`torch`: none): as the kernel's record says (`KernelSpec.auto_native`);
+    elsewhere they are dequantized at load to the dtype."""
+    spec = kernels.SPECS.get(kernel)
+    return spec is not None and spec.auto_native
 
 
 @dataclass

@@ -1,0 +1,59 @@
+"""The C side of a kernel library as ctypes sees it: the exported functions' signatures and the structures they
+take (common.h's `part_t`, layers.h's `sk_product_t` and `sk_layer_t`)."""
+
+from __future__ import annotations
+
+import ctypes
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+# The C functions every kernel library exports, as ctypes calls them: name -> (return type, argument types). One
+# table, which tests/test_kernels.py checks against the prototypes in the headers (common.h, quant.h, layers.h,
+# dot4.h), so that a changed C signature cannot go unnoticed on the Python side.
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "sk_init": (ctypes.c_int, []),
+    "sk_linear": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_float, _P, _P]),
+    "sk_qlinear": (None, [_I, _P, ctypes.c_long, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, ctypes.c_float, _P, _P]),
+    "sk_attention": (None, [_P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I]),
+    "sk_layers": (
+        None,
+        [_P, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P]
+        + [ctypes.c_int64] * 3
+        + [ctypes.c_float, ctypes.c_float, _I],
+    ),
+    "sk_dot_kind": (ctypes.c_char_p, []),
+}
+# Exported only by libraries whose integer products take dot4.h's dot products (`KernelSpec.dot`).
+DOT_ONLY = frozenset({"sk_dot_kind"})
+
+
+def bind(lib: ctypes.CDLL, dot: bool) -> None:
+    """Give `lib`'s functions their `SIGNATURES` (`dot`: it exports the `DOT_ONLY` ones too)."""
+    for function, (restype, argtypes) in SIGNATURES.items():
+        if function in DOT_ONLY and not dot:
+            continue
+        getattr(lib, function).restype = restype
+        getattr(lib, function).argtypes = argtypes
+
+
+class Part(ctypes.Structure):
+    """One sequence of an attention call (common.h's part_t)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "k", "v", "kc", "vc", "out")] + [
+        (name, ctypes.c_int64) for name in ("cap", "t", "start")
+    ]
+    _fields_ += [("parent", ctypes.c_void_p)]
+
+
+class Product(ctypes.Structure):
+    """One product of a layer stack (layers.h's sk_product_t): bf16 laid out, or up to 4 quantized segments."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("nseg", ctypes.c_int64)]
+    _fields_ += [(name, ctypes.c_int64 * 4) for name in ("type", "rows", "row_bytes")]
+    _fields_ += [("data", ctypes.c_void_p * 4)]
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer of a layer stack (layers.h's sk_layer_t)."""
+
+    _fields_ = [(name, Product) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p)]

@@ -1,0 +1,163 @@
+"""The kernels, one record each: what detection, the build, selection, the loader and the tests know of a kernel.
+
+Adding a kernel is adding its record to `SPECS` (and its C source, when it brings one): nothing else names a
+kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel: how it is built, what CPU runs it, and what it supports.
+
+    `source`: the C file (without .c) it compiles; a VNNI build compiles its family's (dot4.h picks the
+    instruction from the flags). `needs`: the /proc/cpuinfo flags it runs on (empty: any CPU gcc targets, not
+    only x86). `flags`: gcc's flags beyond the common ones; `march_native`: `-march=native` too where gcc takes
+    it. `exact`: it computes the reference's bits (the fixed chains of common.h and quant.h), not merely values
+    near them. `trees`: its attention takes tree parts (a parent per row). `head_multiple`: the head sizes its
+    attention takes are multiples of this (at most 256). `layout` and `block`: how a bf16 weight is laid out for
+    its products, `block` columns at a time (`stream`: [N/block, K, block/2, 2], common.h; `tiles`: [N/16, K/2,
+    16, 2], AMX's). `dot`: its library exports sk_dot_kind (its integer products take dot4.h's 4-byte dot
+    products). `auto_native`: `--weights auto` keeps a GGUF's quantized blocks native on it. `stand_in`: a
+    test-only build, loadable but never selected or listed among the kernels.
+    """
+
+    name: str
+    source: str
+    needs: frozenset[str]
+    flags: tuple[str, ...]
+    march_native: bool
+    exact: bool
+    trees: bool
+    head_multiple: int
+    layout: Literal["stream", "tiles"]
+    block: int
+    dot: bool
+    auto_native: bool
+    stand_in: bool = False
+
+
+# -ffp-contract=off: the exact kernels' bits are defined by explicit fused multiply-adds only.
+_AVX512 = ("-mavx512f", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
+_AVX2 = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
+_AMX_FLAGS = ("-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma", "-mf16c", "-mavx512vnni", "-mavx512vl")
+
+# Best first: `auto` selects the first this CPU runs and gcc builds. amx multiplies bf16 rows in tiles, so a
+# verification's rows cost little there while the integer products cost per row (docs/bench, issue 22): its
+# GGUF weights are dequantized under `auto`; so are generic's, whose plain-C integer products are three times
+# slower than its bf16 ones. amx's tiles add in their own order and read keys by slot: neither exact nor trees.
+_ALL = (
+    KernelSpec(
+        "amx",
+        "amx",
+        frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512_vnni", "avx512vl"}),
+        _AMX_FLAGS,
+        march_native=False,
+        exact=False,
+        trees=False,
+        head_multiple=64,  # its value pass takes 64 dimensions at a time
+        layout="tiles",
+        block=16,
+        dot=True,
+        auto_native=False,
+    ),
+    KernelSpec(
+        "avx512vnni",
+        "avx512",
+        frozenset({"avx512f", "avx512_vnni", "avx512vl", "avx2", "fma", "f16c"}),
+        (*_AVX512, "-mavx512vnni", "-mavx512vl"),
+        march_native=False,
+        exact=True,
+        trees=True,
+        head_multiple=32,
+        layout="stream",
+        block=32,
+        dot=True,
+        auto_native=True,
+    ),
+    KernelSpec(
+        "avx512",
+        "avx512",
+        frozenset({"avx512f", "avx2", "fma", "f16c"}),
+        _AVX512,
+        march_native=False,
+        exact=True,
+        trees=True,
+        head_multiple=32,
+        layout="stream",
+        block=32,
+        dot=True,
+        auto_native=True,
+    ),
+    KernelSpec(
+        "avxvnni",
+        "avx2",
+        frozenset({"avx_vnni", "avx2", "fma", "f16c"}),
+        (*_AVX2, "-mavxvnni"),
+        march_native=False,
+        exact=True,
+        trees=True,
+        head_multiple=32,
+        layout="stream",
+        block=16,
+        dot=True,
+        auto_native=True,
+    ),
+    KernelSpec(
+        "avx2",
+        "avx2",
+        frozenset({"avx2", "fma", "f16c"}),
+        _AVX2,
+        march_native=False,
+        exact=True,
+        trees=True,
+        head_multiple=32,
+        layout="stream",
+        block=16,
+        dot=True,
+        auto_native=True,
+    ),
+    KernelSpec(
+        "generic",
+        "generic",
+        frozenset(),
+        ("-ffp-contract=off",),
+        march_native=True,  # lets gcc vectorise the plain loops; the bits stay IEEE's
+        exact=True,
+        trees=True,
+        head_multiple=32,
+        layout="stream",
+        block=16,
+        dot=False,  # plain C: no integer dot products
+        auto_native=False,
+    ),
+    # The avx2 source with dot4.h's exact plain-integer stand-in for VPDPBUSD, so that the code the VNNI kernels
+    # run is checked bit for bit on a CPU without VNNI.
+    KernelSpec(
+        "vnni-twin",
+        "avx2",
+        frozenset({"avx2", "fma", "f16c"}),
+        (*_AVX2, "-DSK_DOT_TWIN"),
+        march_native=False,
+        exact=True,
+        trees=True,
+        head_multiple=32,
+        layout="stream",
+        block=16,
+        dot=True,
+        auto_native=False,
+        stand_in=True,
+    ),
+)
+
+# Every record by name, best first (the stand-ins last).
+SPECS: dict[str, KernelSpec] = {spec.name: spec for spec in _ALL}
+# The kernels selection chooses from, best first.
+KERNELS: tuple[str, ...] = tuple(spec.name for spec in _ALL if not spec.stand_in)
+STAND_INS: tuple[str, ...] = tuple(spec.name for spec in _ALL if spec.stand_in)
+# The kernel whose bits the exact ones reproduce: plain C, any CPU.
+REFERENCE = "generic"
