@@ -107,61 +107,8 @@ static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, in
     }
 }
 
-/* Blocks b0..b1-1 of 16 columns, every row: rows 6 at a time over one block (6 broadcasts and a weight load
-   feed 12 fused multiply-adds); of the 1-5 rows left over, one goes over 4 blocks at once and two over 2, so
-   that they still keep 8 accumulators in flight; 3-5 over one block (past 12 accumulators gcc spills). */
-static void blocks(const uint16_t *w, const float *xf, uint16_t *y, const float *bias, int m, int k, int n, int b0,
-                   int b1, const uint16_t *residual) {
-    float sums[6 * 64];
-    int rb = sk_row_block(k);
-    for (int r0 = 0; r0 < m; r0 += rb) {
-        int r1 = r0 + rb < m ? r0 + rb : m;
-        int full = r0 + (r1 - r0) / 6 * 6, rest = r1 - full;
-        for (int blk = b0; blk < b1; blk++)
-            for (int r = r0; r < full; r += 6) {
-                tile(6, 1, w, xf + (size_t)r * k, k, blk, sums);
-                sk_finish_tile(sums, 6, 16, r, 16 * blk, y, bias, n, residual);
-            }
-        if (rest == 0) continue;
-        int B = rest == 1 ? 4 : rest == 2 ? 2 : 1, blk = b0;
-        for (; blk + B <= b1; blk += B) {
-            rest_tile(rest, B, w, xf + (size_t)full * k, k, blk, sums);
-            sk_finish_tile(sums, rest, B * 16, full, 16 * blk, y, bias, n, residual);
-        }
-        for (; blk < b1; blk++) {
-            rest_tile(rest, 1, w, xf + (size_t)full * k, k, blk, sums);
-            sk_finish_tile(sums, rest, 16, full, 16 * blk, y, bias, n, residual);
-        }
-    }
-}
-
-void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
-               int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
-    x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
-    float *xf = aligned_alloc(64, (sizeof(float) * (size_t)m * k + 63) / 64 * 64);
-    sk_widen_rows(x, (size_t)m * k, xf);
-    int total = n / 16;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        blocks(w, xf, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt), residual);
-    }
-    free(xf);
-}
-
-/* Weighted sum of values for dims d0..d0+W-1 (W = 64 or 32), keys 0..n-1 in order. */
-INLINE void values(int W, const float *s, int n, const uint16_t *vc, int d, int d0, float inv, uint16_t *out,
-                   int n0, const int32_t *tail) {
-    __m256 acc[8];
-    for (int b = 0; b < W / 8; b++) acc[b] = _mm256_setzero_ps();
-    for (int j = 0; j < n; j++) {
-        __m256 p = _mm256_set1_ps(s[j]);
-        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
-        for (int b = 0; b < W / 8; b++) acc[b] = _mm256_fmadd_ps(p, widen8(vj + 8 * b), acc[b]);
-    }
-    __m256 iv = _mm256_set1_ps(inv);
-    for (int b = 0; b < W / 8; b++) store8(out + d0 + 8 * b, _mm256_mul_ps(acc[b], iv));
-}
+#define SK_LANES 8
+#include "lanes.h"
 
 static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d, float scale,
                        uint16_t *out, float *s, float *qo, float *qe, int n0, const int32_t *tail) {

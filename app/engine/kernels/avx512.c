@@ -100,58 +100,8 @@ static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, in
     }
 }
 
-/* Blocks b0..b1-1 of 32 columns, every row; the tiling of avx2.c. */
-static void blocks(const uint16_t *w, const float *xf, uint16_t *y, const float *bias, int m, int k, int n, int b0,
-                   int b1, const uint16_t *residual) {
-    float sums[6 * 128];
-    int rb = sk_row_block(k);
-    for (int r0 = 0; r0 < m; r0 += rb) {
-        int r1 = r0 + rb < m ? r0 + rb : m;
-        int full = r0 + (r1 - r0) / 6 * 6, rest = r1 - full;
-        for (int blk = b0; blk < b1; blk++)
-            for (int r = r0; r < full; r += 6) {
-                tile(6, 1, w, xf + (size_t)r * k, k, blk, sums);
-                sk_finish_tile(sums, 6, 32, r, 32 * blk, y, bias, n, residual);
-            }
-        if (rest == 0) continue;
-        int B = rest == 1 ? 4 : rest <= 3 ? 2 : 1, blk = b0;
-        for (; blk + B <= b1; blk += B) {
-            rest_tile(rest, B, w, xf + (size_t)full * k, k, blk, sums);
-            sk_finish_tile(sums, rest, B * 32, full, 32 * blk, y, bias, n, residual);
-        }
-        for (; blk < b1; blk++) {
-            rest_tile(rest, 1, w, xf + (size_t)full * k, k, blk, sums);
-            sk_finish_tile(sums, rest, 32, full, 32 * blk, y, bias, n, residual);
-        }
-    }
-}
-
-void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
-               int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
-    x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
-    float *xf = aligned_alloc(64, (sizeof(float) * (size_t)m * k + 63) / 64 * 64);
-    sk_widen_rows(x, (size_t)m * k, xf);
-    int total = n / 32;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        blocks(w, xf, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt), residual);
-    }
-    free(xf);
-}
-
-INLINE void values(int W, const float *s, int n, const uint16_t *vc, int d, int d0, float inv, uint16_t *out,
-                   int n0, const int32_t *tail) {
-    __m512 acc[4];
-    for (int b = 0; b < W / 16; b++) acc[b] = _mm512_setzero_ps();
-    for (int j = 0; j < n; j++) {
-        __m512 p = _mm512_set1_ps(s[j]);
-        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
-        for (int b = 0; b < W / 16; b++) acc[b] = _mm512_fmadd_ps(p, widen16(vj + 16 * b), acc[b]);
-    }
-    __m512 iv = _mm512_set1_ps(inv);
-    for (int b = 0; b < W / 16; b++) store16(out + d0 + 16 * b, _mm512_mul_ps(acc[b], iv));
-}
+#define SK_LANES 16
+#include "lanes.h"
 
 static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d, float scale,
                        uint16_t *out, float *s, float *qo, float *qe, int n0, const int32_t *tail) {
