@@ -26,21 +26,22 @@ def convert_gguf(src: Path, dst: Path, kind: str) -> Path:
     import gguf
     from gguf.quants import dequantize, quantize
 
+    from app.engine.model.gguf_file import GGUFFile
+
     if kind not in _FILE_TYPES:
         raise ValueError(f"unknown GGUF type {kind!r}; choose {', '.join(_FILE_TYPES)}")
     if dst.exists():
         return dst
-    reader = gguf.GGUFReader(str(src))
-    arch = str(reader.fields["general.architecture"].contents())
+    reader = GGUFFile(src)
+    arch = str(reader.fields["general.architecture"])
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_suffix(".partial")
     writer = gguf.GGUFWriter(str(tmp), arch)
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+    for name, value in reader.fields.items():
+        if name in ("general.architecture", "general.file_type"):
             continue  # the writer's own, and the type written below
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, f.contents(), vtype, sub_type=sub)
+        vtype, sub = reader.types[name]
+        writer.add_key_value(name, value, vtype, sub_type=sub)
     writer.add_key_value("general.file_type", _FILE_TYPES[kind], gguf.GGUFValueType.UINT32)
     for t in reader.tensors:
         data = dequantize(t.data, t.tensor_type).astype(np.float32)

@@ -133,10 +133,12 @@ def write_gguf(path: Path, shape: Shape, fmt: str, tokenizer_from: Path, seed: i
     import gguf
     import numpy as np
 
+    from app.engine.model.gguf_file import GGUFFile
+
     plan = tensor_plan(shape, fmt)
-    source = gguf.GGUFReader(str(tokenizer_from))
+    source = GGUFFile(tokenizer_from)
     tokens = source.fields.get("tokenizer.ggml.tokens")
-    if tokens is None or len(tokens.data) != shape.vocab:
+    if tokens is None or len(tokens) != shape.vocab:
         raise ValueError(f"{tokenizer_from} holds no tokenizer of {shape.vocab} tokens")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
@@ -146,11 +148,10 @@ def write_gguf(path: Path, shape: Shape, fmt: str, tokenizer_from: Path, seed: i
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_shape(writer, shape, shape.context)
     writer.add_vocab_size(shape.vocab)
-    for name, f in source.fields.items():
+    for name, value in source.fields.items():
         if name.startswith("tokenizer."):
-            vtype = f.types[0]
-            sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, f.contents(), vtype, sub_type=sub)
+            vtype, sub = source.types[name]
+            writer.add_key_value(name, value, vtype, sub_type=sub)
     for name, dims, qtype in plan:
         if qtype == "F32":
             writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))

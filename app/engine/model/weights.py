@@ -1,6 +1,6 @@
 """Reading checkpoints into a ModelConfig and a state dict in the decoder's own naming.
 
-Two formats: GGUF files (llama.cpp's; metadata and quantized tensors through the `gguf` package) and
+Two formats: GGUF files (llama.cpp's; the header read by `gguf_file`, blocks dequantized by the `gguf` package) and
 HuggingFace directories (config.json plus safetensors, sharded or not). Both end in float32 tensors
 in the HuggingFace layout, which `Transformer` uses; asked to, a GGUF's quantized matrices are kept as their
 blocks instead (`QuantizedWeight`), where the CPU kernels compute on that format.
@@ -20,6 +20,7 @@ from torch import Tensor
 from app.engine.kernels.quantized import QuantizedWeight, computable
 from app.engine.model import architectures
 from app.engine.model.architectures.base import WeightsError
+from app.engine.model.gguf_file import GGUFError, GGUFFile, GGUFTensor
 from app.engine.model.transformer import ModelConfig
 
 __all__ = ["Checkpoint", "WeightsError", "held_weights", "read_checkpoint"]
@@ -69,9 +70,7 @@ def held_weights(path: Path, native: bool, dtype: torch.dtype = torch.bfloat16) 
             with safe_open(str(shard), "np") as fh:
                 total += sum(int(np.prod(fh.get_slice(k).get_shape())) for k in fh.keys())  # noqa: SIM118 (not a dict)
         return name, total * size
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path)
     formats: dict[str, None] = {}
     total, plain, kept = 0, False, set()
     for t in reader.tensors:
@@ -92,24 +91,21 @@ def held_weights(path: Path, native: bool, dtype: torch.dtype = torch.bfloat16) 
     return "+".join([*formats, *([name] if plain else [])]), total
 
 
-def _count(reader: Any, tensor: str) -> int:
+def _count(reader: GGUFFile, tensor: str) -> int:
     return next(int(np.prod([int(n) for n in t.shape])) for t in reader.tensors if t.name == tensor)
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 class _GGUFMeta:
     """The metadata and tensor names of a GGUF, as an architecture module reads them (`base.Meta`)."""
 
-    def __init__(self, reader: Any, arch: str, tensors: dict[str, Any]) -> None:
+    def __init__(self, reader: GGUFFile, arch: str, tensors: dict[str, GGUFTensor]) -> None:
         self._reader, self._arch, self._tensors = reader, arch, tensors
 
     def __call__(self, key: str, default: Any = None) -> Any:
@@ -135,7 +131,10 @@ class _Tensors:
 def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> Checkpoint:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = GGUFFile(path)
+    except GGUFError as exc:
+        raise WeightsError(str(exc)) from None
     arch = _field(reader, "general.architecture")
     entry = architectures.gguf(arch, path.name)
 
