@@ -31,6 +31,7 @@ import torch
 from app.engine.drafting.draft_length import expected_tokens
 from app.engine.engine import Engine
 from app.engine.model.loading import LoadedModel
+from app.engine.model.tokenizer import Tokenizer
 from app.engine.step import GenerationParams
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -153,6 +154,14 @@ class _HFRunner:
         return out[0, len(prompt_ids) :].tolist(), time.perf_counter() - t0
 
 
+def _prompt_ids(tok: Tokenizer, text: str) -> list[int]:
+    """One user turn through the target's chat template, or the text itself where it has none (a base model,
+    as Gemma 3 270M's GGUF: Spec-Bench's questions are then continued as written)."""
+    if tok.chat_template is None:
+        return tok.encode(text)
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
 def run_bench(
     engine: Engine,
     loaded: LoadedModel,
@@ -208,7 +217,9 @@ def run_bench(
 
     # Warm up every path (and the adaptive schedules' cost measurements) so first-call costs do not land on
     # the first prompt.
-    warm = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello, who are you?"}]))
+    if tok.chat_template is None:
+        print("the target has no chat template (a base model): the prompts go as plain text", file=sys.stderr)
+    warm = _prompt_ids(tok, "Hello, who are you?")
     for c in configs:
         for _ in engine.generate(warm, params_of(c, 16), c.draft):
             pass
@@ -219,7 +230,7 @@ def run_bench(
     for runner in baselines.values():
         runner.run(warm, 8)
     for p in tqdm(prompts, desc="bench", unit="prompt", file=sys.stderr):
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]))
+        ids = _prompt_ids(tok, p.text)
         if hf is not None:
             out, secs = hf.run(ids, max_new_tokens, params_of(configs[0], max_new_tokens))
             runs.append(Run("hf", p.question_id, p.category, len(out), secs, out))
