@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from app.engine import kernels
 from app.engine.kernels import build, detect
 from app.engine.model.transformer import PackedLinear, Transformer
-from tests.conftest import assert_same_on_1_and_2_threads, use_kernel
+from tests.conftest import KERNEL_ENDS, assert_same_on_1_and_2_threads, use_kernel
 
 HERE = kernels.available()
 # The kernels that give the generic kernel's bits, and those that only come near them (in their own order).
@@ -356,12 +356,22 @@ def test_a_damaged_cached_library_is_rebuilt(tmp_path: Path) -> None:
         kernels.load.cache_clear()
 
 
-def test_bench_times_a_target_step_on_every_kernel(target_path: Path) -> None:
-    """`specserve bench --kernels`: one real target step per kernel and row count, and what bounds it."""
-    from app.bench.rows import kernel_steps
+def test_bench_times_a_target_step_on_every_kernel(target_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`specserve bench --kernels`: one real target step per kernel and row count, and what bounds it (timed on
+    the best kernel, generic and torch: each kernel's timing is the same code over another library; the kernel
+    list it walks by default is checked apart)."""
+    from app.bench import rows
 
-    bandwidth, weight_bytes, table = kernel_steps(target_path, rows=(1, 3), context=8, repeats=1)
-    assert list(table) == [*HERE, "torch"]
+    on = [*KERNEL_ENDS, "torch"]
+    bandwidth, weight_bytes, table = rows.kernel_steps(target_path, rows=(1, 3), context=8, repeats=1, on=on)
+    assert list(table) == on
+    walked = []
+    monkeypatch.setattr(rows, "_load_on", lambda name, *_: walked.append(name) or None)
+    monkeypatch.setattr(rows, "step_bytes", lambda model: 0)
+    monkeypatch.setattr(rows, "step_times", lambda model, *_: {})
+    monkeypatch.setattr(rows, "read_bandwidth", lambda: 1.0)
+    rows.kernel_steps(target_path)
+    assert walked == [*HERE, "torch"]
     assert all(set(times) == {1, 3} and min(times.values()) > 0 for times in table.values())
     # The default target's weights in bf16: 134.5 M parameters (the tied embedding counted once).
     assert 250e6 < weight_bytes < 290e6 and bandwidth > 1e9

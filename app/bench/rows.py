@@ -84,16 +84,20 @@ def step_times(
 
 
 def kernel_steps(
-    target: str | Path, rows: tuple[int, ...] = (1, 8, 16), context: int = 128, repeats: int = 7
+    target: str | Path,
+    rows: tuple[int, ...] = (1, 8, 16),
+    context: int = 128,
+    repeats: int = 7,
+    on: Sequence[str] | None = None,
 ) -> tuple[float, int, dict[str, dict[int, float]]]:
     """Milliseconds of one cached target forward (the real model, bfloat16, `context` tokens already in the
-    cache) per kernel this CPU runs, torch's path included, and per row count: a plain step is 1 row, a
-    verification k+1. Returns (read bandwidth in bytes/s, bytes of weights a step reads, {kernel: {rows: ms}})
-    (median of `repeats`)."""
+    cache) per kernel this CPU runs, torch's path included (or those `on` names), and per row count: a plain
+    step is 1 row, a verification k+1. Returns (read bandwidth in bytes/s, bytes of weights a step reads,
+    {kernel: {rows: ms}}) (median of `repeats`)."""
     bandwidth = read_bandwidth()
     table: dict[str, dict[int, float]] = {}
     weight_bytes = 0
-    for name in [*kernels.available(), "torch"]:
+    for name in [*kernels.available(), "torch"] if on is None else on:
         model = _load_on(name, target, "bf16")
         weight_bytes = step_bytes(model)
         table[name] = step_times(model, rows, context, repeats)
