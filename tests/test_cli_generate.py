@@ -121,6 +121,24 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, content, message):
     assert captured.out == ""
 
 
+def test_a_base_model_needs_no_chat_and_says_so(tmp_path, capsys):
+    """A target without a chat template (a base model) is not sent a chat turn it cannot render: one error line
+    naming --no-chat, which then continues the prompt as is."""
+    from app.bench import synthetic
+
+    path = synthetic.write_tiny_gguf(tmp_path / "base.gguf", "qwen3", chat_template=False)
+    args = ["generate", "Hello", "--target", str(path), "--draft", "none", "--max-new-tokens", "3"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {path} has no chat template (a base model): pass --no-chat to send the prompt as is\n"
+    assert main([*args, "--no-chat", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    from app.engine.model.loading import load_model
+
+    assert out["prompt_token_ids"] == load_model(path, "float32").tokenizer.encode("Hello")  # as is
+    assert 1 <= len(out["token_ids"]) <= 3
+
+
 def test_no_prompt_is_one_error_line(capsys):
     assert main(["generate", "-n", "2"]) == 1
     err = capsys.readouterr().err

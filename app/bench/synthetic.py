@@ -330,10 +330,10 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return u.view(np.float32)
 
 
-def write_tiny_gguf(path: Path, arch: str, seed: int = 0, sigma: float = 0.25) -> Path:
+def write_tiny_gguf(path: Path, arch: str, seed: int = 0, sigma: float = 0.25, chat_template: bool = True) -> Path:
     """A random-weight float32 GGUF of `TINY[arch]`'s shape at `path` (weights of spread `sigma`, norms around 1),
-    as llama.cpp lays out that architecture: Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up fused.
-    Returns `path`."""
+    as llama.cpp lays out that architecture: Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up fused;
+    without `chat_template`, a base model's file (none, as Gemma 3 270M's). Returns `path`."""
     import gguf
     import numpy as np
 
@@ -370,7 +370,8 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0, sigma: float = 0.25) -
     writer.add_add_bos_token(bool(vocab["add_bos_token"]))
     if "add_space_prefix" in vocab:
         writer.add_add_space_prefix(bool(vocab["add_space_prefix"]))
-    writer.add_chat_template(str(vocab["chat_template"]))
+    if chat_template:
+        writer.add_chat_template(str(vocab["chat_template"]))
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         return _bf16(rng.normal(0.0, sigma, (rows, cols)))

@@ -100,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
             **sampling,
         )
         stream = not args.json and len(prompts) == 1
+        if not args.no_chat and tok.chat_template is None:
+            # A base model (Gemma 3 270M's GGUF): the user asked for a chat turn, which it cannot render.
+            name = args.target or DEFAULT_TARGET
+            raise CliError(f"{name} has no chat template (a base model): pass --no-chat to send the prompt as is")
         for prompt in prompts:
             text = prompt if args.no_chat else tok.apply_chat_template([{"role": "user", "content": prompt}])
             prompt_ids = tok.encode(text)
