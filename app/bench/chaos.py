@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from app.bench.loadtest import auth_headers
+from app.bench.loadtest import auth_headers, percentile
 
 # The kinds of request and how often a client draws each.
 WEIGHTS = {"greedy": 30, "seeded": 18, "multiturn": 20, "disconnect": 8, "malformed": 6, "long": 8}
@@ -482,8 +482,8 @@ class Chaos:
             "long": {
                 "idle_cold_s": [round(t, 2) for t in idle.get("cold", [])],
                 "idle_warm_s": [round(t, 2) for t in idle.get("warm", [])],
-                "p50_s": _round(_at(longs, 0.5)),
-                "p99_s": _round(_at(longs, 0.99)),
+                "p50_s": _round(percentile(longs, 0.5)),
+                "p99_s": _round(percentile(longs, 0.99)),
                 "max_s": _round(longs[-1] if longs else None),
             },
             "rss": {
@@ -513,12 +513,6 @@ def _late(o: Outcome, limit: float) -> bool:
     return o.headers_s is None or o.headers_s > limit
 
 
-def _at(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
-
-
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
@@ -532,11 +526,11 @@ def _kind_summary(outs: list[Outcome], limit: float) -> dict[str, Any]:
         "no_first_byte": sum(1 for o in outs if _late(o, limit)),
         "hangs": sum(o.hang for o in outs),
         "bad_frames": sum(o.bad_frames for o in outs),
-        "first_byte_p50_s": _round(_at(heads, 0.5)),
-        "first_byte_p99_s": _round(_at(heads, 0.99)),
+        "first_byte_p50_s": _round(percentile(heads, 0.5)),
+        "first_byte_p99_s": _round(percentile(heads, 0.99)),
         "first_byte_max_s": _round(heads[-1] if heads else None),
-        "total_p50_s": _round(_at(totals, 0.5)),
-        "total_p99_s": _round(_at(totals, 0.99)),
+        "total_p50_s": _round(percentile(totals, 0.5)),
+        "total_p99_s": _round(percentile(totals, 0.99)),
         "total_max_s": _round(totals[-1] if totals else None),
         "stream_errors": dict(Counter(o.stream_error for o in outs if o.stream_error)),
         "queued_comments": sum(o.comments for o in outs),

@@ -26,7 +26,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,15 +55,16 @@ class Result:
     kind: str | None = None  # mixed: "long" or "short"
 
 
+def percentile(ordered: Sequence[float], q: float) -> float | None:
+    """The `q` quantile (0..1) of the sorted `ordered`, the nearest rank's value; None when empty."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
 def _percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p95": None, "p99": None}
     ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-    return {"p50": at(0.50), "p95": at(0.95), "p99": at(0.99)}
+    return {"p50": percentile(ordered, 0.50), "p95": percentile(ordered, 0.95), "p99": percentile(ordered, 0.99)}
 
 
 async def _one(
