@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -125,14 +125,46 @@ def target_bf16(target_f32: LoadedModel) -> LoadedModel:
     return LoadedModel(model, target_f32.tokenizer, target_f32.source + " (bfloat16)", 0.0)
 
 
+_READERS: dict[tuple[str, int, int], object] = {}
+
+
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF loads inside parse each file's header once per worker, not once per use.
+
+    Its `from_pretrained` runs the `gguf` package's pure-Python GGUFReader over the whole header for the config,
+    again for the weights, and again for a tokenizer: seconds each for a vocabulary of 49 k tokens, most of an
+    oracle load. The reader only reads, so one per file (keyed by its path, size and modification time) serves
+    them all; the oracle stays the `gguf` package's own reading."""
+    import gguf
+
+    real = gguf.GGUFReader
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> object:
+        if mode != "r":
+            return real(path, mode)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        if key not in _READERS:
+            _READERS[key] = real(path, mode)
+        return _READERS[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 @pytest.fixture(scope="session")
 def hf_target(target_path: Path):
     """transformers' LlamaForCausalLM for the same GGUF, dequantized to float32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(target_path.parent), gguf_file=target_path.name, dtype=torch.float32
-    )
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(target_path.parent), gguf_file=target_path.name, dtype=torch.float32
+        )
     return model.eval().requires_grad_(False)
 
 
@@ -140,7 +172,8 @@ def hf_target(target_path: Path):
 def hf_tokenizer(target_path: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(target_path.parent), gguf_file=target_path.name)
+    with gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(str(target_path.parent), gguf_file=target_path.name)
 
 
 @pytest.fixture(scope="session")
