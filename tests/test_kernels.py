@@ -181,9 +181,33 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
         kern.linear(w, b)(x),
         kern.linear(w, None)(x, norm=norm_w, eps=1e-5),
         kern.linear(w2, None)(gate_up, swiglu=True, residual=residual),
+        kern.linear(w2, None)(gate_up, geglu=True),
+        kern.rms_norm(x, norm_w, 1e-6),
+        kern.rms_norm(residual, norm_w, 1e-6, residual=x[:9]),
         _attend(kern, q, kc, vc, 250),
         _attend(kern, q[:, :1], kc, vc, 3),
     ]
+
+
+@pytest.mark.parametrize("name", HERE)
+def test_the_norms_and_geglu_outside_the_products_are_within_bf16_of_float64(name: str) -> None:
+    """Kernel.rms_norm (the q/k and post norms of a block) and GeGLU (gelu's tanh form, op 3) against float64:
+    within the bf16 rounding of their results."""
+    kern = kernels.load(name)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 256, generator=g) * 3).bfloat16()
+    w = (1 + torch.randn(256, generator=g) / 4).bfloat16()
+    res = torch.randn(7, 256, generator=g).bfloat16()
+    xd, wd = x.double(), w.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    torch.testing.assert_close(kern.rms_norm(x, w, 1e-6).double(), normed, rtol=8e-3, atol=1e-6)
+    both = kern.rms_norm(x, w, 1e-6, residual=res).double()
+    torch.testing.assert_close(both, normed.bfloat16().double() + res.double(), rtol=8e-3, atol=1e-2)
+    eye = torch.eye(64).bfloat16()  # the product passes the activation through: y = gelu(gate) * up
+    gate_up = (torch.randn(5, 128, generator=g) * 2).bfloat16()
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(kern.linear(eye, None)(gate_up, geglu=True).double(), want, rtol=8e-3, atol=1e-5)
 
 
 def assert_layer_stack_gives_layer_by_layer_bits(model: Transformer) -> None:

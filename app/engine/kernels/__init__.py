@@ -36,7 +36,7 @@ from app.engine.kernels import build, detect
 from app.engine.kernels.abi import SIGNATURES
 from app.engine.kernels.build import KernelUnavailable
 from app.engine.kernels.detect import bf16_arithmetic
-from app.engine.kernels.library import Kernel, KernelLinear, LayerStack, QuantLinear, attention_fits, fits
+from app.engine.kernels.library import Kernel, KernelLinear, LayerStack, QuantLinear, StackLayer, attention_fits, fits
 from app.engine.kernels.table import KERNELS, SPECS, STAND_INS, KernelSpec
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "KernelUnavailable",
     "LayerStack",
     "QuantLinear",
+    "StackLayer",
     "attention_fits",
     "available",
     "bf16_arithmetic",

@@ -14,9 +14,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "sk_linear": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_float, _P, _P]),
     "sk_qlinear": (None, [_I, _P, ctypes.c_long, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, ctypes.c_float, _P, _P]),
     "sk_attention": (None, [_P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I]),
+    "sk_rms_norm": (None, [_P, _P, _P, _I, _I, ctypes.c_float, _P]),
     "sk_layers": (
         None,
-        [_P, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P]
+        [_P, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P]
         + [ctypes.c_int64] * 3
         + [ctypes.c_float, ctypes.c_float, _I],
     ),
@@ -56,4 +57,6 @@ class Layer(ctypes.Structure):
     """One decoder layer of a layer stack (layers.h's sk_layer_t)."""
 
     _fields_ = [(name, Product) for name in ("qkv", "o", "gate_up", "down")]
-    _fields_ += [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("attn_norm", "ffn_norm", "q_norm", "k_norm")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("post_attn_norm", "post_ffn_norm")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("gelu", "window", "local")]

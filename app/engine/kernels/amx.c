@@ -136,13 +136,14 @@ static void add_rows(uint16_t *y, const uint16_t *residual, size_t count) {
 }
 
 /* w: [n/16][k/2][16][2] bf16 (see AmxLinear); x: [m, k] bf16, or with `op` 1 [m, k] to RMS-normalise with
-   norm_w and eps first, or with `op` 2 [m, 2k] = [gate | up] to turn into silu(gate) * up first; y: [m, n]
+   norm_w and eps first, or with `op` 2 (3) [m, 2k] = [gate | up] to turn into silu(gate) * up (GeGLU's) first; y: [m, n]
    bf16, plus `residual` [m, n] where given; bias: [n] f32 or NULL. k % 32 == 0, n % 64 == 0. Columns are
    split between threads; each thread configures its own tiles. */
 void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
                 int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch) {
     if (op == 1) { rmsnorm_rows(x, norm_w, eps, scratch, m, k); x = scratch; }
     else if (op == 2) { swiglu_rows(x, scratch, m, k); x = scratch; }
+    else if (op == 3) x = sk_prepare_rows(x, m, k, op, NULL, 0.0f, scratch, NULL);  /* GeGLU: rare, scalar */
     int total = n / 64;
     if (threads <= 1 || total < 2) {
         groups(w, x, y, bias, m, k, n, 0, total);

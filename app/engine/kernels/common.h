@@ -35,8 +35,8 @@ typedef struct {
 /* The interface each kernel library exports (ctypes signatures: app/engine/kernels/abi.py).
    sk_linear: y [m, n] = x [m, k] @ w.T (+ bias), w packed as the kernel's Python side lays it out; op 1:
    RMS-normalise each row of x with norm_w and eps first (rounded to bf16); op 2: x is [m, 2k] = [gate | up],
-   taken as silu(gate) * up (rounded to bf16) first; residual [m, n] added to the bf16 result where given.
-   scratch: [m, k] bf16 for op 1 and 2. */
+   taken as silu(gate) * up (rounded to bf16) first; op 3: as op 2 with gelu's tanh form for silu (GeGLU);
+   residual [m, n] added to the bf16 result where given. scratch: [m, k] bf16 for ops 1-3. */
 int sk_init(void);
 void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *bias, int m, int k, int n,
                int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch);
@@ -87,6 +87,20 @@ static inline float sk_exp(float x) {
 
 static inline float sk_silu_times(float g, float u) { return g / (1.0f + sk_exp(-g)) * u; }
 
+/* gelu's tanh form times u: 0.5 g (1 + tanh z) = g / (1 + exp(-2 z)), z = sqrt(2 / pi) (g + 0.044715 g^3). */
+static inline float sk_gelu_times(float g, float u) {
+    float z2 = 1.5957691216057308f * (g + 0.044715f * g * g * g);
+    return g / (1.0f + sk_exp(-z2)) * u;
+}
+
+/* Row xr [k] RMS-normalised with w and eps into out [k] (bf16, rounded once per element); `sum_squares`: the
+   kernel's, which gives the canonical lanes' bits (sk_sum_squares_ref). */
+static inline void sk_norm_row(const uint16_t *xr, int k, const uint16_t *w, float eps, uint16_t *out,
+                               float (*sum_squares)(const uint16_t *, int)) {
+    float scale = 1.0f / sqrtf(sum_squares(xr, k) / k + eps);
+    for (int c = 0; c < k; c++) out[c] = sk_f32_to_bf16(sk_bf16_to_f32(xr[c]) * scale * sk_bf16_to_f32(w[c]));
+}
+
 /* The lane tree: 16 partial sums -> 1. */
 static inline float sk_tree16(const float *l) {
     float a[8];
@@ -109,19 +123,16 @@ static inline void sk_split_row(const uint16_t *x, int k, float *odd, float *eve
 static inline const uint16_t *sk_prepare_rows(const uint16_t *x, int m, int k, int op, const uint16_t *norm_w,
                                               float eps, uint16_t *scratch, float (*sum_squares)(const uint16_t *, int)) {
     if (op == 1) {
-        for (int r = 0; r < m; r++) {
-            const uint16_t *xr = x + (size_t)r * k;
-            float scale = 1.0f / sqrtf(sum_squares(xr, k) / k + eps);
-            for (int c = 0; c < k; c++)
-                scratch[(size_t)r * k + c] = sk_f32_to_bf16(sk_bf16_to_f32(xr[c]) * scale * sk_bf16_to_f32(norm_w[c]));
-        }
+        for (int r = 0; r < m; r++) sk_norm_row(x + (size_t)r * k, k, norm_w, eps, scratch + (size_t)r * k, sum_squares);
         return scratch;
     }
-    if (op == 2) {
+    if (op == 2 || op == 3) {
         for (int r = 0; r < m; r++) {
             const uint16_t *g = x + (size_t)r * 2 * k, *u = g + k;
-            for (int c = 0; c < k; c++)
-                scratch[(size_t)r * k + c] = sk_f32_to_bf16(sk_silu_times(sk_bf16_to_f32(g[c]), sk_bf16_to_f32(u[c])));
+            for (int c = 0; c < k; c++) {
+                float gf = sk_bf16_to_f32(g[c]), uf = sk_bf16_to_f32(u[c]);
+                scratch[(size_t)r * k + c] = sk_f32_to_bf16(op == 2 ? sk_silu_times(gf, uf) : sk_gelu_times(gf, uf));
+            }
         }
         return scratch;
     }

@@ -18,10 +18,15 @@ typedef struct {
     const uint8_t *data[4];
 } sk_product_t;
 
-/* One layer: its four products (q/k/v fused, output, gate/up fused, down) and its two norms' weights. */
+/* One layer: its four products (q/k/v fused, output, gate/up fused, down) and its two norms' weights; what a block
+   beyond Llama's adds (NULL or 0: none): RMS norms over each head of q and of k before RoPE (Qwen3, Gemma 3),
+   norms on the attention's and the MLP's outputs before their residual adds (Gemma), GeGLU (gelu's tanh form)
+   for SwiGLU, a sliding window (the last `window` positions), and RoPE from the local tables. */
 typedef struct {
     sk_product_t qkv, o, gate_up, down;
     const uint16_t *attn_norm, *ffn_norm;
+    const uint16_t *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm;
+    int64_t gelu, window, local;
 } sk_layer_t;
 
 static inline void sk_product(const sk_product_t *p, const uint16_t *x, uint16_t *y, int m, int k, int threads,
@@ -41,26 +46,82 @@ static inline void sk_product(const sk_product_t *p, const uint16_t *x, uint16_t
 
 static inline uint16_t sk_bf16_mul(uint16_t a, uint16_t b) { return sk_f32_to_bf16(sk_bf16_to_f32(a) * sk_bf16_to_f32(b)); }
 
+/* y [m][k] = each row of x [m][k] RMS-normalised with w and eps (bf16, as a product's op 1), plus residual
+   [m][k] where given (rounded again, as sk_finish adds one). y may be x or residual: an element is read before
+   it is written. k % 16 == 0. The norms a block runs outside its products (q/k, post-attention, post-MLP). */
+void sk_rms_norm(const uint16_t *x, uint16_t *y, const uint16_t *w, int m, int k, float eps, const uint16_t *residual) {
+    uint16_t row[1024], *tmp = k <= 1024 ? row : malloc(sizeof(uint16_t) * (size_t)k);
+    for (int r = 0; r < m; r++) {
+        sk_norm_row(x + (size_t)r * k, k, w, eps, tmp, sk_sum_squares_ref);
+        uint16_t *yr = y + (size_t)r * k;
+        const uint16_t *res = residual ? residual + (size_t)r * k : NULL;
+        for (int c = 0; c < k; c++) yr[c] = res ? sk_f32_to_bf16(sk_bf16_to_f32(tmp[c]) + sk_bf16_to_f32(res[c])) : tmp[c];
+    }
+    if (tmp != row) free(tmp);
+}
+
+/* A chain part of t rows at start, of a layer with a sliding window: as the decoder's _window_parts, a row at
+   position p >= window attends positions p - window + 1..p as a part of its own over the cache seen from
+   p - window + 1 (the same strides; keys in their order, so each row's bits are its own). Returns the count. */
+static int sk_window_parts(const part_t *base, int64_t window, int q_stride, int k_stride, int v_stride,
+                           int out_stride, int d, part_t *out) {
+    if (!window || base->start + base->t <= window) {
+        out[0] = *base;
+        return 1;
+    }
+    int n = 0;
+    int64_t first = window - base->start > 0 ? window - base->start : 0;
+    if (first) {
+        out[n] = *base;
+        out[n++].t = first;
+    }
+    for (int64_t r = first; r < base->t; r++) {
+        int64_t shift = base->start + r - window + 1;
+        part_t p = *base;
+        p.q += r * q_stride;
+        p.k += r * k_stride;
+        p.v += r * v_stride;
+        p.out += r * out_stride;
+        p.kc += shift * d;
+        p.vc += shift * d;
+        p.t = 1;
+        p.start = window - 1;
+        out[n++] = p;
+    }
+    return n;
+}
+
 /* x [t][dim] (bf16, in place) through n_layers layers at positions start..start+t-1 of one sequence's cache:
    layer l's keys and values at kc + l * layer_stride, vc + l * layer_stride ([kv][cap][d]); cos, sin: [t][d]
-   (sin's first half negated, as rope_tables); inter: the MLP's width. */
+   (sin's first half negated, as rope_tables), cos_local, sin_local the same for layers with `local` (NULL
+   without); inter: the MLP's width. Every step is the layer-by-layer path's call on this library (products,
+   sk_rms_norm, sk_attention) with its arguments, so every value has its bits. */
 void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, int t, int dim, int h, int kv, int d, int inter,
-               const uint16_t *cos, const uint16_t *sin, uint16_t *kc, uint16_t *vc, int64_t layer_stride,
-               int64_t cap, int64_t start, float eps, float scale, int threads) {
+               const uint16_t *cos, const uint16_t *sin, const uint16_t *cos_local, const uint16_t *sin_local,
+               uint16_t *kc, uint16_t *vc, int64_t layer_stride, int64_t cap, int64_t start, float eps, float scale,
+               int threads) {
     int width = (h + 2 * kv) * d, rot = (h + kv) * d, big = 2 * inter > width ? 2 * inter : width;
     size_t widest = (size_t)(dim > inter ? dim : inter);
-    uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)t * ((size_t)big + rot + h * d + dim + widest));
+    uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)t * ((size_t)big + rot + h * d + 2 * dim + widest));
     uint16_t *wide = buf, *qk = wide + (size_t)t * big, *att = qk + (size_t)t * rot, *mid = att + (size_t)t * h * d,
-             *scratch = mid + (size_t)t * dim;
+             *out = mid + (size_t)t * dim, *scratch = out + (size_t)t * dim;
+    part_t *parts = malloc(sizeof(part_t) * (size_t)(t + 1));
     for (int l = 0; l < n_layers; l++) {
         const sk_layer_t *ly = &layers[l];
         sk_product(&ly->qkv, x, wide, t, dim, threads, 1, ly->attn_norm, eps, NULL, scratch);
+        if (ly->q_norm)  /* each head of q, then of k, in place: rows of d */
+            for (int r = 0; r < t; r++) {
+                uint16_t *row = wide + (size_t)r * width;
+                sk_rms_norm(row, row, ly->q_norm, h, d, eps, NULL);
+                sk_rms_norm(row + (size_t)h * d, row + (size_t)h * d, ly->k_norm, kv, d, eps, NULL);
+            }
+        const uint16_t *lc = ly->local ? cos_local : cos, *ls = ly->local ? sin_local : sin;
         /* RoPE on the query and key heads, out of place (the values stay where the product put them). */
         for (int r = 0; r < t; r++)
             for (int hh = 0; hh < h + kv; hh++) {
                 const uint16_t *src = wide + (size_t)r * width + (size_t)hh * d;
                 uint16_t *dst = qk + (size_t)r * rot + (size_t)hh * d;
-                const uint16_t *c = cos + (size_t)r * d, *s = sin + (size_t)r * d;
+                const uint16_t *c = lc + (size_t)r * d, *s = ls + (size_t)r * d;
                 for (int i = 0; i < d; i++) {
                     uint16_t a = sk_bf16_mul(src[i], c[i]), b = sk_bf16_mul(src[(i + d / 2) % d], s[i]);
                     dst[i] = sk_f32_to_bf16(sk_bf16_to_f32(a) + sk_bf16_to_f32(b));
@@ -77,11 +138,25 @@ void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, int t, int d
         part.cap = cap;
         part.t = t;
         part.start = start;
-        sk_attention(&part, 1, rot, rot, width, h, kv, d, scale, threads);
-        sk_product(&ly->o, att, mid, t, h * d, threads, 0, NULL, 0.0f, x, NULL);
+        int n_parts = sk_window_parts(&part, ly->window, rot, rot, width, h * d, d, parts);
+        sk_attention(parts, n_parts, rot, rot, width, h, kv, d, scale, threads);
+        /* h = x + o (or + its norm) into mid; then the MLP, x = h + down (or + its norm). */
+        if (ly->post_attn_norm) {
+            sk_product(&ly->o, att, out, t, h * d, threads, 0, NULL, 0.0f, NULL, NULL);
+            sk_rms_norm(out, mid, ly->post_attn_norm, t, dim, eps, x);
+        } else {
+            sk_product(&ly->o, att, mid, t, h * d, threads, 0, NULL, 0.0f, x, NULL);
+        }
         sk_product(&ly->gate_up, mid, wide, t, dim, threads, 1, ly->ffn_norm, eps, NULL, scratch);
-        sk_product(&ly->down, wide, x, t, inter, threads, 2, NULL, 0.0f, mid, scratch);
+        int act = ly->gelu ? 3 : 2;
+        if (ly->post_ffn_norm) {
+            sk_product(&ly->down, wide, out, t, inter, threads, act, NULL, 0.0f, NULL, scratch);
+            sk_rms_norm(out, x, ly->post_ffn_norm, t, dim, eps, mid);
+        } else {
+            sk_product(&ly->down, wide, x, t, inter, threads, act, NULL, 0.0f, mid, scratch);
+        }
     }
+    free(parts);
     free(buf);
 }
 

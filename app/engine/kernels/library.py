@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +37,27 @@ class Kernel:
     def qlinear(self, weight: QuantizedWeight, bias: Tensor | None) -> QuantLinear:
         """`weight` [N, K]: GGUF blocks (see `app.engine.kernels.quantized`), computed on as they are."""
         return QuantLinear(self, weight, bias)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+        """Each row of x [..., K] (bf16, K % 16 == 0) RMS-normalised with `weight` [K] and `eps`, as a product's
+        fused norm computes it, plus `residual` (as x) where given: the norms a block runs outside its products
+        (q/k heads, post-attention, post-MLP), with the bits the layer stack gives them."""
+        k = x.shape[-1]
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        if residual is not None:
+            assert residual.shape == x.shape
+            residual = residual.contiguous()
+        self._lib.sk_rms_norm(
+            x.data_ptr(),
+            y.data_ptr(),
+            weight.contiguous().data_ptr(),
+            x.numel() // k,
+            k,
+            eps,
+            None if residual is None else residual.data_ptr(),
+        )
+        return y
 
     @property
     def dot(self) -> str | None:
@@ -102,19 +124,39 @@ class Kernel:
 Product = "KernelLinear | QuantLinear"
 
 
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer of a `LayerStack`: its four products (`KernelLinear` or `QuantLinear` of the stack's
+    kernel, none padded) and norm weights [dim] (bf16), and what a block beyond Llama's adds (layers.h's
+    sk_layer_t): q/k norms [head_dim], post-attention and post-MLP norms [dim], GeGLU for SwiGLU, a sliding
+    `window` (0: none), RoPE from the local tables."""
+
+    qkv: Product
+    o: Product
+    gate_up: Product
+    down: Product
+    attn_norm: Tensor
+    ffn_norm: Tensor
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
+    post_attn_norm: Tensor | None = None
+    post_ffn_norm: Tensor | None = None
+    gelu: bool = False
+    window: int = 0
+    local: bool = False
+
+
 class LayerStack:
     """A decoder's layers run in one kernel call (layers.h): the products, RMS norms, RoPE, cached attention and
     residuals of every layer, each value with the bits the layer-by-layer calls give (the same kernels, the
     same arguments), without a Python or torch call between them.
 
-    `layers`: per layer (qkv, o, gate_up, down, attn_norm weight [dim], ffn_norm weight [dim]), the products
-    `KernelLinear` or `QuantLinear` of one kernel, none padded; `heads`, `kv_heads`, `head_dim` and `eps` as
-    the model's."""
+    `layers`: one `StackLayer` each; `heads`, `kv_heads`, `head_dim` and `eps` as the model's."""
 
     def __init__(
         self,
         kernel: Kernel,
-        layers: Sequence[tuple[Product, Product, Product, Product, Tensor, Tensor]],
+        layers: Sequence[StackLayer],
         heads: int,
         kv_heads: int,
         head_dim: int,
@@ -123,16 +165,25 @@ class LayerStack:
         self.kernel = kernel
         self._keep: list[Tensor] = []  # what the table points into
         self._table = (abi.Layer * len(layers))()
-        for i, (qkv, o, gate_up, down, attn_norm, ffn_norm) in enumerate(layers):
+        for i, layer in enumerate(layers):
             entry = self._table[i]
-            for name, product in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down)):
-                self._product(getattr(entry, name), product)
-            norms = [attn_norm.contiguous(), ffn_norm.contiguous()]
-            self._keep += norms
-            entry.attn_norm, entry.ffn_norm = norms[0].data_ptr(), norms[1].data_ptr()
+            for name in ("qkv", "o", "gate_up", "down"):
+                self._product(getattr(entry, name), getattr(layer, name))
+            for name in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"):
+                norm = getattr(layer, name)
+                if norm is not None:
+                    if norm.dtype != torch.bfloat16:
+                        raise ValueError("a layer stack's norms are bf16")
+                    norm = norm.contiguous()
+                    self._keep.append(norm)
+                    setattr(entry, name, norm.data_ptr())
+            if (layer.q_norm is None) != (layer.k_norm is None):
+                raise ValueError("a layer stack norms q and k both or neither")
+            entry.gelu, entry.window, entry.local = int(layer.gelu), layer.window, int(layer.local)
         self.n_layers = len(layers)
-        self.dim = layers[0][0].in_features
-        self.inter = layers[0][3].in_features
+        self.dim = layers[0].qkv.in_features
+        self.inter = layers[0].down.in_features
+        self.local = any(layer.local for layer in layers)
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
 
     def _product(self, out: abi.Product, product: Product) -> None:
@@ -156,12 +207,25 @@ class LayerStack:
             out.type[s], out.rows[s], out.row_bytes[s] = qtype, data.shape[0], data.shape[1]
             out.data[s] = data.data_ptr()
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, start: int) -> Tensor:
+    def __call__(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        start: int,
+        local: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         """x [1, T, dim] bf16 through every layer at positions start..start+T-1; returns the new x [1, T, dim].
-        cos, sin: [T, 1, head_dim] (`rope_tables`'); k_cache, v_cache: [layers, 1, kv_heads, capacity, head_dim]
-        bf16, written at those positions as the layers' attention does."""
+        cos, sin: [T, 1, head_dim] (`rope_tables`'); `local`: the same for the layers with `local` RoPE;
+        k_cache, v_cache: [layers, 1, kv_heads, capacity, head_dim] bf16, written at those positions as the
+        layers' attention does."""
         x = x.contiguous().clone()
         cos, sin = cos.contiguous(), sin.contiguous()
+        if self.local and local is None:
+            raise ValueError("this stack's local layers need the local RoPE tables")
+        cos_l, sin_l = (t.contiguous() for t in local) if local is not None else (cos, sin)
         t = x.shape[1]
         cap = k_cache.shape[3]
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == 1):
@@ -178,6 +242,8 @@ class LayerStack:
             self.inter,
             cos.data_ptr(),
             sin.data_ptr(),
+            cos_l.data_ptr(),
+            sin_l.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             k_cache.stride(0),
@@ -233,13 +299,15 @@ class KernelLinear:
         eps: float = 0.0,
         swiglu: bool = False,
         residual: Tensor | None = None,
+        geglu: bool = False,
     ) -> Tensor:
         """x [..., K] -> [..., N]. Fused around the product, each row on its own: `norm` [K]: RMS-normalise x
         with this weight and `eps` first; `swiglu`: x is [..., 2K] = [gate | up], multiplied as
-        silu(gate) * up; `residual` [..., N]: added to the result."""
+        silu(gate) * up (`geglu`: with gelu's tanh form, common.h's sk_gelu_times); `residual` [..., N]: added
+        to the result."""
         x = x.contiguous()
         k = self.in_features
-        rows, op, scratch = _fusion(x, k, norm, swiglu)
+        rows, op, scratch = _fusion(x, k, norm, swiglu, geglu)
         y = torch.empty(*x.shape[:-1], self._padded, dtype=torch.bfloat16)
         if residual is not None:
             assert self._padded == self.out_features and residual.shape == y.shape
@@ -263,11 +331,12 @@ class KernelLinear:
         return y if self._padded == self.out_features else y[..., : self.out_features]
 
 
-def _fusion(x: Tensor, k: int, norm: Tensor | None, swiglu: bool) -> tuple[int, int, Tensor | None]:
-    """What a product kernel fuses before its product, for x [..., K] (or [..., 2K] with swiglu): (rows, the
-    op code the C side takes: 0 none, 1 RMS norm, 2 SwiGLU, and the bf16 scratch [rows, K] the op writes)."""
-    rows = x.numel() // (2 * k if swiglu else k)
-    op = 1 if norm is not None else 2 if swiglu else 0
+def _fusion(x: Tensor, k: int, norm: Tensor | None, swiglu: bool, geglu: bool) -> tuple[int, int, Tensor | None]:
+    """What a product kernel fuses before its product, for x [..., K] (or [..., 2K] with swiglu or geglu): (rows,
+    the op code the C side takes: 0 none, 1 RMS norm, 2 SwiGLU, 3 GeGLU, and the bf16 scratch [rows, K] the op
+    writes)."""
+    rows = x.numel() // (2 * k if swiglu or geglu else k)
+    op = 1 if norm is not None else 2 if swiglu else 3 if geglu else 0
     return rows, op, torch.empty(rows, k, dtype=torch.bfloat16) if op else None
 
 
@@ -292,11 +361,12 @@ class QuantLinear:
         eps: float = 0.0,
         swiglu: bool = False,
         residual: Tensor | None = None,
+        geglu: bool = False,
     ) -> Tensor:
-        """x [..., K] -> [..., N]; `norm`, `eps`, `swiglu` and `residual` as `KernelLinear`."""
+        """x [..., K] -> [..., N]; `norm`, `eps`, `swiglu`, `residual` and `geglu` as `KernelLinear`."""
         x = x.contiguous()
         k, n = self.in_features, self.out_features
-        rows, op, scratch = _fusion(x, k, norm, swiglu)
+        rows, op, scratch = _fusion(x, k, norm, swiglu, geglu)
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         if residual is not None:
             assert residual.shape == y.shape

@@ -30,6 +30,19 @@ from app.engine.kernels.quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
 ACTIVATIONS = ("silu", "gelu_tanh")
+# What a block may do beyond Llama's and still run in the C layer stack (layers.h's sk_layer_t; the embeddings'
+# scale and the logits' soft-capping lie outside the layers).
+STACK_FEATURES = frozenset(
+    {
+        "q/k norms",
+        "post-attention and post-MLP norms",
+        "GeGLU",
+        "scaled embeddings",
+        "final logit soft-capping",
+        "sliding-window layers",
+        "a local RoPE base",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,8 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float = 0.0  # the sliding layers' RoPE base, without scaling (Gemma 3); 0: rope_theta
     # Whether the C layer stack (one kernel call for every layer) may run this model: an architecture opts in,
-    # and only a plain Llama block can (the stack knows nothing of the fields above).
+    # and only a block whose every feature the stack runs can (STACK_FEATURES; not a query scale nor soft-capped
+    # attention).
     fused_stack: bool = False
 
     def __post_init__(self) -> None:
@@ -75,15 +89,16 @@ class ModelConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
-        if self.fused_stack and self.block_features():
-            raise ValueError(f"the C layer stack runs plain Llama blocks only, not {', '.join(self.block_features())}")
+        beyond = [f for f in self.block_features() if f not in STACK_FEATURES]
+        if self.fused_stack and beyond:
+            raise ValueError(f"the C layer stack does not run {', '.join(beyond)}")
 
     def block_features(self) -> list[str]:
         """What this block does that a plain Llama block does not (empty for the Llama family)."""
         features = {
             "q/k norms": self.qk_norm,
             "post-attention and post-MLP norms": self.sandwich_norms,
-            self.activation: self.activation != "silu",
+            "GeGLU": self.activation == "gelu_tanh",
             "scaled embeddings": self.embed_scale != 1.0,
             "a query scale": self.attn_scale != 0.0,
             "attention soft-capping": self.attn_softcap != 0.0,
@@ -198,6 +213,7 @@ class _Attention(nn.Module):
         # One fused projection: three small matmuls cost three dispatches on the hot path.
         self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(q_size, config.dim, bias=False)
+        self.eps = config.norm_eps
         self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         # None: SDPA's own 1 / sqrt(head_dim) (the kernel's too).
@@ -250,13 +266,20 @@ class _Attention(nn.Module):
         ]
         return torch.cat(ys, dim=1)
 
-    def _project(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _project(
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, kernel: Kernel | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         # qkv [B, T, (H + 2 KV) * D] -> q [B, T, H, D], k and v [B, T, KV, D]; q and k rotated in one pass.
+        # `kernel`: the q/k norms run on it (its bits, which the layer stack's are), not in torch.
         b, t, _ = qkv.shape
         h, kv = self.n_heads, self.n_kv_heads
         heads = qkv.view(b, t, h + 2 * kv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat([self.q_norm(heads[:, :, :h]), self.k_norm(heads[:, :, h : h + kv])], dim=2)
+            if kernel is not None:
+                q = kernel.rms_norm(heads[:, :, :h], self.q_norm.weight, self.eps)
+                qk = torch.cat([q, kernel.rms_norm(heads[:, :, h : h + kv], self.k_norm.weight, self.eps)], dim=2)
+            else:
+                qk = torch.cat([self.q_norm(heads[:, :, :h]), self.k_norm(heads[:, :, h : h + kv])], dim=2)
         else:
             qk = heads[:, :, : h + kv]
         qk = _apply_rope(qk, cos, sin)
@@ -597,6 +620,7 @@ class DecoderBlock(nn.Module):
         self.post_attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps) if sandwich else None
         self.post_ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps) if sandwich else None
         self.gelu = config.activation == "gelu_tanh"
+        self._eps = config.norm_eps
         self.sliding = layer in config.sliding_layers
 
     def forward(
@@ -609,15 +633,15 @@ class DecoderBlock(nn.Module):
         start_pos: int,
         mask: Tensor | None,
     ) -> Tensor:
-        fused = self._fusable()
-        q, k, v = self.attn._project(self._qkv(x, fused, False), cos, sin)
-        return self._rest(self.attn._attend(q, k, v, layer, cache, start_pos, mask), x, fused, False)
+        kernel = self._kernel()
+        q, k, v = self.attn._project(self._qkv(x, kernel is not None, False), cos, sin, kernel)
+        return self._rest(self.attn._attend(q, k, v, layer, cache, start_pos, mask), x, kernel, False)
 
     def forward_parts(self, x: Tensor, layout: RowsLayout, layer: int) -> Tensor:
         """The layer over several sequences' rows at once (see `_Attention.forward_parts`)."""
-        fused = self._fusable()  # a kernel's rows do not depend on the row count: no chunking
-        q, k, v = self.attn._project(self._qkv(x, fused, True), *layout.tables(self.sliding))
-        return self._rest(self.attn._attend_parts(q, k, v, layout, layer), x, fused, True)
+        kernel = self._kernel()  # a kernel's rows do not depend on the row count: no chunking
+        q, k, v = self.attn._project(self._qkv(x, kernel is not None, True), *layout.tables(self.sliding), kernel)
+        return self._rest(self.attn._attend_parts(q, k, v, layout, layer), x, kernel, True)
 
     def _fusable(self) -> bool:
         # Every product on a kernel: the norms, SwiGLU and residual adds then run inside the product calls (about a
@@ -625,25 +649,32 @@ class DecoderBlock(nn.Module):
         products = (self.attn.wqkv, self.attn.wo, self.w13, self.w2)
         return all(isinstance(p, PackedLinear) and p.fused is not None for p in products)
 
+    def _kernel(self) -> Kernel | None:
+        # The kernel every product runs on (`_fusable`), which then runs the block's other norms and GeGLU too.
+        return self.attn.wqkv.fused.kernel if self._fusable() else None
+
     def _qkv(self, x: Tensor, fused: bool, chunked: bool) -> Tensor:
         if fused:
             return self.attn.wqkv.fused(x, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
         h = self.attn_norm(x)
         return _rows(self.attn.wqkv, h) if chunked else self.attn.wqkv(h)
 
-    def _rest(self, y: Tensor, x: Tensor, fused: bool, chunked: bool) -> Tensor:
+    def _rest(self, y: Tensor, x: Tensor, kernel: Kernel | None, chunked: bool) -> Tensor:
         """After attention (`y`, the heads' outputs; `x`, the layer's input): the output projection, the residual,
-        the MLP and its residual."""
+        the MLP and its residual. On a `kernel` (every product on it): norms, activation and residual adds in the
+        kernel's calls (what the layer stack runs, with its bits)."""
         a = self.attn
-        if fused:
+        if kernel is not None:
             # The residual rides along with the product unless a norm comes between them.
-            h = a.wo.fused(y, residual=x) if self.post_attn_norm is None else x + self.post_attn_norm(a.wo.fused(y))
+            if self.post_attn_norm is None:
+                h = a.wo.fused(y, residual=x)
+            else:
+                h = kernel.rms_norm(a.wo.fused(y), self.post_attn_norm.weight, self._eps, residual=x)
             gate_up = self.w13.fused(h, norm=self.ffn_norm.weight, eps=self.ffn_norm.eps)
-            if not self.gelu:
-                if self.post_ffn_norm is None:
-                    return self.w2.fused(gate_up, swiglu=True, residual=h)
-                return h + self.post_ffn_norm(self.w2.fused(gate_up, swiglu=True))
-            return h + self._post_ffn(self.w2.fused(self._act(gate_up)))
+            act = {"geglu": True} if self.gelu else {"swiglu": True}
+            if self.post_ffn_norm is None:
+                return self.w2.fused(gate_up, residual=h, **act)
+            return kernel.rms_norm(self.w2.fused(gate_up, **act), self.post_ffn_norm.weight, self._eps, residual=h)
         o = _rows(a.wo, y) if chunked else a.wo(y)
         h = x + (o if self.post_attn_norm is None else self.post_attn_norm(o))
         n = self.ffn_norm(h)
@@ -712,12 +743,12 @@ class Transformer(nn.Module):
         if self.kernel is None:
             return
         if not cfg.fused_stack and all(block._fusable() for block in self.layers):
+            beyond = [f for f in cfg.block_features() if f not in STACK_FEATURES]
             log.info(
-                "%s: layer by layer (products fused on the %s kernel; the C layer stack runs plain Llama blocks, "
-                "not %s)",
+                "%s: layer by layer (products fused on the %s kernel; the C layer stack does not run %s)",
                 cfg.architecture,
                 self.kernel.name,
-                ", ".join(cfg.block_features()) or "this one",
+                ", ".join(beyond) or "this architecture",
             )
         if not self.rows_independent():
             why = (
@@ -736,7 +767,7 @@ class Transformer(nn.Module):
     def _layer_stack(self) -> kernels.LayerStack | None:
         # Every product and the attention on the kernel: one call runs all the layers of a sequence's forward
         # (per-call overhead of a dozen small calls per layer cost about as much as a decoding step's products).
-        # Only where the architecture declares its block a plain Llama one (`ModelConfig.fused_stack`).
+        # Only where the architecture opts in (`ModelConfig.fused_stack`: its block's features are the stack's).
         cfg = self.config
         if not cfg.fused_stack:
             return None
@@ -745,7 +776,21 @@ class Transformer(nn.Module):
         if not all(block._fusable() for block in self.layers):
             return None
         layers = [
-            (b.attn.wqkv.fused, b.attn.wo.fused, b.w13.fused, b.w2.fused, b.attn_norm.weight, b.ffn_norm.weight)
+            kernels.StackLayer(
+                b.attn.wqkv.fused,
+                b.attn.wo.fused,
+                b.w13.fused,
+                b.w2.fused,
+                b.attn_norm.weight,
+                b.ffn_norm.weight,
+                None if b.attn.q_norm is None else b.attn.q_norm.weight,
+                None if b.attn.k_norm is None else b.attn.k_norm.weight,
+                None if b.post_attn_norm is None else b.post_attn_norm.weight,
+                None if b.post_ffn_norm is None else b.post_ffn_norm.weight,
+                gelu=b.gelu,
+                window=b.attn.window,
+                local=b.sliding,
+            )
             for b in self.layers
         ]
         try:
@@ -887,7 +932,7 @@ class Transformer(nn.Module):
         stack = self._stack if mask is None and cache is not None and cache.kernel is self.kernel else None
         if stack is not None and stack.n_layers == len(self.layers):
             # The layers below in one call, bit for bit (the cache has one sequence and attends on the kernel).
-            x = stack(x, cos, sin, cache.k, cache.v, start_pos)
+            x = stack(x, cos, sin, cache.k, cache.v, start_pos, local)
         else:
             for i, layer in enumerate(self.layers):
                 c, s = local if layer.sliding else (cos, sin)

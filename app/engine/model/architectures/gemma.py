@@ -55,6 +55,7 @@ def _gguf_fields(name: str, pattern: int) -> Any:
         else:
             out["qk_norm"] = True
             out["rope_local_theta"] = float(meta("rope.freq_base_swa", 10000.0))
+            out["fused_stack"] = not out["attn_scale"]  # the stack's attention scales by 1 / sqrt(head_dim)
         return out
 
     return fields
@@ -76,6 +77,7 @@ def _hf_fields(name: str, pattern: int) -> Any:
             out["final_softcap"] = float(c.get("final_logit_softcapping") or 0.0)
             return out
         out["qk_norm"] = True
+        out["fused_stack"] = not out["attn_scale"]  # the stack's attention scales by 1 / sqrt(head_dim)
         out["final_softcap"] = float(c.get("final_logit_softcapping") or 0.0)
         rope = c.get("rope_parameters") or {}
         if "full_attention" in rope:  # transformers 5: one RoPE per layer type

@@ -19,14 +19,16 @@ def _fields(meta: Meta, common: dict[str, Any]) -> dict[str, Any]:
     if int(rotary) != head_dim:
         raise WeightsError(f"phi3: a partial rotary ({rotary} of {head_dim} dimensions) is not supported")
     window = int(meta("attention.sliding_window", 0) or 0)
-    return {"head_dim": head_dim, "sliding_window": window, "sliding_layers": tuple(range(common["n_layers"]))}
+    sliding = tuple(range(common["n_layers"]))
+    return {"head_dim": head_dim, "sliding_window": window, "sliding_layers": sliding, "fused_stack": True}
 
 
 def _hf_fields(c: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
         raise WeightsError("phi3: a partial rotary is not supported")
     window = int(c.get("sliding_window") or 0)
-    return {"sliding_window": window, "sliding_layers": tuple(range(common["n_layers"])) if window else ()}
+    sliding = tuple(range(common["n_layers"])) if window else ()
+    return {"sliding_window": window, "sliding_layers": sliding, "fused_stack": True}
 
 
 def _gguf_layer(t: Layer, config: ModelConfig) -> dict[str, Weight]:

@@ -17,11 +17,11 @@ from app.engine.model.transformer import ModelConfig
 
 
 def _fields(meta: Meta, common: dict[str, Any]) -> dict[str, Any]:
-    return {"qk_norm": True}
+    return {"qk_norm": True, "fused_stack": True}
 
 
 def _hf_fields(c: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
-    return {"qk_norm": True, "qkv_bias": bool(c.get("attention_bias", False))}
+    return {"qk_norm": True, "fused_stack": True, "qkv_bias": bool(c.get("attention_bias", False))}
 
 
 def _gguf_layer(t: Layer, config: ModelConfig) -> dict[str, Weight]:
