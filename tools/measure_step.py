@@ -1,5 +1,6 @@
 """Where a 1-row decoding step's time goes: the layers (`Transformer.hidden` for one token after a 300-token
-prompt), the head (`logits`) and the argmax, medians of N (default 25) on T threads (default 2).
+prompt), the head (`logits`) and the greedy choice (the engine's float32 argmax), medians of N (default 25) on T
+threads (default 2).
 
 Run: .venv/bin/python tools/measure_step.py [MODEL]   (a catalog name, default gemma-3-270m-q4_k_m; W=native|bf16)
 """
@@ -12,6 +13,7 @@ import time
 import torch
 
 from app import store
+from app.engine.decoding.sampling import argmax
 from app.engine.model.loading import load_model
 
 
@@ -35,7 +37,7 @@ def main() -> None:
             t1 = time.perf_counter()
             logits = model.logits(hidden[:, -1])
             t2 = time.perf_counter()
-            int(logits.argmax(-1))
+            int(argmax(logits.float()))  # as the greedy chooser takes it
             t3 = time.perf_counter()
             for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 times[key].append(dt)
