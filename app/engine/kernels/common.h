@@ -93,12 +93,16 @@ static inline float sk_gelu_times(float g, float u) {
     return g / (1.0f + sk_exp(-z2)) * u;
 }
 
-/* Row xr [k] RMS-normalised with w and eps into out [k] (bf16, rounded once per element); `sum_squares`: the
-   kernel's, which gives the canonical lanes' bits (sk_sum_squares_ref). */
-static inline void sk_norm_row(const uint16_t *xr, int k, const uint16_t *w, float eps, uint16_t *out,
-                               float (*sum_squares)(const uint16_t *, int)) {
+/* Row xr [k] RMS-normalised with w and eps into out [k] (bf16, rounded once per element), plus res [k] where
+   given (rounded again, as sk_finish adds a residual); `sum_squares`: the kernel's, which gives the canonical
+   lanes' bits (sk_sum_squares_ref). out may be xr or res: each element is read before it is written. */
+static inline void sk_norm_row(const uint16_t *xr, int k, const uint16_t *w, float eps, const uint16_t *res,
+                               uint16_t *out, float (*sum_squares)(const uint16_t *, int)) {
     float scale = 1.0f / sqrtf(sum_squares(xr, k) / k + eps);
-    for (int c = 0; c < k; c++) out[c] = sk_f32_to_bf16(sk_bf16_to_f32(xr[c]) * scale * sk_bf16_to_f32(w[c]));
+    for (int c = 0; c < k; c++) {
+        uint16_t y = sk_f32_to_bf16(sk_bf16_to_f32(xr[c]) * scale * sk_bf16_to_f32(w[c]));
+        out[c] = res ? sk_f32_to_bf16(sk_bf16_to_f32(y) + sk_bf16_to_f32(res[c])) : y;
+    }
 }
 
 /* The lane tree: 16 partial sums -> 1. */
@@ -123,7 +127,7 @@ static inline void sk_split_row(const uint16_t *x, int k, float *odd, float *eve
 static inline const uint16_t *sk_prepare_rows(const uint16_t *x, int m, int k, int op, const uint16_t *norm_w,
                                               float eps, uint16_t *scratch, float (*sum_squares)(const uint16_t *, int)) {
     if (op == 1) {
-        for (int r = 0; r < m; r++) sk_norm_row(x + (size_t)r * k, k, norm_w, eps, scratch + (size_t)r * k, sum_squares);
+        for (int r = 0; r < m; r++) sk_norm_row(x + (size_t)r * k, k, norm_w, eps, NULL, scratch + (size_t)r * k, sum_squares);
         return scratch;
     }
     if (op == 2 || op == 3) {

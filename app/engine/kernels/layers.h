@@ -50,14 +50,9 @@ static inline uint16_t sk_bf16_mul(uint16_t a, uint16_t b) { return sk_f32_to_bf
    [m][k] where given (rounded again, as sk_finish adds one). y may be x or residual: an element is read before
    it is written. k % 16 == 0. The norms a block runs outside its products (q/k, post-attention, post-MLP). */
 void sk_rms_norm(const uint16_t *x, uint16_t *y, const uint16_t *w, int m, int k, float eps, const uint16_t *residual) {
-    uint16_t row[1024], *tmp = k <= 1024 ? row : malloc(sizeof(uint16_t) * (size_t)k);
-    for (int r = 0; r < m; r++) {
-        sk_norm_row(x + (size_t)r * k, k, w, eps, tmp, sk_sum_squares_ref);
-        uint16_t *yr = y + (size_t)r * k;
-        const uint16_t *res = residual ? residual + (size_t)r * k : NULL;
-        for (int c = 0; c < k; c++) yr[c] = res ? sk_f32_to_bf16(sk_bf16_to_f32(tmp[c]) + sk_bf16_to_f32(res[c])) : tmp[c];
-    }
-    if (tmp != row) free(tmp);
+    for (int r = 0; r < m; r++)
+        sk_norm_row(x + (size_t)r * k, k, w, eps, residual ? residual + (size_t)r * k : NULL, y + (size_t)r * k,
+                    sk_sum_squares_ref);
 }
 
 /* A chain part of t rows at start, of a layer with a sliding window: as the decoder's _window_parts, a row at

@@ -43,6 +43,8 @@ class Kernel:
         fused norm computes it, plus `residual` (as x) where given: the norms a block runs outside its products
         (q/k heads, post-attention, post-MLP), with the bits the layer stack gives them."""
         k = x.shape[-1]
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or k % 16 or weight.shape != (k,):
+            raise ValueError("rms_norm takes bf16 rows of a multiple of 16 and a bf16 weight of that size")
         x = x.contiguous()
         y = torch.empty_like(x)
         if residual is not None:

@@ -89,9 +89,8 @@ class ModelConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
-        beyond = [f for f in self.block_features() if f not in STACK_FEATURES]
-        if self.fused_stack and beyond:
-            raise ValueError(f"the C layer stack does not run {', '.join(beyond)}")
+        if self.fused_stack and self.beyond_stack():
+            raise ValueError(f"the C layer stack does not run {', '.join(self.beyond_stack())}")
 
     def block_features(self) -> list[str]:
         """What this block does that a plain Llama block does not (empty for the Llama family)."""
@@ -107,6 +106,10 @@ class ModelConfig:
             "a local RoPE base": self.rope_local_theta != 0.0,
         }
         return [name for name, on in features.items() if on]
+
+    def beyond_stack(self) -> list[str]:
+        """The block's features the C layer stack does not run (`STACK_FEATURES`); empty where it may run it."""
+        return [f for f in self.block_features() if f not in STACK_FEATURES]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -213,7 +216,6 @@ class _Attention(nn.Module):
         # One fused projection: three small matmuls cost three dispatches on the hot path.
         self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(q_size, config.dim, bias=False)
-        self.eps = config.norm_eps
         self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         # None: SDPA's own 1 / sqrt(head_dim) (the kernel's too).
@@ -276,8 +278,8 @@ class _Attention(nn.Module):
         heads = qkv.view(b, t, h + 2 * kv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             if kernel is not None:
-                q = kernel.rms_norm(heads[:, :, :h], self.q_norm.weight, self.eps)
-                qk = torch.cat([q, kernel.rms_norm(heads[:, :, h : h + kv], self.k_norm.weight, self.eps)], dim=2)
+                q = kernel.rms_norm(heads[:, :, :h], self.q_norm.weight, self.q_norm.eps)
+                qk = torch.cat([q, kernel.rms_norm(heads[:, :, h : h + kv], self.k_norm.weight, self.k_norm.eps)], 2)
             else:
                 qk = torch.cat([self.q_norm(heads[:, :, :h]), self.k_norm(heads[:, :, h : h + kv])], dim=2)
         else:
@@ -620,7 +622,6 @@ class DecoderBlock(nn.Module):
         self.post_attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps) if sandwich else None
         self.post_ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps) if sandwich else None
         self.gelu = config.activation == "gelu_tanh"
-        self._eps = config.norm_eps
         self.sliding = layer in config.sliding_layers
 
     def forward(
@@ -669,12 +670,13 @@ class DecoderBlock(nn.Module):
             if self.post_attn_norm is None:
                 h = a.wo.fused(y, residual=x)
             else:
-                h = kernel.rms_norm(a.wo.fused(y), self.post_attn_norm.weight, self._eps, residual=x)
+                h = kernel.rms_norm(a.wo.fused(y), self.post_attn_norm.weight, self.post_attn_norm.eps, residual=x)
             gate_up = self.w13.fused(h, norm=self.ffn_norm.weight, eps=self.ffn_norm.eps)
             act = {"geglu": True} if self.gelu else {"swiglu": True}
             if self.post_ffn_norm is None:
                 return self.w2.fused(gate_up, residual=h, **act)
-            return kernel.rms_norm(self.w2.fused(gate_up, **act), self.post_ffn_norm.weight, self._eps, residual=h)
+            d = self.w2.fused(gate_up, **act)
+            return kernel.rms_norm(d, self.post_ffn_norm.weight, self.post_ffn_norm.eps, residual=h)
         o = _rows(a.wo, y) if chunked else a.wo(y)
         h = x + (o if self.post_attn_norm is None else self.post_attn_norm(o))
         n = self.ffn_norm(h)
@@ -743,12 +745,11 @@ class Transformer(nn.Module):
         if self.kernel is None:
             return
         if not cfg.fused_stack and all(block._fusable() for block in self.layers):
-            beyond = [f for f in cfg.block_features() if f not in STACK_FEATURES]
             log.info(
                 "%s: layer by layer (products fused on the %s kernel; the C layer stack does not run %s)",
                 cfg.architecture,
                 self.kernel.name,
-                ", ".join(beyond) or "this architecture",
+                ", ".join(cfg.beyond_stack()) or "this architecture",
             )
         if not self.rows_independent():
             why = (
