@@ -143,14 +143,14 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
     x = torch.randn(27, 512, generator=g).bfloat16()
     norm_w = (1 + torch.randn(512, generator=g) / 4).bfloat16()
     gate_up = torch.randn(3, 1024, generator=g).bfloat16()
-    residual = torch.randn(3, 40, generator=g).bfloat16()
+    residual = torch.randn(3, 43, generator=g).bfloat16()
     out = []
     for i, qtype in enumerate(FORMATS):
-        weight = random_weight(qtype, 40, 512, seed=20 + i)
-        bias = torch.randn(40, generator=g).bfloat16()
+        weight = random_weight(qtype, 43, 512, seed=20 + i)  # 5 groups of 8 columns and 3 (quant.h's x8 layout)
+        bias = torch.randn(43, generator=g).bfloat16()
         out += [kern.qlinear(weight, bias)(x), kern.qlinear(weight, None)(x[:11], norm=norm_w, eps=1e-5)]
         out.append(kern.qlinear(weight, None)(gate_up, swiglu=True, residual=residual))
-        # Every tile shape of a step and a verification: 1 row (4 columns), 2, 5 and 6 (4 + a rest).
+        # Every tile shape of a step and a verification: 1 row, 2, 5 and 6 (4 + a rest).
         out += [kern.qlinear(weight, bias)(x[:rows]) for rows in (1, 2, 5, 6)]
     return out
 
@@ -173,6 +173,23 @@ def test_the_vnni_kernels_code_gives_the_generic_kernels_bits_through_its_stand_
     assert twin.dot == "twin" and kernels.load("avx2").dot == "avx2"
     for got, want in zip(_everything(twin), _everything(kernels.load("generic")), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_the_kernels_layout_gives_back_the_files_blocks(kern, qtype: str) -> None:
+    """The 32-input formats are packed 8 rows at a time for the kernels (quant.h's x8 layout, zero-padded past
+    the last row); the rows read back (a tied embedding's lookup, a head's rows for a draft) are the file's
+    bytes, so their values are the file's."""
+    weight = random_weight(qtype, 43, 256, seed=70 + FORMATS[qtype][0])
+    lin = kern.qlinear(weight, None)
+    _, packed, count = lin.segments[0]
+    assert count == 43 and packed.shape[0] == (48 if FORMATS[qtype][1] == 32 else 43)
+    assert torch.equal(lin.blocks().segments[0][1], weight.segments[0][1])
+    ids = torch.tensor([42, 0, 7, 8, 9, 7])
+    assert torch.equal(lin.select(ids).segments[0][1], weight.select(ids).segments[0][1])
+    assert torch.equal(lin.rows(ids.reshape(2, 3)), weight.rows(ids.reshape(2, 3)))
+    with pytest.raises(IndexError):
+        lin.select(torch.tensor([43]))
 
 
 def test_torch_dequantization_gives_ggufs_values_bit_for_bit() -> None:

@@ -204,9 +204,9 @@ class LayerStack:
         if not 1 <= len(product.segments) <= 4:
             raise ValueError("a layer stack takes products of at most 4 segments")
         out.nseg = len(product.segments)
-        for s, (qtype, data) in enumerate(product.segments):
+        for s, (qtype, data, rows) in enumerate(product.segments):
             self._keep.append(data)
-            out.type[s], out.rows[s], out.row_bytes[s] = qtype, data.shape[0], data.shape[1]
+            out.type[s], out.rows[s], out.row_bytes[s] = FORMATS[qtype][0], rows, data.shape[1]
             out.data[s] = data.data_ptr()
 
     def __call__(
@@ -343,7 +343,9 @@ def _fusion(x: Tensor, k: int, norm: Tensor | None, swiglu: bool, geglu: bool) -
 
 
 class QuantLinear:
-    """`x @ weight.T + bias` for bf16 x [..., K] on GGUF quantized weights, read as the file stores them.
+    """`x @ weight.T + bias` for bf16 x [..., K] on GGUF quantized weights: the file's blocks, those of the
+    32-input formats interleaved 8 rows at a time (quant.h's x8 layout, `sk_q_pack`), once, here; it holds
+    the only copy (`select` and `rows` read rows back as the file stores them, for a tied embedding).
 
     Each output is quant.h's fixed chain over the exact dequantized weights (the bits of the generic kernel on
     every portable kernel), whatever the row count: the same promises as `KernelLinear`. Every format quantizes
@@ -351,10 +353,42 @@ class QuantLinear:
 
     def __init__(self, kernel: Kernel, weight: QuantizedWeight, bias: Tensor | None) -> None:
         self.kernel = kernel
-        self.weight = weight
-        self.segments = [(FORMATS[qtype][0], data.contiguous()) for qtype, data in weight.segments]
+        # Per segment: its GGML type name, its blocks as the kernel reads them, its row count.
+        self.segments = [(qtype, _packed(kernel, qtype, data), data.shape[0]) for qtype, data in weight.segments]
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = weight.shape
+
+    @property
+    def formats(self) -> list[str]:
+        return list(dict.fromkeys(qtype for qtype, _, _ in self.segments))
+
+    def select(self, ids: Tensor) -> QuantizedWeight:
+        """Rows `ids` (long [M]) as the file stores them (`QuantizedWeight.select`; one format only)."""
+        if len(self.segments) != 1:
+            raise ValueError("rows are selected from a weight of one format only")
+        return self._unpacked(0, ids)
+
+    def blocks(self) -> QuantizedWeight:
+        """The whole weight as the file stores it (for another kernel)."""
+        return QuantizedWeight.cat(
+            [self._unpacked(s, torch.arange(count)) for s, (_, _, count) in enumerate(self.segments)]
+        )
+
+    def _unpacked(self, segment: int, ids: Tensor) -> QuantizedWeight:
+        qtype, data, count = self.segments[segment]
+        ids = ids.reshape(-1).long().contiguous()
+        if ids.numel() and (ids.min() < 0 or ids.max() >= count):
+            raise IndexError(f"rows of a weight of {count} rows")
+        out = torch.empty(ids.numel(), data.shape[1], dtype=torch.uint8)
+        self.kernel._lib.sk_q_unpack(
+            FORMATS[qtype][0], data.data_ptr(), data.shape[1], ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
+        return QuantizedWeight([(qtype, out)], self.in_features)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """The exact values of rows `ids` (long [...]), float32 [..., K]: an embedding lookup
+        (`QuantizedWeight.rows`)."""
+        return self.select(ids).dequantize().reshape(*ids.shape, self.in_features)
 
     def __call__(
         self,
@@ -375,11 +409,11 @@ class QuantLinear:
             residual = residual.contiguous()
         norm_w = None if norm is None else norm.contiguous()
         first = 0
-        for qtype, data in self.segments:
+        for qtype, data, count in self.segments:
             if rows:
                 col = first * 2  # bytes per bf16 output
                 self.kernel._lib.sk_qlinear(
-                    qtype,
+                    FORMATS[qtype][0],
                     data.data_ptr(),
                     data.shape[1],
                     x.data_ptr(),
@@ -388,7 +422,7 @@ class QuantLinear:
                     None if self.bias is None else self.bias.data_ptr() + first * 4,
                     rows,
                     k,
-                    data.shape[0],
+                    count,
                     torch.get_num_threads(),
                     op,
                     None if norm_w is None else norm_w.data_ptr(),
@@ -396,5 +430,16 @@ class QuantLinear:
                     None if residual is None else residual.data_ptr() + col,
                     None if scratch is None else scratch.data_ptr(),
                 )
-            first += data.shape[0]
+            first += count
         return y
+
+
+def _packed(kernel: Kernel, qtype: str, data: Tensor) -> Tensor:
+    """uint8 [N, bytes per row] blocks of `qtype` as sk_qlinear takes them: the 32-input formats in the x8 layout
+    ([(N + 7) // 8 * 8, bytes per row], the last group zero-padded); the K-quants as they are."""
+    if FORMATS[qtype][1] != 32:
+        return data.contiguous()
+    data = data.contiguous()
+    out = torch.empty((data.shape[0] + 7) // 8 * 8, data.shape[1], dtype=torch.uint8)
+    kernel._lib.sk_q_pack(FORMATS[qtype][0], data.data_ptr(), data.shape[1], data.shape[0], out.data_ptr())
+    return out

@@ -1,5 +1,5 @@
-/* Products on GGUF quantized weights, read as the file stores them (llama.cpp's blocks), and the scalar
-   definitions every kernel computes bit for bit.
+/* Products on GGUF quantized weights (llama.cpp's blocks; the 32-input formats' blocks of 8 rows interleaved at
+   load, sk_q_pack), and the scalar definitions every kernel computes bit for bit.
 
    A weight row (one output) is k / QK blocks of its format, QK = 32 or 256 inputs per block. Every format
    takes integer products (below): the activations are quantized to 8 bits per 32 inputs and meet the weights'
@@ -60,7 +60,8 @@ static inline void sk_k_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
 }
 
 /* sk_qlinear: y [m, ldy] columns 0..n-1 = x [m, k] @ w.T (+ bias [n]), w [n] rows of `row_bytes` bytes of
-   format `type`; op, norm_w, eps, residual ([m, ldy], as y) and scratch as sk_linear. */
+   format `type`, as sk_q_pack lays them out; op, norm_w, eps, residual ([m, ldy], as y) and scratch as
+   sk_linear. */
 void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,
                 int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
                 uint16_t *scratch);
@@ -76,52 +77,41 @@ void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, u
      scale D: the block's d (float16), or for Q4_K and Q5_K d * sc (its 6-bit sub-block scale), for Q6_K
      d * sc with sc the 8-bit scale of its first 16 inputs (lanes 0-3) or of its last 16 (lanes 4-7), each
      product exact; its offset M: Q4_1 and Q5_1 m (float16), Q4_K and Q5_K -(dmin * mn), exact; 0 otherwise;
-   - 8 float32 lanes: lane j takes, for each chunk in order, I = sum_{i=4j..4j+3} w_i xq_i (an exact integer)
-     by one fused multiply-add L_j = fma(D * dx, (float)I, L_j), D * dx rounded once. The offsets: Q4_1 and
-     Q5_1 keep one more float, O = fma(m, S_b, O) block by block; a K-quant adds each of a block's eight
-     offsets to a lane after the block's chunks, L_j = fma(M_j, S_j, L_j) with M_j and S_j those of its chunk
-     j (O = 0 for every format but Q4_1 and Q5_1);
-   - the lanes are summed as a tree (j + j+4, then j + j+2, j + j+1), plus O; then bias, bf16 rounding and
-     residual as sk_finish.
+   - the 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): one float32 sum L takes, block by block in order,
+     I = sum_{i<32} w_i xq_i (an exact integer, |I| < 2^20) by one fused multiply-add L = fma(D * dx, (float)I, L),
+     D * dx rounded once; Q4_1 and Q5_1 keep one more float, O = fma(m, S_b, O) block by block; the result is
+     L + O (O = 0 for Q4_0, Q5_0 and Q8_0). Which order the integers are added in is free (they are exact):
+     a tile takes 8 columns' I at once in the lanes of one vector (the x8 layout below);
+   - the K-quants: 8 float32 lanes; lane j takes, for each chunk in order, I = sum_{i=4j..4j+3} w_i xq_i by one
+     fused multiply-add L_j = fma(D * dx, (float)I, L_j), D * dx rounded once; after a block's chunks each
+     lane adds the offset of its chunk j, L_j = fma(M_j, S_j, L_j) (Q4_K and Q5_K); the lanes are summed as a
+     tree (j + j+4, then j + j+2, j + j+1);
+   - then bias, bf16 rounding and residual as sk_finish.
    The values multiplied are the weights' exact values and xq_i * dx: the oracle of the tests. */
 static inline int sk_q_int(int type) { return sk_q_block(type) != 0; }
 
-/* Quantized activation rows: xq [m][k], and per row and block dx, S [m][k / 32]; x4 [m][k / 32][8]: the sums
-   of xq over each lane's 4 inputs (what Q4_0 and Q5_0 subtract 8 or 16 times); dt, st [k / 32][mp]: dx and S
-   again, block-major with the rows side by side (mp: m rounded up to 4, zeros past m), so that a SIMD tile
-   loads a block's values for 4 rows at once (sk_qrows_transpose fills them). One allocation, freed by
-   sk_qrows_free. */
+/* Quantized activation rows: xq [m][k], and per row and block dx, S [m][k / 32] and the sum of xq, xs
+   [m][k / 32] (what Q4_0, Q5_0 and Q8_0's zero points subtract 8, 16 or 128 times); x4 [m][k / 32][8]: the sums
+   of xq over each lane's 4 inputs (what Q6_K's subtracts 32 times). One allocation, freed by sk_qrows_free. */
 typedef struct {
     int8_t *q;
-    float *d, *s, *dt, *st;
-    int32_t *x4;
-    int k, mp;
+    float *d, *s;
+    int32_t *x4, *xs;
+    int k;
 } sk_qrows;
 
 static inline sk_qrows sk_qrows_alloc(int m, int k) {
-    size_t nb = (size_t)(k / 32), blocks = (size_t)m * nb, mp = ((size_t)m + 3) / 4 * 4;
-    size_t bytes = (size_t)m * k + blocks * (8 + 32) + nb * mp * 8;
+    size_t nb = (size_t)(k / 32), blocks = (size_t)m * nb;
+    size_t bytes = (size_t)m * k + blocks * (32 + 12);
     uint8_t *p = aligned_alloc(64, (bytes + 127) / 64 * 64 + 64);
     sk_qrows r;
     r.x4 = (int32_t *)p;
-    r.d = (float *)(p + blocks * 32);
+    r.xs = r.x4 + blocks * 8;
+    r.d = (float *)(r.xs + blocks);
     r.s = r.d + blocks;
-    r.dt = r.s + blocks;
-    r.st = r.dt + nb * mp;
-    r.q = (int8_t *)(r.st + nb * mp);
+    r.q = (int8_t *)(r.s + blocks);
     r.k = k;
-    r.mp = (int)mp;
     return r;
-}
-
-/* dt, st from d, s (after every row is quantized). */
-static inline void sk_qrows_transpose(sk_qrows *r, int m) {
-    int nb = r->k / 32;
-    for (int b = 0; b < nb; b++)
-        for (int i = 0; i < r->mp; i++) {
-            r->dt[(size_t)b * r->mp + i] = i < m ? r->d[(size_t)i * nb + b] : 0.0f;
-            r->st[(size_t)b * r->mp + i] = i < m ? r->s[(size_t)i * nb + b] : 0.0f;
-        }
 }
 
 static inline void sk_qrows_free(sk_qrows *r) { free(r->x4); }
@@ -143,6 +133,7 @@ static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, 
         }
         rows->d[(size_t)r * nb + b] = dx;
         rows->s[(size_t)r * nb + b] = dx * (float)sum;
+        rows->xs[(size_t)r * nb + b] = sum;
     }
 }
 
@@ -196,6 +187,73 @@ static inline void sk_q_ints_ref(int type, const uint8_t *b, int s, int *w, floa
     }
 }
 
+/* The x8 layout of the 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), which sk_qlinear takes for them: the
+   rows (columns of the output) in groups of 8, a group's blocks in order, block b of the group's 8 columns as
+   8 * bytes bytes (the group's GGUF blocks, rearranged), so that a tile reads 8 columns' block in one pass and
+   finds in each 32-byte vector lane c = column c:
+   - d [8] (float16; offset 0), then m [8] for Q4_1 and Q5_1 (offset 16);
+   - Q5_0 and Q5_1: H [8] (32 bits each), bit 8t + i of H_c the fifth bit of column c's input 4i + t;
+   - Q4_*, Q5_*: P [4][8][4]: P_q lane c is column c's quant bytes 4q..4q+3, whose low nibbles are its inputs
+     4q..4q+3 and high nibbles its inputs 16 + 4q..16 + 4q + 3; Q8_0: W [8][8][4]: W_i lane c is column c's
+     quants 4i..4i+3.
+   A group past the last row holds zeros. The K-quants are read as the file stores them. */
+
+/* Moves column c's GGUF block blk into (pack) or out of its place in the group's x8 block grp. */
+static inline void sk_x8_move(int type, int c, uint8_t *blk, uint8_t *grp, int pack) {
+    const int five = type == SK_Q5_0 || type == SK_Q5_1, offset = type == SK_Q4_1 || type == SK_Q5_1;
+    const int at_h = 16 * (1 + offset), at_q = at_h + 32 * five;
+    const int qs = 2 + 2 * offset + 4 * five, words = type == SK_Q8_0 ? 8 : 4;
+#define SK_X8(g, b, n) (pack ? memcpy((g), (b), (n)) : memcpy((b), (g), (n)))
+    SK_X8(grp + 2 * c, blk, 2);
+    if (offset) SK_X8(grp + 16 + 2 * c, blk + 2, 2);
+    for (int q = 0; q < words; q++) SK_X8(grp + at_q + 32 * q + 4 * c, blk + qs + 4 * q, 4);
+#undef SK_X8
+    if (five) {
+        uint8_t *qh = blk + 2 + 2 * offset, *h = grp + at_h + 4 * c;
+        uint32_t from = 0, to = 0;
+        memcpy(&from, pack ? qh : h, 4);
+        for (int i = 0; i < 8; i++)
+            for (int t = 0; t < 4; t++) {
+                int bit = pack ? (int)(from >> (4 * i + t)) & 1 : (int)(from >> (8 * t + i)) & 1;
+                to |= (uint32_t)bit << (pack ? 8 * t + i : 4 * i + t);
+            }
+        memcpy(pack ? h : qh, &to, 4);
+    }
+}
+
+static inline int sk_x8(int type) { return sk_q_block(type) == 32; }
+
+/* out = the n rows of w (row_bytes apart, format type) in the x8 layout: (n + 7) / 8 * 8 rows of row_bytes,
+   for the 32-input formats; the K-quants copied as they are (n rows). */
+void sk_q_pack(int type, const uint8_t *w, long row_bytes, int n, uint8_t *out) {
+    if (!sk_x8(type)) {
+        memcpy(out, w, (size_t)n * row_bytes);
+        return;
+    }
+    const int bytes = sk_q_bytes(type), nb = (int)(row_bytes / bytes), groups = (n + 7) / 8;
+    memset(out, 0, (size_t)groups * 8 * row_bytes);
+    for (int col = 0; col < n; col++)
+        for (int b = 0; b < nb; b++)
+            sk_x8_move(type, col % 8, (uint8_t *)w + (size_t)col * row_bytes + (size_t)b * bytes,
+                       out + (size_t)(col / 8) * 8 * row_bytes + (size_t)b * 8 * bytes, 1);
+}
+
+/* out = rows ids [count] of sk_q_pack's layout (packed, format type) back as the file stores them: count rows
+   of row_bytes (an embedding's lookup on weights that were packed for the head they share). */
+void sk_q_unpack(int type, const uint8_t *packed, long row_bytes, const int64_t *ids, int count, uint8_t *out) {
+    const int bytes = sk_q_bytes(type), nb = (int)(row_bytes / bytes);
+    for (int r = 0; r < count; r++) {
+        uint8_t *row = out + (size_t)r * row_bytes;
+        if (!sk_x8(type)) {
+            memcpy(row, packed + (size_t)ids[r] * row_bytes, (size_t)row_bytes);
+            continue;
+        }
+        for (int b = 0; b < nb; b++)
+            sk_x8_move(type, (int)(ids[r] % 8), row + (size_t)b * bytes,
+                       (uint8_t *)packed + (size_t)(ids[r] / 8) * 8 * row_bytes + (size_t)b * 8 * bytes, 0);
+    }
+}
+
 /* The 8-lane tree: (j + j+4), then (j + j+2), then the two left. */
 static inline float sk_tree8(const float *l) {
     float a[4];
@@ -203,35 +261,48 @@ static inline float sk_tree8(const float *l) {
     return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-/* The portable definition of an integer product: column by column, every row. */
+/* The portable definition of an integer product: column by column, every row (w: sk_q_pack's layout). */
 static inline void sk_qlinear_int_ref(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y,
                                       int ldy, const float *bias, int m, int k, int c0, int c1,
                                       const uint16_t *residual) {
-    int nb = k / 32, qk = sk_q_block(type), bytes = sk_q_bytes(type), kq = qk == 256;
+    int nb = k / 32, qk = sk_q_block(type), bytes = sk_q_bytes(type), x8 = sk_x8(type);
     int *wi = malloc(sizeof(int) * (size_t)k);
     float *wd = malloc(sizeof(float) * 3 * (size_t)nb), *wm = wd + 2 * nb;
+    uint8_t blk[34];
     for (int col = c0; col < c1; col++) {
-        const uint8_t *row = w + (size_t)col * row_bytes;
-        for (int b = 0; b < nb; b++)
-            sk_q_ints_ref(type, row + (size_t)(b / (qk / 32)) * bytes, b % (qk / 32), wi + 32 * b, wd + 2 * b, wm + b);
+        const uint8_t *row = w + (size_t)col * row_bytes, *group = w + (size_t)(col / 8) * 8 * row_bytes;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *at = row + (size_t)(b / (qk / 32)) * bytes;
+            if (x8) {
+                sk_x8_move(type, col % 8, blk, (uint8_t *)group + (size_t)b * 8 * bytes, 0);
+                at = blk;
+            }
+            sk_q_ints_ref(type, at, b % (qk / 32), wi + 32 * b, wd + 2 * b, wm + b);
+        }
         for (int r = 0; r < m; r++) {
             const int8_t *q = xq->q + (size_t)r * k;
             const float *dx = xq->d + (size_t)r * nb, *s = xq->s + (size_t)r * nb;
-            float lanes[8] = {0}, o = 0.0f;
+            float lanes[8] = {0}, o = 0.0f, sum;
             for (int b = 0; b < nb; b++) {
                 float dd[2] = {wd[2 * b] * dx[b], wd[2 * b + 1] * dx[b]};
-                for (int j = 0; j < 8; j++) {
-                    int sum = 0;
-                    for (int i = 4 * j; i < 4 * j + 4; i++) sum += wi[32 * b + i] * q[32 * b + i];
-                    lanes[j] = fmaf(dd[j / 4], (float)sum, lanes[j]);
-                }
-                if (!kq)
+                if (x8) {
+                    int whole = 0;
+                    for (int i = 0; i < 32; i++) whole += wi[32 * b + i] * q[32 * b + i];
+                    lanes[0] = fmaf(dd[0], (float)whole, lanes[0]);
                     o = fmaf(wm[b], s[b], o);
-                else if (b % 8 == 7 && type != SK_Q6_K)
+                    continue;
+                }
+                for (int j = 0; j < 8; j++) {
+                    int part = 0;
+                    for (int i = 4 * j; i < 4 * j + 4; i++) part += wi[32 * b + i] * q[32 * b + i];
+                    lanes[j] = fmaf(dd[j / 4], (float)part, lanes[j]);
+                }
+                if (b % 8 == 7 && type != SK_Q6_K)
                     for (int j = 0; j < 8; j++) lanes[j] = fmaf(wm[b - 7 + j], s[b - 7 + j], lanes[j]);
             }
+            sum = x8 ? lanes[0] + o : sk_tree8(lanes);
             size_t at = (size_t)r * ldy + col;
-            y[at] = sk_finish(sk_tree8(lanes) + o, bias, col, residual ? residual + at : NULL);
+            y[at] = sk_finish(sum, bias, col, residual ? residual + at : NULL);
         }
     }
     free(wi);
@@ -252,13 +323,12 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
     x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
     sk_qrows xq = sk_qrows_alloc(m, k);
     for (int r = 0; r < m; r++) quantize(x + (size_t)r * k, &xq, r);
-    sk_qrows_transpose(&xq, m);
     #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* Thread shares in multiples of 4 columns (what the SIMD kernels take at a time). */
-        int groups = (n + 3) / 4;
-        int c0 = 4 * (int)((long)groups * t / nt), c1 = 4 * (int)((long)groups * (t + 1) / nt);
+        /* Thread shares in multiples of 8 columns (an x8 group; what the SIMD kernels take at a time). */
+        int groups = (n + 7) / 8;
+        int c0 = 8 * (int)((long)groups * t / nt), c1 = 8 * (int)((long)groups * (t + 1) / nt);
         if (c1 > n) c1 = n;
         if (c0 < c1) icols(type, w, row_bytes, &xq, y, ldy, bias, m, k, c0, c1, residual);
     }

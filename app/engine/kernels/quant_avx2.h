@@ -1,10 +1,11 @@
 /* Products on GGUF quantized weights with AVX2, FMA and F16C (quant.h's arithmetic: the generic kernel's bits).
    Included by the avx2 kernel and by the AVX-512 ones (avx512, amx), which run it as it is.
 
-   A tile is R input rows x C weight rows (columns of the output), every input in order: for each 32-input
-   chunk, each column's weights are unpacked into 32 bytes once for the R rows, then meet each row's quantized
-   inputs in 4-byte integer dot products (dot4.h), one accumulator of 8 lanes per (row, column). Unpacking once
-   for the R rows is what several rows (a verification, a prefill) save. */
+   A tile is R input rows x C weight rows (columns of the output), every input in order, each block's weights
+   unpacked once for the R rows and meeting each row's quantized inputs in 4-byte integer dot products (dot4.h).
+   The 32-input formats (x8_tile) take 8 columns at a time in the lanes of one vector, from quant.h's x8 layout;
+   the K-quants (qk_tile) one accumulator of 8 lanes per (row, column). Unpacking once for the R rows is what
+   several rows (a verification, a prefill) save. */
 #ifndef SPECSERVE_KERNEL_QUANT_AVX2_H
 #define SPECSERVE_KERNEL_QUANT_AVX2_H
 
@@ -88,146 +89,108 @@ static void q8_quantize_row(const uint16_t *x, const sk_qrows *rows, int r) {
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
         rows->d[(size_t)r * nb + b] = dx;
         rows->s[(size_t)r * nb + b] = dx * (float)_mm_cvtsi128_si32(s4);
+        rows->xs[(size_t)r * nb + b] = _mm_cvtsi128_si32(s4);
     }
-}
-
-/* Block b's weights as 32 bytes in input order (unsigned q for all but Q8_0, whose are signed); its scale d
-   (and offset m) are the tile's to read. */
-QINLINE __m256i q8_weights(int type, const uint8_t *b) {
-    if (type == SK_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
-    int off = type == SK_Q4_0 ? 2 : type == SK_Q4_1 ? 4 : type == SK_Q5_0 ? 6 : 8;
-    /* The 16 bytes in both halves, the upper half shifted right by 4 (its 64-bit words: each byte's high
-       nibble lands in its own low nibble), then every byte's low nibble: inputs 0-15, then 16-31. */
-    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + off)));
-    __m256i q = _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
-    if (type == SK_Q5_0 || type == SK_Q5_1) {
-        uint32_t qh;
-        memcpy(&qh, b + (type == SK_Q5_0 ? 2 : 4), 4);
-        const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-        __m256i bits = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf),
-                                       _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-        bits = _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1));
-        q = _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(16)));
-    }
-    return q;
 }
 
 #ifndef Q8_AHEAD
 #define Q8_AHEAD 2
 #endif
 
-/* Lane i of v in every lane. */
-QINLINE __m256 q8_lane(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
-
-/* R rows (from r0) x C columns (w: row_bytes apart) -> sums [R][C], R * C <= 8 (R <= 4, C <= 4; or one row of 8
-   columns, a decoding step's tile).
-
-   Per block: each column's weights are unpacked once for the R rows; the R * C scales d * dx come from one
-   vector product (lane c * R + r: column c's d times row r's dx, rounded once as quant.h's scalar) and go
-   through memory to be broadcast by loads, so that a (row, column) costs one q_dot4 (dot4.h), one conversion
-   and one fused multiply-add. Q4_0 and Q5_0 start the integer sum at -8 or -16 times the lane's activation
-   sum (x4): the weights' zero point costs nothing per column with VNNI; so does Q8_0's with VNNI, its weights
-   taken as w + 128 from -128 times x4. Q4_1 and Q5_1's offsets run as one
-   more vector of the same lanes, each the scalar chain o = fma(m, S, o) of its (row, column). The
-   accumulators are named variables, slot i = r * C + c, not an array: gcc writes an array of them back to
-   the stack at every block. */
-QINLINE void q8_tile(int type, int R, int C, const uint8_t *w, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
-    const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type), mp = xq->mp;
-    const int offset = type == SK_Q4_1 || type == SK_Q5_1, zeroed = type == SK_Q4_0 || type == SK_Q5_0;
-    const int shift = type == SK_Q4_0 ? 3 : 4;
-    const int8_t *xrows = xq->q + (size_t)r0 * k;          /* row r, block b: xrows + r * k + 32 b */
-    const float *dxt = xq->dt + r0, *st = xq->st + r0;     /* block b, row r: [b * mp + r] */
-    const int32_t *x4 = xq->x4 + (size_t)r0 * nb * 8;       /* row r, block b: x4 + (r * nb + b) * 8 */
-    const __m256 z = _mm256_setzero_ps();
-    __m256 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, ov = z;
-    /* Lane i = c * R + r: its row r (among a block's rows' dx and S) and the places of column c's d and m
-       among the columns' [d, m] float16 pairs (2c, 2c + 1). */
-    int row_of[8], d_of[8], m_of[8];
-    for (int i = 0; i < 8; i++) row_of[i] = i % R, d_of[i] = 2 * ((i / R) % C), m_of[i] = d_of[i] + 1;
-    const __m256i lrow = _mm256_loadu_si256((const __m256i *)row_of);
-    const __m256i ld = _mm256_loadu_si256((const __m256i *)d_of), lm = _mm256_loadu_si256((const __m256i *)m_of);
-    float dd[8] __attribute__((aligned(32)));
-    for (int b = 0; b < nb; b++) {
-        __m256i wq[8], wa[8], init[4];
-        int32_t head[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int c = 0; c < C; c++) {
-            const uint8_t *blk = w + c * row_bytes + (size_t)b * bytes;
-            /* A column's row is a few cache lines, too short a stream for the hardware prefetcher to learn:
-               ask for the columns two tiles ahead. */
-            _mm_prefetch((const char *)(blk + Q8_AHEAD * C * row_bytes), _MM_HINT_T0);
-            wq[c] = q8_weights(type, blk);
-            /* Q8_0's signed weights: as w + 128 (unsigned) where q_dot4 takes any bytes, else their magnitudes
-               (the signs go onto the activations). */
-            if (type == SK_Q8_0) wa[c] = SK_DOT_ANY_BYTES ? _mm256_xor_si256(wq[c], _mm256_set1_epi8(-128)) : _mm256_abs_epi8(wq[c]);
-            memcpy(&head[c], blk, 4);  /* d, and m where the format has one (else two bytes of quants) */
-        }
-        __m256 pairs = _mm256_cvtph_ps(_mm_setr_epi32(head[0], head[1], head[2], head[3])), dvec, mvec;
-        if (C > 4) {
-            /* Eight columns' [d, m]: the d's and the m's picked out of both halves, then put in column order. */
-            __m256 more = _mm256_cvtph_ps(_mm_setr_epi32(head[4], head[5], head[6], head[7]));
-            dvec = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(pairs, more, 0x88)), 0xd8));
-            mvec = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(pairs, more, 0xdd)), 0xd8));
-        } else {
-            dvec = _mm256_permutevar8x32_ps(pairs, ld), mvec = _mm256_permutevar8x32_ps(pairs, lm);
-        }
-        __m256 rows = _mm256_castps128_ps256(_mm_loadu_ps(dxt + (size_t)b * mp));
-        _mm256_store_ps(dd, _mm256_mul_ps(dvec, _mm256_permutevar8x32_ps(rows, lrow)));
-        /* Read back by broadcast loads, not shuffles of the register (which gcc prefers, at two shuffles each);
-           measured by instruction counts, except Q8_0's one-row tile, which gcc schedules better unfenced. */
-        if (type != SK_Q8_0 || R > 1) __asm__ volatile("" ::: "memory");
-        if (offset) {
-            __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(st + (size_t)b * mp)), lrow);
-            ov = _mm256_fmadd_ps(mvec, sv, ov);
-        }
-        for (int r = 0; r < R; r++) {
-            init[r] = _mm256_setzero_si256();
-            if (zeroed || (type == SK_Q8_0 && SK_DOT_ANY_BYTES))
-                init[r] = _mm256_sub_epi32(init[r], _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x4 + ((size_t)r * nb + b) * 8)),
-                                                                      type == SK_Q8_0 ? 7 : shift));
-        }
-#define Q8_SLOT(i)                                                                                                 \
-        if (i < R * C) {                                                                                           \
-            const int r = i / C, c = i % C;                                                                        \
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xrows + (size_t)r * k + 32 * b));                     \
-            __m256i i32 = type != SK_Q8_0 || SK_DOT_ANY_BYTES ? q_dot4(init[r], type == SK_Q8_0 ? wa[c] : wq[c], x) \
-                                                              : q_dot4(init[r], wa[c], _mm256_sign_epi8(x, wq[c]));  \
-            a##i = _mm256_fmadd_ps(_mm256_set1_ps(dd[c * R + r]), _mm256_cvtepi32_ps(i32), a##i);                \
-        }
-        Q8_SLOT(0) Q8_SLOT(1) Q8_SLOT(2) Q8_SLOT(3) Q8_SLOT(4) Q8_SLOT(5) Q8_SLOT(6) Q8_SLOT(7)
-#undef Q8_SLOT
+/* Column c's 4-byte group i of an x8 block in lane c: W_i (inputs 4i..4i+3), from the 4-bit formats' P_(i % 4)
+   (low nibbles for i < 4, high for the rest) and, for Q5_*, H's bit i of each byte as the fifth bit (quant.h). */
+QINLINE __m256i x8_nibbles(__m256i P, int i, int five, __m256i H) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256i q = _mm256_and_si256(i < 4 ? P : _mm256_srli_epi16(P, 4), nibble);
+    if (five) {
+        /* Bit 8t + i of each 32-bit lane to bit 8t + 4 (32-bit shifts: the mask drops what crosses a byte). */
+        __m256i bit = i < 4 ? _mm256_slli_epi32(H, 4 - i) : i > 4 ? _mm256_srli_epi32(H, i - 4) : H;
+        q = _mm256_or_si256(q, _mm256_and_si256(bit, _mm256_set1_epi8(16)));
     }
-    __m256 all[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-    float o[8];
-    _mm256_storeu_ps(o, ov);
-    for (int i = 0; i < R * C; i++) {
-        int r = i / C, c = i % C;
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(all[i]), _mm256_extractf128_ps(all[i], 1));
-        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        sums[r * C + c] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) + o[c * R + r];
-    }
+    return q;
 }
 
-/* One format's tiles, the format and the tile (q8_tile, or qk_tile for the K-quants) constants in each. */
-#define Q8_TILES(T, TILE)                                                                                     \
-    static void q8_tile_##T(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s) { \
-        switch (R * 8 + C) {                                                                                  \
-            case 1 * 8 + 8: TILE(T, 1, 8, w, rb, xq, r0, s); break;                                           \
-            case 1 * 8 + 4: TILE(T, 1, 4, w, rb, xq, r0, s); break;                                           \
-            case 4 * 8 + 2: TILE(T, 4, 2, w, rb, xq, r0, s); break;                                           \
-            case 3 * 8 + 2: TILE(T, 3, 2, w, rb, xq, r0, s); break;                                           \
-            case 2 * 8 + 2: TILE(T, 2, 2, w, rb, xq, r0, s); break;                                           \
-            case 1 * 8 + 2: TILE(T, 1, 2, w, rb, xq, r0, s); break;                                           \
-            case 4 * 8 + 1: TILE(T, 4, 1, w, rb, xq, r0, s); break;                                           \
-            case 3 * 8 + 1: TILE(T, 3, 1, w, rb, xq, r0, s); break;                                           \
-            case 2 * 8 + 1: TILE(T, 2, 1, w, rb, xq, r0, s); break;                                           \
-            default: TILE(T, 1, 1, w, rb, xq, r0, s); break;                                                  \
-        }                                                                                                     \
+/* R rows (from r0, R <= 4) x the 8 columns of the x8 group g (quant.h) -> sums [R][8].
+
+   Per block: each 4-byte group of the 8 columns' weights, one vector (lane c: column c), is unpacked once for
+   the R rows and meets each row's 4 activations of that group broadcast, so that a row's integer sums of 8
+   columns take 8 dot4 steps and its scaling one conversion, one multiply and one fused multiply-add, for 8
+   columns. The zero points (Q4_0's 8, Q5_0's 16; Q8_0's weights taken as w + 128 where q_dot4 takes any bytes)
+   start each sum at minus that many times the row's block sum xs; without VNNI Q8_0's signs move to the
+   activations. The loops run unrolled (gcc keeps the accumulators in registers only then). */
+QINLINE void x8_tile(int type, int R, const uint8_t *g, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
+    const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
+    const int offset = type == SK_Q4_1 || type == SK_Q5_1, five = type == SK_Q5_0 || type == SK_Q5_1;
+    const int at_h = 16 * (1 + offset), at_q = at_h + 32 * five, q8 = type == SK_Q8_0;
+    const int zero = type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : q8 && SK_DOT_ANY_BYTES ? 128 : 0;
+    const int8_t *xr = xq->q + (size_t)r0 * k;
+    const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
+    const int32_t *xs = xq->xs + (size_t)r0 * nb;
+    __m256 acc[4], ov[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) acc[r] = ov[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = g + (size_t)b * 8 * bytes;
+        /* Two groups ahead: the rest of this thread's share streams after this group. */
+#pragma GCC unroll 5
+        for (int line = 0; line < 8 * bytes; line += 64)
+            _mm_prefetch((const char *)(p + Q8_AHEAD * 8 * row_bytes + line), _MM_HINT_T0);
+        /* One integer sum per row; two for a lone row, to halve the chain of dependent dot4 steps. */
+        __m256i ia[4], ib = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            ia[r] = zero ? _mm256_set1_epi32(-zero * xs[(size_t)r * nb + b]) : _mm256_setzero_si256();
+        __m256i H = five ? _mm256_loadu_si256((const __m256i *)(p + at_h)) : _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            __m256i W;
+            if (q8) {
+                W = _mm256_loadu_si256((const __m256i *)(p + at_q + 32 * i));
+            } else {
+                W = x8_nibbles(_mm256_loadu_si256((const __m256i *)(p + at_q + 32 * (i % 4))), i, five, H);
+            }
+            __m256i Wa = q8 ? (SK_DOT_ANY_BYTES ? _mm256_xor_si256(W, _mm256_set1_epi8(-128)) : _mm256_abs_epi8(W)) : W;
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xr + (size_t)r * k + 32 * b + 4 * i, 4);
+                __m256i x = _mm256_set1_epi32(four);
+                if (q8 && !SK_DOT_ANY_BYTES) x = _mm256_sign_epi8(x, W);
+                if (R == 1 && i % 2)
+                    ib = q_dot4(ib, Wa, x);
+                else
+                    ia[r] = q_dot4(ia[r], Wa, x);
+            }
+        }
+        if (R == 1) ia[0] = _mm256_add_epi32(ia[0], ib);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        __m256 m = offset ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(dx[(size_t)r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(ia[r]), acc[r]);
+            if (offset) ov[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(size_t)r * nb + b]), ov[r]);
+        }
     }
-Q8_TILES(SK_Q4_0, q8_tile)
-Q8_TILES(SK_Q4_1, q8_tile)
-Q8_TILES(SK_Q5_0, q8_tile)
-Q8_TILES(SK_Q5_1, q8_tile)
-Q8_TILES(SK_Q8_0, q8_tile)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(sums + 8 * r, offset ? _mm256_add_ps(acc[r], ov[r]) : acc[r]);
+}
+
+/* One format's x8 tiles, the format and the row count constants in each. */
+#define X8_TILES(T)                                                                                             \
+    static void x8_tile_##T(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s) {          \
+        switch (R) {                                                                                            \
+            case 4: x8_tile(T, 4, g, rb, xq, r0, s); break;                                                    \
+            case 3: x8_tile(T, 3, g, rb, xq, r0, s); break;                                                    \
+            case 2: x8_tile(T, 2, g, rb, xq, r0, s); break;                                                    \
+            default: x8_tile(T, 1, g, rb, xq, r0, s); break;                                                   \
+        }                                                                                                       \
+    }
+X8_TILES(SK_Q4_0)
+X8_TILES(SK_Q4_1)
+X8_TILES(SK_Q5_0)
+X8_TILES(SK_Q5_1)
+X8_TILES(SK_Q8_0)
 
 /* A K-quant's chunk s of block p as 32 bytes in input order: Q4_K's nibbles (0-15), Q5_K's with their fifth
    bits (0-31), Q6_K's 6-bit quants (0-63; its zero point 32 is the tile's). */
@@ -340,21 +303,81 @@ QINLINE void qk_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
     }
 }
 
+/* One K-quant's tiles, the format and the tile shape constants in each. */
+#define Q8_TILES(T, TILE)                                                                                     \
+    static void q8_tile_##T(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s) { \
+        switch (R * 8 + C) {                                                                                  \
+            case 1 * 8 + 8: TILE(T, 1, 8, w, rb, xq, r0, s); break;                                           \
+            case 1 * 8 + 4: TILE(T, 1, 4, w, rb, xq, r0, s); break;                                           \
+            case 4 * 8 + 2: TILE(T, 4, 2, w, rb, xq, r0, s); break;                                           \
+            case 3 * 8 + 2: TILE(T, 3, 2, w, rb, xq, r0, s); break;                                           \
+            case 2 * 8 + 2: TILE(T, 2, 2, w, rb, xq, r0, s); break;                                           \
+            case 1 * 8 + 2: TILE(T, 1, 2, w, rb, xq, r0, s); break;                                           \
+            case 4 * 8 + 1: TILE(T, 4, 1, w, rb, xq, r0, s); break;                                           \
+            case 3 * 8 + 1: TILE(T, 3, 1, w, rb, xq, r0, s); break;                                           \
+            case 2 * 8 + 1: TILE(T, 2, 1, w, rb, xq, r0, s); break;                                           \
+            default: TILE(T, 1, 1, w, rb, xq, r0, s); break;                                                  \
+        }                                                                                                     \
+    }
 Q8_TILES(SK_Q4_K, qk_tile)
 Q8_TILES(SK_Q5_K, qk_tile)
 Q8_TILES(SK_Q6_K, qk_tile)
 
-typedef void (*q8_tile_fn)(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s);
+/* 8 floats -> 8 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16. */
+QINLINE __m128i q_bf16x8(__m256 f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
+}
 
-/* Columns c0..c1-1 for every row: columns 8 at a time for a lone row, else 2 at a time over rows 4 at a time
-   (the weights unpacked once for the rows of a tile); the last columns one at a time. */
+/* sk_finish on 8 sums side by side: the bias added, rounded to bf16, the residual added and rounded again. */
+QINLINE void q_finish8(const float *sums, const float *bias, const uint16_t *residual, uint16_t *y) {
+    __m256 f = _mm256_loadu_ps(sums);
+    if (bias) f = _mm256_add_ps(f, _mm256_loadu_ps(bias));
+    __m128i h = q_bf16x8(f);
+    if (residual) {
+        __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)residual)), 16));
+        h = q_bf16x8(_mm256_add_ps(a, b));
+    }
+    _mm_storeu_si128((__m128i *)y, h);
+}
+
+typedef void (*q8_tile_fn)(int R, int C, const uint8_t *w, long rb, const sk_qrows *xq, int r0, float *s);
+typedef void (*x8_tile_fn)(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s);
+
+/* Columns c0..c1-1 (c0 a multiple of 8) for every row. The 32-input formats: 8 columns (an x8 group) at a time
+   over rows 4 at a time, the group's weights read again from the cache for each 4 rows. The K-quants: columns 8
+   at a time for a lone row, else 2 at a time over rows 4 at a time; the last columns one at a time. */
 static void q8_cols(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
                     const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
     (void)k;
-    q8_tile_fn tile = type == SK_Q4_0 ? q8_tile_SK_Q4_0 : type == SK_Q4_1 ? q8_tile_SK_Q4_1 : type == SK_Q5_0 ? q8_tile_SK_Q5_0
-                    : type == SK_Q5_1 ? q8_tile_SK_Q5_1 : type == SK_Q8_0 ? q8_tile_SK_Q8_0 : type == SK_Q4_K ? q8_tile_SK_Q4_K
-                    : type == SK_Q5_K ? q8_tile_SK_Q5_K : q8_tile_SK_Q6_K;
-    float sums[16];
+    float sums[32];
+    if (sk_x8(type)) {
+        x8_tile_fn tile = type == SK_Q4_0 ? x8_tile_SK_Q4_0 : type == SK_Q4_1 ? x8_tile_SK_Q4_1
+                        : type == SK_Q5_0 ? x8_tile_SK_Q5_0 : type == SK_Q5_1 ? x8_tile_SK_Q5_1 : x8_tile_SK_Q8_0;
+        for (int col = c0; col < c1; col += 8) {
+            int cc = c1 - col < 8 ? c1 - col : 8;
+            for (int r = 0; r < m; r += 4) {
+                int R = r + 4 <= m ? 4 : m - r;
+                tile(R, w + (size_t)(col / 8) * 8 * row_bytes, row_bytes, xq, r, sums);
+                for (int i = 0; i < R; i++) {
+                    size_t at = (size_t)(r + i) * ldy + col;
+                    if (cc == 8) {
+                        q_finish8(sums + 8 * i, bias ? bias + col : NULL, residual ? residual + at : NULL, y + at);
+                        continue;
+                    }
+                    for (int j = 0; j < cc; j++)
+                        y[at + j] = sk_finish(sums[8 * i + j], bias, col + j, residual ? residual + at + j : NULL);
+                }
+            }
+        }
+        return;
+    }
+    q8_tile_fn tile = type == SK_Q4_K ? q8_tile_SK_Q4_K : type == SK_Q5_K ? q8_tile_SK_Q5_K : q8_tile_SK_Q6_K;
     int C = m == 1 ? 8 : 2;
     for (int col = c0; col < c1;) {
         int cc = col + C <= c1 ? C : C > 4 && col + 4 <= c1 ? 4 : 1;

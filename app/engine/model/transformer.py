@@ -526,9 +526,13 @@ class PackedLinear(nn.Module):
     decoding step (bit-identical to F.linear).
     """
 
-    def __init__(self, weight: Tensor | QuantizedWeight, bias: Tensor | None, kernel: Kernel | None) -> None:
+    def __init__(
+        self, weight: Tensor | QuantizedWeight | kernels.QuantLinear, bias: Tensor | None, kernel: Kernel | None
+    ) -> None:
         super().__init__()
-        self.quantized = weight if isinstance(weight, QuantizedWeight) else None
+        self.quantized: kernels.QuantLinear | None = None  # the product on GGUF blocks, which holds them
+        if isinstance(weight, kernels.QuantLinear):  # blocks packed for a kernel before (a tied head)
+            weight = weight.blocks() if weight.kernel is not kernel else weight
         self.packed = None
         self.weight: Tensor | None = None
         self.bias = bias
@@ -537,7 +541,10 @@ class PackedLinear(nn.Module):
             # GGUF blocks: only a kernel computes on them.
             if kernel is None:
                 raise ValueError("quantized weights need a CPU kernel (SPECSERVE_KERNEL is torch, or none builds)")
-            self.fused = kernel.qlinear(weight, bias)
+            self.fused = self.quantized = kernel.qlinear(weight, bias)
+            return
+        if isinstance(weight, kernels.QuantLinear):
+            self.fused = self.quantized = weight
             return
         # On a kernel, with what can ride along with the product (norm before, residual after; DecoderBlock).
         self.fused = kernel.linear(weight, bias) if kernel is not None and kernels.fits(weight) else None
@@ -596,7 +603,9 @@ class QuantizedEmbedding(nn.Module):
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
-        self.quantized = weight
+        # The blocks as the file stores them; or, once the head tied to them is packed for a kernel, that
+        # head's product, which holds the only copy (`Transformer.pack`).
+        self.quantized: QuantizedWeight | kernels.QuantLinear = weight
         self.dtype = dtype
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -735,6 +744,8 @@ class Transformer(nn.Module):
             self._packed_head = self.lm_head
         else:
             self._packed_head = PackedLinear(self._head_weight(), None, kernel)
+            if isinstance(self.embed, QuantizedEmbedding) and self._packed_head.quantized is not None:
+                self.embed.quantized = self._packed_head.quantized  # tied: one copy of the blocks
         self._stack = self._layer_stack()
         self._say_path()
         return True
@@ -816,7 +827,7 @@ class Transformer(nn.Module):
             bias = linear.bias if isinstance(linear, nn.Linear) else None
             setattr(owner, attr, PackedLinear(weight, bias, kernel))
 
-    def _head_weight(self) -> Tensor | QuantizedWeight:
+    def _head_weight(self) -> Tensor | QuantizedWeight | kernels.QuantLinear:
         if self.lm_head is not None:
             return self.lm_head.quantized if isinstance(self.lm_head, PackedLinear) else self.lm_head.weight
         return self.embed.quantized if isinstance(self.embed, QuantizedEmbedding) else self.embed.weight
@@ -824,9 +835,9 @@ class Transformer(nn.Module):
     def head_rows(self, ids: Tensor) -> Tensor | QuantizedWeight:
         """Rows `ids` (long [M]) of the output layer: [M, dim] in the model's dtype, or still quantized."""
         head = self._head_weight()
-        return (
-            head.select(ids) if isinstance(head, QuantizedWeight) else head.detach()[ids.to(head.device)].contiguous()
-        )
+        if isinstance(head, Tensor):
+            return head.detach()[ids.to(head.device)].contiguous()
+        return head.select(ids)
 
     def weights(self) -> tuple[str, int]:
         """What the decoder's weights run as (`bfloat16`, `float32`, or the GGUF formats computed on, as
@@ -848,6 +859,9 @@ class Transformer(nn.Module):
             if isinstance(quantized, QuantizedWeight):
                 formats.update(dict.fromkeys(quantized.formats))
                 tensors += [data for _, data in quantized.segments]
+            elif isinstance(quantized, kernels.QuantLinear):
+                formats.update(dict.fromkeys(quantized.formats))
+                tensors += [data for _, data, _ in quantized.segments]
             for t in tensors:
                 if t.device.type == "meta":
                     continue
