@@ -362,6 +362,11 @@ class QuantLinear:
     def formats(self) -> list[str]:
         return list(dict.fromkeys(qtype for qtype, _, _ in self.segments))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads: every segment's blocks (an x8 layout's last group padded to 8 rows)."""
+        return sum(data.numel() for _, data, _ in self.segments)
+
     def select(self, ids: Tensor) -> QuantizedWeight:
         """Rows `ids` (long [M]) as the file stores them (`QuantizedWeight.select`; one format only)."""
         if len(self.segments) != 1:
