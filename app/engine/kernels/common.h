@@ -68,7 +68,10 @@ static inline uint16_t sk_f32_to_bf16(float f) {
 #define SK_LN2_LO -2.12194440e-4f
 
 static inline float sk_exp(float x) {
-    x = fminf(fmaxf(x, SK_EXP_LO), SK_EXP_HI);
+    /* fminf(fmaxf(x, LO), HI) for every x, NaN included (NaN -> LO), as comparisons: libm's calls are not
+       inlined, and they were a visible part of a step's SwiGLU. */
+    x = x > SK_EXP_LO ? x : SK_EXP_LO;
+    x = x < SK_EXP_HI ? x : SK_EXP_HI;
     float n = nearbyintf(x * SK_LOG2E);
     float r = fmaf(-n, SK_LN2_HI, x);
     r = fmaf(-n, SK_LN2_LO, r);
