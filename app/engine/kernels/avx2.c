@@ -24,16 +24,8 @@ INLINE float tree(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-/* 8 floats -> 8 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16. */
-INLINE void store8(uint16_t *p, __m256 f) {
-    __m256i u = _mm256_castps_si256(f);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
-}
+/* 8 floats -> 8 bf16 at p (quant_avx2.h's q_bf16x8: rounded to nearest even, NaN kept NaN). */
+INLINE void store8(uint16_t *p, __m256 f) { _mm_storeu_si128((__m128i *)p, q_bf16x8(f)); }
 
 /* sk_exp on 8 floats. */
 INLINE __m256 exp8(__m256 x) {

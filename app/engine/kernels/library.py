@@ -442,9 +442,9 @@ class QuantLinear:
 def _packed(kernel: Kernel, qtype: str, data: Tensor) -> Tensor:
     """uint8 [N, bytes per row] blocks of `qtype` as sk_qlinear takes them: the 32-input formats in the x8 layout
     ([(N + 7) // 8 * 8, bytes per row], the last group zero-padded); the K-quants as they are."""
-    if FORMATS[qtype][1] != 32:
-        return data.contiguous()
     data = data.contiguous()
+    if FORMATS[qtype][1] != 32:  # quant.h's sk_x8: the K-quants stay as they are
+        return data
     out = torch.empty((data.shape[0] + 7) // 8 * 8, data.shape[1], dtype=torch.uint8)
     kernel._lib.sk_q_pack(FORMATS[qtype][0], data.data_ptr(), data.shape[1], data.shape[0], out.data_ptr())
     return out

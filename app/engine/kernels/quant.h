@@ -223,13 +223,10 @@ static inline void sk_x8_move(int type, int c, uint8_t *blk, uint8_t *grp, int p
 
 static inline int sk_x8(int type) { return sk_q_block(type) == 32; }
 
-/* out = the n rows of w (row_bytes apart, format type) in the x8 layout: (n + 7) / 8 * 8 rows of row_bytes,
-   for the 32-input formats; the K-quants copied as they are (n rows). */
+/* out = the n rows of w (row_bytes apart, format type) in the x8 layout: (n + 7) / 8 * 8 rows of row_bytes. For
+   the 32-input formats only: the K-quants have nothing to pack (sk_qlinear reads them as the file stores them). */
 void sk_q_pack(int type, const uint8_t *w, long row_bytes, int n, uint8_t *out) {
-    if (!sk_x8(type)) {
-        memcpy(out, w, (size_t)n * row_bytes);
-        return;
-    }
+    if (!sk_x8(type)) return;
     const int bytes = sk_q_bytes(type), nb = (int)(row_bytes / bytes), groups = (n + 7) / 8;
     memset(out, 0, (size_t)groups * 8 * row_bytes);
     for (int col = 0; col < n; col++)

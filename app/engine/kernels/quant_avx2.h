@@ -21,6 +21,16 @@ QINLINE float q_half(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* 8 floats -> 8 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16. */
+QINLINE __m128i q_bf16x8(__m256 f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
+}
+
 /* The two halves at p (a block's scale and offset) -> both broadcast, from one load and one conversion. */
 QINLINE void q_halves(const uint8_t *p, __m256 *a, __m256 *b) {
     int32_t both;
@@ -322,16 +332,6 @@ QINLINE void qk_tile(int type, int R, int C, const uint8_t *w, long row_bytes, c
 Q8_TILES(SK_Q4_K, qk_tile)
 Q8_TILES(SK_Q5_K, qk_tile)
 Q8_TILES(SK_Q6_K, qk_tile)
-
-/* 8 floats -> 8 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16. */
-QINLINE __m128i q_bf16x8(__m256 f) {
-    __m256i u = _mm256_castps_si256(f);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
-}
 
 /* sk_finish on 8 sums side by side: the bias added, rounded to bf16, the residual added and rounded again. */
 QINLINE void q_finish8(const float *sums, const float *bias, const uint16_t *residual, uint16_t *y) {

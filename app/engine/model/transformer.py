@@ -531,20 +531,20 @@ class PackedLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.quantized: kernels.QuantLinear | None = None  # the product on GGUF blocks, which holds them
-        if isinstance(weight, kernels.QuantLinear):  # blocks packed for a kernel before (a tied head)
-            weight = weight.blocks() if weight.kernel is not kernel else weight
         self.packed = None
         self.weight: Tensor | None = None
         self.bias = bias
         self.fused: kernels.KernelLinear | kernels.QuantLinear | None
+        if isinstance(weight, kernels.QuantLinear):  # blocks packed before (a tied head packed again)
+            if weight.kernel is kernel:
+                self.fused = self.quantized = weight
+                return
+            weight = weight.blocks()
         if isinstance(weight, QuantizedWeight):
             # GGUF blocks: only a kernel computes on them.
             if kernel is None:
                 raise ValueError("quantized weights need a CPU kernel (SPECSERVE_KERNEL is torch, or none builds)")
             self.fused = self.quantized = kernel.qlinear(weight, bias)
-            return
-        if isinstance(weight, kernels.QuantLinear):
-            self.fused = self.quantized = weight
             return
         # On a kernel, with what can ride along with the product (norm before, residual after; DecoderBlock).
         self.fused = kernel.linear(weight, bias) if kernel is not None and kernels.fits(weight) else None
