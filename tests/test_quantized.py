@@ -82,7 +82,7 @@ def test_each_format_against_its_exact_dequantized_values(kern, qtype: str) -> N
     got = lin(torch.eye(k)[cols].bfloat16())
     assert ((got.double() - exact[:, cols].T).abs() <= 2**-8 * exact[:, cols].T.abs() + 2**-20).all()
 
-    # Products: k / 32 steps of exact integer sums, scales rounded once, a 3-step tree and the offsets' chain
+    # Products: k / 32 steps of exact integer sums, scales rounded once, and the offsets' chain
     # (float32 roundings), then one bf16 rounding (2^-8 relative); against the exact values multiplied.
     g = torch.Generator().manual_seed(FORMATS[qtype][0])
     x = torch.randn(14, k, generator=g).bfloat16()  # 12 rows and more: a prefill's path
@@ -177,13 +177,13 @@ def test_the_vnni_kernels_code_gives_the_generic_kernels_bits_through_its_stand_
 
 @pytest.mark.parametrize("qtype", list(FORMATS))
 def test_the_kernels_layout_gives_back_the_files_blocks(kern, qtype: str) -> None:
-    """The 32-input formats are packed 8 rows at a time for the kernels (quant.h's x8 layout, zero-padded past
-    the last row); the rows read back (a tied embedding's lookup, a head's rows for a draft) are the file's
+    """Every format is packed 8 rows at a time for the kernels (quant.h's x8 layout, zero-padded past the last
+    row); the rows read back (a tied embedding's lookup, a head's rows for a draft) are the file's
     bytes, so their values are the file's."""
     weight = random_weight(qtype, 43, 256, seed=70 + FORMATS[qtype][0])
     lin = kern.qlinear(weight, None)
     _, packed, count = lin.segments[0]
-    assert count == 43 and packed.shape[0] == (48 if FORMATS[qtype][1] == 32 else 43)
+    assert count == 43 and packed.shape == (48, weight.segments[0][1].shape[1])
     assert torch.equal(lin.blocks().segments[0][1], weight.segments[0][1])
     ids = torch.tensor([42, 0, 7, 8, 9, 7])
     assert torch.equal(lin.select(ids).segments[0][1], weight.select(ids).segments[0][1])

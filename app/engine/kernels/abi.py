@@ -15,7 +15,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "sk_qlinear": (None, [_I, _P, ctypes.c_long, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, ctypes.c_float, _P, _P]),
     "sk_attention": (None, [_P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I]),
     "sk_rms_norm": (None, [_P, _P, _P, _I, _I, ctypes.c_float, _P]),
-    "sk_q_pack": (None, [_I, _P, ctypes.c_long, _I, _P]),
+    "sk_q_pack": (None, [_I, _P, ctypes.c_long, _I, _P, _I]),
     "sk_q_unpack": (None, [_I, _P, ctypes.c_long, _P, _I, _P]),
     "sk_layers": (
         None,

@@ -343,9 +343,9 @@ def _fusion(x: Tensor, k: int, norm: Tensor | None, swiglu: bool, geglu: bool) -
 
 
 class QuantLinear:
-    """`x @ weight.T + bias` for bf16 x [..., K] on GGUF quantized weights: the file's blocks, those of the
-    32-input formats interleaved 8 rows at a time (quant.h's x8 layout, `sk_q_pack`), once, here; it holds
-    the only copy (`select` and `rows` read rows back as the file stores them, for a tied embedding).
+    """`x @ weight.T + bias` for bf16 x [..., K] on GGUF quantized weights: the file's blocks interleaved 8 rows
+    at a time (quant.h's x8 layout, `sk_q_pack`), once, here; it holds the only copy (`select` and `rows` read
+    rows back as the file stores them, for a tied embedding).
 
     Each output is quant.h's fixed chain over the exact dequantized weights (the bits of the generic kernel on
     every portable kernel), whatever the row count: the same promises as `KernelLinear`. Every format quantizes
@@ -440,11 +440,11 @@ class QuantLinear:
 
 
 def _packed(kernel: Kernel, qtype: str, data: Tensor) -> Tensor:
-    """uint8 [N, bytes per row] blocks of `qtype` as sk_qlinear takes them: the 32-input formats in the x8 layout
-    ([(N + 7) // 8 * 8, bytes per row], the last group zero-padded); the K-quants as they are."""
+    """uint8 [N, bytes per row] blocks of `qtype` as sk_qlinear takes them, in the x8 layout: [(N + 7) // 8 * 8,
+    bytes per row], the last group zero-padded."""
     data = data.contiguous()
-    if FORMATS[qtype][1] != 32:  # quant.h's sk_x8: the K-quants stay as they are
-        return data
     out = torch.empty((data.shape[0] + 7) // 8 * 8, data.shape[1], dtype=torch.uint8)
-    kernel._lib.sk_q_pack(FORMATS[qtype][0], data.data_ptr(), data.shape[1], data.shape[0], out.data_ptr())
+    kernel._lib.sk_q_pack(
+        FORMATS[qtype][0], data.data_ptr(), data.shape[1], data.shape[0], out.data_ptr(), torch.get_num_threads()
+    )
     return out

@@ -75,38 +75,34 @@ void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, u
    - weights as integers w_i per 32 inputs (a chunk: a whole block of the 32-input formats, one eighth of a
      K-quant's): Q4_0 q - 8, Q5_0 q - 16, Q8_0 q, Q4_1 and Q5_1 q, Q4_K and Q5_K q, Q6_K q - 32; the chunk's
      scale D: the block's d (float16), or for Q4_K and Q5_K d * sc (its 6-bit sub-block scale), for Q6_K
-     d * sc with sc the 8-bit scale of its first 16 inputs (lanes 0-3) or of its last 16 (lanes 4-7), each
-     product exact; its offset M: Q4_1 and Q5_1 m (float16), Q4_K and Q5_K -(dmin * mn), exact; 0 otherwise;
-   - the 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): one float32 sum L takes, block by block in order,
-     I = sum_{i<32} w_i xq_i (an exact integer, |I| < 2^20) by one fused multiply-add L = fma(D * dx, (float)I, L),
-     D * dx rounded once; Q4_1 and Q5_1 keep one more float, O = fma(m, S_b, O) block by block; the result is
-     L + O (O = 0 for Q4_0, Q5_0 and Q8_0). Which order the integers are added in is free (they are exact):
-     a tile takes 8 columns' I at once in the lanes of one vector (the x8 layout below);
-   - the K-quants: 8 float32 lanes; lane j takes, for each chunk in order, I = sum_{i=4j..4j+3} w_i xq_i by one
-     fused multiply-add L_j = fma(D * dx, (float)I, L_j), D * dx rounded once; after a block's chunks each
-     lane adds the offset of its chunk j, L_j = fma(M_j, S_j, L_j) (Q4_K and Q5_K); the lanes are summed as a
-     tree (j + j+4, then j + j+2, j + j+1);
+     d * sc with sc the 8-bit scale of its first 16 inputs or of its last 16 (two scales), each product exact; its offset M: Q4_1 and Q5_1 m (float16), Q4_K and Q5_K -(dmin * mn), exact; 0 otherwise;
+   - one float32 sum L per output takes, chunk by chunk in order, I = sum_{i<32} w_i xq_i (an exact integer,
+     |I| < 2^20) by one fused multiply-add L = fma(D * dx, (float)I, L), D * dx rounded once; Q6_K's chunk takes
+     its two halves so, I over inputs 0-15 with its first D, then over 16-31 with its second; the formats with
+     an offset (Q4_1, Q5_1, Q4_K, Q5_K) keep one more float, O = fma(M, S_b, O) chunk by chunk; the result is
+     L + O (O = 0 for the others). Which order the integers are added in is free (they are exact): a tile
+     takes 8 columns' I at once in the lanes of one vector (the x8 layout below);
    - then bias, bf16 rounding and residual as sk_finish.
    The values multiplied are the weights' exact values and xq_i * dx: the oracle of the tests. */
 static inline int sk_q_int(int type) { return sk_q_block(type) != 0; }
 
 /* Quantized activation rows: xq [m][k], and per row and block dx, S [m][k / 32] and the sum of xq, xs
-   [m][k / 32] (what Q4_0, Q5_0 and Q8_0's zero points subtract 8, 16 or 128 times); x4 [m][k / 32][8]: the sums
-   of xq over each lane's 4 inputs (what Q6_K's subtracts 32 times). One allocation, freed by sk_qrows_free. */
+   [m][k / 32] (what Q4_0, Q5_0 and Q8_0's zero points subtract 8, 16 or 128 times); xh [m][k / 32][2]: the sums
+   of xq over each half block (what Q6_K's subtracts 32 times). One allocation, freed by sk_qrows_free. */
 typedef struct {
     int8_t *q;
     float *d, *s;
-    int32_t *x4, *xs;
+    int32_t *xh, *xs;
     int k;
 } sk_qrows;
 
 static inline sk_qrows sk_qrows_alloc(int m, int k) {
     size_t nb = (size_t)(k / 32), blocks = (size_t)m * nb;
-    size_t bytes = (size_t)m * k + blocks * (32 + 12);
+    size_t bytes = (size_t)m * k + blocks * (8 + 12);
     uint8_t *p = aligned_alloc(64, (bytes + 127) / 64 * 64 + 64);
     sk_qrows r;
-    r.x4 = (int32_t *)p;
-    r.xs = r.x4 + blocks * 8;
+    r.xh = (int32_t *)p;
+    r.xs = r.xh + blocks * 2;
     r.d = (float *)(r.xs + blocks);
     r.s = r.d + blocks;
     r.q = (int8_t *)(r.s + blocks);
@@ -114,7 +110,7 @@ static inline sk_qrows sk_qrows_alloc(int m, int k) {
     return r;
 }
 
-static inline void sk_qrows_free(sk_qrows *r) { free(r->x4); }
+static inline void sk_qrows_free(sk_qrows *r) { free(r->xh); }
 
 /* Row r of x (bf16, k inputs) -> its quantized form in rows (the definition above). */
 static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, int r) {
@@ -125,11 +121,12 @@ static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, 
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(sk_bf16_to_f32(xb[i])));
         float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
         int8_t *q = rows->q + (size_t)r * k + 32 * b;
-        int32_t *x4 = rows->x4 + ((size_t)r * nb + b) * 8, sum = 0;
+        int32_t *xh = rows->xh + ((size_t)r * nb + b) * 2, sum = 0;
         for (int i = 0; i < 32; i++) q[i] = (int8_t)nearbyintf(sk_bf16_to_f32(xb[i]) * id);
-        for (int j = 0; j < 8; j++) {
-            x4[j] = q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3];
-            sum += x4[j];
+        for (int h = 0; h < 2; h++) {
+            xh[h] = 0;
+            for (int i = 16 * h; i < 16 * h + 16; i++) xh[h] += q[i];
+            sum += xh[h];
         }
         rows->d[(size_t)r * nb + b] = dx;
         rows->s[(size_t)r * nb + b] = dx * (float)sum;
@@ -187,19 +184,122 @@ static inline void sk_q_ints_ref(int type, const uint8_t *b, int s, int *w, floa
     }
 }
 
-/* The x8 layout of the 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), which sk_qlinear takes for them: the
-   rows (columns of the output) in groups of 8, a group's blocks in order, block b of the group's 8 columns as
-   8 * bytes bytes (the group's GGUF blocks, rearranged), so that a tile reads 8 columns' block in one pass and
-   finds in each 32-byte vector lane c = column c:
+/* The x8 layout, which sk_qlinear takes for every format: the rows (columns of the output) in groups of 8, a
+   group's blocks in order, block b of the group's 8 columns as 8 * bytes bytes (the group's GGUF blocks,
+   rearranged), so that a tile reads 8 columns' block in one pass and finds in each 32-byte vector lane c =
+   column c (4 bytes of it). The 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
    - d [8] (float16; offset 0), then m [8] for Q4_1 and Q5_1 (offset 16);
    - Q5_0 and Q5_1: H [8] (32 bits each), bit 8t + i of H_c the fifth bit of column c's input 4i + t;
    - Q4_*, Q5_*: P [4][8][4]: P_q lane c is column c's quant bytes 4q..4q+3, whose low nibbles are its inputs
      4q..4q+3 and high nibbles its inputs 16 + 4q..16 + 4q + 3; Q8_0: W [8][8][4]: W_i lane c is column c's
      quants 4i..4i+3.
-   A group past the last row holds zeros. The K-quants are read as the file stores them. */
+   The K-quants (256 inputs, 8 chunks of 32; "input i of chunk s" below), each chunk's quants as the 4-bit
+   formats' P [4][8][4] (low 4 bits; one P per chunk, last):
+   - Q4_K and Q5_K: d [8], dmin [8] (float16; offsets 0, 16); S [8][8] (offset 32): byte S_sc, the low 4 bits of
+     column c's chunk s scale, under the low 4 of its minimum; U [8] (offset 96, 32 bits each): bits 4s, 4s + 1
+     of U_c the top 2 bits of chunk s's scale, 4s + 2, 4s + 3 of its minimum; Q5_K: H [8][8] (offset 128, 32 bits
+     each): chunk s's fifth bits as Q5_0's H; P [8][4][8][4] (offset 128, Q5_K 384);
+   - Q6_K: d [8] (float16); C [16][8] (offset 16): the int8 scale of half t (chunk t / 2's first or second 16
+     inputs) of column c; T [8][2][8][4] (offset 144): T_sv lane c byte j, bits 2u, 2u + 1: the top 2 bits of
+     chunk s's input 16v + 4u + j; P [8][4][8][4] (offset 656).
+   The same bytes as the file's (8 * bytes per group block), every bit of them used. A group past the last row
+   holds zeros. */
+
+/* The `width` bits at `shift` of byte *at <-> *v (write: into the byte; else out of it). */
+static inline void sk_bits(uint8_t *at, int shift, int width, int *v, int write) {
+    const int mask = (1 << width) - 1;
+    if (write)
+        *at = (uint8_t)((*at & ~(mask << shift)) | ((*v & mask) << shift));
+    else
+        *v = (*at >> shift) & mask;
+}
+
+/* A value of lo + hi bits kept in two places: its low `lo` bits at (a, sa), the rest at (b, sb). */
+static inline void sk_bits2(uint8_t *a, int sa, int lo, uint8_t *b, int sb, int hi, int *v, int write) {
+    int low = *v & ((1 << lo) - 1), high = *v >> lo;
+    sk_bits(a, sa, lo, &low, write);
+    sk_bits(b, sb, hi, &high, write);
+    if (!write) *v = low | high << lo;
+}
+
+/* A K-quant block's contents: its quants (the file's unsigned values: Q4_K 0-15, Q5_K 0-31, Q6_K 0-63), its
+   scales (Q4_K and Q5_K: 8 of 6 bits; Q6_K: 16 bytes) and minimums, and the bytes of d (then dmin). */
+typedef struct {
+    int q[256], sc[16], mn[8], half[4];
+} sk_kblock;
+
+/* A K-quant block as the file stores it (b) <-> kb. */
+static inline void sk_k_file(int type, uint8_t *b, sk_kblock *kb, int write) {
+    if (type == SK_Q6_K) {
+        for (int s = 0; s < 8; s++)
+            for (int j = 0; j < 32; j++) {
+                int h = s / 4, i = s % 4;
+                sk_bits2(b + 64 * h + 32 * (i & 1) + j, 4 * (i >> 1), 4, b + 128 + 32 * h + j, 2 * i, 2, &kb->q[32 * s + j],
+                         write);
+            }
+        for (int t = 0; t < 16; t++) sk_bits(b + 192 + t, 0, 8, &kb->sc[t], write);
+        for (int i = 0; i < 2; i++) sk_bits(b + 208 + i, 0, 8, &kb->half[i], write);
+        return;
+    }
+    uint8_t *q = b + 4, *qs = b + (type == SK_Q4_K ? 16 : 48);
+    for (int i = 0; i < 4; i++) sk_bits(b + i, 0, 8, &kb->half[i], write);
+    for (int j = 0; j < 4; j++) {  /* sk_k_scale_min's packing */
+        sk_bits(q + j, 0, 6, &kb->sc[j], write);
+        sk_bits(q + j + 4, 0, 6, &kb->mn[j], write);
+        sk_bits2(q + j + 8, 0, 4, q + j, 6, 2, &kb->sc[j + 4], write);
+        sk_bits2(q + j + 8, 4, 4, q + j + 4, 6, 2, &kb->mn[j + 4], write);
+    }
+    for (int s = 0; s < 8; s++)
+        for (int j = 0; j < 32; j++) {
+            uint8_t *at = qs + 32 * (s / 2) + j;
+            if (type == SK_Q5_K)
+                sk_bits2(at, 4 * (s & 1), 4, b + 16 + j, s, 1, &kb->q[32 * s + j], write);
+            else
+                sk_bits(at, 4 * (s & 1), 4, &kb->q[32 * s + j], write);
+        }
+}
+
+/* Column c's K-quant block in its group's x8 block g <-> kb. */
+static inline void sk_k_group(int type, uint8_t *g, int c, sk_kblock *kb, int write) {
+    const int six = type == SK_Q6_K, five = type == SK_Q5_K;
+    uint8_t *P = g + (six ? 656 : 128 + 256 * five);
+    for (int s = 0; s < 8; s++)
+        for (int i = 0; i < 32; i++) {
+            uint8_t *at = P + 128 * s + 32 * (i % 16 / 4) + 4 * c + i % 4;
+            int *v = &kb->q[32 * s + i];
+            if (six)
+                sk_bits2(at, 4 * (i / 16), 4, g + 144 + 64 * s + 32 * (i / 16) + 4 * c + i % 4, 2 * (i / 4 % 4), 2, v, write);
+            else if (five)
+                sk_bits2(at, 4 * (i / 16), 4, g + 128 + 32 * s + 4 * c + i % 4, i / 4, 1, v, write);
+            else
+                sk_bits(at, 4 * (i / 16), 4, v, write);
+        }
+    for (int i = 0; i < 2; i++) sk_bits(g + 2 * c + i, 0, 8, &kb->half[i], write);
+    if (six) {
+        for (int t = 0; t < 16; t++) sk_bits(g + 16 + 8 * t + c, 0, 8, &kb->sc[t], write);
+        return;
+    }
+    for (int i = 0; i < 2; i++) sk_bits(g + 16 + 2 * c + i, 0, 8, &kb->half[2 + i], write);
+    for (int s = 0; s < 8; s++) {
+        uint8_t *hi = g + 96 + 4 * c + s / 2;
+        sk_bits2(g + 32 + 8 * s + c, 0, 4, hi, 4 * (s % 2), 2, &kb->sc[s], write);
+        sk_bits2(g + 32 + 8 * s + c, 4, 4, hi, 4 * (s % 2) + 2, 2, &kb->mn[s], write);
+    }
+}
 
 /* Moves column c's GGUF block blk into (pack) or out of its place in the group's x8 block grp. */
 static inline void sk_x8_move(int type, int c, uint8_t *blk, uint8_t *grp, int pack) {
+    if (sk_q_block(type) == 256) {
+        sk_kblock kb;
+        if (pack) {
+            sk_k_file(type, blk, &kb, 0);
+            sk_k_group(type, grp, c, &kb, 1);
+        } else {
+            sk_k_group(type, grp, c, &kb, 0);
+            sk_k_file(type, blk, &kb, 1);
+        }
+        return;
+    }
     const int five = type == SK_Q5_0 || type == SK_Q5_1, offset = type == SK_Q4_1 || type == SK_Q5_1;
     const int at_h = 16 * (1 + offset), at_q = at_h + 32 * five;
     const int qs = 2 + 2 * offset + 4 * five, words = type == SK_Q8_0 ? 8 : 4;
@@ -221,85 +321,61 @@ static inline void sk_x8_move(int type, int c, uint8_t *blk, uint8_t *grp, int p
     }
 }
 
-static inline int sk_x8(int type) { return sk_q_block(type) == 32; }
-
-/* out = the n rows of w (row_bytes apart, format type) in the x8 layout: (n + 7) / 8 * 8 rows of row_bytes. For
-   the 32-input formats only: the K-quants have nothing to pack (sk_qlinear reads them as the file stores them). */
-void sk_q_pack(int type, const uint8_t *w, long row_bytes, int n, uint8_t *out) {
-    if (!sk_x8(type)) return;
+/* out = the n rows of w (row_bytes apart, format type) in the x8 layout: (n + 7) / 8 * 8 rows of row_bytes. */
+void sk_q_pack(int type, const uint8_t *w, long row_bytes, int n, uint8_t *out, int threads) {
     const int bytes = sk_q_bytes(type), nb = (int)(row_bytes / bytes), groups = (n + 7) / 8;
-    memset(out, 0, (size_t)groups * 8 * row_bytes);
-    for (int col = 0; col < n; col++)
-        for (int b = 0; b < nb; b++)
-            sk_x8_move(type, col % 8, (uint8_t *)w + (size_t)col * row_bytes + (size_t)b * bytes,
-                       out + (size_t)(col / 8) * 8 * row_bytes + (size_t)b * 8 * bytes, 1);
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && groups > 1) schedule(static)
+    for (int grp = 0; grp < groups; grp++) {
+        uint8_t *g = out + (size_t)grp * 8 * row_bytes;
+        memset(g, 0, (size_t)8 * row_bytes);
+        for (int col = 8 * grp; col < n && col < 8 * grp + 8; col++)
+            for (int b = 0; b < nb; b++)
+                sk_x8_move(type, col % 8, (uint8_t *)w + (size_t)col * row_bytes + (size_t)b * bytes,
+                           g + (size_t)b * 8 * bytes, 1);
+    }
 }
 
 /* out = rows ids [count] of sk_q_pack's layout (packed, format type) back as the file stores them: count rows
    of row_bytes (an embedding's lookup on weights that were packed for the head they share). */
 void sk_q_unpack(int type, const uint8_t *packed, long row_bytes, const int64_t *ids, int count, uint8_t *out) {
     const int bytes = sk_q_bytes(type), nb = (int)(row_bytes / bytes);
-    for (int r = 0; r < count; r++) {
-        uint8_t *row = out + (size_t)r * row_bytes;
-        if (!sk_x8(type)) {
-            memcpy(row, packed + (size_t)ids[r] * row_bytes, (size_t)row_bytes);
-            continue;
-        }
+    for (int r = 0; r < count; r++)
         for (int b = 0; b < nb; b++)
-            sk_x8_move(type, (int)(ids[r] % 8), row + (size_t)b * bytes,
+            sk_x8_move(type, (int)(ids[r] % 8), out + (size_t)r * row_bytes + (size_t)b * bytes,
                        (uint8_t *)packed + (size_t)(ids[r] / 8) * 8 * row_bytes + (size_t)b * 8 * bytes, 0);
-    }
-}
-
-/* The 8-lane tree: (j + j+4), then (j + j+2), then the two left. */
-static inline float sk_tree8(const float *l) {
-    float a[4];
-    for (int i = 0; i < 4; i++) a[i] = l[i] + l[i + 4];
-    return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
 /* The portable definition of an integer product: column by column, every row (w: sk_q_pack's layout). */
 static inline void sk_qlinear_int_ref(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y,
                                       int ldy, const float *bias, int m, int k, int c0, int c1,
                                       const uint16_t *residual) {
-    int nb = k / 32, qk = sk_q_block(type), bytes = sk_q_bytes(type), x8 = sk_x8(type);
+    int nb = k / 32, qk = sk_q_block(type), bytes = sk_q_bytes(type), halves = type == SK_Q6_K ? 2 : 1;
+    int offset = type == SK_Q4_1 || type == SK_Q5_1 || type == SK_Q4_K || type == SK_Q5_K;
     int *wi = malloc(sizeof(int) * (size_t)k);
     float *wd = malloc(sizeof(float) * 3 * (size_t)nb), *wm = wd + 2 * nb;
-    uint8_t blk[34];
+    uint8_t blk[256];
     for (int col = c0; col < c1; col++) {
-        const uint8_t *row = w + (size_t)col * row_bytes, *group = w + (size_t)(col / 8) * 8 * row_bytes;
+        const uint8_t *group = w + (size_t)(col / 8) * 8 * row_bytes;
         for (int b = 0; b < nb; b++) {
-            const uint8_t *at = row + (size_t)(b / (qk / 32)) * bytes;
-            if (x8) {
-                sk_x8_move(type, col % 8, blk, (uint8_t *)group + (size_t)b * 8 * bytes, 0);
-                at = blk;
-            }
-            sk_q_ints_ref(type, at, b % (qk / 32), wi + 32 * b, wd + 2 * b, wm + b);
+            if (b % (qk / 32) == 0)
+                sk_x8_move(type, col % 8, blk, (uint8_t *)group + (size_t)(b / (qk / 32)) * 8 * bytes, 0);
+            sk_q_ints_ref(type, blk, b % (qk / 32), wi + 32 * b, wd + 2 * b, wm + b);
         }
         for (int r = 0; r < m; r++) {
             const int8_t *q = xq->q + (size_t)r * k;
             const float *dx = xq->d + (size_t)r * nb, *s = xq->s + (size_t)r * nb;
-            float lanes[8] = {0}, o = 0.0f, sum;
-            for (int b = 0; b < nb; b++) {
-                float dd[2] = {wd[2 * b] * dx[b], wd[2 * b + 1] * dx[b]};
-                if (x8) {
-                    int whole = 0;
-                    for (int i = 0; i < 32; i++) whole += wi[32 * b + i] * q[32 * b + i];
-                    lanes[0] = fmaf(dd[0], (float)whole, lanes[0]);
-                    o = fmaf(wm[b], s[b], o);
-                    continue;
-                }
-                for (int j = 0; j < 8; j++) {
+            float l = 0.0f, o = 0.0f;
+            for (int b = 0; b < nb; b++)
+            {
+                for (int h = 0; h < halves; h++) {
                     int part = 0;
-                    for (int i = 4 * j; i < 4 * j + 4; i++) part += wi[32 * b + i] * q[32 * b + i];
-                    lanes[j] = fmaf(dd[j / 4], (float)part, lanes[j]);
+                    for (int i = 32 / halves * h; i < 32 / halves * (h + 1); i++) part += wi[32 * b + i] * q[32 * b + i];
+                    l = fmaf(wd[2 * b + h] * dx[b], (float)part, l);
                 }
-                if (b % 8 == 7 && type != SK_Q6_K)
-                    for (int j = 0; j < 8; j++) lanes[j] = fmaf(wm[b - 7 + j], s[b - 7 + j], lanes[j]);
+                if (offset) o = fmaf(wm[b], s[b], o);
             }
-            sum = x8 ? lanes[0] + o : sk_tree8(lanes);
             size_t at = (size_t)r * ldy + col;
-            y[at] = sk_finish(sum, bias, col, residual ? residual + at : NULL);
+            y[at] = sk_finish(offset ? l + o : l, bias, col, residual ? residual + at : NULL);
         }
     }
     free(wi);
