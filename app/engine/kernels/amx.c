@@ -11,7 +11,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include "common.h"
-#include "quant_avx2.h"
+#include "quant_avx512.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -296,10 +296,10 @@ void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, 
     }
 }
 
-/* Quantized weights: the AVX2 tiles of quant_avx2.h (the generic bits, as on avx2). */
+/* Quantized weights: quant_avx512.h's tiles, 16 columns at a time where the build has VNNI and BW (the generic bits, as on avx2). */
 void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,
                 int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
                 uint16_t *scratch) {
     sk_qlinear_frame(type, w, row_bytes, x, y, ldy, bias, m, k, n, threads, op, norm_w, eps, residual, scratch,
-                     sk_sum_squares_ref, q8_quantize_row, q8_cols);
+                     sk_sum_squares_ref, q8_quantize_row, q_cols);
 }

@@ -152,5 +152,5 @@ void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, u
                 int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
                 uint16_t *scratch) {
     sk_qlinear_frame(type, w, row_bytes, x, y, ldy, bias, m, k, n, threads, op, norm_w, eps, residual, scratch,
-                     sum_squares, q8_quantize_row, q8_cols);
+                     sum_squares, q8_quantize_row, q_cols_8);
 }

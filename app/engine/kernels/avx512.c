@@ -4,7 +4,7 @@
    so it is not used: the same bits on every kernel matter more here than the compute-bound rows.) */
 #include <immintrin.h>
 #include "common.h"
-#include "quant_avx2.h"
+#include "quant_avx512.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -143,10 +143,10 @@ void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, 
     sk_attention_rows(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, attend_row);
 }
 
-/* Quantized weights: the AVX2 tiles of quant_avx2.h (the generic bits, as on avx2). */
+/* Quantized weights: quant_avx512.h's tiles, 16 columns at a time where the build has VNNI and BW (the generic bits, as on avx2). */
 void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,
                 int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
                 uint16_t *scratch) {
     sk_qlinear_frame(type, w, row_bytes, x, y, ldy, bias, m, k, n, threads, op, norm_w, eps, residual, scratch,
-                     sum_squares, q8_quantize_row, q8_cols);
+                     sum_squares, q8_quantize_row, q_cols);
 }

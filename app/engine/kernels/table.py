@@ -44,7 +44,17 @@ class KernelSpec:
 # -ffp-contract=off: the exact kernels' bits are defined by explicit fused multiply-adds only.
 _AVX512 = ("-mavx512f", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
-_AMX_FLAGS = ("-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma", "-mf16c", "-mavx512vnni", "-mavx512vl")
+_AMX_FLAGS = (
+    "-mavx512f",
+    "-mavx512bf16",
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-mfma",
+    "-mf16c",
+    "-mavx512vnni",
+    "-mavx512vl",
+    "-mavx512bw",
+)
 
 # Best first: `auto` selects the first this CPU runs and gcc builds. amx multiplies bf16 rows in tiles, so a
 # verification's rows cost little there while the integer products cost per row (docs/bench, issue 22): its
@@ -54,7 +64,7 @@ _ALL = (
     KernelSpec(
         "amx",
         "amx",
-        frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512_vnni", "avx512vl"}),
+        frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512_vnni", "avx512vl", "avx512bw"}),
         _AMX_FLAGS,
         march_native=False,
         exact=False,
@@ -68,8 +78,8 @@ _ALL = (
     KernelSpec(
         "avx512vnni",
         "avx512",
-        frozenset({"avx512f", "avx512_vnni", "avx512vl", "avx2", "fma", "f16c"}),
-        (*_AVX512, "-mavx512vnni", "-mavx512vl"),
+        frozenset({"avx512f", "avx512_vnni", "avx512vl", "avx512bw", "avx2", "fma", "f16c"}),
+        (*_AVX512, "-mavx512vnni", "-mavx512vl", "-mavx512bw"),
         march_native=False,
         exact=True,
         trees=True,

@@ -1,0 +1,341 @@
+/* The integer tiles and their column driver, written once over QW, the columns a tile takes in the lanes of one
+   vector (as lanes.h for the bf16 products): 8 (__m256i: one x8 group; every AVX2 and AVX-512 kernel) or 16
+   (__m512i: two adjacent x8 groups, each vector's halves loaded from both; the AVX-512 kernels with VNNI and
+   BW). quant_avx2.h includes it with QW 8, quant_avx512.h with 16; the names it defines end in _8 or _16.
+   Lane by lane, both widths take the same operations in the same order: the same bits (quant.h's chain).
+
+   No include guard: included once per width. Before it: quant_avx2.h (q_dot4, q_finish8, sk_qrows). */
+
+#if QW == 8
+#define QT(name) name##_8
+#define qt_i __m256i
+#define qt_f __m256
+/* 32 bytes at p (and, at 16 lanes, 32 more at p + G: the next group's same block). */
+#define QI_LOAD(p, G) _mm256_loadu_si256((const __m256i *)(p))
+#define QI_AND _mm256_and_si256
+#define QI_OR _mm256_or_si256
+#define QI_XOR _mm256_xor_si256
+#define QI_ADD32 _mm256_add_epi32
+#define QI_SRLI16 _mm256_srli_epi16
+#define QI_SLLI16 _mm256_slli_epi16
+#define QI_SRLI32 _mm256_srli_epi32
+#define QI_SLLI32 _mm256_slli_epi32
+#define QI_SET8 _mm256_set1_epi8
+#define QI_SET32 _mm256_set1_epi32
+#define QI_ZERO _mm256_setzero_si256
+#define QI_DOT4 q_dot4
+#define QI_ABS8 _mm256_abs_epi8
+#define QI_SIGN8 _mm256_sign_epi8
+/* 8 bytes at p (and at p + G) widened to a lane each. */
+#define QI_U8(p, G) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define QI_I8(p, G) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+/* 8 float16 at p (and at p + G) to float32. */
+#define QF_HALF(p, G) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define QF_CVT _mm256_cvtepi32_ps
+#define QF_MUL _mm256_mul_ps
+#define QF_FMA _mm256_fmadd_ps
+#define QF_ADD _mm256_add_ps
+#define QF_XOR _mm256_xor_ps
+#define QF_SET _mm256_set1_ps
+#define QF_ZERO _mm256_setzero_ps
+#define QF_STORE _mm256_storeu_ps
+#elif QW == 16
+#define QT(name) name##_16
+#define qt_i __m512i
+#define qt_f __m512
+#define QI_LOAD(p, G)                                                                                          \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p))),                        \
+                       _mm256_loadu_si256((const __m256i *)((p) + (G))), 1)
+#define QI_AND _mm512_and_si512
+#define QI_OR _mm512_or_si512
+#define QI_XOR _mm512_xor_si512
+#define QI_ADD32 _mm512_add_epi32
+#define QI_SRLI16 _mm512_srli_epi16
+#define QI_SLLI16 _mm512_slli_epi16
+#define QI_SRLI32 _mm512_srli_epi32
+#define QI_SLLI32 _mm512_slli_epi32
+#define QI_SET8 _mm512_set1_epi8
+#define QI_SET32 _mm512_set1_epi32
+#define QI_ZERO _mm512_setzero_si512
+#define QI_DOT4 _mm512_dpbusd_epi32
+#define QI_ABS8 _mm512_abs_epi8
+#define QI_SIGN8(x, w) _mm512_mask_sub_epi8((x), _mm512_movepi8_mask(w), _mm512_setzero_si512(), (x))
+#define QI_U8(p, G)                                                                                            \
+    _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(p)), _mm_loadl_epi64((const __m128i *)((p) + (G)))))
+#define QI_I8(p, G)                                                                                            \
+    _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(p)), _mm_loadl_epi64((const __m128i *)((p) + (G)))))
+#define QF_HALF(p, G)                                                                                          \
+    _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p))),    \
+                                            _mm_loadu_si128((const __m128i *)((p) + (G))), 1))
+#define QF_CVT _mm512_cvtepi32_ps
+#define QF_MUL _mm512_mul_ps
+#define QF_FMA _mm512_fmadd_ps
+#define QF_ADD _mm512_add_ps
+/* Without AVX512DQ: the sign flipped by an integer xor. */
+#define QF_XOR(a, b) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+#define QF_SET _mm512_set1_ps
+#define QF_ZERO _mm512_setzero_ps
+#define QF_STORE _mm512_storeu_ps
+#else
+#error "QW must be 8 or 16"
+#endif
+
+/* Column c's 4-byte group i of an x8 block in lane c: W_i (inputs 4i..4i+3), from the 4-bit formats' P_(i % 4)
+   (low nibbles for i < 4, high for the rest) and, for Q5_*, H's bit i of each byte as the fifth bit (quant.h). */
+QINLINE qt_i QT(x8_nibbles)(qt_i P, int i, int five, qt_i H) {
+    qt_i q = QI_AND(i < 4 ? P : QI_SRLI16(P, 4), QI_SET8(15));
+    if (five) {
+        /* Bit 8t + i of each 32-bit lane to bit 8t + 4 (32-bit shifts: the mask drops what crosses a byte). */
+        qt_i bit = i < 4 ? QI_SLLI32(H, 4 - i) : i > 4 ? QI_SRLI32(H, i - 4) : H;
+        q = QI_OR(q, QI_AND(bit, QI_SET8(16)));
+    }
+    return q;
+}
+
+/* Column c's 4-byte group i of a Q6_K chunk in lane c (inputs 4i..4i+3; 0-63, its zero point 32 the tile's):
+   P_(i % 4)'s low or high nibbles under T_(i / 4)'s bits 2u, 2u + 1 (u = i % 4) as bits 4, 5 (quant.h). */
+QINLINE qt_i QT(x8_six)(qt_i P, int i, qt_i T) {
+    const int u = i % 4;
+    qt_i q = QI_AND(i < 4 ? P : QI_SRLI16(P, 4), QI_SET8(15));
+    /* 16-bit shifts: the mask drops what crosses a byte. */
+    qt_i hi = u < 2 ? QI_SLLI16(T, 4 - 2 * u) : u > 2 ? QI_SRLI16(T, 2 * u - 4) : T;
+    return QI_OR(q, QI_AND(hi, QI_SET8(0x30)));
+}
+
+/* Prefetch: the same block Q8_AHEAD tiles of columns ahead (the rest of this thread's share streams after). */
+QINLINE void QT(x8_ahead)(const uint8_t *p, long row_bytes, int from, int to) {
+    for (int h = 0; h < QW / 8; h++)
+        for (int line = from; line < to; line += 64)
+            _mm_prefetch((const char *)(p + (Q8_AHEAD * QW + 8 * h) * row_bytes + line), _MM_HINT_T0);
+}
+
+/* R rows (from r0, R <= 4) x the QW columns of the x8 group(s) at g (quant.h) -> sums [R][QW]: the 32-input
+   formats.
+
+   Per block: each 4-byte group of the columns' weights, one vector (lane c: column c), is unpacked once for
+   the R rows and meets each row's 4 activations of that group broadcast, so that a row's integer sums of QW
+   columns take 8 dot4 steps and its scaling one conversion, one multiply and one fused multiply-add. The zero
+   points (Q4_0's 8, Q5_0's 16; Q8_0's weights taken as w + 128 where q_dot4 takes any bytes) start each sum at
+   minus that many times the row's block sum xs; without VNNI Q8_0's signs move to the activations. The loops
+   run unrolled (gcc keeps the accumulators in registers only then). */
+QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
+    const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
+    const long G = 8 * row_bytes;  /* the next group (16 lanes) */
+    (void)G;
+    const int offset = type == SK_Q4_1 || type == SK_Q5_1, five = type == SK_Q5_0 || type == SK_Q5_1;
+    const int at_h = 16 * (1 + offset), at_q = at_h + 32 * five, q8 = type == SK_Q8_0;
+    const int zero = type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : q8 && SK_DOT_ANY_BYTES ? 128 : 0;
+    const int8_t *xr = xq->q + (size_t)r0 * k;
+    const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
+    const int32_t *xs = xq->xs + (size_t)r0 * nb;
+    qt_f acc[4], ov[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) acc[r] = ov[r] = QF_ZERO();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = g + (size_t)b * 8 * bytes;
+        QT(x8_ahead)(p, row_bytes, 0, 8 * bytes);
+        /* One integer sum per row; two for a lone row, to halve the chain of dependent dot4 steps. */
+        qt_i ia[4], ib = QI_ZERO();
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) ia[r] = zero ? QI_SET32(-zero * xs[(size_t)r * nb + b]) : QI_ZERO();
+        qt_i H = five ? QI_LOAD(p + at_h, G) : QI_ZERO();
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            qt_i W = q8 ? QI_LOAD(p + at_q + 32 * i, G) : QT(x8_nibbles)(QI_LOAD(p + at_q + 32 * (i % 4), G), i, five, H);
+            qt_i Wa = q8 ? (SK_DOT_ANY_BYTES ? QI_XOR(W, QI_SET8(-128)) : QI_ABS8(W)) : W;
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xr + (size_t)r * k + 32 * b + 4 * i, 4);
+                qt_i x = QI_SET32(four);
+                if (q8 && !SK_DOT_ANY_BYTES) x = QI_SIGN8(x, W);
+                if (R == 1 && i % 2)
+                    ib = QI_DOT4(ib, Wa, x);
+                else
+                    ia[r] = QI_DOT4(ia[r], Wa, x);
+            }
+        }
+        if (R == 1) ia[0] = QI_ADD32(ia[0], ib);
+        qt_f d = QF_HALF(p, G);
+        qt_f m = offset ? QF_HALF(p + 16, G) : QF_ZERO();
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            qt_f dd = QF_MUL(d, QF_SET(dx[(size_t)r * nb + b]));
+            acc[r] = QF_FMA(dd, QF_CVT(ia[r]), acc[r]);
+            if (offset) ov[r] = QF_FMA(m, QF_SET(sx[(size_t)r * nb + b]), ov[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) QF_STORE(sums + QW * r, offset ? QF_ADD(acc[r], ov[r]) : acc[r]);
+}
+
+/* The K-quants' tile (Q4_K, Q5_K, Q6_K), as x8_tile: R rows (R <= 4) x QW columns -> sums [R][QW].
+
+   Per 256-input block: d (and dmin, negated) of the columns converted once; per chunk, the columns' scales (and
+   minimums) unpacked from S and U (Q6_K: its two halves' int8 scales), then as x8_tile: 8 dot4 steps of each
+   4-byte group unpacked once for the R rows, one conversion, one multiply and one fused multiply-add per row
+   (Q6_K: two, one per half, each half's integer sum started at -32 times the row's sum of that half); the
+   minimums' chain one fused multiply-add more. */
+QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
+    const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
+    const long G = 8 * row_bytes;  /* the next group (16 lanes) */
+    (void)G;
+    const int six = type == SK_Q6_K, five = type == SK_Q5_K, at_q = six ? 656 : 128 + 256 * five;
+    const int8_t *xr = xq->q + (size_t)r0 * k;
+    const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
+    const int32_t *xh = xq->xh + (size_t)r0 * nb * 2;
+    const qt_i low4 = QI_SET32(15), top2 = QI_SET32(0x30);
+    qt_f acc[4], ov[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) acc[r] = ov[r] = QF_ZERO();
+    for (int blk = 0; blk < k / 256; blk++) {
+        const uint8_t *p = g + (size_t)blk * 8 * bytes;
+        const qt_f d = QF_HALF(p, G);
+        const qt_f ndmin = six ? d : QF_XOR(QF_HALF(p + 16, G), QF_SET(-0.0f));
+        qt_i U = six ? QI_ZERO() : QI_LOAD(p + 96, G);
+#pragma GCC unroll 1
+        for (int s = 0; s < 8; s++) {
+            const int b = 8 * blk + s;
+            const uint8_t *P = p + at_q + 128 * s;
+            /* A quarter of the group block's lines per chunk. */
+            QT(x8_ahead)(p, row_bytes, 256 * s, 256 * (s + 1) < 8 * bytes ? 256 * (s + 1) : 8 * bytes);
+            qt_f D[2], M = QF_ZERO();
+            if (six) {
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) D[h] = QF_MUL(d, QF_CVT(QI_I8(p + 16 + 16 * s + 8 * h, G)));
+            } else {
+                qt_i v = QI_U8(p + 32 + 8 * s, G);
+                qt_i sc = QI_OR(QI_AND(v, low4), QI_AND(QI_SLLI32(U, 4), top2));
+                qt_i mn = QI_OR(QI_SRLI32(v, 4), QI_AND(QI_SLLI32(U, 2), top2));
+                U = QI_SRLI32(U, 4);
+                D[0] = D[1] = QF_MUL(d, QF_CVT(sc));
+                M = QF_MUL(ndmin, QF_CVT(mn));
+            }
+            /* Q6_K: one integer sum per half; the others: one, two for a lone row (to halve the chain of
+               dependent dot4 steps), added before the conversion. */
+            qt_i ia[4], ib[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int32_t *h = xh + ((size_t)r * nb + b) * 2;
+                ia[r] = six ? QI_SET32(-32 * h[0]) : QI_ZERO();
+                ib[r] = six ? QI_SET32(-32 * h[1]) : QI_ZERO();
+            }
+            const qt_i H = five ? QI_LOAD(p + 128 + 32 * s, G) : QI_ZERO();
+            const qt_i T0 = six ? QI_LOAD(p + 144 + 64 * s, G) : QI_ZERO();
+            const qt_i T1 = six ? QI_LOAD(p + 176 + 64 * s, G) : QI_ZERO();
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {
+                qt_i Pq = QI_LOAD(P + 32 * (i % 4), G);
+                qt_i W = six ? QT(x8_six)(Pq, i, i < 4 ? T0 : T1) : QT(x8_nibbles)(Pq, i, five, H);
+                const int second = six ? i >= 4 : R == 1 && i % 2;
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    int32_t four;
+                    memcpy(&four, xr + (size_t)r * k + 32 * b + 4 * i, 4);
+                    if (second)
+                        ib[r] = QI_DOT4(ib[r], W, QI_SET32(four));
+                    else
+                        ia[r] = QI_DOT4(ia[r], W, QI_SET32(four));
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const qt_f x = QF_SET(dx[(size_t)r * nb + b]);
+                if (six) {
+                    acc[r] = QF_FMA(QF_MUL(D[0], x), QF_CVT(ia[r]), acc[r]);
+                    acc[r] = QF_FMA(QF_MUL(D[1], x), QF_CVT(ib[r]), acc[r]);
+                } else {
+                    qt_i i32 = R == 1 ? QI_ADD32(ia[r], ib[r]) : ia[r];
+                    acc[r] = QF_FMA(QF_MUL(D[0], x), QF_CVT(i32), acc[r]);
+                    ov[r] = QF_FMA(M, QF_SET(sx[(size_t)r * nb + b]), ov[r]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) QF_STORE(sums + QW * r, six ? acc[r] : QF_ADD(acc[r], ov[r]));
+}
+
+/* One format's tiles, the format and the row count constants in each. */
+#define QT_TILES(T, TILE)                                                                                       \
+    static void QT(tile_##T)(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s) {         \
+        switch (R) {                                                                                            \
+            case 4: QT(TILE)(T, 4, g, rb, xq, r0, s); break;                                                   \
+            case 3: QT(TILE)(T, 3, g, rb, xq, r0, s); break;                                                   \
+            case 2: QT(TILE)(T, 2, g, rb, xq, r0, s); break;                                                   \
+            default: QT(TILE)(T, 1, g, rb, xq, r0, s); break;                                                  \
+        }                                                                                                       \
+    }
+QT_TILES(SK_Q4_0, x8_tile)
+QT_TILES(SK_Q4_1, x8_tile)
+QT_TILES(SK_Q5_0, x8_tile)
+QT_TILES(SK_Q5_1, x8_tile)
+QT_TILES(SK_Q8_0, x8_tile)
+QT_TILES(SK_Q4_K, kx8_tile)
+QT_TILES(SK_Q5_K, kx8_tile)
+QT_TILES(SK_Q6_K, kx8_tile)
+#undef QT_TILES
+
+/* Columns c0..c1-1 (c0 a multiple of 8) for every row: QW columns at a time over rows 4 at a time, the
+   columns' weights read again from the cache for each 4 rows; at 16 lanes a last lone group by the 8-lane
+   driver. */
+static void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
+                       const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
+    float sums[4 * QW];
+    q_tile_fn tile = type == SK_Q4_0 ? QT(tile_SK_Q4_0) : type == SK_Q4_1 ? QT(tile_SK_Q4_1)
+                   : type == SK_Q5_0 ? QT(tile_SK_Q5_0) : type == SK_Q5_1 ? QT(tile_SK_Q5_1)
+                   : type == SK_Q8_0 ? QT(tile_SK_Q8_0) : type == SK_Q4_K ? QT(tile_SK_Q4_K)
+                   : type == SK_Q5_K ? QT(tile_SK_Q5_K) : QT(tile_SK_Q6_K);
+    for (int col = c0; col < c1; col += QW) {
+        if (QW > 8 && c1 - col <= 8) {
+            q_cols_8(type, w, row_bytes, xq, y, ldy, bias, m, k, col, c1, residual);
+            return;
+        }
+        int cc = c1 - col < QW ? c1 - col : QW;
+        for (int r = 0; r < m; r += 4) {
+            int R = r + 4 <= m ? 4 : m - r;
+            tile(R, w + (size_t)(col / 8) * 8 * row_bytes, row_bytes, xq, r, sums);
+            for (int i = 0; i < R; i++)
+                for (int h = 0; h < cc; h += 8) {
+                    size_t at = (size_t)(r + i) * ldy + col + h;
+                    const float *s = sums + QW * i + h;
+                    if (cc - h >= 8) {
+                        q_finish8(s, bias ? bias + col + h : NULL, residual ? residual + at : NULL, y + at);
+                        continue;
+                    }
+                    for (int j = 0; j < cc - h; j++)
+                        y[at + j] = sk_finish(s[j], bias, col + h + j, residual ? residual + at + j : NULL);
+                }
+        }
+    }
+}
+
+#undef QT
+#undef qt_i
+#undef qt_f
+#undef QI_LOAD
+#undef QI_AND
+#undef QI_OR
+#undef QI_XOR
+#undef QI_ADD32
+#undef QI_SRLI16
+#undef QI_SLLI16
+#undef QI_SRLI32
+#undef QI_SLLI32
+#undef QI_SET8
+#undef QI_SET32
+#undef QI_ZERO
+#undef QI_DOT4
+#undef QI_ABS8
+#undef QI_SIGN8
+#undef QI_U8
+#undef QI_I8
+#undef QF_HALF
+#undef QF_CVT
+#undef QF_MUL
+#undef QF_FMA
+#undef QF_ADD
+#undef QF_XOR
+#undef QF_SET
+#undef QF_ZERO
+#undef QF_STORE
