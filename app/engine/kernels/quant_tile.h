@@ -134,10 +134,13 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = g + (size_t)b * 8 * bytes;
         QT(x8_ahead)(p, row_bytes, 0, 8 * bytes);
-        /* One integer sum per row; two for a lone row, to halve the chain of dependent dot4 steps. */
-        qt_i ia[4], ib = QI_ZERO();
+        /* Two integer sums per row (even and odd groups), to halve the chain of dependent dot4 steps. */
+        qt_i ia[4], ib[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) ia[r] = zero ? QI_SET32(-zero * xs[(size_t)r * nb + b]) : QI_ZERO();
+        for (int r = 0; r < R; r++) {
+            ia[r] = zero ? QI_SET32(-zero * xs[(size_t)r * nb + b]) : QI_ZERO();
+            ib[r] = QI_ZERO();
+        }
         qt_i H = five ? QI_LOAD(p + at_h, G) : QI_ZERO();
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
@@ -149,19 +152,18 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
                 memcpy(&four, xr + (size_t)r * k + 32 * b + 4 * i, 4);
                 qt_i x = QI_SET32(four);
                 if (q8 && !SK_DOT_ANY_BYTES) x = QI_SIGN8(x, W);
-                if (R == 1 && i % 2)
-                    ib = QI_DOT4(ib, Wa, x);
+                if (i % 2)
+                    ib[r] = QI_DOT4(ib[r], Wa, x);
                 else
                     ia[r] = QI_DOT4(ia[r], Wa, x);
             }
         }
-        if (R == 1) ia[0] = QI_ADD32(ia[0], ib);
         qt_f d = QF_HALF(p, G);
         qt_f m = offset ? QF_HALF(p + 16, G) : QF_ZERO();
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             qt_f dd = QF_MUL(d, QF_SET(dx[(size_t)r * nb + b]));
-            acc[r] = QF_FMA(dd, QF_CVT(ia[r]), acc[r]);
+            acc[r] = QF_FMA(dd, QF_CVT(QI_ADD32(ia[r], ib[r])), acc[r]);
             if (offset) ov[r] = QF_FMA(m, QF_SET(sx[(size_t)r * nb + b]), ov[r]);
         }
     }
@@ -211,8 +213,8 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
                 D[0] = D[1] = QF_MUL(d, QF_CVT(sc));
                 M = QF_MUL(ndmin, QF_CVT(mn));
             }
-            /* Q6_K: one integer sum per half; the others: one, two for a lone row (to halve the chain of
-               dependent dot4 steps), added before the conversion. */
+            /* Two integer sums per row, to halve the chain of dependent dot4 steps: Q6_K's halves; the others'
+               even and odd groups, added before the conversion. */
             qt_i ia[4], ib[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
@@ -227,7 +229,7 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             for (int i = 0; i < 8; i++) {
                 qt_i Pq = QI_LOAD(P + 32 * (i % 4), G);
                 qt_i W = six ? QT(x8_six)(Pq, i, i < 4 ? T0 : T1) : QT(x8_nibbles)(Pq, i, five, H);
-                const int second = six ? i >= 4 : R == 1 && i % 2;
+                const int second = six ? i >= 4 : i % 2;
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     int32_t four;
@@ -245,8 +247,7 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
                     acc[r] = QF_FMA(QF_MUL(D[0], x), QF_CVT(ia[r]), acc[r]);
                     acc[r] = QF_FMA(QF_MUL(D[1], x), QF_CVT(ib[r]), acc[r]);
                 } else {
-                    qt_i i32 = R == 1 ? QI_ADD32(ia[r], ib[r]) : ia[r];
-                    acc[r] = QF_FMA(QF_MUL(D[0], x), QF_CVT(i32), acc[r]);
+                    acc[r] = QF_FMA(QF_MUL(D[0], x), QF_CVT(QI_ADD32(ia[r], ib[r])), acc[r]);
                     ov[r] = QF_FMA(M, QF_SET(sx[(size_t)r * nb + b]), ov[r]);
                 }
             }
