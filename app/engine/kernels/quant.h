@@ -321,17 +321,67 @@ static inline void sk_x8_move(int type, int c, uint8_t *blk, uint8_t *grp, int p
     }
 }
 
+/* sk_x8_move's packing of a K-quant column block, written out for the load's speed (sk_k_group's bits, which
+   unpacking and the tests read back): column c's file block b into its group's block g. */
+static inline void sk_k_pack(int type, const uint8_t *b, uint8_t *g, int c) {
+    const int six = type == SK_Q6_K, five = type == SK_Q5_K;
+    uint8_t q[256];
+    if (six) {
+        for (int s = 0; s < 8; s++) {
+            const int h = s / 4, i = s % 4;
+            const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
+            for (int j = 0; j < 32; j++) q[32 * s + j] = (uint8_t)(((ql[j] >> (4 * (i >> 1))) & 15) | ((qh[j] >> (2 * i)) & 3) << 4);
+        }
+        memcpy(g + 2 * c, b + 208, 2);
+        for (int t = 0; t < 16; t++) g[16 + 8 * t + c] = b[192 + t];
+    } else {
+        const uint8_t *qs = b + (five ? 48 : 16);
+        for (int s = 0; s < 8; s++)
+            for (int j = 0; j < 32; j++)
+                q[32 * s + j] = (uint8_t)(((qs[32 * (s / 2) + j] >> (4 * (s & 1))) & 15) | (five ? ((b[16 + j] >> s) & 1) << 4 : 0));
+        memcpy(g + 2 * c, b, 2);
+        memcpy(g + 16 + 2 * c, b + 2, 2);
+        uint32_t u = 0;
+        for (int s = 0; s < 8; s++) {
+            int sc, mn;
+            sk_k_scale_min(b + 4, s, &sc, &mn);
+            g[32 + 8 * s + c] = (uint8_t)((sc & 15) | (mn & 15) << 4);
+            u |= (uint32_t)((sc >> 4) | (mn >> 4) << 2) << (4 * s);
+        }
+        memcpy(g + 96 + 4 * c, &u, 4);
+    }
+    uint8_t *P = g + (six ? 656 : 128 + 256 * five);
+    for (int s = 0; s < 8; s++) {
+        const uint8_t *v = q + 32 * s;
+        for (int i = 0; i < 16; i++) P[128 * s + 32 * (i / 4) + 4 * c + i % 4] = (uint8_t)((v[i] & 15) | (v[16 + i] & 15) << 4);
+        if (five) {
+            uint32_t h = 0;
+            for (int i = 0; i < 32; i++) h |= (uint32_t)(v[i] >> 4) << (8 * (i % 4) + i / 4);
+            memcpy(g + 128 + 32 * s + 4 * c, &h, 4);
+        }
+        if (six)
+            for (int i = 0; i < 32; i++) {
+                uint8_t *t = g + 144 + 64 * s + 32 * (i / 16) + 4 * c + i % 4;
+                *t = (uint8_t)((i / 4 % 4 ? *t : 0) | (v[i] >> 4) << (2 * (i / 4 % 4)));
+            }
+    }
+}
+
 /* out = the n rows of w (row_bytes apart, format type) in the x8 layout: (n + 7) / 8 * 8 rows of row_bytes. */
 void sk_q_pack(int type, const uint8_t *w, long row_bytes, int n, uint8_t *out, int threads) {
     const int bytes = sk_q_bytes(type), nb = (int)(row_bytes / bytes), groups = (n + 7) / 8;
     #pragma omp parallel for num_threads(threads) if (threads > 1 && groups > 1) schedule(static)
     for (int grp = 0; grp < groups; grp++) {
         uint8_t *g = out + (size_t)grp * 8 * row_bytes;
-        memset(g, 0, (size_t)8 * row_bytes);
+        if (8 * grp + 8 > n) memset(g, 0, (size_t)8 * row_bytes);  /* the rest is written whole */
         for (int col = 8 * grp; col < n && col < 8 * grp + 8; col++)
-            for (int b = 0; b < nb; b++)
-                sk_x8_move(type, col % 8, (uint8_t *)w + (size_t)col * row_bytes + (size_t)b * bytes,
-                           g + (size_t)b * 8 * bytes, 1);
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = w + (size_t)col * row_bytes + (size_t)b * bytes;
+                if (sk_q_block(type) == 256)
+                    sk_k_pack(type, blk, g + (size_t)b * 8 * bytes, col % 8);
+                else
+                    sk_x8_move(type, col % 8, (uint8_t *)blk, g + (size_t)b * 8 * bytes, 1);
+            }
     }
 }
 
