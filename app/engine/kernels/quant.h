@@ -216,7 +216,7 @@ static inline void sk_bits(uint8_t *at, int shift, int width, int *v, int write)
 
 /* A value of lo + hi bits kept in two places: its low `lo` bits at (a, sa), the rest at (b, sb). */
 static inline void sk_bits2(uint8_t *a, int sa, int lo, uint8_t *b, int sb, int hi, int *v, int write) {
-    int low = *v & ((1 << lo) - 1), high = *v >> lo;
+    int low = write ? *v & ((1 << lo) - 1) : 0, high = write ? *v >> lo : 0;
     sk_bits(a, sa, lo, &low, write);
     sk_bits(b, sb, hi, &high, write);
     if (!write) *v = low | high << lo;

@@ -80,6 +80,14 @@
 #error "QW must be 8 or 16"
 #endif
 
+/* Whether a tile of R rows keeps two integer sums per row (halving each chain of dependent dot4 steps): always
+   with AVX-512's 32 vector registers; with AVX2's 16 only for 1-2 rows (more would spill). */
+#if defined(__AVX512F__)
+#define QT_SPLIT(R) 1
+#else
+#define QT_SPLIT(R) ((R) <= 2)
+#endif
+
 /* Column c's 4-byte group i of an x8 block in lane c: W_i (inputs 4i..4i+3), from the 4-bit formats' P_(i % 4)
    (low nibbles for i < 4, high for the rest) and, for Q5_*, H's bit i of each byte as the fifth bit (quant.h). */
 QINLINE qt_i QT(x8_nibbles)(qt_i P, int i, int five, qt_i H) {
@@ -152,7 +160,7 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
                 memcpy(&four, xr + (size_t)r * k + 32 * b + 4 * i, 4);
                 qt_i x = QI_SET32(four);
                 if (q8 && !SK_DOT_ANY_BYTES) x = QI_SIGN8(x, W);
-                if (i % 2)
+                if (QT_SPLIT(R) && i % 2)
                     ib[r] = QI_DOT4(ib[r], Wa, x);
                 else
                     ia[r] = QI_DOT4(ia[r], Wa, x);
@@ -229,7 +237,7 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             for (int i = 0; i < 8; i++) {
                 qt_i Pq = QI_LOAD(P + 32 * (i % 4), G);
                 qt_i W = six ? QT(x8_six)(Pq, i, i < 4 ? T0 : T1) : QT(x8_nibbles)(Pq, i, five, H);
-                const int second = six ? i >= 4 : i % 2;
+                const int second = six ? i >= 4 : QT_SPLIT(R) && i % 2;
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     int32_t four;
@@ -312,6 +320,7 @@ static void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrow
 }
 
 #undef QT
+#undef QT_SPLIT
 #undef qt_i
 #undef qt_f
 #undef QI_LOAD
