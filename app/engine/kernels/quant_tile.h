@@ -142,7 +142,7 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = g + (size_t)b * 8 * bytes;
         QT(x8_ahead)(p, row_bytes, 0, 8 * bytes);
-        /* Two integer sums per row (even and odd groups), to halve the chain of dependent dot4 steps. */
+        /* Two integer sums per row (even and odd groups) where QT_SPLIT, added before the conversion. */
         qt_i ia[4], ib[4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
@@ -221,8 +221,8 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
                 D[0] = D[1] = QF_MUL(d, QF_CVT(sc));
                 M = QF_MUL(ndmin, QF_CVT(mn));
             }
-            /* Two integer sums per row, to halve the chain of dependent dot4 steps: Q6_K's halves; the others'
-               even and odd groups, added before the conversion. */
+            /* Two integer sums per row: Q6_K's halves; the others' even and odd groups where QT_SPLIT, added
+               before the conversion. */
             qt_i ia[4], ib[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
