@@ -18,6 +18,22 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+# The shared server's limits (`shared_server_args`): room for 2 running requests and 1 waiting, 2 s to send a body.
+MAX_RUNNING, MAX_WAITING = 2, 1
+BODY_READ_TIMEOUT = 2
+
+
+def shared_server_args() -> list[str]:
+    """The flags of the one server the modules that need only a server share (conftest's `real_server`): the
+    float32 target, the default draft, the limits above."""
+    return [
+        "--dtype", "float32",
+        "--max-concurrent-requests", str(MAX_RUNNING),
+        "--max-queue-size", str(MAX_WAITING),
+        "--body-read-timeout", str(BODY_READ_TIMEOUT),
+        "--log-level", "warning",
+    ]  # fmt: skip
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""

@@ -325,6 +325,17 @@ def api_client(api_engine):
     return client
 
 
+@pytest.fixture(scope="session")
+def real_server(tmp_path_factory: pytest.TempPathFactory, target_path: Path) -> Iterator[str]:
+    """The base URL of one real `specserve serve` process (`_server.shared_server_args`), shared by the modules
+    that need only a server (one per test worker). Its tests leave it idle and read its counters as deltas."""
+    from _server import running_server, shared_server_args
+
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with running_server(log, *shared_server_args()) as url:
+        yield url
+
+
 def _sse_data(body: str) -> list[str]:
     """The `data:` payloads of a server-sent-event stream, in order (multi-line data joined by newlines)."""
     events, data = [], []

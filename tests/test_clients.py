@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Iterator
 from enum import Enum
 from functools import reduce
-from pathlib import Path
 
 import openai
 import pytest
-from _server import running_server
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
@@ -42,12 +39,10 @@ class Person(BaseModel):
     home: Home
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, target_path: Path) -> Iterator[str]:
-    """The base URL of a `specserve serve` process (default draft) shared by this module's tests."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with running_server(log, "--dtype", "float32", "--log-level", "warning") as url:
-        yield url
+@pytest.fixture
+def server(real_server: str) -> str:
+    """The shared `specserve serve` (conftest's `real_server`; the default draft): one request at a time here."""
+    return real_server
 
 
 def test_langchain_with_structured_output_every_method(server: str) -> None:

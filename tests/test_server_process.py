@@ -13,36 +13,23 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from _server import metric, running_server
+from _server import BODY_READ_TIMEOUT, MAX_RUNNING, metric
 
 PROMPT = "The capital of France is"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy counts on for hundreds of tokens
-MAX_RUNNING, MAX_WAITING = 2, 1
-BODY_READ_TIMEOUT = 2
-
 # TGI's client still calls pydantic's deprecated .dict().
 pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated:DeprecationWarning")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, target_path: Path) -> Iterator[str]:
-    """The base URL of a `specserve serve` process with room for 2 running and 1 waiting request."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = [
-        "--dtype", "float32",
-        "--max-concurrent-requests", str(MAX_RUNNING),
-        "--max-queue-size", str(MAX_WAITING),
-        "--body-read-timeout", str(BODY_READ_TIMEOUT),
-        "--log-level", "warning",
-    ]  # fmt: skip
-    with running_server(log, *args) as url:
-        yield url
+@pytest.fixture
+def server(real_server: str) -> str:
+    """The shared `specserve serve` (conftest's `real_server`): room for 2 running and 1 waiting request."""
+    return real_server
 
 
 def _wait_idle(url: str) -> None:
