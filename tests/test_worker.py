@@ -399,6 +399,27 @@ def _started(s: Scheduler, ticket: Ticket) -> bool:
     return ticket._job in s._reserved
 
 
+async def test_a_place_is_free_when_its_request_ends_not_when_the_worker_drops_it(tiny_engine) -> None:
+    """A client that has its answer may send the next request at once: with one place and no queue it is
+    admitted while the worker still holds the ended request's generation (whose memory still counts)."""
+    s = Scheduler(tiny_engine, max_running=1, max_waiting=0)
+    gate, real = threading.Event(), s._release
+    s._release = lambda job: (gate.wait(30), real(job))  # the worker stops right after its last event
+    s.start()
+    try:
+        first = _submit(s, SHORT)
+        await _collect(first)
+        assert _started(s, first), "the worker still holds it"
+        second = _submit(s, SHORT)  # not Overloaded
+        assert _started(s, second)
+        gate.set()
+        _, ids, _ = await _collect(second)
+        assert len(ids) == SHORT[1]
+    finally:
+        gate.set()
+        s.stop()
+
+
 async def test_requests_are_admitted_by_the_bytes_of_their_caches(tiny_engine) -> None:
     big, short = tiny_engine.kv_bytes(*BIG, "none"), tiny_engine.kv_bytes(*SHORT, "none")
     assert big > 8 * short

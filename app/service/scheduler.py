@@ -2,7 +2,8 @@
 
 Admission is by memory. A generation allocates its whole KV cache when it starts (the target's and its draft's,
 for its prompt plus max_new_tokens: `Engine.kv_bytes`), so a request is admitted (may start) while the bytes the
-admitted requests hold plus its own fit `kv_budget`, and fewer than ``max_running`` are admitted. Every step
+admitted requests hold plus its own fit `kv_budget`, and fewer than ``max_running`` admitted ones have not ended
+(one that ended frees its place at once, its memory when the worker drops its generation). Every step
 batches all running requests in one forward and chunked prefill takes the shortest prompt first, so a short
 request admitted beside long ones gets its first token within a step or two. A request that does not fit
 waits in a queue of at most ``max_waiting``; `Scheduler.submit` refuses one with :class:`Overloaded` (429)
@@ -485,9 +486,15 @@ class Scheduler:
         asks about memory (where a cache of its own, such as a prefix cache's pool, would give some back)."""
         return self._held_bytes + need <= self.kv_budget
 
+    def _places_taken(self) -> int:
+        """Admitted requests that have not ended: what `max_running` bounds. One that ended keeps its memory
+        until the worker drops its generation, but not its place: its client may already have sent the next
+        request, which must not wait on the worker for a place that is free."""
+        return sum(1 for job in self._reserved if not job.ended)
+
     def _may_start(self, need: int) -> bool:
         """Whether a request of `need` bytes arriving now would be admitted at once."""
-        if len(self._reserved) >= self.max_running:
+        if self._places_taken() >= self.max_running:
             return False
         if any(job.overtaken >= self.max_overtakes for job in self._waiting):
             return False
@@ -501,7 +508,7 @@ class Scheduler:
         passed: list[_Job] = []  # waiting requests the scan went past
         blocked = False
         for job in list(self._waiting):
-            if blocked or len(self._reserved) >= self.max_running:
+            if blocked or self._places_taken() >= self.max_running:
                 break
             if self._fits(job.kv_bytes):
                 self._waiting.remove(job)
@@ -543,6 +550,8 @@ class Scheduler:
             elif job in self._admitted:
                 self._admitted.remove(job)
                 self._unreserve(job)
+            elif job.admitted:
+                self._admit_waiting()  # its place is free (its memory when the worker drops it)
             self._publish_load()
         if self.metrics is not None:
             self.metrics.request_ended(outcome, finish_reason)
