@@ -149,6 +149,9 @@ class KVCache:
         numel = math.prod(shape)
         self.k = torch.zeros(numel + tail, dtype=dtype, device=device)[:numel].view(shape)
         self.v = torch.zeros(numel + tail, dtype=dtype, device=device)[:numel].view(shape)
+        # Each layer's first sequence as views made once: a batched forward's attention takes them per layer
+        # and sequence every step.
+        self.layers = [(self.k[i, 0], self.v[i, 0]) for i in range(config.n_layers)]
         self.capacity = capacity
         self.length = 0
         # Attention over this cache runs on a CPU kernel (`Kernel.attention`), whose rows depend on nothing but
@@ -251,7 +254,7 @@ class _Attention(nn.Module):
         if kernel is not None and all(p.cache.kernel is kernel and p.mask is None for p in layout.parts):
             # One call for every sequence.
             parts = [
-                (p.offset, p.rows, p.cache.k[layer, 0], p.cache.v[layer, 0], p.start_pos, p.parents)
+                (p.offset, p.rows, *p.cache.layers[layer], p.start_pos, p.parents)
                 for p in layout.parts
             ]
             return kernel.attention(self._kernel_query(q), k, v, self._window_parts(parts))
@@ -328,7 +331,7 @@ class _Attention(nn.Module):
     ) -> Tensor:
         b, t = q.shape[:2]
         if cache is not None and cache.kernel is not None and mask is None:
-            parts = [(0, t, cache.k[layer, 0], cache.v[layer, 0], start_pos)]
+            parts = [(0, t, *cache.layers[layer], start_pos)]
             return cache.kernel.attention(self._kernel_query(q), k, v, self._window_parts(parts))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         causal = mask is None and t > 1
