@@ -253,10 +253,7 @@ class _Attention(nn.Module):
         kernel = layout.parts[0].cache.kernel
         if kernel is not None and all(p.cache.kernel is kernel and p.mask is None for p in layout.parts):
             # One call for every sequence.
-            parts = [
-                (p.offset, p.rows, *p.cache.layers[layer], p.start_pos, p.parents)
-                for p in layout.parts
-            ]
+            parts = [(p.offset, p.rows, *p.cache.layers[layer], p.start_pos, p.parents) for p in layout.parts]
             return kernel.attention(self._kernel_query(q), k, v, self._window_parts(parts))
         ys = [
             self._attend(
