@@ -1,5 +1,5 @@
-/* Products on GGUF quantized weights (llama.cpp's blocks; the 32-input formats' blocks of 8 rows interleaved at
-   load, sk_q_pack), and the scalar definitions every kernel computes bit for bit.
+/* Products on GGUF quantized weights (llama.cpp's blocks, 8 rows' interleaved at load: sk_q_pack), and the scalar
+   definitions every kernel computes bit for bit.
 
    A weight row (one output) is k / QK blocks of its format, QK = 32 or 256 inputs per block. Every format
    takes integer products (below): the activations are quantized to 8 bits per 32 inputs and meet the weights'
@@ -75,7 +75,8 @@ void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, u
    - weights as integers w_i per 32 inputs (a chunk: a whole block of the 32-input formats, one eighth of a
      K-quant's): Q4_0 q - 8, Q5_0 q - 16, Q8_0 q, Q4_1 and Q5_1 q, Q4_K and Q5_K q, Q6_K q - 32; the chunk's
      scale D: the block's d (float16), or for Q4_K and Q5_K d * sc (its 6-bit sub-block scale), for Q6_K
-     d * sc with sc the 8-bit scale of its first 16 inputs or of its last 16 (two scales), each product exact; its offset M: Q4_1 and Q5_1 m (float16), Q4_K and Q5_K -(dmin * mn), exact; 0 otherwise;
+     d * sc with sc the 8-bit scale of its first 16 inputs or of its last 16 (two scales), each product exact;
+     its offset M (sk_q_offset): Q4_1 and Q5_1 m (float16), Q4_K and Q5_K -(dmin * mn), exact; 0 otherwise;
    - one float32 sum L per output takes, chunk by chunk in order, I = sum_{i<32} w_i xq_i (an exact integer,
      |I| < 2^20) by one fused multiply-add L = fma(D * dx, (float)I, L), D * dx rounded once; Q6_K's chunk takes
      its two halves so, I over inputs 0-15 with its first D, then over 16-31 with its second; the formats with
@@ -85,6 +86,11 @@ void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, u
    - then bias, bf16 rounding and residual as sk_finish.
    The values multiplied are the weights' exact values and xq_i * dx: the oracle of the tests. */
 static inline int sk_q_int(int type) { return sk_q_block(type) != 0; }
+
+/* Whether a format's chunks have an offset M (and its chain O). */
+static inline int sk_q_offset(int type) {
+    return type == SK_Q4_1 || type == SK_Q5_1 || type == SK_Q4_K || type == SK_Q5_K;
+}
 
 /* Quantized activation rows: xq [m][k], and per row and block dx, S [m][k / 32] and the sum of xq, xs
    [m][k / 32] (what Q4_0, Q5_0 and Q8_0's zero points subtract 8, 16 or 128 times); xh [m][k / 32][2]: the sums
@@ -205,6 +211,20 @@ static inline void sk_q_ints_ref(int type, const uint8_t *b, int s, int *w, floa
    The same bytes as the file's (8 * bytes per group block), every bit of them used. A group past the last row
    holds zeros. */
 
+/* Where a group block's parts start: its quants (P, or Q8_0's W), and the bits beside them (Q5_*'s H, Q6_K's T;
+   0: none); the K-quants' S and U, Q6_K's C. */
+enum { SK_KX8_S = 32, SK_KX8_U = 96, SK_Q6X8_C = 16 };
+
+static inline int sk_x8_high(int type) {
+    return type == SK_Q5_0 ? 16 : type == SK_Q5_1 ? 32 : type == SK_Q5_K ? 128 : type == SK_Q6_K ? 144 : 0;
+}
+
+static inline int sk_x8_quants(int type) {
+    if (type == SK_Q6_K) return 656;
+    if (sk_q_block(type) == 256) return type == SK_Q5_K ? 384 : 128;
+    return 16 * (1 + sk_q_offset(type)) + 32 * (sk_x8_high(type) != 0);
+}
+
 /* The `width` bits at `shift` of byte *at <-> *v (write: into the byte; else out of it). */
 static inline void sk_bits(uint8_t *at, int shift, int width, int *v, int write) {
     const int mask = (1 << width) - 1;
@@ -262,28 +282,75 @@ static inline void sk_k_file(int type, uint8_t *b, sk_kblock *kb, int write) {
 /* Column c's K-quant block in its group's x8 block g <-> kb. */
 static inline void sk_k_group(int type, uint8_t *g, int c, sk_kblock *kb, int write) {
     const int six = type == SK_Q6_K, five = type == SK_Q5_K;
-    uint8_t *P = g + (six ? 656 : 128 + 256 * five);
+    uint8_t *P = g + sk_x8_quants(type), *H = g + sk_x8_high(type);
     for (int s = 0; s < 8; s++)
         for (int i = 0; i < 32; i++) {
             uint8_t *at = P + 128 * s + 32 * (i % 16 / 4) + 4 * c + i % 4;
             int *v = &kb->q[32 * s + i];
             if (six)
-                sk_bits2(at, 4 * (i / 16), 4, g + 144 + 64 * s + 32 * (i / 16) + 4 * c + i % 4, 2 * (i / 4 % 4), 2, v, write);
+                sk_bits2(at, 4 * (i / 16), 4, H + 64 * s + 32 * (i / 16) + 4 * c + i % 4, 2 * (i / 4 % 4), 2, v, write);
             else if (five)
-                sk_bits2(at, 4 * (i / 16), 4, g + 128 + 32 * s + 4 * c + i % 4, i / 4, 1, v, write);
+                sk_bits2(at, 4 * (i / 16), 4, H + 32 * s + 4 * c + i % 4, i / 4, 1, v, write);
             else
                 sk_bits(at, 4 * (i / 16), 4, v, write);
         }
     for (int i = 0; i < 2; i++) sk_bits(g + 2 * c + i, 0, 8, &kb->half[i], write);
     if (six) {
-        for (int t = 0; t < 16; t++) sk_bits(g + 16 + 8 * t + c, 0, 8, &kb->sc[t], write);
+        for (int t = 0; t < 16; t++) sk_bits(g + SK_Q6X8_C + 8 * t + c, 0, 8, &kb->sc[t], write);
         return;
     }
     for (int i = 0; i < 2; i++) sk_bits(g + 16 + 2 * c + i, 0, 8, &kb->half[2 + i], write);
     for (int s = 0; s < 8; s++) {
-        uint8_t *hi = g + 96 + 4 * c + s / 2;
-        sk_bits2(g + 32 + 8 * s + c, 0, 4, hi, 4 * (s % 2), 2, &kb->sc[s], write);
-        sk_bits2(g + 32 + 8 * s + c, 4, 4, hi, 4 * (s % 2) + 2, 2, &kb->mn[s], write);
+        uint8_t *lo = g + SK_KX8_S + 8 * s + c, *hi = g + SK_KX8_U + 4 * c + s / 2;
+        sk_bits2(lo, 0, 4, hi, 4 * (s % 2), 2, &kb->sc[s], write);
+        sk_bits2(lo, 4, 4, hi, 4 * (s % 2) + 2, 2, &kb->mn[s], write);
+    }
+}
+
+/* A K-quant column block packed, written out for the load's speed (sk_k_file and sk_k_group take ~20 operations
+   a weight; these are sk_k_group's bits, which unpacking and the tests read back): column c's file block b into
+   its group's block g. */
+static inline void sk_k_pack(int type, const uint8_t *b, uint8_t *g, int c) {
+    const int six = type == SK_Q6_K, five = type == SK_Q5_K;
+    uint8_t q[256];
+    if (six) {
+        for (int s = 0; s < 8; s++) {
+            const int h = s / 4, i = s % 4;
+            const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
+            for (int j = 0; j < 32; j++) q[32 * s + j] = (uint8_t)(((ql[j] >> (4 * (i >> 1))) & 15) | ((qh[j] >> (2 * i)) & 3) << 4);
+        }
+        memcpy(g + 2 * c, b + 208, 2);
+        for (int t = 0; t < 16; t++) g[SK_Q6X8_C + 8 * t + c] = b[192 + t];
+    } else {
+        const uint8_t *qs = b + (five ? 48 : 16);
+        for (int s = 0; s < 8; s++)
+            for (int j = 0; j < 32; j++)
+                q[32 * s + j] = (uint8_t)(((qs[32 * (s / 2) + j] >> (4 * (s & 1))) & 15) | (five ? ((b[16 + j] >> s) & 1) << 4 : 0));
+        memcpy(g + 2 * c, b, 2);
+        memcpy(g + 16 + 2 * c, b + 2, 2);
+        uint32_t u = 0;
+        for (int s = 0; s < 8; s++) {
+            int sc, mn;
+            sk_k_scale_min(b + 4, s, &sc, &mn);
+            g[SK_KX8_S + 8 * s + c] = (uint8_t)((sc & 15) | (mn & 15) << 4);
+            u |= (uint32_t)((sc >> 4) | (mn >> 4) << 2) << (4 * s);
+        }
+        memcpy(g + SK_KX8_U + 4 * c, &u, 4);
+    }
+    uint8_t *P = g + sk_x8_quants(type), *H = g + sk_x8_high(type);
+    for (int s = 0; s < 8; s++) {
+        const uint8_t *v = q + 32 * s;
+        for (int i = 0; i < 16; i++) P[128 * s + 32 * (i / 4) + 4 * c + i % 4] = (uint8_t)((v[i] & 15) | (v[16 + i] & 15) << 4);
+        if (five) {
+            uint32_t h = 0;
+            for (int i = 0; i < 32; i++) h |= (uint32_t)(v[i] >> 4) << (8 * (i % 4) + i / 4);
+            memcpy(H + 32 * s + 4 * c, &h, 4);
+        }
+        if (six)
+            for (int i = 0; i < 32; i++) {
+                uint8_t *t = H + 64 * s + 32 * (i / 16) + 4 * c + i % 4;
+                *t = (uint8_t)((i / 4 % 4 ? *t : 0) | (v[i] >> 4) << (2 * (i / 4 % 4)));
+            }
     }
 }
 
@@ -292,16 +359,14 @@ static inline void sk_x8_move(int type, int c, uint8_t *blk, uint8_t *grp, int p
     if (sk_q_block(type) == 256) {
         sk_kblock kb;
         if (pack) {
-            sk_k_file(type, blk, &kb, 0);
-            sk_k_group(type, grp, c, &kb, 1);
+            sk_k_pack(type, blk, grp, c);
         } else {
             sk_k_group(type, grp, c, &kb, 0);
             sk_k_file(type, blk, &kb, 1);
         }
         return;
     }
-    const int five = type == SK_Q5_0 || type == SK_Q5_1, offset = type == SK_Q4_1 || type == SK_Q5_1;
-    const int at_h = 16 * (1 + offset), at_q = at_h + 32 * five;
+    const int offset = sk_q_offset(type), at_h = sk_x8_high(type), at_q = sk_x8_quants(type), five = at_h != 0;
     const int qs = 2 + 2 * offset + 4 * five, words = type == SK_Q8_0 ? 8 : 4;
 #define SK_X8(g, b, n) (pack ? memcpy((g), (b), (n)) : memcpy((b), (g), (n)))
     SK_X8(grp + 2 * c, blk, 2);
@@ -321,52 +386,6 @@ static inline void sk_x8_move(int type, int c, uint8_t *blk, uint8_t *grp, int p
     }
 }
 
-/* sk_x8_move's packing of a K-quant column block, written out for the load's speed (sk_k_group's bits, which
-   unpacking and the tests read back): column c's file block b into its group's block g. */
-static inline void sk_k_pack(int type, const uint8_t *b, uint8_t *g, int c) {
-    const int six = type == SK_Q6_K, five = type == SK_Q5_K;
-    uint8_t q[256];
-    if (six) {
-        for (int s = 0; s < 8; s++) {
-            const int h = s / 4, i = s % 4;
-            const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
-            for (int j = 0; j < 32; j++) q[32 * s + j] = (uint8_t)(((ql[j] >> (4 * (i >> 1))) & 15) | ((qh[j] >> (2 * i)) & 3) << 4);
-        }
-        memcpy(g + 2 * c, b + 208, 2);
-        for (int t = 0; t < 16; t++) g[16 + 8 * t + c] = b[192 + t];
-    } else {
-        const uint8_t *qs = b + (five ? 48 : 16);
-        for (int s = 0; s < 8; s++)
-            for (int j = 0; j < 32; j++)
-                q[32 * s + j] = (uint8_t)(((qs[32 * (s / 2) + j] >> (4 * (s & 1))) & 15) | (five ? ((b[16 + j] >> s) & 1) << 4 : 0));
-        memcpy(g + 2 * c, b, 2);
-        memcpy(g + 16 + 2 * c, b + 2, 2);
-        uint32_t u = 0;
-        for (int s = 0; s < 8; s++) {
-            int sc, mn;
-            sk_k_scale_min(b + 4, s, &sc, &mn);
-            g[32 + 8 * s + c] = (uint8_t)((sc & 15) | (mn & 15) << 4);
-            u |= (uint32_t)((sc >> 4) | (mn >> 4) << 2) << (4 * s);
-        }
-        memcpy(g + 96 + 4 * c, &u, 4);
-    }
-    uint8_t *P = g + (six ? 656 : 128 + 256 * five);
-    for (int s = 0; s < 8; s++) {
-        const uint8_t *v = q + 32 * s;
-        for (int i = 0; i < 16; i++) P[128 * s + 32 * (i / 4) + 4 * c + i % 4] = (uint8_t)((v[i] & 15) | (v[16 + i] & 15) << 4);
-        if (five) {
-            uint32_t h = 0;
-            for (int i = 0; i < 32; i++) h |= (uint32_t)(v[i] >> 4) << (8 * (i % 4) + i / 4);
-            memcpy(g + 128 + 32 * s + 4 * c, &h, 4);
-        }
-        if (six)
-            for (int i = 0; i < 32; i++) {
-                uint8_t *t = g + 144 + 64 * s + 32 * (i / 16) + 4 * c + i % 4;
-                *t = (uint8_t)((i / 4 % 4 ? *t : 0) | (v[i] >> 4) << (2 * (i / 4 % 4)));
-            }
-    }
-}
-
 /* out = the n rows of w (row_bytes apart, format type) in the x8 layout: (n + 7) / 8 * 8 rows of row_bytes. */
 void sk_q_pack(int type, const uint8_t *w, long row_bytes, int n, uint8_t *out, int threads) {
     const int bytes = sk_q_bytes(type), nb = (int)(row_bytes / bytes), groups = (n + 7) / 8;
@@ -375,13 +394,9 @@ void sk_q_pack(int type, const uint8_t *w, long row_bytes, int n, uint8_t *out, 
         uint8_t *g = out + (size_t)grp * 8 * row_bytes;
         if (8 * grp + 8 > n) memset(g, 0, (size_t)8 * row_bytes);  /* the rest is written whole */
         for (int col = 8 * grp; col < n && col < 8 * grp + 8; col++)
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *blk = w + (size_t)col * row_bytes + (size_t)b * bytes;
-                if (sk_q_block(type) == 256)
-                    sk_k_pack(type, blk, g + (size_t)b * 8 * bytes, col % 8);
-                else
-                    sk_x8_move(type, col % 8, (uint8_t *)blk, g + (size_t)b * 8 * bytes, 1);
-            }
+            for (int b = 0; b < nb; b++)
+                sk_x8_move(type, col % 8, (uint8_t *)w + (size_t)col * row_bytes + (size_t)b * bytes,
+                           g + (size_t)b * 8 * bytes, 1);
     }
 }
 
@@ -400,7 +415,7 @@ static inline void sk_qlinear_int_ref(int type, const uint8_t *w, long row_bytes
                                       int ldy, const float *bias, int m, int k, int c0, int c1,
                                       const uint16_t *residual) {
     int nb = k / 32, qk = sk_q_block(type), bytes = sk_q_bytes(type), halves = type == SK_Q6_K ? 2 : 1;
-    int offset = type == SK_Q4_1 || type == SK_Q5_1 || type == SK_Q4_K || type == SK_Q5_K;
+    int offset = sk_q_offset(type);
     int *wi = malloc(sizeof(int) * (size_t)k);
     float *wd = malloc(sizeof(float) * 3 * (size_t)nb), *wm = wd + 2 * nb;
     uint8_t blk[256];
@@ -415,8 +430,7 @@ static inline void sk_qlinear_int_ref(int type, const uint8_t *w, long row_bytes
             const int8_t *q = xq->q + (size_t)r * k;
             const float *dx = xq->d + (size_t)r * nb, *s = xq->s + (size_t)r * nb;
             float l = 0.0f, o = 0.0f;
-            for (int b = 0; b < nb; b++)
-            {
+            for (int b = 0; b < nb; b++) {
                 for (int h = 0; h < halves; h++) {
                     int part = 0;
                     for (int i = 32 / halves * h; i < 32 / halves * (h + 1); i++) part += wi[32 * b + i] * q[32 * b + i];

@@ -4,8 +4,8 @@
    A tile is R input rows x 8 weight rows (columns of the output), every input in order, each block's weights
    unpacked once for the R rows and meeting each row's quantized inputs in 4-byte integer dot products (dot4.h).
    Every format's tile (quant_tile.h: x8_tile; the K-quants' kx8_tile) takes 8 columns at a time in the lanes of
-   one vector, from quant.h's x8 layout (16 in the AVX-512 VNNI kernels, quant_avx512.h). Unpacking once for the R rows is what several rows (a verification, a prefill)
-   save. */
+   one vector, from quant.h's x8 layout (16 in the AVX-512 VNNI kernels, quant_avx512.h). Unpacking once for
+   the R rows is what several rows (a verification, a prefill) save. */
 #ifndef SPECSERVE_KERNEL_QUANT_AVX2_H
 #define SPECSERVE_KERNEL_QUANT_AVX2_H
 

@@ -130,8 +130,8 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
     const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
     const long G = 8 * row_bytes;  /* the next group (16 lanes) */
     (void)G;
-    const int offset = type == SK_Q4_1 || type == SK_Q5_1, five = type == SK_Q5_0 || type == SK_Q5_1;
-    const int at_h = 16 * (1 + offset), at_q = at_h + 32 * five, q8 = type == SK_Q8_0;
+    const int offset = sk_q_offset(type), at_h = sk_x8_high(type), at_q = sk_x8_quants(type);
+    const int five = at_h != 0, q8 = type == SK_Q8_0;
     const int zero = type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : q8 && SK_DOT_ANY_BYTES ? 128 : 0;
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
@@ -190,7 +190,7 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
     const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
     const long G = 8 * row_bytes;  /* the next group (16 lanes) */
     (void)G;
-    const int six = type == SK_Q6_K, five = type == SK_Q5_K, at_q = six ? 656 : 128 + 256 * five;
+    const int six = type == SK_Q6_K, five = type == SK_Q5_K, at_h = sk_x8_high(type), at_q = sk_x8_quants(type);
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
     const int32_t *xh = xq->xh + (size_t)r0 * nb * 2;
@@ -202,7 +202,7 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
         const uint8_t *p = g + (size_t)blk * 8 * bytes;
         const qt_f d = QF_HALF(p, G);
         const qt_f ndmin = six ? d : QF_XOR(QF_HALF(p + 16, G), QF_SET(-0.0f));
-        qt_i U = six ? QI_ZERO() : QI_LOAD(p + 96, G);
+        qt_i U = six ? QI_ZERO() : QI_LOAD(p + SK_KX8_U, G);
 #pragma GCC unroll 1
         for (int s = 0; s < 8; s++) {
             const int b = 8 * blk + s;
@@ -212,9 +212,9 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             qt_f D[2], M = QF_ZERO();
             if (six) {
 #pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) D[h] = QF_MUL(d, QF_CVT(QI_I8(p + 16 + 16 * s + 8 * h, G)));
+                for (int h = 0; h < 2; h++) D[h] = QF_MUL(d, QF_CVT(QI_I8(p + SK_Q6X8_C + 16 * s + 8 * h, G)));
             } else {
-                qt_i v = QI_U8(p + 32 + 8 * s, G);
+                qt_i v = QI_U8(p + SK_KX8_S + 8 * s, G);
                 qt_i sc = QI_OR(QI_AND(v, low4), QI_AND(QI_SLLI32(U, 4), top2));
                 qt_i mn = QI_OR(QI_SRLI32(v, 4), QI_AND(QI_SLLI32(U, 2), top2));
                 U = QI_SRLI32(U, 4);
@@ -230,9 +230,9 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
                 ia[r] = six ? QI_SET32(-32 * h[0]) : QI_ZERO();
                 ib[r] = six ? QI_SET32(-32 * h[1]) : QI_ZERO();
             }
-            const qt_i H = five ? QI_LOAD(p + 128 + 32 * s, G) : QI_ZERO();
-            const qt_i T0 = six ? QI_LOAD(p + 144 + 64 * s, G) : QI_ZERO();
-            const qt_i T1 = six ? QI_LOAD(p + 176 + 64 * s, G) : QI_ZERO();
+            const qt_i H = five ? QI_LOAD(p + at_h + 32 * s, G) : QI_ZERO();
+            const qt_i T0 = six ? QI_LOAD(p + at_h + 64 * s, G) : QI_ZERO();
+            const qt_i T1 = six ? QI_LOAD(p + at_h + 64 * s + 32, G) : QI_ZERO();
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) {
                 qt_i Pq = QI_LOAD(P + 32 * (i % 4), G);
@@ -262,7 +262,7 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
         }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) QF_STORE(sums + QW * r, six ? acc[r] : QF_ADD(acc[r], ov[r]));
+    for (int r = 0; r < R; r++) QF_STORE(sums + QW * r, sk_q_offset(type) ? QF_ADD(acc[r], ov[r]) : acc[r]);
 }
 
 /* One format's tiles, the format and the row count constants in each. */

@@ -856,12 +856,9 @@ class Transformer(nn.Module):
                 plain = plain or quantized is None
             elif not isinstance(module, QuantizedEmbedding):
                 plain = plain or any(t.dim() == 2 for t in tensors)
-            if isinstance(quantized, QuantizedWeight):
+            if isinstance(quantized, (QuantizedWeight, kernels.QuantLinear)):
                 formats.update(dict.fromkeys(quantized.formats))
-                tensors += [data for _, data in quantized.segments]
-            elif isinstance(quantized, kernels.QuantLinear):
-                formats.update(dict.fromkeys(quantized.formats))
-                tensors += [data for _, data, _ in quantized.segments]
+                tensors += [segment[1] for segment in quantized.segments]  # (format, blocks[, rows])
             for t in tensors:
                 if t.device.type == "meta":
                     continue
