@@ -175,6 +175,18 @@ def test_the_vnni_kernels_code_gives_the_generic_kernels_bits_through_its_stand_
         assert torch.equal(got, want)
 
 
+def test_the_amx_tiles_code_gives_the_generic_kernels_bits_through_its_stand_in() -> None:
+    """amxint8's products of many rows (quant_amx.h: weights unpacked for the tiles, a tile product per chunk,
+    the chain run on its sums), run on any AVX-512 VNNI CPU: the same source built with plain C in place of the
+    AMX-INT8 tile instructions gives the generic kernel's bits (27 and 11 rows take the tiles, full and partial;
+    fewer the VNNI tiles). Where the CPU has AMX, amxint8 itself runs in the test above."""
+    if not kernels.runs_here("amx-twin"):
+        assert "avx512vnni" not in HERE
+        return  # no AVX-512 VNNI: the stand-in cannot run (its source still compiles: test_kernels)
+    for got, want in zip(_everything(kernels.load("amx-twin")), _everything(kernels.load("generic")), strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("qtype", list(FORMATS))
 def test_the_kernels_layout_gives_back_the_files_blocks(kern, qtype: str) -> None:
     """Every format is packed 8 rows at a time for the kernels (quant.h's x8 layout, zero-padded past the last

@@ -6,15 +6,10 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <math.h>
 #include <stdlib.h>
 #include "common.h"
 #include "quant_avx512.h"
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -22,8 +17,8 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-/* Linux hands out AMX tile state only to a process that asks for it. */
-int sk_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+/* Linux hands out AMX tile state only to a process that asks for it (quant_amx.h). */
+int sk_init(void) { return sk_amx_permit(); }
 
 /* Tiles 0-3: four 16-column blocks of the output (rows x 16 f32); 4: the rows' next 32 inputs; 5-7: weights,
    16 input pairs x 16 columns in the pair-interleaved layout the tile product reads. */
@@ -296,7 +291,7 @@ void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, 
     }
 }
 
-/* Quantized weights: quant_avx512.h's tiles, 16 columns at a time where the build has VNNI and BW (the generic bits, as on avx2). */
+/* Quantized weights: quant_avx512.h's tiles, many rows on AMX-INT8 (quant_amx.h; the generic bits, as on avx2). */
 void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,
                 int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
                 uint16_t *scratch) {

@@ -8,7 +8,11 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+#if defined(__AMX_INT8__) || defined(SK_AMX_TWIN)
+int sk_init(void) { return sk_amx_permit(); }
+#else
 int sk_init(void) { return 1; }
+#endif
 
 INLINE __m512 odd16(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))); }
 INLINE __m512 even16(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }

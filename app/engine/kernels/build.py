@@ -25,7 +25,17 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # What every kernel's source includes (part of the build key).
-HEADERS = ("common.h", "quant.h", "quant_avx2.h", "quant_avx512.h", "quant_tile.h", "dot4.h", "layers.h", "lanes.h")
+HEADERS = (
+    "common.h",
+    "quant.h",
+    "quant_avx2.h",
+    "quant_avx512.h",
+    "quant_tile.h",
+    "quant_amx.h",
+    "dot4.h",
+    "layers.h",
+    "lanes.h",
+)
 
 
 class KernelUnavailable(RuntimeError):

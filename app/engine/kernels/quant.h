@@ -459,10 +459,14 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
                                     sk_qicols_fn icols) {
     x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
     sk_qrows xq = sk_qrows_alloc(m, k);
-    for (int r = 0; r < m; r++) quantize(x + (size_t)r * k, &xq, r);
     #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* Rows quantized in shares too (a row's bytes are the same whoever quantizes it), then columns. */
+        for (int r = (int)((long)m * t / nt); r < (int)((long)m * (t + 1) / nt); r++) quantize(x + (size_t)r * k, &xq, r);
+        if (nt > 1) {
+            #pragma omp barrier
+        }
         /* Thread shares in multiples of 8 columns (an x8 group; what the SIMD kernels take at a time). */
         int groups = (n + 7) / 8;
         int c0 = 8 * (int)((long)groups * t / nt), c1 = 8 * (int)((long)groups * (t + 1) / nt);

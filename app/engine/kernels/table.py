@@ -44,11 +44,14 @@ class KernelSpec:
 # -ffp-contract=off: the exact kernels' bits are defined by explicit fused multiply-adds only.
 _AVX512 = ("-mavx512f", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
+_VNNI512 = (*_AVX512, "-mavx512vnni", "-mavx512vl", "-mavx512bw")
+_VNNI512_NEEDS = frozenset({"avx512f", "avx512_vnni", "avx512vl", "avx512bw", "avx2", "fma", "f16c"})
 _AMX_FLAGS = (
     "-mavx512f",
     "-mavx512bf16",
     "-mamx-tile",
     "-mamx-bf16",
+    "-mamx-int8",
     "-mfma",
     "-mf16c",
     "-mavx512vnni",
@@ -64,7 +67,7 @@ _ALL = (
     KernelSpec(
         "amx",
         "amx",
-        frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512_vnni", "avx512vl", "avx512bw"}),
+        _VNNI512_NEEDS - {"avx2", "fma", "f16c"} | {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"},
         _AMX_FLAGS,
         march_native=False,
         exact=False,
@@ -76,10 +79,24 @@ _ALL = (
         auto_native=False,
     ),
     KernelSpec(
+        "amxint8",
+        "avx512",
+        _VNNI512_NEEDS | {"amx_tile", "amx_int8"},
+        (*_VNNI512, "-mamx-tile", "-mamx-int8"),
+        march_native=False,
+        exact=True,
+        trees=True,
+        head_multiple=32,
+        layout="stream",
+        block=32,
+        dot=True,
+        auto_native=True,
+    ),
+    KernelSpec(
         "avx512vnni",
         "avx512",
-        frozenset({"avx512f", "avx512_vnni", "avx512vl", "avx512bw", "avx2", "fma", "f16c"}),
-        (*_AVX512, "-mavx512vnni", "-mavx512vl", "-mavx512bw"),
+        _VNNI512_NEEDS,
+        _VNNI512,
         march_native=False,
         exact=True,
         trees=True,
@@ -158,6 +175,23 @@ _ALL = (
         head_multiple=32,
         layout="stream",
         block=16,
+        dot=True,
+        auto_native=False,
+        stand_in=True,
+    ),
+    # The avx512vnni source with quant_amx.h's plain-C stand-in for the AMX-INT8 tile instructions: amxint8's
+    # code checked bit for bit on an AVX-512 CPU without AMX.
+    KernelSpec(
+        "amx-twin",
+        "avx512",
+        _VNNI512_NEEDS,
+        (*_VNNI512, "-DSK_AMX_TWIN"),
+        march_native=False,
+        exact=True,
+        trees=True,
+        head_multiple=32,
+        layout="stream",
+        block=32,
         dot=True,
         auto_native=False,
         stand_in=True,
