@@ -366,8 +366,8 @@ def test_cli_list(cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
         assert row.split()[7:10] == runs_as, (weights, kernel)
     from app.engine.model.loading import auto_native
 
-    kinds = ("amx", "avx512vnni", "avx512", "avxvnni", "avx2", "generic", "torch")
-    assert [auto_native(k) for k in kinds] == [False, True, True, True, True, False, False]
+    kinds = ("amxint8", "amx", "avx512vnni", "avx512", "avxvnni", "avx2", "generic", "torch")
+    assert [auto_native(k) for k in kinds] == [True, False, True, True, True, True, False, False]
 
 
 def test_cli_unknown_name_is_one_error_line(empty_cache: Path) -> None:

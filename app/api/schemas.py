@@ -1351,8 +1351,9 @@ class Info(BaseModel):
     )
     model_weight_bytes: int = Field(description="bytes the target's weights hold in memory")
     cpu_kernel: str = Field(
-        description="what runs the target's products and attention: amx, avx512, avx2 or generic (specserve's "
-        "kernels, each row independent of the batch), torch (oneDNN and SDPA), or the device type off the CPU"
+        description="what runs the target's products and attention: amxint8, amx, avx512vnni, avx512, avxvnni, "
+        "avx2 or generic (specserve's kernels, each row independent of the batch), torch (oneDNN and SDPA), or the "
+        "device type off the CPU"
     )
     batched_decoding: bool = Field(
         description="whether requests share target forwards; off where a row's bits would depend on the batch"

@@ -6,12 +6,13 @@ bits depend on nothing but its own inputs (not the row count, the other sequence
 or the cache's capacity). Batched decoding then equals decoding alone, and a verification of k+1 rows gives
 the bits of k+1 single steps, without padding or a fixed key span.
 
-The kernels, best first, one record each in `table.SPECS`: ``amx`` (Intel AMX tiles), ``avx512vnni`` and
+The kernels, best first, one record each in `table.SPECS`: ``amxint8`` (avx512vnni with the integer products
+of many rows on AMX-INT8 tiles), ``amx`` (bf16 products and attention on AMX tiles), ``avx512vnni`` and
 ``avx512`` (AVX-512F, with and without VPDPBUSD), ``avxvnni`` and ``avx2`` (AVX2 + FMA, with and without
 AVX-VNNI), ``generic`` (plain C, any gcc target). All but amx are exact: they compute the generic kernel's bits
-(the arithmetic is fixed in ``common.h`` and ``quant.h``); ``amx`` sums in its tiles' order. The sources
-(``*.c`` beside this file; the VNNI builds compile their family's) are compiled with the system's gcc at first
-use (`build`) into the directory the caller gives (`build_engine`: ``kernels/`` in the model store's cache
+(the arithmetic is fixed in ``common.h`` and ``quant.h``); ``amx`` sums its bf16 products in its tiles' order.
+The sources (``*.c`` beside this file; the VNNI builds compile their family's) are compiled with the system's
+gcc at first use (`build`) into the directory the caller gives (`build_engine`: ``kernels/`` in the model store's cache
 directory; none given: a private temporary directory, removed when the process exits). ``SPECSERVE_KERNEL``
 picks one: ``auto`` (default: the best this CPU runs and gcc builds), a kernel's name (an error where it cannot
 run), or ``torch`` (oneDNN and SDPA; rows are not independent there, see `Engine`).

@@ -59,25 +59,14 @@ _AMX_FLAGS = (
     "-mavx512bw",
 )
 
-# Best first: `auto` selects the first this CPU runs and gcc builds. amx multiplies bf16 rows in tiles, so a
-# verification's rows cost little there while the integer products cost per row (docs/bench, issue 22): its
-# GGUF weights are dequantized under `auto`; so are generic's, whose plain-C integer products are three times
-# slower than its bf16 ones. amx's tiles add in their own order and read keys by slot: neither exact nor trees.
+# Best first: `auto` selects the first this CPU runs and gcc builds. amxint8 is avx512vnni with AMX-INT8 tiles
+# for the integer products of many rows (a prefill, a verification, a batch), exact; a GGUF's quantized weights
+# stay native on it: one row reads a third of bf16's bytes (the default target's step 3.3 ms against amx's 10.4
+# ms in bf16, docs/bench). amx multiplies bf16 rows on AMX-BF16 tiles, so rows cost little there beside the
+# first; its GGUF weights are dequantized under `auto` (it is the kernel for bf16 checkpoints, forced); so are
+# generic's, whose plain-C integer products are three times slower than its bf16 ones. amx's tiles add in their
+# own order and read keys by slot: neither exact nor trees.
 _ALL = (
-    KernelSpec(
-        "amx",
-        "amx",
-        _VNNI512_NEEDS - {"avx2", "fma", "f16c"} | {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"},
-        _AMX_FLAGS,
-        march_native=False,
-        exact=False,
-        trees=False,
-        head_multiple=64,  # its value pass takes 64 dimensions at a time
-        layout="tiles",
-        block=16,
-        dot=True,
-        auto_native=False,
-    ),
     KernelSpec(
         "amxint8",
         "avx512",
@@ -91,6 +80,20 @@ _ALL = (
         block=32,
         dot=True,
         auto_native=True,
+    ),
+    KernelSpec(
+        "amx",
+        "amx",
+        _VNNI512_NEEDS - {"avx2", "fma", "f16c"} | {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"},
+        _AMX_FLAGS,
+        march_native=False,
+        exact=False,
+        trees=False,
+        head_multiple=64,  # its value pass takes 64 dimensions at a time
+        layout="tiles",
+        block=16,
+        dot=True,
+        auto_native=False,
     ),
     KernelSpec(
         "avx512vnni",
