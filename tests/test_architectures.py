@@ -149,6 +149,11 @@ def test_rows_stay_independent_on_the_kernels(arch, kernel, files):
     # steps between the kernel's products, and its windowed attention on views of the cache).
     with kernels.selected(kernel):
         model = load_model(files[arch], "bfloat16").model
+    if not kernels.attention_fits(model.kernel, model.config.head_dim, model.dtype, model.device):
+        # amx's attention takes head sizes of 64s (these have 32): SDPA runs it, and the model says its rows are
+        # not independent, so the engine keeps its promises there as on torch's path (padding, no batching).
+        assert not model.rows_independent() and model._stack is None
+        return
     assert model.rows_independent()
     prompts = [_ids(n, n)[0] for n in (5, 12, 20)]
     with torch.inference_mode():
@@ -170,6 +175,9 @@ def test_the_layer_stack_runs_their_blocks_with_the_layer_by_layer_bits(arch, ke
     # the cache of the layer-by-layer path, bit for bit, for a prompt that crosses the window of 8 and a step past it.
     with kernels.selected(kernel):
         model = load_model(files[arch], "bfloat16").model
+    if not kernels.attention_fits(model.kernel, model.config.head_dim, model.dtype, model.device):
+        assert model._stack is None  # no layer stack where the kernel's attention does not run (amx: 64s)
+        return
     assert model._stack is not None and model._stack.n_layers == len(model.layers)
     stack, ids = model._stack, _ids(13, 5)
     runs = []
