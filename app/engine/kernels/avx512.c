@@ -29,6 +29,23 @@ INLINE float tree(__m512 l) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+/* tree() of 16 vectors at once: lane t of the result is tree(l[t]), by the same additions (i + i+8, i + i+4,
+   i + i+2, i + i+1), four levels of pairing two vectors' halves: after them lane 4c + e holds key c + 4e. */
+INLINE __m512 tree16x16(const __m512 *l) {
+    __m512 h[8], q[4], r[2];
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++)  /* keys 2p, 2p+1: lanes 0-7, 8-15 */
+        h[p] = _mm512_add_ps(_mm512_shuffle_f32x4(l[2 * p], l[2 * p + 1], 0x44), _mm512_shuffle_f32x4(l[2 * p], l[2 * p + 1], 0xee));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++)  /* keys 4p..4p+3: 128-bit chunk c, key 4p + c */
+        q[p] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * p], h[2 * p + 1], 0x88), _mm512_shuffle_f32x4(h[2 * p], h[2 * p + 1], 0xdd));
+#pragma GCC unroll 2
+    for (int p = 0; p < 2; p++)  /* chunk c: keys 8p + c (lanes 0, 1) and 8p + 4 + c (lanes 2, 3) */
+        r[p] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * p], q[2 * p + 1], 0x44), _mm512_shuffle_ps(q[2 * p], q[2 * p + 1], 0xee));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xdd));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+}
+
 /* 16 floats -> 16 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16. */
 INLINE void store16(uint16_t *p, __m512 f) {
     __m512i u = _mm512_castps_si512(f);
@@ -107,12 +124,37 @@ static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, in
 #define SK_LANES 16
 #include "lanes.h"
 
-static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d, float scale,
-                       uint16_t *out, float *s, float *qo, float *qe, int n0, const int32_t *tail) {
-    int n = qpos + 1;
+/* One query row's scores and softmax (sk_attend_row_fn's first half): s[0..qpos] the exponentials; returns
+   1 / their sum. */
+static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
+                        float *qe, int n0, const int32_t *tail) {
+    int n = qpos + 1, j = 0;
     sk_split_row(q, d, qo, qe);
-    float mx = -INFINITY;
-    for (int j = 0; j < n; j++) {
+    /* 16 keys at a time: their lane sums reduced together (tree16x16), each by the tree's own additions. */
+    const __m512 sv = _mm512_set1_ps(scale);
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) {
+        __m512 l[16];
+        const uint16_t *kj[16];
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++) {
+            kj[t] = kc + sk_slot(j + t, n0, tail) * d;
+            l[t] = _mm512_setzero_ps();
+        }
+        for (int c = 0; c < d / 32; c++) {
+            const __m512 o = _mm512_loadu_ps(qo + 16 * c), e = _mm512_loadu_ps(qe + 16 * c);
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) {
+                const __m512i v = load32bf(kj[t] + 32 * c);
+                l[t] = _mm512_fmadd_ps(e, even16(v), _mm512_fmadd_ps(o, odd16(v), l[t]));
+            }
+        }
+        const __m512 sc = _mm512_mul_ps(tree16x16(l), sv);
+        _mm512_storeu_ps(s + j, sc);
+        mv = _mm512_max_ps(mv, sc);
+    }
+    float mx = _mm512_reduce_max_ps(mv);
+    for (; j < n; j++) {
         const uint16_t *kj = kc + sk_slot(j, n0, tail) * d;
         __m512 l = _mm512_setzero_ps();
         for (int c = 0; c < d / 32; c++) {
@@ -124,7 +166,7 @@ static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const ui
         mx = fmaxf(mx, s[j]);
     }
     __m512 m16 = _mm512_set1_ps(mx), l = _mm512_setzero_ps();
-    int j = 0;
+    j = 0;
     for (; j + 16 <= n; j += 16) {
         __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
         _mm512_storeu_ps(s + j, e);
@@ -136,15 +178,93 @@ static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const ui
         s[j] = sk_exp(s[j] - mx);
         lanes[j % 16] += s[j];
     }
-    float inv = 1.0f / sk_tree16(lanes);
-    int d0 = 0;
-    for (; d0 + 64 <= d; d0 += 64) values(64, s, n, vc, d, d0, inv, out, n0, tail);
-    if (d0 < d) values(32, s, n, vc, d, d0, inv, out, n0, tail);
+    return 1.0f / sk_tree16(lanes);
 }
 
+/* values() (lanes.h) for H <= 4 rows that read the same keys (the heads of one kv head at one position): each
+   value vector widened once for all of them, each row's chain the one values() runs, H times as many chains in
+   flight. */
+INLINE void values_rows(int H, int W, float *const *s, int n, const uint16_t *vc, int d, int d0, const float *inv,
+                        uint16_t *const *out, int n0, const int32_t *tail) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; h++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) acc[h][b] = _mm512_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) v[b] = b < W / 16 ? widen16(vj + 16 * b) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++) {
+            if (h >= H) break;
+            const __m512 p = _mm512_set1_ps(s[h][j]);
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++)
+                if (b < W / 16) acc[h][b] = _mm512_fmadd_ps(p, v[b], acc[h][b]);
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int b = 0; b < W / 16; b++) store16(out[h] + d0 + 16 * b, _mm512_mul_ps(acc[h][b], _mm512_set1_ps(inv[h])));
+}
+
+/* Causal attention as sk_attention_rows (the same bits), its work items (part, position, kv head): the heads
+   that share a kv head read the same keys, so their weighted sums of values run side by side (values_rows). */
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    sk_attention_rows(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, attend_row);
+    const int group = h / kv;
+    long total = 0;
+    long *first = malloc(sizeof(long) * (n_parts + 1));
+    int64_t longest = 16, rows = 1;
+    for (int p = 0; p < n_parts; p++) {
+        sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
+        first[p] = total;
+        total += parts[p].t * kv;
+        if (parts[p].start + parts[p].t > longest) longest = parts[p].start + parts[p].t;
+        if (parts[p].parent && parts[p].t > rows) rows = parts[p].t;
+    }
+    first[n_parts] = total;
+    const size_t span = (size_t)(longest + 16 + 15) / 16 * 16;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
+    {
+        float qo[128] __attribute__((aligned(64))), qe[128] __attribute__((aligned(64)));
+        float *sbuf = aligned_alloc(64, sizeof(float) * span * (size_t)group);
+        int32_t *path = malloc(sizeof(int32_t) * (size_t)rows);
+        float **s = malloc(sizeof(float *) * (size_t)group), *inv = malloc(sizeof(float) * (size_t)group);
+        uint16_t **out = malloc(sizeof(uint16_t *) * (size_t)group);
+        #pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < total; it++) {
+            int p = 0;
+            while (first[p + 1] <= it) p++;
+            const part_t *pt = &parts[p];
+            const long local = it - first[p];
+            const int tt = (int)(local / kv), g = (int)(local % kv);
+            int qpos, n0;
+            const int32_t *tail;
+            sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
+            const uint16_t *kc = pt->kc + (size_t)g * pt->cap * d, *vc = pt->vc + (size_t)g * pt->cap * d;
+            for (int r = 0; r < group; r++) {
+                const int hh = g * group + r;
+                s[r] = sbuf + span * r;
+                out[r] = pt->out + (size_t)tt * h * d + (size_t)hh * d;
+                inv[r] = row_scores(pt->q + (size_t)tt * q_stride + (size_t)hh * d, qpos, kc, d, scale, s[r], qo, qe,
+                                    n0, tail);
+            }
+            for (int r0 = 0; r0 < group; r0 += 4) {
+                const int H = group - r0 < 4 ? group - r0 : 4;
+                int d0 = 0;
+                for (; d0 + 64 <= d; d0 += 64) values_rows(H, 64, s + r0, qpos + 1, vc, d, d0, inv + r0, out + r0, n0, tail);
+                if (d0 < d) values_rows(H, 32, s + r0, qpos + 1, vc, d, d0, inv + r0, out + r0, n0, tail);
+            }
+        }
+        free(out);
+        free(inv);
+        free(s);
+        free(path);
+        free(sbuf);
+    }
+    free(first);
 }
 
 /* Quantized weights: quant_avx512.h's tiles, 16 columns at a time where the build has VNNI and BW (the generic bits, as on avx2). */

@@ -457,13 +457,19 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
                                     const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch,
                                     float (*sum_squares)(const uint16_t *, int), sk_quantize_fn quantize,
                                     sk_qicols_fn icols) {
-    x = sk_prepare_rows(x, m, k, op, norm_w, eps, scratch, sum_squares);
     sk_qrows xq = sk_qrows_alloc(m, k);
+    const int k_in = op == 2 || op == 3 ? 2 * k : k;  /* [gate | up] rows before SwiGLU / GeGLU */
     #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* Rows quantized in shares too (a row's bytes are the same whoever quantizes it), then columns. */
-        for (int r = (int)((long)m * t / nt); r < (int)((long)m * (t + 1) / nt); r++) quantize(x + (size_t)r * k, &xq, r);
+        /* Rows prepared (the fused op) and quantized in shares too (a row's bytes are the same whoever computes
+           them), then columns. */
+        const int r0 = (int)((long)m * t / nt), r1 = (int)((long)m * (t + 1) / nt);
+        if (r0 < r1) {
+            const uint16_t *xp = sk_prepare_rows(x + (size_t)r0 * k_in, r1 - r0, k, op, norm_w, eps,
+                                                 op ? scratch + (size_t)r0 * k : NULL, sum_squares);
+            for (int r = r0; r < r1; r++) quantize(xp + (size_t)(r - r0) * k, &xq, r);
+        }
         if (nt > 1) {
             #pragma omp barrier
         }
