@@ -181,8 +181,8 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
     }
 }
 
-/* Product u (chunk u / halves, half u % halves) for rows r0..: C tile c from A tile a and B tile bt (tile
-   numbers are immediates, hence a macro), stored in slot c of ring. */
+/* Product u (chunk u / halves, half u % halves) for rows r0.. into C tile c from A tile a and B tile bt (tile
+   numbers are immediates, hence macros); then, apart, C tile c stored in slot c of ring. */
 #define QA_PRODUCT(c, a, bt, u)                                                                                \
     do {                                                                                                       \
         const int qb = (u) / halves, qh = (u) % halves;                                                        \
@@ -190,7 +190,6 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
         QA_LOAD_A(a, xr + 32 * qb + depth * qh, k);                                                            \
         QA_LOAD_B(bt, B + (size_t)qb * 512 + 256 * qh);                                                        \
         QA_DP(c, a, bt, q8);                                                                                   \
-        QA_STORE(c, ring[c]);                                                                                  \
     } while (0)
 #define QA_ISSUE(u)                                                                                            \
     switch ((u) & 3) {                                                                                         \
@@ -199,11 +198,18 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
         case 2: QA_PRODUCT(2, 4, 6, u); break;                                                                 \
         default: QA_PRODUCT(3, 5, 7, u); break;                                                                \
     }
+#define QA_KEEP(u)                                                                                             \
+    switch ((u) & 3) {                                                                                         \
+        case 0: QA_STORE(0, ring[0]); break;                                                                   \
+        case 1: QA_STORE(1, ring[1]); break;                                                                   \
+        case 2: QA_STORE(2, ring[2]); break;                                                                   \
+        default: QA_STORE(3, ring[3]); break;                                                                  \
+    }
 
-/* Rows r0..r0+R-1 (R <= 16) x the 16 unpacked columns -> sums [R][16]: each chunk's (half's) tile product,
-   issued two ahead of its use (four C tiles and slots in turn, so that neither the tile unit nor the vector
-   units wait on the other), then per row the chain's step L = fma(D * dx, (float)(I + zero point), L), 16
-   rows' chains side by side; the offsets' chain after. */
+/* Rows r0..r0+R-1 (R <= 16) x the 16 unpacked columns -> sums [R][16]: each chunk's (half's) tile product
+   issued two ahead of its use and stored one ahead (a store waits for its product: apart, neither the tile
+   unit nor the vector units wait on the other; four C tiles and ring slots in turn), then per row the chain's
+   step L = fma(D * dx, (float)(I + zero point), L), 16 rows' chains side by side; the offsets' chain after. */
 static void qa_rows16(int type, int R, const sk_qrows *xq, int r0, const uint8_t *B, const float *D, const float *M,
                       float *sums) {
     const int k = xq->k, nb = k / 32, six = type == SK_Q6_K, q8 = type == SK_Q8_0, halves = six ? 2 : 1;
@@ -217,8 +223,10 @@ static void qa_rows16(int type, int R, const sk_qrows *xq, int r0, const uint8_t
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
     QA_ISSUE(0);
     if (units > 1) QA_ISSUE(1);
+    QA_KEEP(0);
     for (int u = 0; u < units; u++) {
         if (u + 2 < units) QA_ISSUE(u + 2);
+        if (u + 1 < units) QA_KEEP(u + 1);
         const int b = u / halves, h = u % halves;
         const int32_t *Cu = ring[u & 3];
         const __m512 Dh = _mm512_loadu_ps(D + (size_t)b * 32 + 16 * h);
@@ -254,6 +262,7 @@ static void qa_rows16(int type, int R, const sk_qrows *xq, int r0, const uint8_t
     for (int r = 0; r < 16; r++)
         if (r < R) _mm512_storeu_ps(sums + 16 * r, _mm512_add_ps(acc[r], ov[r]));
 }
+#undef QA_KEEP
 #undef QA_ISSUE
 #undef QA_PRODUCT
 
