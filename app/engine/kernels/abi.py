@@ -1,5 +1,5 @@
 """The C side of a kernel library as ctypes sees it: the exported functions' signatures and the structures they
-take (common.h's `part_t`, layers.h's `sk_product_t` and `sk_layer_t`)."""
+take (common.h's `part_t`, layers.h's `sk_product_t`, `sk_layer_t` and `sk_seq_t`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         [_P, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P]
         + [ctypes.c_int64] * 3
         + [ctypes.c_float, ctypes.c_float, _I],
+    ),
+    "sk_layers_batch": (
+        None,
+        [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I],
     ),
     "sk_dot_kind": (ctypes.c_char_p, []),
 }
@@ -62,3 +66,11 @@ class Layer(ctypes.Structure):
     _fields_ += [(name, ctypes.c_void_p) for name in ("attn_norm", "ffn_norm", "q_norm", "k_norm")]
     _fields_ += [(name, ctypes.c_void_p) for name in ("post_attn_norm", "post_ffn_norm")]
     _fields_ += [(name, ctypes.c_int64) for name in ("gelu", "window", "local")]
+
+
+class Seq(ctypes.Structure):
+    """One sequence of a batched layer stack call (layers.h's sk_seq_t)."""
+
+    _fields_ = [("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
+    _fields_ += [(name, ctypes.c_int64) for name in ("layer_stride", "cap", "t", "start")]
+    _fields_ += [("parent", ctypes.c_void_p)]

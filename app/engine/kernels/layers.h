@@ -86,21 +86,30 @@ static int sk_window_parts(const part_t *base, int64_t window, int q_stride, int
     return n;
 }
 
-/* x [t][dim] (bf16, in place) through n_layers layers at positions start..start+t-1 of one sequence's cache:
-   layer l's keys and values at kc + l * layer_stride, vc + l * layer_stride ([kv][cap][d]); cos, sin: [t][d]
-   (sin's first half negated, as rope_tables), cos_local, sin_local the same for layers with `local` (NULL
-   without); inter: the MLP's width. Every step is the layer-by-layer path's call on this library (products,
-   sk_rms_norm, sk_attention) with its arguments, so every value has its bits. */
-void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, int t, int dim, int h, int kv, int d, int inter,
-               const uint16_t *cos, const uint16_t *sin, const uint16_t *cos_local, const uint16_t *sin_local,
-               uint16_t *kc, uint16_t *vc, int64_t layer_stride, int64_t cap, int64_t start, float eps, float scale,
-               int threads) {
-    int width = (h + 2 * kv) * d, rot = (h + kv) * d, big = 2 * inter > width ? 2 * inter : width;
+/* One sequence of a batch through the layers (sk_layers_batch): t rows at positions start..start+t-1 of its
+   cache, layer l's keys and values at kc + l * layer_stride, vc + l * layer_stride ([kv][cap][d]); parent: NULL
+   for a chain, else its rows' tree (part_t's). */
+typedef struct {
+    uint16_t *kc, *vc;
+    int64_t layer_stride, cap, t, start;
+    const int32_t *parent;
+} sk_seq_t;
+
+/* x [T][dim] (bf16, in place; T the sequences' rows, one after another) through n_layers layers, each sequence
+   attending its own cache (seqs, n_seqs); cos, sin: [T][d], each row's position's (sin's first half negated, as
+   rope_tables), cos_local, sin_local the same for layers with `local` (NULL without); inter: the MLP's width.
+   Every step is the layer-by-layer path's call on this library (products over all T rows, sk_rms_norm, one
+   sk_attention with a part per sequence) with its arguments, so every value has its bits. */
+void sk_layers_batch(const sk_layer_t *layers, int n_layers, uint16_t *x, const sk_seq_t *seqs, int n_seqs, int dim,
+                     int h, int kv, int d, int inter, const uint16_t *cos, const uint16_t *sin,
+                     const uint16_t *cos_local, const uint16_t *sin_local, float eps, float scale, int threads) {
+    int width = (h + 2 * kv) * d, rot = (h + kv) * d, big = 2 * inter > width ? 2 * inter : width, t = 0;
+    for (int i = 0; i < n_seqs; i++) t += (int)seqs[i].t;
     size_t widest = (size_t)(dim > inter ? dim : inter);
     uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)t * ((size_t)big + rot + h * d + 2 * dim + widest));
     uint16_t *wide = buf, *qk = wide + (size_t)t * big, *att = qk + (size_t)t * rot, *mid = att + (size_t)t * h * d,
              *out = mid + (size_t)t * dim, *scratch = out + (size_t)t * dim;
-    part_t *parts = malloc(sizeof(part_t) * (size_t)(t + 1));
+    part_t *parts = malloc(sizeof(part_t) * (size_t)(t + n_seqs));
     for (int l = 0; l < n_layers; l++) {
         const sk_layer_t *ly = &layers[l];
         sk_product(&ly->qkv, x, wide, t, dim, threads, 1, ly->attn_norm, eps, NULL, scratch);
@@ -122,18 +131,22 @@ void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, int t, int d
                     dst[i] = sk_f32_to_bf16(sk_bf16_to_f32(a) + sk_bf16_to_f32(b));
                 }
             }
-        part_t part;
-        memset(&part, 0, sizeof(part));
-        part.q = qk;
-        part.k = qk + (size_t)h * d;
-        part.v = wide + (size_t)rot;
-        part.kc = kc + (size_t)l * layer_stride;
-        part.vc = vc + (size_t)l * layer_stride;
-        part.out = att;
-        part.cap = cap;
-        part.t = t;
-        part.start = start;
-        int n_parts = sk_window_parts(&part, ly->window, rot, rot, width, h * d, d, parts);
+        int n_parts = 0;
+        for (int i = 0, row = 0; i < n_seqs; row += (int)seqs[i].t, i++) {
+            part_t part;
+            memset(&part, 0, sizeof(part));
+            part.q = qk + (size_t)row * rot;
+            part.k = part.q + (size_t)h * d;
+            part.v = wide + (size_t)row * width + (size_t)rot;
+            part.kc = seqs[i].kc + (size_t)l * seqs[i].layer_stride;
+            part.vc = seqs[i].vc + (size_t)l * seqs[i].layer_stride;
+            part.out = att + (size_t)row * h * d;
+            part.cap = seqs[i].cap;
+            part.t = seqs[i].t;
+            part.start = seqs[i].start;
+            part.parent = seqs[i].parent;
+            n_parts += sk_window_parts(&part, ly->window, rot, rot, width, h * d, d, parts + n_parts);
+        }
         sk_attention(parts, n_parts, rot, rot, width, h, kv, d, scale, threads);
         /* h = x + o (or + its norm) into mid; then the MLP, x = h + down (or + its norm). */
         if (ly->post_attn_norm) {
@@ -153,6 +166,16 @@ void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, int t, int d
     }
     free(parts);
     free(buf);
+}
+
+/* sk_layers_batch for one sequence of t rows at start (its cache as sk_seq_t's). */
+void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, int t, int dim, int h, int kv, int d, int inter,
+               const uint16_t *cos, const uint16_t *sin, const uint16_t *cos_local, const uint16_t *sin_local,
+               uint16_t *kc, uint16_t *vc, int64_t layer_stride, int64_t cap, int64_t start, float eps, float scale,
+               int threads) {
+    const sk_seq_t seq = {kc, vc, layer_stride, cap, t, start, NULL};
+    sk_layers_batch(layers, n_layers, x, &seq, 1, dim, h, kv, d, inter, cos, sin, cos_local, sin_local, eps, scale,
+                    threads);
 }
 
 #endif

@@ -257,6 +257,56 @@ class LayerStack:
         )
         return x
 
+    def batch(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        sequences: Sequence[tuple[Tensor, Tensor, int, int, Tensor | None]],
+        local: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """x [1, T, dim] bf16, several sequences' rows one after another, through every layer (sk_layers_batch):
+        `sequences` (k_cache, v_cache, start, rows, parents) each, its caches [layers, 1, kv_heads, capacity,
+        head_dim] as `__call__`'s and `parents` None or int32 [rows] (a tree, as `Transformer.hidden_batch`'s);
+        cos, sin (and `local`): [T, 1, head_dim], each row's. Returns the new x [1, T, dim]: each row the bits
+        the layer-by-layer batched forward gives."""
+        x = x.contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        if self.local and local is None:
+            raise ValueError("this stack's local layers need the local RoPE tables")
+        cos_l, sin_l = (t.contiguous() for t in local) if local is not None else (cos, sin)
+        seqs = (abi.Seq * len(sequences))()
+        keep = []
+        for seq, (k_cache, v_cache, start, rows, parents) in zip(seqs, sequences, strict=True):
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == 1):
+                raise ValueError("a layer stack runs on each sequence's own contiguous cache")
+            seq.kc, seq.vc, seq.layer_stride = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0)
+            seq.cap, seq.t, seq.start = k_cache.shape[3], rows, start
+            if parents is not None:
+                parents = parents.to(torch.int32).contiguous()
+                keep.append(parents)
+                seq.parent = parents.data_ptr()
+        self.kernel._lib.sk_layers_batch(
+            self._table,
+            self.n_layers,
+            x.data_ptr(),
+            seqs,
+            len(sequences),
+            self.dim,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.inter,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos_l.data_ptr(),
+            sin_l.data_ptr(),
+            self.eps,
+            1.0 / math.sqrt(self.head_dim),
+            torch.get_num_threads(),
+        )
+        return x
+
 
 def fits(weight: Tensor) -> bool:
     """Whether `weight` [N, K] can run on a kernel: bfloat16 on CPU, K a multiple of 32 (N is padded)."""

@@ -970,8 +970,19 @@ class Transformer(nn.Module):
         local = self._rope_local if self.config.rope_local_theta else None
         layout = layout_rows([(ids.shape[0], *rest) for ids, *rest in sequences], self._rope, local)
         x = self._embed(torch.cat([ids for ids, *_ in sequences])[None])
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_parts(x, layout, i)
+        stack = self._stack
+        if (
+            stack is not None
+            and stack.n_layers == len(self.layers)
+            and all(p.mask is None and p.cache.kernel is self.kernel for p in layout.parts)
+        ):
+            # The layers below in one call for every sequence, bit for bit (each attends its own cache on the
+            # kernel; a part with a mask, a tree past a window among them, takes the layers one by one).
+            seqs = [(p.cache.k, p.cache.v, p.start_pos, p.rows, p.parents) for p in layout.parts]
+            x = stack.batch(x, layout.cos, layout.sin, seqs, layout.tables(True))
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_parts(x, layout, i)
         layout.advance()
         return layout.split(self.norm(x)[0])
 
