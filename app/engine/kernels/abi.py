@@ -19,12 +19,6 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "sk_q_unpack": (None, [_I, _P, ctypes.c_long, _P, _I, _P]),
     "sk_layers": (
         None,
-        [_P, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P]
-        + [ctypes.c_int64] * 3
-        + [ctypes.c_float, ctypes.c_float, _I],
-    ),
-    "sk_layers_batch": (
-        None,
         [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I],
     ),
     "sk_dot_kind": (ctypes.c_char_p, []),
@@ -69,7 +63,7 @@ class Layer(ctypes.Structure):
 
 
 class Seq(ctypes.Structure):
-    """One sequence of a batched layer stack call (layers.h's sk_seq_t)."""
+    """One sequence of a layer stack call (layers.h's sk_seq_t)."""
 
     _fields_ = [("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
     _fields_ += [(name, ctypes.c_int64) for name in ("layer_stride", "cap", "t", "start")]

@@ -214,17 +214,9 @@ INLINE void values_rows(int H, int W, float *const *s, int n, const uint16_t *vc
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
     const int group = h / kv;
-    long total = 0;
-    long *first = malloc(sizeof(long) * (n_parts + 1));
-    int64_t longest = 16, rows = 1;
-    for (int p = 0; p < n_parts; p++) {
-        sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
-        first[p] = total;
-        total += parts[p].t * kv;
-        if (parts[p].start + parts[p].t > longest) longest = parts[p].start + parts[p].t;
-        if (parts[p].parent && parts[p].t > rows) rows = parts[p].t;
-    }
-    first[n_parts] = total;
+    int64_t longest, rows;
+    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, kv, &longest, &rows);
+    const long total = first[n_parts];
     const size_t span = (size_t)(longest + 16 + 15) / 16 * 16;
     #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
     {

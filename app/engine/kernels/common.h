@@ -230,6 +230,26 @@ static inline void sk_row_keys(const part_t *pt, int tt, int32_t *path, int *qpo
     *tail = path + lead;
 }
 
+/* The work items of an attention call: each part's new keys and values written into its cache; returned (to
+   free), first[p] part p's first item (`per_row` items a row: its heads, or its kv heads), first[n_parts] their
+   count; *longest the longest sequence (at least 16), *rows the most rows of a tree part (at least 1). */
+static inline long *sk_attention_items(const part_t *parts, int n_parts, int k_stride, int v_stride, int kv, int d,
+                                       int per_row, int64_t *longest, int64_t *rows) {
+    long total = 0;
+    long *first = malloc(sizeof(long) * (n_parts + 1));
+    *longest = 16;
+    *rows = 1;
+    for (int p = 0; p < n_parts; p++) {
+        sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
+        first[p] = total;
+        total += parts[p].t * per_row;
+        if (parts[p].start + parts[p].t > *longest) *longest = parts[p].start + parts[p].t;
+        if (parts[p].parent && parts[p].t > *rows) *rows = parts[p].t;
+    }
+    first[n_parts] = total;
+    return first;
+}
+
 /* Causal attention for several sequences in one call: each part's new keys and values are written into its
    cache, then its query row (t, head hh) attends keys 0..start+t of kv head hh / (h / kv) (a tree part's
    row: its prefix and ancestors, see part_t), by `attend_row`. Work items (part, query row) are shared among
@@ -237,17 +257,9 @@ static inline void sk_row_keys(const part_t *pt, int tt, int32_t *path, int *qpo
 static inline void sk_attention_rows(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride,
                                      int h, int kv, int d, float scale, int threads, sk_attend_row_fn attend_row) {
     int group = h / kv;
-    long total = 0;
-    long *first = malloc(sizeof(long) * (n_parts + 1));
-    int64_t longest = 16, rows = 1;
-    for (int p = 0; p < n_parts; p++) {
-        sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
-        first[p] = total;
-        total += parts[p].t * h;
-        if (parts[p].start + parts[p].t > longest) longest = parts[p].start + parts[p].t;
-        if (parts[p].parent && parts[p].t > rows) rows = parts[p].t;
-    }
-    first[n_parts] = total;
+    int64_t longest, rows;
+    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, h, &longest, &rows);
+    const long total = first[n_parts];
     #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
     {
         float qo[128] __attribute__((aligned(64))), qe[128] __attribute__((aligned(64)));

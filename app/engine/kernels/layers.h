@@ -86,7 +86,7 @@ static int sk_window_parts(const part_t *base, int64_t window, int q_stride, int
     return n;
 }
 
-/* One sequence of a batch through the layers (sk_layers_batch): t rows at positions start..start+t-1 of its
+/* One sequence of a batch through the layers (sk_layers): t rows at positions start..start+t-1 of its
    cache, layer l's keys and values at kc + l * layer_stride, vc + l * layer_stride ([kv][cap][d]); parent: NULL
    for a chain, else its rows' tree (part_t's). */
 typedef struct {
@@ -100,7 +100,7 @@ typedef struct {
    rope_tables), cos_local, sin_local the same for layers with `local` (NULL without); inter: the MLP's width.
    Every step is the layer-by-layer path's call on this library (products over all T rows, sk_rms_norm, one
    sk_attention with a part per sequence) with its arguments, so every value has its bits. */
-void sk_layers_batch(const sk_layer_t *layers, int n_layers, uint16_t *x, const sk_seq_t *seqs, int n_seqs, int dim,
+void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, const sk_seq_t *seqs, int n_seqs, int dim,
                      int h, int kv, int d, int inter, const uint16_t *cos, const uint16_t *sin,
                      const uint16_t *cos_local, const uint16_t *sin_local, float eps, float scale, int threads) {
     int width = (h + 2 * kv) * d, rot = (h + kv) * d, big = 2 * inter > width ? 2 * inter : width, t = 0;
@@ -166,16 +166,6 @@ void sk_layers_batch(const sk_layer_t *layers, int n_layers, uint16_t *x, const 
     }
     free(parts);
     free(buf);
-}
-
-/* sk_layers_batch for one sequence of t rows at start (its cache as sk_seq_t's). */
-void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, int t, int dim, int h, int kv, int d, int inter,
-               const uint16_t *cos, const uint16_t *sin, const uint16_t *cos_local, const uint16_t *sin_local,
-               uint16_t *kc, uint16_t *vc, int64_t layer_stride, int64_t cap, int64_t start, float eps, float scale,
-               int threads) {
-    const sk_seq_t seq = {kc, vc, layer_stride, cap, t, start, NULL};
-    sk_layers_batch(layers, n_layers, x, &seq, 1, dim, h, kv, d, inter, cos, sin, cos_local, sin_local, eps, scale,
-                    threads);
 }
 
 #endif

@@ -222,40 +222,8 @@ class LayerStack:
         """x [1, T, dim] bf16 through every layer at positions start..start+T-1; returns the new x [1, T, dim].
         cos, sin: [T, 1, head_dim] (`rope_tables`'); `local`: the same for the layers with `local` RoPE;
         k_cache, v_cache: [layers, 1, kv_heads, capacity, head_dim] bf16, written at those positions as the
-        layers' attention does."""
-        x = x.contiguous().clone()
-        cos, sin = cos.contiguous(), sin.contiguous()
-        if self.local and local is None:
-            raise ValueError("this stack's local layers need the local RoPE tables")
-        cos_l, sin_l = (t.contiguous() for t in local) if local is not None else (cos, sin)
-        t = x.shape[1]
-        cap = k_cache.shape[3]
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == 1):
-            raise ValueError("a layer stack runs on one sequence's contiguous cache")
-        self.kernel._lib.sk_layers(
-            self._table,
-            self.n_layers,
-            x.data_ptr(),
-            t,
-            self.dim,
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            self.inter,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            cos_l.data_ptr(),
-            sin_l.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            k_cache.stride(0),
-            cap,
-            start,
-            self.eps,
-            1.0 / math.sqrt(self.head_dim),
-            torch.get_num_threads(),
-        )
-        return x
+        layers' attention does. `batch` with one sequence."""
+        return self.batch(x, cos, sin, [(k_cache, v_cache, start, x.shape[1], None)], local)
 
     def batch(
         self,
@@ -265,9 +233,9 @@ class LayerStack:
         sequences: Sequence[tuple[Tensor, Tensor, int, int, Tensor | None]],
         local: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """x [1, T, dim] bf16, several sequences' rows one after another, through every layer (sk_layers_batch):
-        `sequences` (k_cache, v_cache, start, rows, parents) each, its caches [layers, 1, kv_heads, capacity,
-        head_dim] as `__call__`'s and `parents` None or int32 [rows] (a tree, as `Transformer.hidden_batch`'s);
+        """x [1, T, dim] bf16, several sequences' rows one after another, through every layer (layers.h's
+        sk_layers): `sequences` (k_cache, v_cache, start, rows, parents) each, its caches [layers, 1, kv_heads,
+        capacity, head_dim] as `__call__`'s and `parents` None or int32 [rows] (a tree, as `hidden_batch`'s);
         cos, sin (and `local`): [T, 1, head_dim], each row's. Returns the new x [1, T, dim]: each row the bits
         the layer-by-layer batched forward gives."""
         x = x.contiguous().clone()
@@ -286,7 +254,7 @@ class LayerStack:
                 parents = parents.to(torch.int32).contiguous()
                 keep.append(parents)
                 seq.parent = parents.data_ptr()
-        self.kernel._lib.sk_layers_batch(
+        self.kernel._lib.sk_layers(
             self._table,
             self.n_layers,
             x.data_ptr(),
