@@ -142,13 +142,13 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(12)
     x = torch.randn(27, 512, generator=g).bfloat16()
     norm_w = (1 + torch.randn(512, generator=g) / 4).bfloat16()
-    gate_up = torch.randn(3, 1024, generator=g).bfloat16()
-    residual = torch.randn(3, 43, generator=g).bfloat16()
+    gate_up = torch.randn(17, 1024, generator=g).bfloat16()
+    residual = torch.randn(17, 43, generator=g).bfloat16()
     out = []
     for i, qtype in enumerate(FORMATS):
         weight = random_weight(qtype, 43, 512, seed=20 + i)  # 5 groups of 8 columns and 3 (quant.h's x8 layout)
         bias = torch.randn(43, generator=g).bfloat16()
-        out += [kern.qlinear(weight, bias)(x), kern.qlinear(weight, None)(x[:11], norm=norm_w, eps=1e-5)]
+        out += [kern.qlinear(weight, bias)(x), kern.qlinear(weight, None)(x[:19], norm=norm_w, eps=1e-5)]
         out.append(kern.qlinear(weight, None)(gate_up, swiglu=True, residual=residual))
         # Every tile shape of a step and a verification: 1 row, 2, 5 and 6 (4 + a rest).
         out += [kern.qlinear(weight, bias)(x[:rows]) for rows in (1, 2, 5, 6)]
@@ -178,8 +178,9 @@ def test_the_vnni_kernels_code_gives_the_generic_kernels_bits_through_its_stand_
 def test_the_amx_tiles_code_gives_the_generic_kernels_bits_through_its_stand_in() -> None:
     """amxint8's products of many rows (quant_amx.h: weights unpacked for the tiles, a tile product per chunk,
     the chain run on its sums), run on any AVX-512 VNNI CPU: the same source built with plain C in place of the
-    AMX-INT8 tile instructions gives the generic kernel's bits (27 and 11 rows take the tiles, full and partial;
-    fewer the VNNI tiles). Where the CPU has AMX, amxint8 itself runs in the test above."""
+    AMX-INT8 tile instructions gives the generic kernel's bits (27, 19 and 17 rows take the tiles, a full tile
+    and a partial one, with bias, norm, SwiGLU and residual; fewer rows the VNNI tiles). Where the CPU has AMX,
+    amxint8 itself runs in the test above."""
     if not kernels.runs_here("amx-twin"):
         assert "avx512vnni" not in HERE
         return  # no AVX-512 VNNI: the stand-in cannot run (its source still compiles: test_kernels)

@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #ifndef QA_MIN_ROWS
-#define QA_MIN_ROWS 10
+#define QA_MIN_ROWS 14
 #endif
 
 /* Linux hands out AMX tile state only to a process that asks for it. */
