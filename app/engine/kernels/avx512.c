@@ -46,15 +46,8 @@ INLINE __m512 tree16x16(const __m512 *l) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
 }
 
-/* 16 floats -> 16 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16. */
-INLINE void store16(uint16_t *p, __m512 f) {
-    __m512i u = _mm512_castps_si512(f);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), nan);
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
-}
+/* 16 floats -> 16 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16 (quant_avx512.h). */
+INLINE void store16(uint16_t *p, __m512 f) { _mm256_storeu_si256((__m256i *)p, q_bf16x16(f)); }
 
 /* sk_exp on 16 floats. */
 INLINE __m512 exp16(__m512 x) {

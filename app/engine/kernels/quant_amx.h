@@ -83,45 +83,6 @@ static inline void qa_release(void) { _tile_release(); }
 #define QA_STORE(t, p) _tile_stored(t, p, 64)
 #endif
 
-/* 32 bytes at p and 32 at p + G: one vector of two adjacent x8 groups' lanes. */
-QINLINE __m512i qa_load(const uint8_t *p, long G) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
-                              _mm256_loadu_si256((const __m256i *)(p + G)), 1);
-}
-
-QINLINE __m512 qa_half(const uint8_t *p, long G) {
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
-                                                   _mm_loadu_si128((const __m128i *)(p + G)), 1));
-}
-
-QINLINE __m512i qa_bytes(const uint8_t *p, long G, int sign) {
-    __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p), _mm_loadl_epi64((const __m128i *)(p + G)));
-    return sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
-}
-
-/* 16 floats -> 16 bf16 as sk_f32_to_bf16 (nearest even, NaN kept NaN). */
-QINLINE __m256i qa_bf16x16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), nan);
-    return _mm512_cvtepi32_epi16(r);
-}
-
-/* sk_finish on 16 sums side by side (q_finish8's operations at 16 lanes). */
-QINLINE void qa_finish16(const float *sums, const float *bias, const uint16_t *residual, uint16_t *y) {
-    __m512 f = _mm512_loadu_ps(sums);
-    if (bias) f = _mm512_add_ps(f, _mm512_loadu_ps(bias));
-    __m256i h = qa_bf16x16(f);
-    if (residual) {
-        const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)residual)), 16));
-        h = qa_bf16x16(_mm512_add_ps(a, b));
-    }
-    _mm256_storeu_si256((__m256i *)y, h);
-}
-
 /* The 16 columns at g (two x8 groups, the second at g + G) unpacked: for chunk b, B [b][8][64] (the W_i, the
    weights as bytes), D [b][2][16] (the scale of inputs 0-15 and of 16-31: equal but for Q6_K) and, with an
    offset, M [b][16]; the same values quant_tile.h's tiles compute. */
@@ -131,49 +92,39 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
     if (sk_q_block(type) == 32) {
         for (int b = 0; b < nb; b++) {
             const uint8_t *p = g + (size_t)b * 8 * bytes;
-            const __m512i H = five ? qa_load(p + at_h, G) : _mm512_setzero_si512();
+            const __m512i H = five ? q16_load(p + at_h, G) : _mm512_setzero_si512();
             for (int i = 0; i < 8; i++) {
-                __m512i W = type == SK_Q8_0 ? qa_load(p + at_q + 32 * i, G)
-                                            : x8_nibbles_16(qa_load(p + at_q + 32 * (i % 4), G), i, five, H);
+                __m512i W = type == SK_Q8_0 ? q16_load(p + at_q + 32 * i, G)
+                                            : x8_nibbles_16(q16_load(p + at_q + 32 * (i % 4), G), i, five, H);
                 _mm512_storeu_si512(B + (size_t)b * 512 + 64 * i, W);
             }
-            const __m512 d = qa_half(p, G);
+            const __m512 d = q16_half(p, G);
             _mm512_storeu_ps(D + (size_t)b * 32, d);
             _mm512_storeu_ps(D + (size_t)b * 32 + 16, d);
-            if (offset) _mm512_storeu_ps(M + (size_t)b * 16, qa_half(p + 16, G));
+            if (offset) _mm512_storeu_ps(M + (size_t)b * 16, q16_half(p + 16, G));
         }
         return;
     }
     const int six = type == SK_Q6_K;
-    const __m512i low4 = _mm512_set1_epi32(15), top2 = _mm512_set1_epi32(0x30);
     for (int blk = 0; blk < nb / 8; blk++) {
         const uint8_t *p = g + (size_t)blk * 8 * bytes;
-        const __m512 d = qa_half(p, G);
-        const __m512 ndmin = six ? d : _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(qa_half(p + 16, G)),
+        const __m512 d = q16_half(p, G);
+        const __m512 ndmin = six ? d : _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(q16_half(p + 16, G)),
                                                                              _mm512_set1_epi32((int)0x80000000u)));
-        __m512i U = six ? _mm512_setzero_si512() : qa_load(p + SK_KX8_U, G);
+        __m512i U = six ? _mm512_setzero_si512() : q16_load(p + SK_KX8_U, G);
         for (int s = 0; s < 8; s++) {
             const int b = 8 * blk + s;
             const uint8_t *P = p + at_q + 128 * s;
-            float *Db = D + (size_t)b * 32;
-            if (six) {
-                for (int h = 0; h < 2; h++)
-                    _mm512_storeu_ps(Db + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(qa_bytes(p + SK_Q6X8_C + 16 * s + 8 * h, G, 1))));
-            } else {
-                const __m512i v = qa_bytes(p + SK_KX8_S + 8 * s, G, 0);
-                const __m512i sc = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_slli_epi32(U, 4), top2));
-                const __m512i mn = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_and_si512(_mm512_slli_epi32(U, 2), top2));
-                U = _mm512_srli_epi32(U, 4);
-                const __m512 dd = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-                _mm512_storeu_ps(Db, dd);
-                _mm512_storeu_ps(Db + 16, dd);
-                _mm512_storeu_ps(M + (size_t)b * 16, _mm512_mul_ps(ndmin, _mm512_cvtepi32_ps(mn)));
-            }
-            const __m512i H = five ? qa_load(p + at_h + 32 * s, G) : _mm512_setzero_si512();
-            const __m512i T0 = six ? qa_load(p + at_h + 64 * s, G) : _mm512_setzero_si512();
-            const __m512i T1 = six ? qa_load(p + at_h + 64 * s + 32, G) : _mm512_setzero_si512();
+            __m512 Ds[2], Ms;
+            kx8_scales_16(six, p, G, s, d, ndmin, &U, Ds, &Ms);
+            _mm512_storeu_ps(D + (size_t)b * 32, Ds[0]);
+            _mm512_storeu_ps(D + (size_t)b * 32 + 16, Ds[1]);
+            if (!six) _mm512_storeu_ps(M + (size_t)b * 16, Ms);
+            const __m512i H = five ? q16_load(p + at_h + 32 * s, G) : _mm512_setzero_si512();
+            const __m512i T0 = six ? q16_load(p + at_h + 64 * s, G) : _mm512_setzero_si512();
+            const __m512i T1 = six ? q16_load(p + at_h + 64 * s + 32, G) : _mm512_setzero_si512();
             for (int i = 0; i < 8; i++) {
-                const __m512i Pq = qa_load(P + 32 * (i % 4), G);
+                const __m512i Pq = q16_load(P + 32 * (i % 4), G);
                 const __m512i W = six ? x8_six_16(Pq, i, i < 4 ? T0 : T1) : x8_nibbles_16(Pq, i, five, H);
                 _mm512_storeu_si512(B + (size_t)b * 512 + 64 * i, W);
             }
@@ -293,23 +244,7 @@ static void q_cols_amx(int type, const uint8_t *w, long row_bytes, const sk_qrow
                 configured = R;
             }
             qa_rows16(type, R, xq, r, B, D, M, sums);
-            for (int i = 0; i < R; i++) {
-                const size_t row = (size_t)(r + i) * ldy + col;
-                if (cc == 16) {
-                    qa_finish16(sums + 16 * i, bias ? bias + col : NULL, residual ? residual + row : NULL, y + row);
-                    continue;
-                }
-                for (int h = 0; h < cc; h += 8) {
-                    const size_t at = (size_t)(r + i) * ldy + col + h;
-                    const float *s = sums + 16 * i + h;
-                    if (cc - h >= 8) {
-                        q_finish8(s, bias ? bias + col + h : NULL, residual ? residual + at : NULL, y + at);
-                        continue;
-                    }
-                    for (int j = 0; j < cc - h; j++)
-                        y[at + j] = sk_finish(s[j], bias, col + h + j, residual ? residual + at + j : NULL);
-                }
-            }
+            finish_rows_16(sums, R, cc, r, col, y, ldy, bias, residual);
         }
     }
     if (configured) qa_release();

@@ -7,7 +7,47 @@
 
 #include "quant_avx2.h"
 
+/* 16 floats -> 16 bf16 as sk_f32_to_bf16 (nearest even, NaN kept NaN): every AVX-512 kernel's rounding. */
+QINLINE __m256i q_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), nan);
+    return _mm512_cvtepi32_epi16(r);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Two adjacent x8 groups in one vector (the second group's bytes G further): 32 bytes of each, 8 float16 of
+   each to float32, 8 bytes of each widened to a lane each (signed or not). */
+QINLINE __m512i q16_load(const uint8_t *p, long G) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                              _mm256_loadu_si256((const __m256i *)(p + G)), 1);
+}
+
+QINLINE __m512 q16_half(const uint8_t *p, long G) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                                   _mm_loadu_si128((const __m128i *)(p + G)), 1));
+}
+
+QINLINE __m512i q16_bytes(const uint8_t *p, long G, int sign) {
+    const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p), _mm_loadl_epi64((const __m128i *)(p + G)));
+    return sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+/* sk_finish on 16 sums side by side (q_finish8's operations at 16 lanes). */
+QINLINE void q_finish16(const float *sums, const float *bias, const uint16_t *residual, uint16_t *y) {
+    __m512 f = _mm512_loadu_ps(sums);
+    if (bias) f = _mm512_add_ps(f, _mm512_loadu_ps(bias));
+    __m256i h = q_bf16x16(f);
+    if (residual) {
+        const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)residual)), 16));
+        h = q_bf16x16(_mm512_add_ps(a, b));
+    }
+    _mm256_storeu_si256((__m256i *)y, h);
+}
+
 #define QW 16
 #include "quant_tile.h"
 #undef QW

@@ -43,9 +43,7 @@
 #define QT(name) name##_16
 #define qt_i __m512i
 #define qt_f __m512
-#define QI_LOAD(p, G)                                                                                          \
-    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p))),                        \
-                       _mm256_loadu_si256((const __m256i *)((p) + (G))), 1)
+#define QI_LOAD(p, G) q16_load((const uint8_t *)(p), (G))
 #define QI_AND _mm512_and_si512
 #define QI_OR _mm512_or_si512
 #define QI_XOR _mm512_xor_si512
@@ -60,13 +58,9 @@
 #define QI_DOT4 _mm512_dpbusd_epi32
 #define QI_ABS8 _mm512_abs_epi8
 #define QI_SIGN8(x, w) _mm512_mask_sub_epi8((x), _mm512_movepi8_mask(w), _mm512_setzero_si512(), (x))
-#define QI_U8(p, G)                                                                                            \
-    _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(p)), _mm_loadl_epi64((const __m128i *)((p) + (G)))))
-#define QI_I8(p, G)                                                                                            \
-    _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(p)), _mm_loadl_epi64((const __m128i *)((p) + (G)))))
-#define QF_HALF(p, G)                                                                                          \
-    _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p))),    \
-                                            _mm_loadu_si128((const __m128i *)((p) + (G))), 1))
+#define QI_U8(p, G) q16_bytes((const uint8_t *)(p), (G), 0)
+#define QI_I8(p, G) q16_bytes((const uint8_t *)(p), (G), 1)
+#define QF_HALF(p, G) q16_half((const uint8_t *)(p), (G))
 #define QF_CVT _mm512_cvtepi32_ps
 #define QF_MUL _mm512_mul_ps
 #define QF_FMA _mm512_fmadd_ps
@@ -115,6 +109,50 @@ QINLINE void QT(x8_ahead)(const uint8_t *p, long row_bytes, int from, int to) {
     for (int h = 0; h < QW / 8; h++)
         for (int line = from; line < to; line += 64)
             _mm_prefetch((const char *)(p + (Q8_AHEAD * QW + 8 * h) * row_bytes + line), _MM_HINT_T0);
+}
+
+/* A K-quant chunk s's scales for the QW columns of the group block at p: D[0], D[1] (the scales of its inputs 0-15
+   and 16-31: d times the chunk's 6-bit scale, or Q6_K's two int8 ones) and M (-dmin times its 6-bit minimum; 0
+   for Q6_K); d, ndmin: the block's d and -dmin; U: the block's top scale bits, moved on to the next chunk's. */
+QINLINE void QT(kx8_scales)(int six, const uint8_t *p, long G, int s, qt_f d, qt_f ndmin, qt_i *U, qt_f *D, qt_f *M) {
+    (void)G;
+    if (six) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) D[h] = QF_MUL(d, QF_CVT(QI_I8(p + SK_Q6X8_C + 16 * s + 8 * h, G)));
+        *M = QF_ZERO();
+        return;
+    }
+    const qt_i low4 = QI_SET32(15), top2 = QI_SET32(0x30);
+    const qt_i v = QI_U8(p + SK_KX8_S + 8 * s, G);
+    const qt_i sc = QI_OR(QI_AND(v, low4), QI_AND(QI_SLLI32(*U, 4), top2));
+    const qt_i mn = QI_OR(QI_SRLI32(v, 4), QI_AND(QI_SLLI32(*U, 2), top2));
+    *U = QI_SRLI32(*U, 4);
+    D[0] = D[1] = QF_MUL(d, QF_CVT(sc));
+    *M = QF_MUL(ndmin, QF_CVT(mn));
+}
+
+/* Rows r..r+R-1 of sums [R][QW] (cc valid columns from col) finished into y (sk_finish: bias, bf16, residual). */
+QINLINE void QT(finish_rows)(const float *sums, int R, int cc, int r, int col, uint16_t *y, int ldy, const float *bias,
+                             const uint16_t *residual) {
+    for (int i = 0; i < R; i++) {
+#if QW == 16
+        if (cc == 16) {
+            const size_t at = (size_t)(r + i) * ldy + col;
+            q_finish16(sums + 16 * i, bias ? bias + col : NULL, residual ? residual + at : NULL, y + at);
+            continue;
+        }
+#endif
+        for (int h = 0; h < cc; h += 8) {
+            const size_t at = (size_t)(r + i) * ldy + col + h;
+            const float *s = sums + QW * i + h;
+            if (cc - h >= 8) {
+                q_finish8(s, bias ? bias + col + h : NULL, residual ? residual + at : NULL, y + at);
+                continue;
+            }
+            for (int j = 0; j < cc - h; j++)
+                y[at + j] = sk_finish(s[j], bias, col + h + j, residual ? residual + at + j : NULL);
+        }
+    }
 }
 
 /* R rows (from r0, R <= 4) x the QW columns of the x8 group(s) at g (quant.h) -> sums [R][QW]: the 32-input
@@ -194,7 +232,6 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
     const int32_t *xh = xq->xh + (size_t)r0 * nb * 2;
-    const qt_i low4 = QI_SET32(15), top2 = QI_SET32(0x30);
     qt_f acc[4], ov[4];
 #pragma GCC unroll 4
     for (int r = 0; r < 4; r++) acc[r] = ov[r] = QF_ZERO();
@@ -209,18 +246,8 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             const uint8_t *P = p + at_q + 128 * s;
             /* A quarter of the group block's lines per chunk. */
             QT(x8_ahead)(p, row_bytes, 256 * s, 256 * (s + 1) < 8 * bytes ? 256 * (s + 1) : 8 * bytes);
-            qt_f D[2], M = QF_ZERO();
-            if (six) {
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) D[h] = QF_MUL(d, QF_CVT(QI_I8(p + SK_Q6X8_C + 16 * s + 8 * h, G)));
-            } else {
-                qt_i v = QI_U8(p + SK_KX8_S + 8 * s, G);
-                qt_i sc = QI_OR(QI_AND(v, low4), QI_AND(QI_SLLI32(U, 4), top2));
-                qt_i mn = QI_OR(QI_SRLI32(v, 4), QI_AND(QI_SLLI32(U, 2), top2));
-                U = QI_SRLI32(U, 4);
-                D[0] = D[1] = QF_MUL(d, QF_CVT(sc));
-                M = QF_MUL(ndmin, QF_CVT(mn));
-            }
+            qt_f D[2], M;
+            QT(kx8_scales)(six, p, G, s, d, ndmin, &U, D, &M);
             /* Two integer sums per row: Q6_K's halves; the others' even and odd groups where QT_SPLIT, added
                before the conversion. */
             qt_i ia[4], ib[4];
@@ -304,17 +331,7 @@ static void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrow
         for (int r = 0; r < m; r += 4) {
             int R = r + 4 <= m ? 4 : m - r;
             tile(R, w + (size_t)(col / 8) * 8 * row_bytes, row_bytes, xq, r, sums);
-            for (int i = 0; i < R; i++)
-                for (int h = 0; h < cc; h += 8) {
-                    size_t at = (size_t)(r + i) * ldy + col + h;
-                    const float *s = sums + QW * i + h;
-                    if (cc - h >= 8) {
-                        q_finish8(s, bias ? bias + col + h : NULL, residual ? residual + at : NULL, y + at);
-                        continue;
-                    }
-                    for (int j = 0; j < cc - h; j++)
-                        y[at + j] = sk_finish(s[j], bias, col + h + j, residual ? residual + at + j : NULL);
-                }
+            QT(finish_rows)(sums, R, cc, r, col, y, ldy, bias, residual);
         }
     }
 }

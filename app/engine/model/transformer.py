@@ -941,8 +941,8 @@ class Transformer(nn.Module):
         if cache is not None and (mask is not None or cache.needs_mask(t)):
             mask = self._cache_mask(cache, start_pos, t, mask)
         x = self._embed(input_ids)
-        stack = self._stack if mask is None and cache is not None and cache.kernel is self.kernel else None
-        if stack is not None and stack.n_layers == len(self.layers):
+        stack = self._stack_for([cache]) if mask is None and cache is not None else None
+        if stack is not None:
             # The layers below in one call, bit for bit (the cache has one sequence and attends on the kernel).
             x = stack(x, cos, sin, cache.k, cache.v, start_pos, local)
         else:
@@ -952,6 +952,12 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length = end
         return self.norm(x)
+
+    def _stack_for(self, caches: Sequence[KVCache]) -> kernels.LayerStack | None:
+        """The layer stack, where it runs every layer and each of `caches` attends on this model's kernel."""
+        stack = self._stack
+        whole = stack is not None and stack.n_layers == len(self.layers)
+        return stack if whole and all(cache.kernel is self.kernel for cache in caches) else None
 
     def hidden_batch(
         self, sequences: Sequence[tuple[Tensor, int, KVCache] | tuple[Tensor, int, KVCache, Tensor | None]]
@@ -970,12 +976,9 @@ class Transformer(nn.Module):
         local = self._rope_local if self.config.rope_local_theta else None
         layout = layout_rows([(ids.shape[0], *rest) for ids, *rest in sequences], self._rope, local)
         x = self._embed(torch.cat([ids for ids, *_ in sequences])[None])
-        stack = self._stack
-        if (
-            stack is not None
-            and stack.n_layers == len(self.layers)
-            and all(p.mask is None and p.cache.kernel is self.kernel for p in layout.parts)
-        ):
+        unmasked = all(p.mask is None for p in layout.parts)
+        stack = self._stack_for([p.cache for p in layout.parts]) if unmasked else None
+        if stack is not None:
             # The layers below in one call for every sequence, bit for bit (each attends its own cache on the
             # kernel; a part with a mask, a tree past a window among them, takes the layers one by one).
             seqs = [(p.cache.k, p.cache.v, p.start_pos, p.rows, p.parents) for p in layout.parts]
