@@ -102,28 +102,64 @@ static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, in
 #define SK_LANES 8
 #include "lanes.h"
 
-static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d, float scale,
-                       uint16_t *out, float *s, float *qo, float *qe, int n0, const int32_t *tail) {
-    int n = qpos + 1;
+/* tree() of 8 keys at once: a[t] is key t's lanes i + i+8 (i < 8); lane t of the result is its score's sum, by
+   the tree's own additions (i + i+4, i + i+2, i + i+1), pairing two vectors' halves at each level. */
+INLINE __m256 tree8x8(const __m256 *a) {
+    __m256 b[4], c[2];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++)  /* keys 2p, 2p+1: i + i+4 in the low and high half */
+        b[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20), _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+#pragma GCC unroll 2
+    for (int p = 0; p < 2; p++)  /* half h: keys 4p + h (lanes 0, 1), 4p + 2 + h (lanes 2, 3): i + i+2 */
+        c[p] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * p], b[2 * p + 1], 0x44), _mm256_shuffle_ps(b[2 * p], b[2 * p + 1], 0xee));
+    /* half h: keys h, 2 + h, 4 + h, 6 + h: i + i+1 */
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xdd));
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* One key's lanes i + i+8 (i < 8): its score before the tree's last three levels. */
+INLINE __m256 key_lanes(const float *qo, const float *qe, const uint16_t *kj, int d) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int c = 0; c < d / 32; c++) {
+        __m256i vlo = load16bf(kj + 32 * c), vhi = load16bf(kj + 32 * c + 16);
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(qo + 16 * c), odd8(vlo), lo);
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 16 * c), even8(vlo), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(qo + 16 * c + 8), odd8(vhi), hi);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 16 * c + 8), even8(vhi), hi);
+    }
+    return _mm256_add_ps(lo, hi);
+}
+
+/* One query row's scores and softmax (sk_attend_row_fn's first half): s[0..qpos] the exponentials; returns
+   1 / their sum. Scores 8 keys at a time, their trees reduced together (tree8x8). */
+static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
+                        float *qe, int n0, const int32_t *tail) {
+    int n = qpos + 1, j = 0;
     sk_split_row(q, d, qo, qe);
-    float mx = -INFINITY;
-    for (int j = 0; j < n; j++) {
-        const uint16_t *kj = kc + sk_slot(j, n0, tail) * d;
-        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-        for (int c = 0; c < d / 32; c++) {
-            __m256i vlo = load16bf(kj + 32 * c), vhi = load16bf(kj + 32 * c + 16);
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(qo + 16 * c), odd8(vlo), lo);
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 16 * c), even8(vlo), lo);
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(qo + 16 * c + 8), odd8(vhi), hi);
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 16 * c + 8), even8(vhi), hi);
-        }
-        s[j] = tree(lo, hi) * scale;
+    const __m256 sv = _mm256_set1_ps(scale);
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) {
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) a[t] = key_lanes(qo, qe, kc + sk_slot(j + t, n0, tail) * d, d);
+        const __m256 sc = _mm256_mul_ps(tree8x8(a), sv);
+        _mm256_storeu_ps(s + j, sc);
+        mv = _mm256_max_ps(mv, sc);
+    }
+    float m8[8], mx = -INFINITY;
+    _mm256_storeu_ps(m8, mv);
+    for (int t = 0; t < 8; t++) mx = fmaxf(mx, m8[t]);
+    for (; j < n; j++) {
+        const __m256 l = key_lanes(qo, qe, kc + sk_slot(j, n0, tail) * d, d);
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1));
+        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        s[j] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) * scale;
         mx = fmaxf(mx, s[j]);
     }
-    __m256 m8 = _mm256_set1_ps(mx), lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    int j = 0;
+    __m256 m = _mm256_set1_ps(mx), lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    j = 0;
     for (; j + 16 <= n; j += 16) {
-        __m256 a = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8)), b = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), m8));
+        __m256 a = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m)), b = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), m));
         _mm256_storeu_ps(s + j, a);
         _mm256_storeu_ps(s + j + 8, b);
         lo = _mm256_add_ps(lo, a);
@@ -136,15 +172,82 @@ static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const ui
         s[j] = sk_exp(s[j] - mx);
         lanes[j % 16] += s[j];
     }
-    float inv = 1.0f / sk_tree16(lanes);
-    int d0 = 0;
-    for (; d0 + 64 <= d; d0 += 64) values(64, s, n, vc, d, d0, inv, out, n0, tail);
-    if (d0 < d) values(32, s, n, vc, d, d0, inv, out, n0, tail);
+    return 1.0f / sk_tree16(lanes);
 }
 
+/* The weighted sums of values (common.h: per dimension one fused multiply-add per key, keys in order) of H <= 3
+   rows that read the same keys (the heads of one kv head at one position), 32 dimensions at a time: each value
+   vector widened once for all of them. */
+INLINE void values_rows(int H, float *const *s, int n, const uint16_t *vc, int d, int d0, const float *inv,
+                        uint16_t *const *out, int n0, const int32_t *tail) {
+    __m256 acc[3][4];
+#pragma GCC unroll 3
+    for (int h = 0; h < 3; h++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) acc[h][b] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
+        __m256 v[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) v[b] = widen8(vj + 8 * b);
+#pragma GCC unroll 3
+        for (int h = 0; h < 3; h++) {
+            if (h >= H) break;
+            const __m256 p = _mm256_set1_ps(s[h][j]);
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++) acc[h][b] = _mm256_fmadd_ps(p, v[b], acc[h][b]);
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int b = 0; b < 4; b++) store8(out[h] + d0 + 8 * b, _mm256_mul_ps(acc[h][b], _mm256_set1_ps(inv[h])));
+}
+
+/* Causal attention as sk_attention_rows (the same bits), its work items (part, position, kv head): the heads that
+   share a kv head read the same keys, so their weighted sums of values run side by side (values_rows). */
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    sk_attention_rows(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, attend_row);
+    const int group = h / kv;
+    int64_t longest, rows;
+    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, kv, &longest, &rows);
+    const long total = first[n_parts];
+    const size_t span = (size_t)(longest + 16 + 15) / 16 * 16;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
+    {
+        float qo[128] __attribute__((aligned(32))), qe[128] __attribute__((aligned(32)));
+        float *sbuf = aligned_alloc(32, sizeof(float) * span * (size_t)group);
+        int32_t *path = malloc(sizeof(int32_t) * (size_t)rows);
+        float **s = malloc(sizeof(float *) * (size_t)group), *inv = malloc(sizeof(float) * (size_t)group);
+        uint16_t **out = malloc(sizeof(uint16_t *) * (size_t)group);
+        #pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < total; it++) {
+            int p = 0;
+            while (first[p + 1] <= it) p++;
+            const part_t *pt = &parts[p];
+            const long local = it - first[p];
+            const int tt = (int)(local / kv), g = (int)(local % kv);
+            int qpos, n0;
+            const int32_t *tail;
+            sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
+            const uint16_t *kc = pt->kc + (size_t)g * pt->cap * d, *vc = pt->vc + (size_t)g * pt->cap * d;
+            for (int r = 0; r < group; r++) {
+                const int hh = g * group + r;
+                s[r] = sbuf + span * r;
+                out[r] = pt->out + (size_t)tt * h * d + (size_t)hh * d;
+                inv[r] = row_scores(pt->q + (size_t)tt * q_stride + (size_t)hh * d, qpos, kc, d, scale, s[r], qo, qe,
+                                    n0, tail);
+            }
+            for (int r0 = 0; r0 < group; r0 += 3) {
+                const int H = group - r0 < 3 ? group - r0 : 3;
+                for (int d0 = 0; d0 < d; d0 += 32) values_rows(H, s + r0, qpos + 1, vc, d, d0, inv + r0, out + r0, n0, tail);
+            }
+        }
+        free(out);
+        free(inv);
+        free(s);
+        free(path);
+        free(sbuf);
+    }
+    free(first);
 }
 
 /* Quantized weights: the AVX2 tiles of quant_avx2.h. */

@@ -174,9 +174,9 @@ static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, 
     return 1.0f / sk_tree16(lanes);
 }
 
-/* values() (lanes.h) for H <= 4 rows that read the same keys (the heads of one kv head at one position): each
-   value vector widened once for all of them, each row's chain the one values() runs, H times as many chains in
-   flight. */
+/* The weighted sums of values (common.h: per dimension one fused multiply-add per key, keys in order) of H <= 4
+   rows that read the same keys (the heads of one kv head at one position): each value vector widened once for
+   all of them, H times as many chains in flight. */
 INLINE void values_rows(int H, int W, float *const *s, int n, const uint16_t *vc, int d, int d0, const float *inv,
                         uint16_t *const *out, int n0, const int32_t *tail) {
     __m512 acc[4][4];

@@ -1,31 +1,16 @@
 /* The drivers avx2.c and avx512.c share, written once over the width of a float vector (the idea of ggml's
-   simd-mappings.h): the column-block tiling of the bf16 products, sk_linear, and attention's weighted sum of
-   values. Each source defines SK_LANES (8: AVX2's __m256, 16: AVX-512's __m512), its helpers (widenN, storeN, sum_squares)
-   and its tile and rest_tile, then includes this; what differs by width is named once in the mapping below.
-   The arithmetic is the same chain on either width (and the generic kernel's), so the bits do not depend on
-   which source runs it. */
+   simd-mappings.h): the column-block tiling of the bf16 products and sk_linear. Each source defines SK_LANES
+   (8: AVX2's __m256, 16: AVX-512's __m512), its sum_squares, tile and rest_tile, then includes this; what
+   differs by width is named once below. The arithmetic is the same chain on either width (and the generic
+   kernel's), so the bits do not depend on which source runs it. */
 #ifndef SPECSERVE_KERNEL_LANES_H
 #define SPECSERVE_KERNEL_LANES_H
 
 #if SK_LANES == 16
-typedef __m512 sk_vec;
-#define sk_vzero _mm512_setzero_ps
-#define sk_vset1 _mm512_set1_ps
-#define sk_vfma _mm512_fmadd_ps
-#define sk_vmul _mm512_mul_ps
-#define sk_vwiden widen16
-#define sk_vstore store16
 /* 32 registers: a block holds 32 columns (two registers per slot); three rows left over still fit two blocks. */
 #define SK_COLS 32
 #define SK_REST_BLOCKS(rest) ((rest) == 1 ? 4 : (rest) <= 3 ? 2 : 1)
 #elif SK_LANES == 8
-typedef __m256 sk_vec;
-#define sk_vzero _mm256_setzero_ps
-#define sk_vset1 _mm256_set1_ps
-#define sk_vfma _mm256_fmadd_ps
-#define sk_vmul _mm256_mul_ps
-#define sk_vwiden widen8
-#define sk_vstore store8
 /* 16 registers: a block holds 16 columns; past 12 accumulators gcc spills, so 3-5 rows left over take one. */
 #define SK_COLS 16
 #define SK_REST_BLOCKS(rest) ((rest) == 1 ? 4 : (rest) == 2 ? 2 : 1)
@@ -73,20 +58,6 @@ void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *b
         blocks(w, xf, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt), residual);
     }
     free(xf);
-}
-
-/* Weighted sum of values for dims d0..d0+W-1 (W = 64 or 32), keys 0..n-1 in order. */
-INLINE void values(int W, const float *s, int n, const uint16_t *vc, int d, int d0, float inv, uint16_t *out,
-                   int n0, const int32_t *tail) {
-    sk_vec acc[64 / SK_LANES];
-    for (int b = 0; b < W / SK_LANES; b++) acc[b] = sk_vzero();
-    for (int j = 0; j < n; j++) {
-        sk_vec p = sk_vset1(s[j]);
-        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
-        for (int b = 0; b < W / SK_LANES; b++) acc[b] = sk_vfma(p, sk_vwiden(vj + SK_LANES * b), acc[b]);
-    }
-    sk_vec iv = sk_vset1(inv);
-    for (int b = 0; b < W / SK_LANES; b++) sk_vstore(out + d0 + SK_LANES * b, sk_vmul(acc[b], iv));
 }
 
 #endif
