@@ -177,6 +177,11 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
     q = torch.randn(1, 6, 9, 64, generator=g).bfloat16()
     kc = torch.randn(3, 300, 64, generator=g).bfloat16()
     vc = torch.randn(3, 300, 64, generator=g).bfloat16()
+    # Eight heads on one kv head (the heads' values side by side in groups: 3 + 3 + 2 on avx2, 4 + 4 on avx512),
+    # 128 dimensions, spans that end between whole blocks of keys.
+    q8 = torch.randn(1, 5, 8, 128, generator=g).bfloat16()
+    kc8 = torch.randn(1, 90, 128, generator=g).bfloat16()
+    vc8 = torch.randn(1, 90, 128, generator=g).bfloat16()
     return [
         kern.linear(w, b)(x),
         kern.linear(w, None)(x, norm=norm_w, eps=1e-5),
@@ -186,6 +191,7 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
         kern.rms_norm(residual, norm_w, 1e-6, residual=x[:9]),
         _attend(kern, q, kc, vc, 250),
         _attend(kern, q[:, :1], kc, vc, 3),
+        _attend(kern, q8, kc8, vc8, 41),
     ]
 
 
