@@ -202,52 +202,15 @@ INLINE void values_rows(int H, float *const *s, int n, const uint16_t *vc, int d
         for (int b = 0; b < 4; b++) store8(out[h] + d0 + 8 * b, _mm256_mul_ps(acc[h][b], _mm256_set1_ps(inv[h])));
 }
 
-/* Causal attention as sk_attention_rows (the same bits), its work items (part, position, kv head): the heads that
-   share a kv head read the same keys, so their weighted sums of values run side by side (values_rows). */
+/* values_rows over every dimension (sk_values_fn). */
+static void values(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv, uint16_t *const *out,
+                   int n0, const int32_t *tail) {
+    for (int d0 = 0; d0 < d; d0 += 32) values_rows(H, s, n, vc, d, d0, inv, out, n0, tail);
+}
+
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    const int group = h / kv;
-    int64_t longest, rows;
-    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, kv, &longest, &rows);
-    const long total = first[n_parts];
-    const size_t span = (size_t)(longest + 16 + 15) / 16 * 16;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
-    {
-        float qo[128] __attribute__((aligned(32))), qe[128] __attribute__((aligned(32)));
-        float *sbuf = aligned_alloc(32, sizeof(float) * span * (size_t)group);
-        int32_t *path = malloc(sizeof(int32_t) * (size_t)rows);
-        float **s = malloc(sizeof(float *) * (size_t)group), *inv = malloc(sizeof(float) * (size_t)group);
-        uint16_t **out = malloc(sizeof(uint16_t *) * (size_t)group);
-        #pragma omp for schedule(dynamic, 1)
-        for (long it = 0; it < total; it++) {
-            int p = 0;
-            while (first[p + 1] <= it) p++;
-            const part_t *pt = &parts[p];
-            const long local = it - first[p];
-            const int tt = (int)(local / kv), g = (int)(local % kv);
-            int qpos, n0;
-            const int32_t *tail;
-            sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
-            const uint16_t *kc = pt->kc + (size_t)g * pt->cap * d, *vc = pt->vc + (size_t)g * pt->cap * d;
-            for (int r = 0; r < group; r++) {
-                const int hh = g * group + r;
-                s[r] = sbuf + span * r;
-                out[r] = pt->out + (size_t)tt * h * d + (size_t)hh * d;
-                inv[r] = row_scores(pt->q + (size_t)tt * q_stride + (size_t)hh * d, qpos, kc, d, scale, s[r], qo, qe,
-                                    n0, tail);
-            }
-            for (int r0 = 0; r0 < group; r0 += 3) {
-                const int H = group - r0 < 3 ? group - r0 : 3;
-                for (int d0 = 0; d0 < d; d0 += 32) values_rows(H, s + r0, qpos + 1, vc, d, d0, inv + r0, out + r0, n0, tail);
-            }
-        }
-        free(out);
-        free(inv);
-        free(s);
-        free(path);
-        free(sbuf);
-    }
-    free(first);
+    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, row_scores, values, 3);
 }
 
 /* Quantized weights: the AVX2 tiles of quant_avx2.h. */

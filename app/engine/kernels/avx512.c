@@ -202,54 +202,17 @@ INLINE void values_rows(int H, int W, float *const *s, int n, const uint16_t *vc
         for (int b = 0; b < W / 16; b++) store16(out[h] + d0 + 16 * b, _mm512_mul_ps(acc[h][b], _mm512_set1_ps(inv[h])));
 }
 
-/* Causal attention as sk_attention_rows (the same bits), its work items (part, position, kv head): the heads
-   that share a kv head read the same keys, so their weighted sums of values run side by side (values_rows). */
+/* values_rows over every dimension (sk_values_fn). */
+static void values(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv, uint16_t *const *out,
+                   int n0, const int32_t *tail) {
+    int d0 = 0;
+    for (; d0 + 64 <= d; d0 += 64) values_rows(H, 64, s, n, vc, d, d0, inv, out, n0, tail);
+    if (d0 < d) values_rows(H, 32, s, n, vc, d, d0, inv, out, n0, tail);
+}
+
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    const int group = h / kv;
-    int64_t longest, rows;
-    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, kv, &longest, &rows);
-    const long total = first[n_parts];
-    const size_t span = (size_t)(longest + 16 + 15) / 16 * 16;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
-    {
-        float qo[128] __attribute__((aligned(64))), qe[128] __attribute__((aligned(64)));
-        float *sbuf = aligned_alloc(64, sizeof(float) * span * (size_t)group);
-        int32_t *path = malloc(sizeof(int32_t) * (size_t)rows);
-        float **s = malloc(sizeof(float *) * (size_t)group), *inv = malloc(sizeof(float) * (size_t)group);
-        uint16_t **out = malloc(sizeof(uint16_t *) * (size_t)group);
-        #pragma omp for schedule(dynamic, 1)
-        for (long it = 0; it < total; it++) {
-            int p = 0;
-            while (first[p + 1] <= it) p++;
-            const part_t *pt = &parts[p];
-            const long local = it - first[p];
-            const int tt = (int)(local / kv), g = (int)(local % kv);
-            int qpos, n0;
-            const int32_t *tail;
-            sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
-            const uint16_t *kc = pt->kc + (size_t)g * pt->cap * d, *vc = pt->vc + (size_t)g * pt->cap * d;
-            for (int r = 0; r < group; r++) {
-                const int hh = g * group + r;
-                s[r] = sbuf + span * r;
-                out[r] = pt->out + (size_t)tt * h * d + (size_t)hh * d;
-                inv[r] = row_scores(pt->q + (size_t)tt * q_stride + (size_t)hh * d, qpos, kc, d, scale, s[r], qo, qe,
-                                    n0, tail);
-            }
-            for (int r0 = 0; r0 < group; r0 += 4) {
-                const int H = group - r0 < 4 ? group - r0 : 4;
-                int d0 = 0;
-                for (; d0 + 64 <= d; d0 += 64) values_rows(H, 64, s + r0, qpos + 1, vc, d, d0, inv + r0, out + r0, n0, tail);
-                if (d0 < d) values_rows(H, 32, s + r0, qpos + 1, vc, d, d0, inv + r0, out + r0, n0, tail);
-            }
-        }
-        free(out);
-        free(inv);
-        free(s);
-        free(path);
-        free(sbuf);
-    }
-    free(first);
+    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, row_scores, values, 4);
 }
 
 /* Quantized weights: quant_avx512.h's tiles, 16 columns at a time where the build has VNNI and BW (the generic bits, as on avx2). */

@@ -284,6 +284,62 @@ static inline void sk_attention_rows(const part_t *parts, int n_parts, int q_str
     free(first);
 }
 
+/* One query row's scores and softmax (the first half of sk_attend_row_fn): s[0..qpos] the exponentials; returns
+   1 / their sum. */
+typedef float (*sk_row_scores_fn)(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s,
+                                  float *qo, float *qe, int n0, const int32_t *tail);
+/* The weighted sums of values of H rows that read the same keys 0..n-1 (score rows s, inverses inv), every
+   dimension, into out[0..H-1]. */
+typedef void (*sk_values_fn)(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv,
+                             uint16_t *const *out, int n0, const int32_t *tail);
+
+/* Causal attention as sk_attention_rows (the same bits), its work items (part, position, kv head): the heads that
+   share a kv head read the same keys, so their weighted sums of values run side by side, `side` at a time. */
+static inline void sk_attention_heads(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h,
+                                      int kv, int d, float scale, int threads, sk_row_scores_fn row_scores,
+                                      sk_values_fn values, int side) {
+    const int group = h / kv;
+    int64_t longest, rows;
+    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, kv, &longest, &rows);
+    const long total = first[n_parts];
+    const size_t span = (size_t)(longest + 16 + 15) / 16 * 16;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
+    {
+        float qo[128] __attribute__((aligned(64))), qe[128] __attribute__((aligned(64)));
+        float *sbuf = aligned_alloc(64, sizeof(float) * span * (size_t)group);
+        int32_t *path = malloc(sizeof(int32_t) * (size_t)rows);
+        float **s = malloc(sizeof(float *) * (size_t)group), *inv = malloc(sizeof(float) * (size_t)group);
+        uint16_t **out = malloc(sizeof(uint16_t *) * (size_t)group);
+        #pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < total; it++) {
+            int p = 0;
+            while (first[p + 1] <= it) p++;
+            const part_t *pt = &parts[p];
+            const long local = it - first[p];
+            const int tt = (int)(local / kv), g = (int)(local % kv);
+            int qpos, n0;
+            const int32_t *tail;
+            sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
+            const uint16_t *kc = pt->kc + (size_t)g * pt->cap * d, *vc = pt->vc + (size_t)g * pt->cap * d;
+            for (int r = 0; r < group; r++) {
+                const int hh = g * group + r;
+                s[r] = sbuf + span * r;
+                out[r] = pt->out + (size_t)tt * h * d + (size_t)hh * d;
+                inv[r] = row_scores(pt->q + (size_t)tt * q_stride + (size_t)hh * d, qpos, kc, d, scale, s[r], qo, qe,
+                                    n0, tail);
+            }
+            for (int r0 = 0; r0 < group; r0 += side)
+                values(group - r0 < side ? group - r0 : side, s + r0, qpos + 1, vc, d, inv + r0, out + r0, n0, tail);
+        }
+        free(out);
+        free(inv);
+        free(s);
+        free(path);
+        free(sbuf);
+    }
+    free(first);
+}
+
 /* Sums [R][cols] of a tile whose rows start at r0 and columns at col0 -> y (bias and residual as sk_finish). */
 static inline void sk_finish_tile(const float *sums, int R, int cols, int r0, int col0, uint16_t *y,
                                   const float *bias, int n, const uint16_t *residual) {
