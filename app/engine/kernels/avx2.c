@@ -16,13 +16,15 @@ INLINE __m256 widen8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-/* The lane tree of two 8-lane halves (lanes 0-7, 8-15). */
-INLINE float tree(__m256 lo, __m256 hi) {
-    __m256 s8 = _mm256_add_ps(lo, hi);
+/* The lane tree's last three levels (i + i+4, i + i+2, i + i+1) over s8, lanes i + i+8. */
+INLINE float tree8(__m256 s8) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
+
+/* The lane tree of two 8-lane halves (lanes 0-7, 8-15). */
+INLINE float tree(__m256 lo, __m256 hi) { return tree8(_mm256_add_ps(lo, hi)); }
 
 /* 8 floats -> 8 bf16 at p (quant_avx2.h's q_bf16x8: rounded to nearest even, NaN kept NaN). */
 INLINE void store8(uint16_t *p, __m256 f) { _mm_storeu_si128((__m128i *)p, q_bf16x8(f)); }
@@ -130,8 +132,8 @@ INLINE __m256 key_lanes(const float *qo, const float *qe, const uint16_t *kj, in
     return _mm256_add_ps(lo, hi);
 }
 
-/* One query row's scores and softmax (sk_attend_row_fn's first half): s[0..qpos] the exponentials; returns
-   1 / their sum. Scores 8 keys at a time, their trees reduced together (tree8x8). */
+/* One query row's scores and softmax (sk_row_scores_fn), 8 keys at a time, their trees reduced together
+   (tree8x8). */
 static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
                         float *qe, int n0, const int32_t *tail) {
     int n = qpos + 1, j = 0;
@@ -150,10 +152,7 @@ static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, 
     _mm256_storeu_ps(m8, mv);
     for (int t = 0; t < 8; t++) mx = fmaxf(mx, m8[t]);
     for (; j < n; j++) {
-        const __m256 l = key_lanes(qo, qe, kc + sk_slot(j, n0, tail) * d, d);
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1));
-        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        s[j] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) * scale;
+        s[j] = tree8(key_lanes(qo, qe, kc + sk_slot(j, n0, tail) * d, d)) * scale;
         mx = fmaxf(mx, s[j]);
     }
     __m256 m = _mm256_set1_ps(mx), lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
@@ -173,44 +172,6 @@ static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, 
         lanes[j % 16] += s[j];
     }
     return 1.0f / sk_tree16(lanes);
-}
-
-/* The weighted sums of values (common.h: per dimension one fused multiply-add per key, keys in order) of H <= 3
-   rows that read the same keys (the heads of one kv head at one position), 32 dimensions at a time: each value
-   vector widened once for all of them. */
-INLINE void values_rows(int H, float *const *s, int n, const uint16_t *vc, int d, int d0, const float *inv,
-                        uint16_t *const *out, int n0, const int32_t *tail) {
-    __m256 acc[3][4];
-#pragma GCC unroll 3
-    for (int h = 0; h < 3; h++)
-#pragma GCC unroll 4
-        for (int b = 0; b < 4; b++) acc[h][b] = _mm256_setzero_ps();
-    for (int j = 0; j < n; j++) {
-        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
-        __m256 v[4];
-#pragma GCC unroll 4
-        for (int b = 0; b < 4; b++) v[b] = widen8(vj + 8 * b);
-#pragma GCC unroll 3
-        for (int h = 0; h < 3; h++) {
-            if (h >= H) break;
-            const __m256 p = _mm256_set1_ps(s[h][j]);
-#pragma GCC unroll 4
-            for (int b = 0; b < 4; b++) acc[h][b] = _mm256_fmadd_ps(p, v[b], acc[h][b]);
-        }
-    }
-    for (int h = 0; h < H; h++)
-        for (int b = 0; b < 4; b++) store8(out[h] + d0 + 8 * b, _mm256_mul_ps(acc[h][b], _mm256_set1_ps(inv[h])));
-}
-
-/* values_rows over every dimension (sk_values_fn). */
-static void values(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv, uint16_t *const *out,
-                   int n0, const int32_t *tail) {
-    for (int d0 = 0; d0 < d; d0 += 32) values_rows(H, s, n, vc, d, d0, inv, out, n0, tail);
-}
-
-void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
-                  float scale, int threads) {
-    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, row_scores, values, 3);
 }
 
 /* Quantized weights: the AVX2 tiles of quant_avx2.h. */

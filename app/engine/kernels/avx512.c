@@ -117,8 +117,7 @@ static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, in
 #define SK_LANES 16
 #include "lanes.h"
 
-/* One query row's scores and softmax (sk_attend_row_fn's first half): s[0..qpos] the exponentials; returns
-   1 / their sum. */
+/* One query row's scores and softmax (sk_row_scores_fn). */
 static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
                         float *qe, int n0, const int32_t *tail) {
     int n = qpos + 1, j = 0;
@@ -172,47 +171,6 @@ static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, 
         lanes[j % 16] += s[j];
     }
     return 1.0f / sk_tree16(lanes);
-}
-
-/* The weighted sums of values (common.h: per dimension one fused multiply-add per key, keys in order) of H <= 4
-   rows that read the same keys (the heads of one kv head at one position): each value vector widened once for
-   all of them, H times as many chains in flight. */
-INLINE void values_rows(int H, int W, float *const *s, int n, const uint16_t *vc, int d, int d0, const float *inv,
-                        uint16_t *const *out, int n0, const int32_t *tail) {
-    __m512 acc[4][4];
-#pragma GCC unroll 4
-    for (int h = 0; h < 4; h++)
-#pragma GCC unroll 4
-        for (int b = 0; b < 4; b++) acc[h][b] = _mm512_setzero_ps();
-    for (int j = 0; j < n; j++) {
-        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
-        __m512 v[4];
-#pragma GCC unroll 4
-        for (int b = 0; b < 4; b++) v[b] = b < W / 16 ? widen16(vj + 16 * b) : _mm512_setzero_ps();
-#pragma GCC unroll 4
-        for (int h = 0; h < 4; h++) {
-            if (h >= H) break;
-            const __m512 p = _mm512_set1_ps(s[h][j]);
-#pragma GCC unroll 4
-            for (int b = 0; b < 4; b++)
-                if (b < W / 16) acc[h][b] = _mm512_fmadd_ps(p, v[b], acc[h][b]);
-        }
-    }
-    for (int h = 0; h < H; h++)
-        for (int b = 0; b < W / 16; b++) store16(out[h] + d0 + 16 * b, _mm512_mul_ps(acc[h][b], _mm512_set1_ps(inv[h])));
-}
-
-/* values_rows over every dimension (sk_values_fn). */
-static void values(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv, uint16_t *const *out,
-                   int n0, const int32_t *tail) {
-    int d0 = 0;
-    for (; d0 + 64 <= d; d0 += 64) values_rows(H, 64, s, n, vc, d, d0, inv, out, n0, tail);
-    if (d0 < d) values_rows(H, 32, s, n, vc, d, d0, inv, out, n0, tail);
-}
-
-void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
-                  float scale, int threads) {
-    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, row_scores, values, 4);
 }
 
 /* Quantized weights: quant_avx512.h's tiles, 16 columns at a time where the build has VNNI and BW (the generic bits, as on avx2). */

@@ -24,7 +24,7 @@
    ([t][h * d]). `parent`: NULL for a chain (row tt at position start + tt sees keys 0..start + tt); for a
    tree of rows (speculative tree verification), the parent row of each row, -1 for row 0 (the root), every
    parent before its children: row tt at depth D (D ancestors) sits at position start + D and sees keys
-   0..start - 1, then its ancestors' and its own, in depth order (sk_attention_rows). */
+   0..start - 1, then its ancestors' and its own, in depth order (sk_row_keys). */
 typedef struct {
     const uint16_t *q, *k, *v;
     uint16_t *kc, *vc, *out;
@@ -197,20 +197,11 @@ static inline uint16_t sk_finish(float sum, const float *bias, int col, const ui
     return y;
 }
 
-/* One query row of attention: q [d] at position qpos attends keys 0..qpos of one kv head's cache (kc, vc:
-   [cap][d]) into out [d]; s: scratch for qpos + 17 scores; qo, qe: scratch for the split query. Key j lies
-   in slot j for j < n0 and in slot tail[j - n0] after (a tree row's ancestors, sk_slot); a chain row has
-   n0 = qpos + 1. The arithmetic runs over key indices j, never slots: a tree row gets the very bits the
-   same row gets in sequential decoding, whose keys are those values in slots 0..qpos. */
-typedef void (*sk_attend_row_fn)(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d,
-                                 float scale, uint16_t *out, float *s, float *qo, float *qe, int n0,
-                                 const int32_t *tail);
-
-/* The cache slot of key j (see sk_attend_row_fn). */
+/* The cache slot of key j (see sk_row_scores_fn). */
 static inline size_t sk_slot(int j, int n0, const int32_t *tail) { return j < n0 ? (size_t)j : (size_t)tail[j - n0]; }
 
 /* A row's keys: its position qpos and where its keys lie past the contiguous prefix (n0, tail; see
-   sk_attend_row_fn). For a tree part, `path` (room for t ints) receives the slots of the row's ancestors
+   sk_row_scores_fn). For a tree part, `path` (room for t ints) receives the slots of the row's ancestors
    and its own, root first. */
 static inline void sk_row_keys(const part_t *pt, int tt, int32_t *path, int *qpos, int *n0, const int32_t **tail) {
     int start = (int)pt->start;
@@ -231,10 +222,10 @@ static inline void sk_row_keys(const part_t *pt, int tt, int32_t *path, int *qpo
 }
 
 /* The work items of an attention call: each part's new keys and values written into its cache; returned (to
-   free), first[p] part p's first item (`per_row` items a row: its heads, or its kv heads), first[n_parts] their
-   count; *longest the longest sequence (at least 16), *rows the most rows of a tree part (at least 1). */
+   free), first[p] part p's first item (one a row and kv head), first[n_parts] their count; *longest the longest
+   sequence (at least 16), *rows the most rows of a tree part (at least 1). */
 static inline long *sk_attention_items(const part_t *parts, int n_parts, int k_stride, int v_stride, int kv, int d,
-                                       int per_row, int64_t *longest, int64_t *rows) {
+                                       int64_t *longest, int64_t *rows) {
     long total = 0;
     long *first = malloc(sizeof(long) * (n_parts + 1));
     *longest = 16;
@@ -242,7 +233,7 @@ static inline long *sk_attention_items(const part_t *parts, int n_parts, int k_s
     for (int p = 0; p < n_parts; p++) {
         sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
         first[p] = total;
-        total += parts[p].t * per_row;
+        total += parts[p].t * kv;
         if (parts[p].start + parts[p].t > *longest) *longest = parts[p].start + parts[p].t;
         if (parts[p].parent && parts[p].t > *rows) *rows = parts[p].t;
     }
@@ -250,42 +241,11 @@ static inline long *sk_attention_items(const part_t *parts, int n_parts, int k_s
     return first;
 }
 
-/* Causal attention for several sequences in one call: each part's new keys and values are written into its
-   cache, then its query row (t, head hh) attends keys 0..start+t of kv head hh / (h / kv) (a tree part's
-   row: its prefix and ancestors, see part_t), by `attend_row`. Work items (part, query row) are shared among
-   the threads; a row's result does not depend on which. */
-static inline void sk_attention_rows(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride,
-                                     int h, int kv, int d, float scale, int threads, sk_attend_row_fn attend_row) {
-    int group = h / kv;
-    int64_t longest, rows;
-    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, h, &longest, &rows);
-    const long total = first[n_parts];
-    #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
-    {
-        float qo[128] __attribute__((aligned(64))), qe[128] __attribute__((aligned(64)));
-        float *s = aligned_alloc(64, (sizeof(float) * (size_t)(longest + 16) + 63) / 64 * 64);
-        int32_t *path = malloc(sizeof(int32_t) * (size_t)rows);
-        #pragma omp for schedule(dynamic, 4)
-        for (long it = 0; it < total; it++) {
-            int p = 0;
-            while (first[p + 1] <= it) p++;
-            const part_t *pt = &parts[p];
-            long local = it - first[p];
-            int tt = (int)(local / h), hh = (int)(local % h), g = hh / group, qpos, n0;
-            const int32_t *tail;
-            sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
-            attend_row(pt->q + (size_t)tt * q_stride + (size_t)hh * d, qpos, pt->kc + (size_t)g * pt->cap * d,
-                       pt->vc + (size_t)g * pt->cap * d, d, scale, pt->out + (size_t)tt * h * d + (size_t)hh * d, s,
-                       qo, qe, n0, tail);
-        }
-        free(path);
-        free(s);
-    }
-    free(first);
-}
-
-/* One query row's scores and softmax (the first half of sk_attend_row_fn): s[0..qpos] the exponentials; returns
-   1 / their sum. */
+/* One query row's scores and softmax: q [d] at position qpos against keys 0..qpos of one kv head's cache (kc:
+   [cap][d]) into s[0..qpos], the exponentials (s: scratch for qpos + 17 floats; qo, qe: for the split query);
+   returns 1 / their sum. Key j lies in slot j for j < n0 and in slot tail[j - n0] after (a tree row's ancestors,
+   sk_slot); a chain row has n0 = qpos + 1. The arithmetic runs over key indices j, never slots: a tree row gets
+   the very bits the same row gets in sequential decoding, whose keys are those values in slots 0..qpos. */
 typedef float (*sk_row_scores_fn)(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s,
                                   float *qo, float *qe, int n0, const int32_t *tail);
 /* The weighted sums of values of H rows that read the same keys 0..n-1 (score rows s, inverses inv), every
@@ -293,14 +253,17 @@ typedef float (*sk_row_scores_fn)(const uint16_t *q, int qpos, const uint16_t *k
 typedef void (*sk_values_fn)(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv,
                              uint16_t *const *out, int n0, const int32_t *tail);
 
-/* Causal attention as sk_attention_rows (the same bits), its work items (part, position, kv head): the heads that
-   share a kv head read the same keys, so their weighted sums of values run side by side, `side` at a time. */
+/* Causal attention for several sequences in one call: each part's new keys and values are written into its
+   cache, then its query row (t, head hh) attends keys 0..start+t of kv head hh / (h / kv) (a tree part's row: its
+   prefix and ancestors, see part_t), by the kernel's `row_scores` and `values`. Work items (part, position, kv
+   head) are shared among the threads: the heads that share a kv head read the same keys, so their weighted sums
+   of values run side by side, `side` at a time. A row's result does not depend on which thread or item. */
 static inline void sk_attention_heads(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h,
                                       int kv, int d, float scale, int threads, sk_row_scores_fn row_scores,
                                       sk_values_fn values, int side) {
     const int group = h / kv;
     int64_t longest, rows;
-    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, kv, &longest, &rows);
+    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, &longest, &rows);
     const long total = first[n_parts];
     const size_t span = (size_t)(longest + 16 + 15) / 16 * 16;
     #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)

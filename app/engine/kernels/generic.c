@@ -46,10 +46,9 @@ void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *b
     free(xf);
 }
 
-/* One query row: attends keys 0..qpos of one kv head's cache (kc, vc: [cap][d]; key j in slot
-   sk_slot(j, n0, tail)). */
-static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const uint16_t *vc, int d, float scale,
-                       uint16_t *out, float *s, float *qo, float *qe, int n0, const int32_t *tail) {
+/* One query row's scores and softmax (sk_row_scores_fn). */
+static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
+                        float *qe, int n0, const int32_t *tail) {
     int n = qpos + 1;
     sk_split_row(q, d, qo, qe);
     float mx = -INFINITY;
@@ -69,19 +68,26 @@ static void attend_row(const uint16_t *q, int qpos, const uint16_t *kc, const ui
         s[j] = sk_exp(s[j] - mx);
         lanes[j % 16] += s[j];
     }
-    float inv = 1.0f / sk_tree16(lanes);
+    return 1.0f / sk_tree16(lanes);
+}
+
+/* The weighted sums of values (sk_values_fn), one row after another. */
+static void values(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv, uint16_t *const *out,
+                   int n0, const int32_t *tail) {
     float acc[256];
-    for (int i = 0; i < d; i++) acc[i] = 0.0f;
-    for (int j = 0; j < n; j++) {
-        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d;
-        for (int i = 0; i < d; i++) acc[i] = fmaf(s[j], sk_bf16_to_f32(vj[i]), acc[i]);
+    for (int r = 0; r < H; r++) {
+        for (int i = 0; i < d; i++) acc[i] = 0.0f;
+        for (int j = 0; j < n; j++) {
+            const uint16_t *vj = vc + sk_slot(j, n0, tail) * d;
+            for (int i = 0; i < d; i++) acc[i] = fmaf(s[r][j], sk_bf16_to_f32(vj[i]), acc[i]);
+        }
+        for (int i = 0; i < d; i++) out[r][i] = sk_f32_to_bf16(acc[i] * inv[r]);
     }
-    for (int i = 0; i < d; i++) out[i] = sk_f32_to_bf16(acc[i] * inv);
 }
 
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    sk_attention_rows(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, attend_row);
+    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, row_scores, values, h);
 }
 
 void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,

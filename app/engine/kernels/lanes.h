@@ -1,16 +1,38 @@
 /* The drivers avx2.c and avx512.c share, written once over the width of a float vector (the idea of ggml's
-   simd-mappings.h): the column-block tiling of the bf16 products and sk_linear. Each source defines SK_LANES
-   (8: AVX2's __m256, 16: AVX-512's __m512), its sum_squares, tile and rest_tile, then includes this; what
+   simd-mappings.h): the column-block tiling of the bf16 products, sk_linear, and attention's driver with its
+   weighted sums of values. Each source defines SK_LANES (8: AVX2's __m256, 16: AVX-512's __m512), its helpers
+   (widenN, storeN, sum_squares), its tile and rest_tile and, after including this, its row_scores; what
    differs by width is named once below. The arithmetic is the same chain on either width (and the generic
    kernel's), so the bits do not depend on which source runs it. */
 #ifndef SPECSERVE_KERNEL_LANES_H
 #define SPECSERVE_KERNEL_LANES_H
 
 #if SK_LANES == 16
+typedef __m512 sk_vec;
+#define sk_vzero _mm512_setzero_ps
+#define sk_vset1 _mm512_set1_ps
+#define sk_vfma _mm512_fmadd_ps
+#define sk_vmul _mm512_mul_ps
+#define sk_vwiden widen16
+#define sk_vstore store16
+/* Attention's values: 4 heads side by side, 64 dimensions a pass (4 registers a head, 16 accumulators). */
+#define SK_SIDE 4
+#define SK_PASS 64
 /* 32 registers: a block holds 32 columns (two registers per slot); three rows left over still fit two blocks. */
 #define SK_COLS 32
 #define SK_REST_BLOCKS(rest) ((rest) == 1 ? 4 : (rest) <= 3 ? 2 : 1)
 #elif SK_LANES == 8
+typedef __m256 sk_vec;
+#define sk_vzero _mm256_setzero_ps
+#define sk_vset1 _mm256_set1_ps
+#define sk_vfma _mm256_fmadd_ps
+#define sk_vmul _mm256_mul_ps
+#define sk_vwiden widen8
+#define sk_vstore store8
+/* Attention's values: 3 heads side by side, 32 dimensions a pass (4 registers a head: 12 accumulators and the 4
+   value vectors fill the 16). */
+#define SK_SIDE 3
+#define SK_PASS 32
 /* 16 registers: a block holds 16 columns; past 12 accumulators gcc spills, so 3-5 rows left over take one. */
 #define SK_COLS 16
 #define SK_REST_BLOCKS(rest) ((rest) == 1 ? 4 : (rest) == 2 ? 2 : 1)
@@ -58,6 +80,53 @@ void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *b
         blocks(w, xf, y, bias, m, k, n, (int)((long)total * t / nt), (int)((long)total * (t + 1) / nt), residual);
     }
     free(xf);
+}
+
+/* The weighted sums of values (common.h: per dimension one fused multiply-add per key, keys in order) of H <= SK_SIDE
+   rows that read the same keys (the heads of one kv head at one position), dimensions d0..d0+W-1 (W = SK_PASS, or 32
+   for a last half pass): each value vector widened once for all of them, H times as many chains in flight. */
+INLINE void values_rows(int H, int W, float *const *s, int n, const uint16_t *vc, int d, int d0, const float *inv,
+                        uint16_t *const *out, int n0, const int32_t *tail) {
+    sk_vec acc[SK_SIDE][4];
+#pragma GCC unroll 4
+    for (int h = 0; h < SK_SIDE; h++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) acc[h][b] = sk_vzero();
+    for (int j = 0; j < n; j++) {
+        const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
+        sk_vec v[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) v[b] = b < W / SK_LANES ? sk_vwiden(vj + SK_LANES * b) : sk_vzero();
+#pragma GCC unroll 4
+        for (int h = 0; h < SK_SIDE; h++) {
+            if (h >= H) break;
+            const sk_vec p = sk_vset1(s[h][j]);
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++)
+                if (b < W / SK_LANES) acc[h][b] = sk_vfma(p, v[b], acc[h][b]);
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int b = 0; b < W / SK_LANES; b++)
+            sk_vstore(out[h] + d0 + SK_LANES * b, sk_vmul(acc[h][b], sk_vset1(inv[h])));
+}
+
+/* values_rows over every dimension (sk_values_fn). */
+static void values(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv, uint16_t *const *out,
+                   int n0, const int32_t *tail) {
+    int d0 = 0;
+    for (; d0 + SK_PASS <= d; d0 += SK_PASS) values_rows(H, SK_PASS, s, n, vc, d, d0, inv, out, n0, tail);
+    if (d0 < d) values_rows(H, 32, s, n, vc, d, d0, inv, out, n0, tail);
+}
+
+/* The source's own (sk_row_scores_fn), defined after this. */
+static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
+                        float *qe, int n0, const int32_t *tail);
+
+void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
+                  float scale, int threads) {
+    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, row_scores, values,
+                       SK_SIDE);
 }
 
 #endif
