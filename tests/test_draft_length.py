@@ -10,7 +10,9 @@ from app.engine.drafting.draft_length import (
     Acceptance,
     DraftLength,
     StepCosts,
+    VerifyCosts,
     batch_draft_lengths,
+    context_class,
     expected_tokens,
 )
 
@@ -18,7 +20,7 @@ from app.engine.drafting.draft_length import (
 def _costs(draft_step: float, verify: dict[int, float]) -> StepCosts:
     c = StepCosts()
     c.draft_step = draft_step
-    c.verify = dict(verify)
+    c.verify.seed(verify)
     return c
 
 
@@ -180,12 +182,12 @@ def test_a_draft_that_never_agrees_costs_less_than_3_percent():
         seconds = 0.0
         for _ in range(128):
             k = policy.next_k(100)
-            seconds += k * draft_step + costs.verify[k + 1]
+            seconds += k * draft_step + costs.verify.table()[k + 1]
             if k:
                 policy.update(k, 0)
             else:
                 policy.idle()
-        assert 128 * costs.verify[1] / seconds >= 0.97, kind
+        assert 128 * costs.verify.table()[1] / seconds >= 0.97, kind
 
 
 def test_adaptive_without_measurements_starts_short():
@@ -221,14 +223,52 @@ def test_verify_cost_interpolates_and_extrapolates_a_line():
     assert one.verify_cost(1) == pytest.approx(0.01) and one.verify_cost(3) == pytest.approx(0.02)
 
 
+def test_verification_costs_are_kept_per_class_of_context():
+    assert [context_class(c) for c in (0, 255, 256, 511, 512, 1023, 1024, 2047, 2048)] == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    costs = VerifyCosts()
+    assert costs.cost(1) is None and not costs
+    costs.seed({1: 0.004, 5: 0.0064}, context=100)  # a row 0.6 ms at a short context
+    # Nothing measured at 1,500 keys: the nearest class's costs, as they are.
+    assert costs.cost(3, 1500) == pytest.approx(0.0052)
+    costs.observe(1, 0.006, 1500)  # a 1-row step there: the short class's slope scaled to it
+    assert costs.cost(1, 1500) == 0.006 and costs.cost(5, 1500) == pytest.approx(0.006 * 0.0064 / 0.004)
+    costs.observe(5, 0.0124, 1500)  # then its own line: 1.6 ms a row
+    assert costs.cost(3, 1500) == pytest.approx(0.0092) and costs.cost(3, 1100) == pytest.approx(0.0092)
+    assert costs.cost(3, 100) == pytest.approx(0.0052)  # the short context keeps its own
+    # A class with none measured takes the nearest measured class's; on a tie the longer context's (dearer).
+    assert costs.cost(1, 600) == 0.006 and costs.cost(1, 300) == 0.004
+    costs.seed({1: 0.010, 5: 0.020}, context=4000)
+    assert costs.cost(1, 2100) == 0.010 and costs.cost(1, 3000) == 0.010 and costs.cost(1, 8000) == 0.010
+    apart = VerifyCosts()
+    apart.seed({1: 0.004}, context=0)
+    apart.seed({1: 0.008}, context=600)
+    assert apart.cost(1, 300) == 0.008
+    # One row count measured anywhere: each further row taken to cost half a 1-row step.
+    assert apart.cost(3, 300) == pytest.approx(0.016)
+
+
+def test_a_draft_that_pays_at_a_short_context_is_not_made_at_a_long_one():
+    """The same acceptance, priced at each request's context: rows that read 2,000 keys cost several times what
+    they cost at 300 (the default target on AVX-512), and a lookup that pays for its row at 300 does not there."""
+    costs = StepCosts()
+    costs.verify.seed({r: 0.0038 + 0.00065 * (r - 1) for r in (1, 2, 4, 8)}, context=300)
+    costs.verify.seed({r: 0.0061 + 0.0016 * (r - 1) for r in (1, 2, 4, 8)}, context=2000)
+    policy = DraftLength("adaptive", 6, costs, "lookup")
+    _set(policy, 0.25, 0.25, "lookup")
+    policy.context = 300
+    assert policy.next_k(100) == 1
+    policy.context = 2000
+    assert policy.next_k(100) == 0
+
+
 def test_a_slow_first_measurement_is_forgotten_quickly_and_a_slow_spell_slowly():
     c = StepCosts()
     c.observe(0, 0.0, 2, 0.100)  # a shape's first forward
     for _ in range(4):
         c.observe(0, 0.0, 2, 0.010)
-    assert c.verify[2] < 0.017
+    assert c.verify_cost(2) < 0.017
     c.observe(0, 0.0, 2, 0.100)  # another process took the cores for a moment
-    assert c.verify[2] < 0.027
+    assert c.verify_cost(2) < 0.027
 
 
 def test_heuristic_is_huggingface_schedule():
@@ -255,13 +295,13 @@ def test_fixed_and_unknown_schedules():
 
 
 def test_costs_and_acceptance_are_shared_by_the_requests_of_a_drafter():
-    verify: dict[int, float] = {}
+    verify = VerifyCosts()
     costs = StepCosts(verify)
     first = DraftLength("adaptive", 7, costs)
     for _ in range(30):
         first.update(4, 4)
         costs.observe(4, 0.004, 5, 0.03)
-    assert costs.draft_step == pytest.approx(0.001) and costs.verify[5] == pytest.approx(0.03)
+    assert costs.draft_step == pytest.approx(0.001) and costs.verify_cost(5) == pytest.approx(0.03)
     second = DraftLength("adaptive", 7, costs)
     assert second.acceptance > 0.9  # starts from what the drafter has shown, not from a blank 0.5
     # The verification seconds are the target's: another drafter's costs on the same table see them.

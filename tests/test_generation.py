@@ -596,7 +596,7 @@ def _fixed_costs(engine: Engine, monkeypatch, step: float = 0.010, row: float = 
     step; AVX2: 0.45), and none of this machine's measurements: the choices are the cost model's on these alone."""
     monkeypatch.setattr(StepCosts, "observe", lambda self, *args: None)
     costs = {r: step * (1 + row * (r - 1)) for r in range(1, MAX_DRAFT_TOKENS + 2)}
-    engine._verify_costs.update(costs)
+    engine._verify_costs.seed(costs)
     return costs
 
 
@@ -699,6 +699,23 @@ def test_adaptive_hybrid_drafts_with_its_model_where_that_pays_more(tiny_target,
     assert gen.draft_length.estimate("model").p_first > 0.95
 
 
+def test_a_long_prompt_s_verifications_are_measured_apart_from_short_ones(make_tiny_model, tok):
+    """Rows at a long context cost more (their attention reads every cached key): a request's steps are timed
+    into its context's class, and its drafts priced from that class."""
+    target = make_tiny_model(seed=5, vocab_size=V, max_seq_len=640)
+    engine = Engine(target, tok, {"ngram": NgramDrafter()}, "ngram", 4, draft_schedule="adaptive", prefill_chunk=0)
+    engine.calibrate()
+    costs = engine._verify_costs
+    short = dict(costs.table(len(PROMPT)))
+    prompt = [(7 * i) % V for i in range(520)]
+    gen = engine.start(prompt, GenerationParams(max_new_tokens=6, ignore_eos=True), "none")
+    assert gen.draft_length.context == len(prompt) - 1
+    while not gen.finished:
+        gen.step()
+    assert gen.draft_length.context == len(gen.ids) - 1
+    assert costs.table(len(PROMPT)) == short and 1 in costs.table(len(prompt))
+
+
 def test_calibrate_seeds_the_verification_costs_every_drafter_and_target_only_request_share(tiny_target, tok):
     drafters = {"ngram": NgramDrafter(), "wrong": WrongDrafter(tiny_target, V)}
     engine = Engine(
@@ -720,12 +737,13 @@ def test_calibrate_seeds_the_verification_costs_every_drafter_and_target_only_re
     params = GenerationParams(max_new_tokens=24, ignore_eos=True, num_draft_tokens=4)
     gens = [engine.start(PROMPT, params, draft) for draft in ("ngram", "wrong", "none")]
     tables = [gen.draft_length.costs.verify for gen in gens]
-    assert tables[0] is tables[1] is tables[2] and tables[0] == seconds
+    assert tables[0] is tables[1] is tables[2] and tables[0].table(32) == seconds
     # Draft steps and acceptance stay each drafter's.
     assert gens[0].draft_length.costs is not gens[1].draft_length.costs
     while not gens[2].finished:
         gens[2].step()
-    assert tables[0][1] != seconds[1]  # a target-only request's plain steps are measurements for every drafter
+    # A target-only request's plain steps are measurements for every drafter.
+    assert tables[0].table(len(PROMPT))[1] != seconds[1]
     for gen in gens[:2]:
         while not gen.finished:
             gen.step()

@@ -161,7 +161,7 @@ def test_a_tenant_s_answers_speed_its_next_requests_only_and_change_no_token(tin
     # Rows priced as a CPU's (each after the first 0.3 of a step), not as this machine's noise: the choices are
     # the cost model's alone.
     monkeypatch.setattr(StepCosts, "observe", lambda self, *args: None)
-    engine._verify_costs.update({r: 0.01 * (1 + 0.3 * (r - 1)) for r in range(1, 18)})
+    engine._verify_costs.seed({r: 0.01 * (1 + 0.3 * (r - 1)) for r in range(1, 18)})
     params = GenerationParams(max_new_tokens=24, ignore_eos=True, num_draft_tokens=4, draft_schedule=schedule)
     alone = _run(engine, params, "none").generated_ids
     a = replace_salt(params, "a")

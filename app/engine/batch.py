@@ -55,10 +55,10 @@ class Batcher:
         # Measured seconds per drafted token when a drafter drafts for several requests at once, per drafter.
         self._batch_draft_step: dict[int, float] = {}
 
-    def seed_costs(self, seconds: dict[int, float]) -> None:
-        """Seconds of target forwards by rows (`Engine.calibrate`'s) for the row counts no batch has measured."""
-        for rows, t in seconds.items():
-            self._batch_costs.verify.setdefault(rows, t)
+    def seed_costs(self, seconds: dict[int, float], context: int = 0) -> None:
+        """Seconds of target forwards by rows at `context` (`Engine.calibrate`'s) for the row counts no batch has
+        measured there."""
+        self._batch_costs.verify.seed(seconds, context, replace=False)
 
     def step(self, gens: list[Generation]) -> list[StepOutput | Exception]:
         """One step of each of `gens` in one target forward: the decoding ones drafted and verified, the
@@ -153,7 +153,9 @@ class Batcher:
             else gen.draft_length.costs.draft_step
             for gen, key in zip(gens, groups, strict=True)
         ]
-        ks = batch_draft_lengths([gen.draft_length for gen in gens], limits, self._batch_costs, 0, steps, groups)
+        lengths = [gen.draft_length for gen in gens]
+        context = round(sum(length.context for length in lengths) / len(lengths)) if lengths else 0
+        ks = batch_draft_lengths(lengths, limits, self._batch_costs, 0, steps, groups, context)
         ks = [k if gen.max_draft else 0 for gen, k in zip(gens, ks, strict=True)]
         failed: list[StepOutput | Exception | None] = [None] * len(gens)
         drafted = self._draft(gens, ks, failed)
@@ -196,8 +198,9 @@ class Batcher:
                 results[j] = exc
             return
         seconds = time.perf_counter() - t0
-        if not chunks:  # what the draft lengths weigh: forwards of verified rows alone
-            self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds)
+        if not chunks:  # what the draft lengths weigh: forwards of verified rows alone, at the requests' mean context
+            context = round(sum(plan.start for _, plan in plans) / len(plans)) if plans else 0
+            self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds, context)
         units = sum(self.units(p.feed.shape[0], p.start) for _, p in plans)
         units += sum(self.units(feed.shape[0], start) for _, feed, start in chunks)
         if self.prefill_step_seconds and units >= 8:  # a forward of a few rows says little of a big one's cost

@@ -25,7 +25,7 @@ from app.engine.defaults import (
     DEFAULT_PREFIX_CACHE_MB,
 )
 from app.engine.drafting.base import Drafter
-from app.engine.drafting.draft_length import SCHEDULES, StepCosts
+from app.engine.drafting.draft_length import SCHEDULES, StepCosts, VerifyCosts
 from app.engine.drafting.suffix_index import TrafficIndex
 from app.engine.generation import Generation
 from app.engine.memory import kv_cache_bytes
@@ -125,9 +125,9 @@ class Engine:
         # Compiles requests' output grammars (their library loads at the first one).
         self.grammars = Grammars(tokenizer, target.config.vocab_size)
         # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length). The
-        # seconds of a verification per row count are the target's: one table for every drafter, which
+        # seconds of a verification per row count (and context class) are the target's: one for every drafter, which
         # target-only requests fill too (their steps are 1-row verifications), and `calibrate` may seed.
-        self._verify_costs: dict[int, float] = {}
+        self._verify_costs = VerifyCosts()
         self._costs: dict[int, StepCosts] = {}
         self._target_costs = StepCosts(self._verify_costs)
         # None: pad decoding forwards to 8 rows in half precision, where a 1-row forward's bits differ (see
@@ -255,9 +255,9 @@ class Engine:
                 elapsed = time.perf_counter() - t0
                 cache.truncate(context)
                 seconds[r] = min(seconds.get(r, elapsed), elapsed)
-        self.batcher.seed_costs(seconds)
+        self.batcher.seed_costs(seconds, context)
         seconds = {r: t for r, t in seconds.items() if r <= rows}
-        self._verify_costs.update(seconds)
+        self._verify_costs.seed(seconds, context)
         return seconds
 
     @torch.inference_mode()

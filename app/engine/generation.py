@@ -83,6 +83,7 @@ class Generation:
         self._length = DraftLength(
             schedule, self._k, costs or StepCosts(), "lookup" if lookup_only else "model", lookup_k if self._k else 0
         )
+        self._length.context = len(prompt_ids) - 1
         if self._draft is not None:
             # The rejection sampler's text depends on its drafts: no drafts from other requests' answers, so that its
             # seed gives the same text whatever the server answered before.
@@ -366,7 +367,7 @@ class Generation:
         # times are the whole batch's: they say nothing of what drafting or verifying this request alone costs.
         steps = self._timed_draft_steps(plan, min(k, proposed + 1))
         if solo:
-            self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds)
+            self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds, start)
         drafted_by = "lookup" if is_lookup(plan.kind) else "draft"
         sources = ["forced" if plan.forced and plan.forced[i] else drafted_by for i in range(accepted)]
         if accepted < len(drafts) or plan.refused:
@@ -388,7 +389,7 @@ class Generation:
         rows = min(self._tree_rows, self._cache.capacity - start)
         # Model nodes whose value (expected accepted tokens) is below what a row costs are left out: where rows
         # cost (AVX2: a 16-row pass takes about 3x a 1-row one) the tree stays small, where they are free it fills.
-        floor = row_value(self._length.costs, self.stats.tokens_per_target_pass, k + 1)
+        floor = row_value(self._length.costs, self.stats.tokens_per_target_pass, k + 1, start)
         shape = TreeShape(k, rows, self._choose.params, self._choose.noise, self._p_min, floor)
         tree = self._draft.propose_tree(self.ids, shape)
         feed = torch.tensor(tree.tokens, dtype=torch.long, device=self.target.device)
@@ -424,7 +425,7 @@ class Generation:
             self._length.update(tree.depth, accepted)
         steps = self._timed_draft_steps(plan, min(plan.k, tree.depth + 1))
         if solo:
-            self._length.costs.observe(steps, plan.draft_seconds, tree.rows, verify_seconds)
+            self._length.costs.observe(steps, plan.draft_seconds, tree.rows, verify_seconds, start)
         new = [*(tree.tokens[r] for r in path), nxt]
         # The target's token is a bonus after a leaf (every drafted token on its path accepted), else a correction.
         last = "target" if not tree.nodes else "correction" if tree.children(rows[-1]) else "bonus"
@@ -565,6 +566,7 @@ class Generation:
             # The stop string ended inside this step: drop the tokens after the one that completed it.
             new, finish = new[:keep], "stop"
         self.ids.extend(new)
+        self._length.context = len(self.ids) - 1  # the next verification's first row follows these keys
         if self._penalty is not None:
             self._penalty.accept(new)
         if self._grammar is not None and finish is None:  # nothing comes after a finished generation's last token

@@ -6,16 +6,16 @@ Three schedules:
 - "adaptive": the k in 0..num_draft_tokens that maximises expected tokens per second, 0 (a plain target step,
   no draft) included.
 
-The adaptive arithmetic. A draft of k tokens costs k draft steps plus one verification of k+1 rows and yields
-1 + p (1 - q^k) / (1 - q) tokens per target pass, p being the probability that its first token is accepted and
-q that a token after an accepted one is; k = 0 yields 1 token for the cost of a 1-row step. Two rates, not one
-per-token rate, because a prompt lookup either continues a passage the text repeats, and then goes on matching,
-or is wrong at once: one rate would overrate its short drafts and underrate its long ones. The rates are each
-request's own (recent steps weigh most), per kind of draft (a model's, a lookup's: a hybrid has both), starting
-from what the drafter has shown on earlier requests. The costs are measured: seconds of a verification per row
-count are the target's (one table per `Engine`, which every drafter and target-only request fills and
-`Engine.calibrate` may seed), seconds of a draft step the drafter's, and a lookup counts as free (it is made
-before the choice and costs microseconds).
+The adaptive arithmetic. A draft of k tokens costs k draft steps plus one verification of k+1 rows and yields 1 + p
+(1 - q^k) / (1 - q) tokens per target pass, p being the probability that its first token is accepted and q that a
+token after an accepted one is; k = 0 yields 1 token for the cost of a 1-row step. Two rates, not one per-token
+rate, because a prompt lookup either continues a passage the text repeats, and then goes on matching, or is wrong at
+once: one rate would overrate its short drafts and underrate its long ones. The rates are each request's own (recent
+steps weigh most), per kind of draft (a model's, a lookup's: a hybrid has both), starting from what the drafter has
+shown on earlier requests. The costs are measured: seconds of a verification per row count are the target's, per
+class of context length (a row's attention reads every cached key: `VerifyCosts`, one per `Engine`, which every
+drafter and target-only request fills and `Engine.calibrate` may seed), seconds of a draft step the drafter's, and a
+lookup counts as free (it is made before the choice and costs microseconds).
 
 Rows are not free on CPUs (on AVX2 a verification row costs about 0.45 of a 1-row step): a draft accepted
 too rarely makes a request slower than target-only decoding, and the schedule then drafts nothing. Since
@@ -157,13 +157,92 @@ class Acceptance:
         return 1.0 + p * (k if q >= 1.0 else (1.0 - q**k) / (1.0 - q))
 
 
-class StepCosts:
-    """Running seconds of one draft step of a drafter and of one target verification per number of rows, and
-    the drafter's acceptance per kind. `verify` may be a table shared with other drafters of the same target."""
+def context_class(context: int) -> int:
+    """The class of contexts whose verifications share a cost table: cached keys below 256, then each doubling
+    (256-511, 512-1,023, ...). A row's attention reads every cached key, so at long contexts it costs several
+    times what it does at short ones (the default target on AVX-512: 0.65 ms a row at 300 keys, 1.6 at 2,000),
+    and the price of a draft is the price at the request's own context."""
+    return (max(0, context) >> 8).bit_length()
 
-    def __init__(self, verify: dict[int, float] | None = None) -> None:
+
+class VerifyCosts:
+    """Running seconds of a target verification by row count, one table per `context_class`. Shared by every
+    drafter of a target (its rows cost the same whoever drafted them).
+
+    Where a class has fewer than two row counts measured, its costs are borrowed: the nearest class with two or
+    more gives the slope (scaled to this class's one measurement, when it has one), and a class with none takes
+    the nearest measured class's costs as they are. The first steps at a new context length are then priced
+    near their cost, and measure it."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, dict[int, float]] = {}
+
+    def __bool__(self) -> bool:
+        return any(self._tables.values())
+
+    def table(self, context: int = 0) -> dict[int, float]:
+        """The measured seconds by row count of `context`'s class (a live view: do not write to it)."""
+        return self._tables.setdefault(context_class(context), {})
+
+    def observe(self, rows: int, seconds: float, context: int = 0) -> None:
+        """A verification of `rows` rows after `context` cached positions took `seconds`."""
+        table = self.table(context)
+        table[rows] = _smooth(table.get(rows), seconds)
+
+    def seed(self, seconds: dict[int, float], context: int = 0, replace: bool = True) -> None:
+        """Timed forwards by row count at `context` (`Engine.calibrate`'s): replacing what was measured for those
+        row counts, or (`replace` False) only where nothing was."""
+        table = self.table(context)
+        for rows, t in seconds.items():
+            if replace or rows not in table:
+                table[rows] = t
+
+    def cost(self, rows: int, context: int = 0) -> float | None:
+        """Seconds to verify `rows` rows after `context` cached positions: measured, or a line through what was
+        measured in its class (borrowing as the class says); None while nothing was measured at all."""
+        own = context_class(context)
+        table = self._tables.get(own) or self._nearest(own, 1)
+        if table is None:
+            return None
+        if rows in table:
+            return table[rows]
+        if len(table) >= 2:
+            return _line(table, rows)
+        [(x, t)] = table.items()
+        sloped = self._nearest(own, 2)
+        if sloped is None:  # one row count measured anywhere: a single figure says nothing of the slope
+            return t * (1.0 + _ROW_PRIOR * (rows - 1)) / (1.0 + _ROW_PRIOR * (x - 1))
+        return t * _line(sloped, rows) / _line(sloped, x)
+
+    def _nearest(self, own: int, least: int) -> dict[int, float] | None:
+        """The table of the class nearest `own` (the longer context on a tie: a dearer guess drafts less) with at
+        least `least` row counts measured, `own` excluded; None: no such class."""
+        found = [c for c, table in self._tables.items() if c != own and len(table) >= least]
+        if not found:
+            return None
+        return self._tables[min(found, key=lambda c: (abs(c - own), -c))]
+
+
+def _line(table: dict[int, float], rows: int) -> float:
+    """Seconds for `rows` rows on the least-squares line through `table`'s (two or more) row counts, its slope
+    held at 0 or more."""
+    xs = sorted(table)
+    n = len(xs)
+    mx = sum(xs) / n
+    my = sum(table[x] for x in xs) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (table[x] - my) for x in xs) / sxx)
+    return max(1e-6, my + slope * (rows - mx))
+
+
+class StepCosts:
+    """Running seconds of one draft step of a drafter and of one target verification per number of rows and
+    context class, and the drafter's acceptance per kind. `verify` may be a table shared with other drafters of
+    the same target."""
+
+    def __init__(self, verify: VerifyCosts | None = None) -> None:
         self.draft_step: float | None = None
-        self.verify: dict[int, float] = {} if verify is None else verify
+        self.verify: VerifyCosts = VerifyCosts() if verify is None else verify
         # Drafter-wide acceptance, the starting point of each new request's estimate.
         self.acceptance: dict[str, Acceptance] = {kind: Acceptance() for kind in KINDS}
 
@@ -180,33 +259,22 @@ class StepCosts:
             seen = self.acceptance[kind] = Acceptance(first, then, 1.0)
         return seen
 
-    def observe(self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float | None) -> None:
-        """One step's measured times; `verify_seconds` None when the verification was not this request's alone."""
+    def observe(
+        self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float | None, context: int = 0
+    ) -> None:
+        """One step's measured times, its verification after `context` cached positions; `verify_seconds` None
+        when the verification was not this request's alone."""
         if draft_steps > 0:
             self.draft_step = _smooth(self.draft_step, draft_seconds / draft_steps)
-        if verify_seconds is None:
-            return
-        self.verify[rows] = _smooth(self.verify.get(rows), verify_seconds)
+        if verify_seconds is not None:
+            self.verify.observe(rows, verify_seconds, context)
 
     def observe_acceptance(self, drafted: int, accepted: int, kind: str = "model") -> None:
         self.kind(kind).observe(drafted, accepted, _DRAFTER_DECAY)
 
-    def verify_cost(self, rows: int) -> float | None:
-        """Seconds to verify `rows` rows: measured, or a line through what was measured (None: nothing was)."""
-        if rows in self.verify:
-            return self.verify[rows]
-        if not self.verify:
-            return None
-        xs = sorted(self.verify)
-        if len(xs) == 1:
-            x = xs[0]
-            return self.verify[x] * (1.0 + _ROW_PRIOR * (rows - 1)) / (1.0 + _ROW_PRIOR * (x - 1))
-        n = len(xs)
-        mx = sum(xs) / n
-        my = sum(self.verify[x] for x in xs) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = max(0.0, sum((x - mx) * (self.verify[x] - my) for x in xs) / sxx)
-        return max(1e-6, my + slope * (rows - mx))
+    def verify_cost(self, rows: int, context: int = 0) -> float | None:
+        """Seconds to verify `rows` rows after `context` cached positions (`VerifyCosts.cost`)."""
+        return self.verify.cost(rows, context)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -234,6 +302,8 @@ class DraftLength:
         self.max_lookup = max_k if max_lookup is None else max_lookup
         self.costs = costs
         self.kind = kind
+        # Cached positions before the next verification's first row: its costs are those of this context's class.
+        self.context = 0
         self._k = max_k  # the heuristic's current length
         # The drafter-wide rates, worth a couple of steps, until this request's own evidence outweighs them.
         self._seen = {kind: self._start(seen) for kind, seen in costs.acceptance.items()}
@@ -281,7 +351,7 @@ class DraftLength:
         (k = 0: a plain target step); None while a cost it needs was not measured. A lookup's proposal counts
         as free: it is made before the choice."""
         draft = 0.0 if is_lookup(kind or self.kind) or k == 0 else self.costs.draft_step
-        verify = self.costs.verify_cost(k + 1)
+        verify = self.costs.verify_cost(k + 1, self.context)
         if draft is None or verify is None:
             return None
         return max(k * draft + verify, 1e-9)
@@ -384,14 +454,16 @@ def batch_draft_lengths(
     min_rows: int,
     draft_steps: Sequence[float | None] | None = None,
     groups: Sequence[Hashable | None] | None = None,
+    context: int = 0,
 ) -> list[int]:
     """Draft lengths for requests whose drafts one target forward verifies together.
 
-    In a batch, every drafted token delays every request: it widens the shared forward (`verify`: measured
-    seconds per number of rows in the whole forward; each request takes at least `min_rows`) and costs draft
-    steps. `draft_steps`: seconds of one draft step of each request (default: its solo draft step).
-    `groups`: requests with the same key draft together, one draft forward per position for all of them, so
-    their drafts cost that key's step times the longest draft among them; None drafts alone (its k steps).
+    In a batch, every drafted token delays every request: it widens the shared forward (`verify`: measured seconds
+    per number of rows in the whole forward, priced at `context` cached positions, the batch's mean; each request
+    takes at least `min_rows`) and costs draft steps. `draft_steps`: seconds of one draft step of each request
+    (default: its solo draft step). `groups`: requests with the same key draft together, one draft forward per
+    position for all of them, so their drafts cost that key's step times the longest draft among them; None drafts
+    alone (its k steps).
     Requests on the adaptive schedule get tokens while the batch's expected tokens per second still grow:
     one more token to the request that gains most, or one more to every such request at once (the move that
     pays when a shared draft forward is dear for one row but cheap for all). When drafting no longer pays
@@ -413,7 +485,7 @@ def batch_draft_lengths(
 
     def verify_cost(rows: int) -> float:
         if rows not in costs:
-            costs[rows] = verify.verify_cost(rows) or 0.0
+            costs[rows] = verify.verify_cost(rows, context) or 0.0
         return costs[rows]
 
     free_set = set(free)

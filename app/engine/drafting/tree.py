@@ -159,15 +159,16 @@ def build_tree(
     return DraftTree(tokens, parents, tree_depths(parents), sources)
 
 
-def row_value(costs: StepCosts, tokens_per_pass: float, rows: int) -> float:
+def row_value(costs: StepCosts, tokens_per_pass: float, rows: int, context: int = 0) -> float:
     """The least value (expected accepted tokens) for which a tree row pays its cost: a row adds the measured
-    seconds per verified row (the slope of `costs`' verification seconds by rows) to a step of about `rows` rows
-    that yields `tokens_per_pass` tokens, so it pays when it brings at least its share of the step's time in
-    tokens. 0 until two row counts were measured (the whole tree runs, and measures)."""
-    if len(costs.verify) < 2:
+    seconds per verified row (the slope of `costs`' verification seconds by rows, at `context` cached positions)
+    to a step of about `rows` rows that yields `tokens_per_pass` tokens, so it pays when it brings at least its
+    share of the step's time in tokens. 0 until two row counts were measured at a context of its class (the whole
+    tree runs, and measures)."""
+    if len(costs.verify.table(context)) < 2:
         return 0.0
-    one, step = costs.verify_cost(1), costs.verify_cost(max(1, rows))
-    per_row = ((costs.verify_cost(16) or 0.0) - (one or 0.0)) / 15
+    one, step = costs.verify_cost(1, context), costs.verify_cost(max(1, rows), context)
+    per_row = ((costs.verify_cost(16, context) or 0.0) - (one or 0.0)) / 15
     if not step or per_row <= 0:
         return 0.0
     return per_row / step * max(1.0, tokens_per_pass)
