@@ -150,8 +150,9 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
         bias = torch.randn(43, generator=g).bfloat16()
         out += [kern.qlinear(weight, bias)(x), kern.qlinear(weight, None)(x[:19], norm=norm_w, eps=1e-5)]
         out.append(kern.qlinear(weight, None)(gate_up, swiglu=True, residual=residual))
-        # Every tile shape of a step and a verification: 1 row, 2, 5 and 6 (4 + a rest).
-        out += [kern.qlinear(weight, bias)(x[:rows]) for rows in (1, 2, 5, 6)]
+        # Every tile shape of a step and a verification: 1 to 8 rows (a tile takes 8 on AVX-512, 4 on AVX2: 5-7
+        # are 4 and a rest there), and with x's 27, 19 and 17 three full tiles and a rest.
+        out += [kern.qlinear(weight, bias)(x[:rows]) for rows in range(1, 9)]
     return out
 
 

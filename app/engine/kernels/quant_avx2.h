@@ -15,6 +15,13 @@
 
 #define QINLINE static inline __attribute__((always_inline))
 
+/* The 4 bytes at p as one 32-bit value (a group of 4 quantized inputs, broadcast to every lane of a dot4). */
+QINLINE int32_t q_load4(const int8_t *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+    return four;
+}
+
 /* 8 floats -> 8 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16. */
 QINLINE __m128i q_bf16x8(__m256 f) {
     __m256i u = _mm256_castps_si256(f);

@@ -25,6 +25,14 @@ QINLINE __m512i q16_load(const uint8_t *p, long G) {
                               _mm256_loadu_si256((const __m256i *)(p + G)), 1);
 }
 
+/* acc + the dot4 of W's bytes (unsigned) with the 4 signed bytes at p broadcast to every lane: the broadcast as
+   the instruction's memory operand (gcc does not fold _mm512_set1_epi32 into vpdpbusd, and a tile's separate
+   broadcasts were a quarter of its instructions). */
+QINLINE __m512i q16_dot4_at(__m512i acc, __m512i W, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(W), "m"(*(const int32_t *)p));
+    return acc;
+}
+
 QINLINE __m512 q16_half(const uint8_t *p, long G) {
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
                                                    _mm_loadu_si128((const __m128i *)(p + G)), 1));

@@ -24,6 +24,7 @@
 #define QI_SET32 _mm256_set1_epi32
 #define QI_ZERO _mm256_setzero_si256
 #define QI_DOT4 q_dot4
+#define QI_DOT4_AT(acc, W, p) q_dot4((acc), (W), _mm256_set1_epi32(q_load4(p)))
 #define QI_ABS8 _mm256_abs_epi8
 #define QI_SIGN8 _mm256_sign_epi8
 /* 8 bytes at p (and at p + G) widened to a lane each. */
@@ -56,6 +57,7 @@
 #define QI_SET32 _mm512_set1_epi32
 #define QI_ZERO _mm512_setzero_si512
 #define QI_DOT4 _mm512_dpbusd_epi32
+#define QI_DOT4_AT(acc, W, p) q16_dot4_at((acc), (W), (p))
 #define QI_ABS8 _mm512_abs_epi8
 #define QI_SIGN8(x, w) _mm512_mask_sub_epi8((x), _mm512_movepi8_mask(w), _mm512_setzero_si512(), (x))
 #define QI_U8(p, G) q16_bytes((const uint8_t *)(p), (G), 0)
@@ -74,11 +76,15 @@
 #error "QW must be 8 or 16"
 #endif
 
-/* Whether a tile of R rows keeps two integer sums per row (halving each chain of dependent dot4 steps): always
-   with AVX-512's 32 vector registers; with AVX2's 16 only for 1-2 rows (more would spill). */
+/* The most rows a tile takes (each block of weights unpacked once for all of them), and whether a tile of R rows
+   keeps two integer sums per row (halving each chain of dependent dot4 steps): with AVX-512's 32 vector registers
+   8 rows, split up to 4 (8 rows' chains interleave enough); with AVX2's 16, 4 rows, split only for 1-2 (more would
+   spill). */
 #if defined(__AVX512F__)
-#define QT_SPLIT(R) 1
+#define QT_ROWS 8
+#define QT_SPLIT(R) ((R) <= 4)
 #else
+#define QT_ROWS 4
 #define QT_SPLIT(R) ((R) <= 2)
 #endif
 
@@ -155,7 +161,7 @@ QINLINE void QT(finish_rows)(const float *sums, int R, int cc, int r, int col, u
     }
 }
 
-/* R rows (from r0, R <= 4) x the QW columns of the x8 group(s) at g (quant.h) -> sums [R][QW]: the 32-input
+/* R rows (from r0, R <= QT_ROWS) x the QW columns of the x8 group(s) at g (quant.h) -> sums [R][QW]: the 32-input
    formats.
 
    Per block: each 4-byte group of the columns' weights, one vector (lane c: column c), is unpacked once for
@@ -174,15 +180,15 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
     const int32_t *xs = xq->xs + (size_t)r0 * nb;
-    qt_f acc[4], ov[4];
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; r++) acc[r] = ov[r] = QF_ZERO();
+    qt_f acc[QT_ROWS], ov[QT_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < QT_ROWS; r++) acc[r] = ov[r] = QF_ZERO();
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = g + (size_t)b * 8 * bytes;
         QT(x8_ahead)(p, row_bytes, 0, 8 * bytes);
         /* Two integer sums per row (even and odd groups) where QT_SPLIT, added before the conversion. */
-        qt_i ia[4], ib[4];
-#pragma GCC unroll 4
+        qt_i ia[QT_ROWS], ib[QT_ROWS];
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             ia[r] = zero ? QI_SET32(-zero * xs[(size_t)r * nb + b]) : QI_ZERO();
             ib[r] = QI_ZERO();
@@ -192,32 +198,37 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
         for (int i = 0; i < 8; i++) {
             qt_i W = q8 ? QI_LOAD(p + at_q + 32 * i, G) : QT(x8_nibbles)(QI_LOAD(p + at_q + 32 * (i % 4), G), i, five, H);
             qt_i Wa = q8 ? (SK_DOT_ANY_BYTES ? QI_XOR(W, QI_SET8(-128)) : QI_ABS8(W)) : W;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                int32_t four;
-                memcpy(&four, xr + (size_t)r * k + 32 * b + 4 * i, 4);
-                qt_i x = QI_SET32(four);
-                if (q8 && !SK_DOT_ANY_BYTES) x = QI_SIGN8(x, W);
-                if (QT_SPLIT(R) && i % 2)
-                    ib[r] = QI_DOT4(ib[r], Wa, x);
-                else
-                    ia[r] = QI_DOT4(ia[r], Wa, x);
+                const int8_t *at = xr + (size_t)r * k + 32 * b + 4 * i;
+                const int second = QT_SPLIT(R) && i % 2;
+                if (q8 && !SK_DOT_ANY_BYTES) {
+                    const qt_i x = QI_SIGN8(QI_SET32(q_load4(at)), W);
+                    if (second)
+                        ib[r] = QI_DOT4(ib[r], Wa, x);
+                    else
+                        ia[r] = QI_DOT4(ia[r], Wa, x);
+                } else if (second) {
+                    ib[r] = QI_DOT4_AT(ib[r], Wa, at);
+                } else {
+                    ia[r] = QI_DOT4_AT(ia[r], Wa, at);
+                }
             }
         }
         qt_f d = QF_HALF(p, G);
         qt_f m = offset ? QF_HALF(p + 16, G) : QF_ZERO();
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             qt_f dd = QF_MUL(d, QF_SET(dx[(size_t)r * nb + b]));
             acc[r] = QF_FMA(dd, QF_CVT(QI_ADD32(ia[r], ib[r])), acc[r]);
             if (offset) ov[r] = QF_FMA(m, QF_SET(sx[(size_t)r * nb + b]), ov[r]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) QF_STORE(sums + QW * r, offset ? QF_ADD(acc[r], ov[r]) : acc[r]);
 }
 
-/* The K-quants' tile (Q4_K, Q5_K, Q6_K), as x8_tile: R rows (R <= 4) x QW columns -> sums [R][QW].
+/* The K-quants' tile (Q4_K, Q5_K, Q6_K), as x8_tile: R rows (R <= QT_ROWS) x QW columns -> sums [R][QW].
 
    Per 256-input block: d (and dmin, negated) of the columns converted once; per chunk, the columns' scales (and
    minimums) unpacked from S and U (Q6_K: its two halves' int8 scales), then as x8_tile: 8 dot4 steps of each
@@ -232,9 +243,9 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
     const int32_t *xh = xq->xh + (size_t)r0 * nb * 2;
-    qt_f acc[4], ov[4];
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; r++) acc[r] = ov[r] = QF_ZERO();
+    qt_f acc[QT_ROWS], ov[QT_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < QT_ROWS; r++) acc[r] = ov[r] = QF_ZERO();
     for (int blk = 0; blk < k / 256; blk++) {
         const uint8_t *p = g + (size_t)blk * 8 * bytes;
         const qt_f d = QF_HALF(p, G);
@@ -250,8 +261,8 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             QT(kx8_scales)(six, p, G, s, d, ndmin, &U, D, &M);
             /* Two integer sums per row: Q6_K's halves; the others' even and odd groups where QT_SPLIT, added
                before the conversion. */
-            qt_i ia[4], ib[4];
-#pragma GCC unroll 4
+            qt_i ia[QT_ROWS], ib[QT_ROWS];
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int32_t *h = xh + ((size_t)r * nb + b) * 2;
                 ia[r] = six ? QI_SET32(-32 * h[0]) : QI_ZERO();
@@ -265,17 +276,16 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
                 qt_i Pq = QI_LOAD(P + 32 * (i % 4), G);
                 qt_i W = six ? QT(x8_six)(Pq, i, i < 4 ? T0 : T1) : QT(x8_nibbles)(Pq, i, five, H);
                 const int second = six ? i >= 4 : QT_SPLIT(R) && i % 2;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
-                    int32_t four;
-                    memcpy(&four, xr + (size_t)r * k + 32 * b + 4 * i, 4);
+                    const int8_t *at = xr + (size_t)r * k + 32 * b + 4 * i;
                     if (second)
-                        ib[r] = QI_DOT4(ib[r], W, QI_SET32(four));
+                        ib[r] = QI_DOT4_AT(ib[r], W, at);
                     else
-                        ia[r] = QI_DOT4(ia[r], W, QI_SET32(four));
+                        ia[r] = QI_DOT4_AT(ia[r], W, at);
                 }
             }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const qt_f x = QF_SET(dx[(size_t)r * nb + b]);
                 if (six) {
@@ -288,14 +298,24 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             }
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) QF_STORE(sums + QW * r, sk_q_offset(type) ? QF_ADD(acc[r], ov[r]) : acc[r]);
 }
 
 /* One format's tiles, the format and the row count constants in each. */
+#if QT_ROWS == 8
+#define QT_WIDE_CASES(T, TILE)                                                                                  \
+    case 8: QT(TILE)(T, 8, g, rb, xq, r0, s); break;                                                           \
+    case 7: QT(TILE)(T, 7, g, rb, xq, r0, s); break;                                                           \
+    case 6: QT(TILE)(T, 6, g, rb, xq, r0, s); break;                                                           \
+    case 5: QT(TILE)(T, 5, g, rb, xq, r0, s); break;
+#else
+#define QT_WIDE_CASES(T, TILE)
+#endif
 #define QT_TILES(T, TILE)                                                                                       \
     static void QT(tile_##T)(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s) {         \
         switch (R) {                                                                                            \
+            QT_WIDE_CASES(T, TILE)                                                                              \
             case 4: QT(TILE)(T, 4, g, rb, xq, r0, s); break;                                                   \
             case 3: QT(TILE)(T, 3, g, rb, xq, r0, s); break;                                                   \
             case 2: QT(TILE)(T, 2, g, rb, xq, r0, s); break;                                                   \
@@ -311,13 +331,14 @@ QT_TILES(SK_Q4_K, kx8_tile)
 QT_TILES(SK_Q5_K, kx8_tile)
 QT_TILES(SK_Q6_K, kx8_tile)
 #undef QT_TILES
+#undef QT_WIDE_CASES
 
-/* Columns c0..c1-1 (c0 a multiple of 8) for every row: QW columns at a time over rows 4 at a time, the
-   columns' weights read again from the cache for each 4 rows; at 16 lanes a last lone group by the 8-lane
+/* Columns c0..c1-1 (c0 a multiple of 8) for every row: QW columns at a time over rows QT_ROWS at a time, the
+   columns' weights read again from the cache for each QT_ROWS rows; at 16 lanes a last lone group by the 8-lane
    driver. */
 static void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
                        const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
-    float sums[4 * QW];
+    float sums[QT_ROWS * QW];
     q_tile_fn tile = type == SK_Q4_0 ? QT(tile_SK_Q4_0) : type == SK_Q4_1 ? QT(tile_SK_Q4_1)
                    : type == SK_Q5_0 ? QT(tile_SK_Q5_0) : type == SK_Q5_1 ? QT(tile_SK_Q5_1)
                    : type == SK_Q8_0 ? QT(tile_SK_Q8_0) : type == SK_Q4_K ? QT(tile_SK_Q4_K)
@@ -328,8 +349,8 @@ static void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrow
             return;
         }
         int cc = c1 - col < QW ? c1 - col : QW;
-        for (int r = 0; r < m; r += 4) {
-            int R = r + 4 <= m ? 4 : m - r;
+        for (int r = 0; r < m; r += QT_ROWS) {
+            int R = r + QT_ROWS <= m ? QT_ROWS : m - r;
             tile(R, w + (size_t)(col / 8) * 8 * row_bytes, row_bytes, xq, r, sums);
             QT(finish_rows)(sums, R, cc, r, col, y, ldy, bias, residual);
         }
@@ -338,6 +359,7 @@ static void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrow
 
 #undef QT
 #undef QT_SPLIT
+#undef QT_ROWS
 #undef qt_i
 #undef qt_f
 #undef QI_LOAD
@@ -353,6 +375,7 @@ static void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrow
 #undef QI_SET32
 #undef QI_ZERO
 #undef QI_DOT4
+#undef QI_DOT4_AT
 #undef QI_ABS8
 #undef QI_SIGN8
 #undef QI_U8
