@@ -59,11 +59,11 @@ def _states(target, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _reference_proposal(draft: EagleDraft, target, ids: list[int], k: int) -> list[int]:
+def _reference_proposal(draft: EagleDraft, target, ids: list[int], k: int, start: int = 0) -> list[int]:
     """What the session must propose, recomputed from scratch without any cache: true states for every
-    known position, then the draft's own guesses fed back."""
-    states = _states(target, ids)[:-1]  # the newest token has no state yet
-    tokens = list(ids[1:])
+    known position from `start` (the draft's window), then the draft's own guesses fed back."""
+    states = _states(target, ids)[start:-1]  # the newest token has no state yet
+    tokens = list(ids[start + 1 :])
     out = []
     for _ in range(k):
         guess = draft(states[None], torch.tensor([tokens]))[0, -1]
@@ -224,3 +224,24 @@ def test_a_long_prompt_is_caught_up_a_slice_per_step(target, tok, monkeypatch):
     assert len(calls) == (len(ids) - 2) // 8  # 29 positions to catch up: three slices of 8, then 5 and the drafts
     monkeypatch.setattr(eagle_module, "_CATCH_UP", 10_000)
     assert got == whole.propose(ids, 4) == _reference_proposal(drafter.draft, target, ids, 4)
+
+
+def test_the_draft_reads_the_last_window_of_a_long_prompt(target, tok, monkeypatch):
+    """A prompt longer than DRAFT_WINDOW positions: the draft runs over its last DRAFT_WINDOW only (its positions
+    from 0 there: RoPE sees differences), proposing what a draft given only that stretch proposes, and keeps that
+    start on the next steps and across a rollback; a prompt within the window is read whole."""
+    monkeypatch.setattr(eagle_module, "DRAFT_WINDOW", 6)
+    drafter = _drafter(target, tok, seed=2)
+    ids = [(3 * i + 1) % V for i in range(30)]
+    start = len(ids) - 1 - 6
+    session = drafter.session(capacity=64)
+    session.features[: len(ids)] = _states(target, ids)
+    got = session.propose(ids, 4)
+    assert got == _reference_proposal(drafter.draft, target, ids, 4, start)
+    assert got != _reference_proposal(drafter.draft, target, ids, 4)  # (this draft reads the window differently)
+    longer = [*ids, *got[:2], (got[2] + 1) % V]  # two drafts kept, the third replaced
+    session.features[: len(longer)] = _states(target, longer)
+    assert session.propose(longer, 3) == _reference_proposal(drafter.draft, target, longer, 3, start)
+    short = drafter.session(capacity=64)
+    short.features[:10] = _states(target, ids[:10])
+    assert short.propose(ids[:10], 3) == _reference_proposal(drafter.draft, target, ids[:10], 3)
