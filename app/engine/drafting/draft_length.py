@@ -159,9 +159,9 @@ class Acceptance:
 
 def context_class(context: int) -> int:
     """The class of contexts whose verifications share a cost table: cached keys below 256, then each doubling
-    (256-511, 512-1,023, ...). A row's attention reads every cached key, so at long contexts it costs several
-    times what it does at short ones (the default target on AVX-512: 0.65 ms a row at 300 keys, 1.6 at 2,000),
-    and the price of a draft is the price at the request's own context."""
+    (256-511, 512-1,023, ...). A row's attention reads every cached key, so at long contexts a row costs several
+    times what it does at short ones (docs/bench: attention at long contexts), and the price of a draft is the
+    price at the request's own context."""
     return (max(0, context) >> 8).bit_length()
 
 

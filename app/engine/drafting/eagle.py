@@ -262,9 +262,10 @@ def load_draft(path: Path, target: Transformer) -> EagleDraft:
 _CATCH_UP = 512
 # The most prompt positions before the first draft that the draft runs over: a longer prompt's earlier positions
 # are left out of the draft's context (its one block's attention over its own cache), so that the first draft
-# after a long prompt does not first run the draft over all of it (41 us a position for the default draft on
-# AVX-512: a third of a second at 8k tokens, in slices during which nothing is drafted). RoPE scores depend on
-# positions' differences only, so the draft's positions start at 0 where its window starts.
+# after a long prompt does not first run the draft over all of it (a forward over every prompt position, in slices
+# during which nothing is drafted); the target's states the draft reads carry the rest of the prompt, and the
+# window measured no lower acceptance (docs/bench). RoPE scores depend on positions' differences only, so the
+# draft's positions start at 0 where its window starts.
 DRAFT_WINDOW = 256
 
 
