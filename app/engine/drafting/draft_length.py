@@ -181,18 +181,18 @@ class VerifyCosts:
         return any(self._tables.values())
 
     def table(self, context: int = 0) -> dict[int, float]:
-        """The measured seconds by row count of `context`'s class (a live view: do not write to it)."""
-        return self._tables.setdefault(context_class(context), {})
+        """The measured seconds by row count of `context`'s class (read only)."""
+        return self._tables.get(context_class(context), {})
 
     def observe(self, rows: int, seconds: float, context: int = 0) -> None:
         """A verification of `rows` rows after `context` cached positions took `seconds`."""
-        table = self.table(context)
+        table = self._tables.setdefault(context_class(context), {})
         table[rows] = _smooth(table.get(rows), seconds)
 
     def seed(self, seconds: dict[int, float], context: int = 0, replace: bool = True) -> None:
         """Timed forwards by row count at `context` (`Engine.calibrate`'s): replacing what was measured for those
         row counts, or (`replace` False) only where nothing was."""
-        table = self.table(context)
+        table = self._tables.setdefault(context_class(context), {})
         for rows, t in seconds.items():
             if replace or rows not in table:
                 table[rows] = t

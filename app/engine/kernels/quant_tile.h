@@ -202,17 +202,13 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
             for (int r = 0; r < R; r++) {
                 const int8_t *at = xr + (size_t)r * k + 32 * b + 4 * i;
                 const int second = QT_SPLIT(R) && i % 2;
-                if (q8 && !SK_DOT_ANY_BYTES) {
-                    const qt_i x = QI_SIGN8(QI_SET32(q_load4(at)), W);
-                    if (second)
-                        ib[r] = QI_DOT4(ib[r], Wa, x);
-                    else
-                        ia[r] = QI_DOT4(ia[r], Wa, x);
-                } else if (second) {
-                    ib[r] = QI_DOT4_AT(ib[r], Wa, at);
-                } else {
-                    ia[r] = QI_DOT4_AT(ia[r], Wa, at);
-                }
+                const qt_i sum = second ? ib[r] : ia[r];
+                const qt_i dot = q8 && !SK_DOT_ANY_BYTES ? QI_DOT4(sum, Wa, QI_SIGN8(QI_SET32(q_load4(at)), W))
+                                                         : QI_DOT4_AT(sum, Wa, at);
+                if (second)
+                    ib[r] = dot;
+                else
+                    ia[r] = dot;
             }
         }
         qt_f d = QF_HALF(p, G);
