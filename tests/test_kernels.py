@@ -280,6 +280,28 @@ def test_every_kernel_source_compiles(name: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_the_roofline_tools_build_and_rate_a_kernels_products(tmp_path: Path) -> None:
+    """tools/roofline.c, pipe_mix.c and tile_rate.c (what tools/measure_tiles.py runs) compile clean, every family
+    included whatever this CPU has; tile_rate times each format's products through a kernel's library and refuses
+    a size the formats cannot take."""
+    gcc = shutil.which("gcc")
+    assert gcc is not None
+    tools = Path(__file__).parents[1] / "tools"
+    for name, extra in (("roofline", ["-fopenmp"]), ("pipe_mix", []), ("tile_rate", ["-ldl"])):
+        cmd = [gcc, "-O2", "-Wall", "-Wextra", "-Werror", str(tools / f"{name}.c"), "-o", str(tmp_path / name), *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    lib = str(kernels.load(HERE[0]).path)
+    done = subprocess.run([tmp_path / "tile_rate", lib, "8", "256"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()]
+    formats = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+    assert [(r[0], int(r[1])) for r in rows] == [(f, m) for f in formats for m in (1, 2, 4, 8, 16, 64)]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    bad = subprocess.run([tmp_path / "tile_rate", lib, "8", "100"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "K: of 256" in bad.stderr
+
+
 def test_the_setting_selects_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     with use_kernel("auto"):
         assert kernels.name() == HERE[0]

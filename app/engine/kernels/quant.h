@@ -94,21 +94,24 @@ static inline int sk_q_offset(int type) {
 
 /* Quantized activation rows: xq [m][k], and per row and block dx, S [m][k / 32] and the sum of xq, xs
    [m][k / 32] (what Q4_0, Q5_0 and Q8_0's zero points subtract 8, 16 or 128 times); xh [m][k / 32][2]: the sums
-   of xq over each half block (what Q6_K's subtracts 32 times). One allocation, freed by sk_qrows_free. */
+   of xq over each half block (what Q6_K's subtracts 32 times); xz [m][k / 32][2]: each block's (Q6_K: each half's)
+   sum times minus its zero point (sk_q_zero, sk_qrows_zero), where a SIMD tile starts its integer sums (a
+   broadcast from memory: no integer work per row in the tile). One allocation, freed by sk_qrows_free. */
 typedef struct {
     int8_t *q;
     float *d, *s;
-    int32_t *xh, *xs;
+    int32_t *xh, *xs, *xz;
     int k;
 } sk_qrows;
 
 static inline sk_qrows sk_qrows_alloc(int m, int k) {
     size_t nb = (size_t)(k / 32), blocks = (size_t)m * nb;
-    size_t bytes = (size_t)m * k + blocks * (8 + 12);
+    size_t bytes = (size_t)m * k + blocks * (8 + 20);
     uint8_t *p = aligned_alloc(64, (bytes + 127) / 64 * 64 + 64);
     sk_qrows r;
     r.xh = (int32_t *)p;
-    r.xs = r.xh + blocks * 2;
+    r.xz = r.xh + blocks * 2;
+    r.xs = r.xz + blocks * 2;
     r.d = (float *)(r.xs + blocks);
     r.s = r.d + blocks;
     r.q = (int8_t *)(r.s + blocks);
@@ -137,6 +140,24 @@ static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, 
         rows->d[(size_t)r * nb + b] = dx;
         rows->s[(size_t)r * nb + b] = dx * (float)sum;
         rows->xs[(size_t)r * nb + b] = sum;
+    }
+}
+
+/* The zero point a SIMD tile takes off a chunk's integer sum from xz (as minus it times the activations' sum):
+   Q4_0 8, Q5_0 16, Q6_K 32 (per half); 0 otherwise (Q8_0's 128 where the kernel's dot4 takes any bytes is worked
+   out in its tile: its weights take twice the 4-bit formats' loads, and one more from memory cost it more than the
+   integer work it saves). */
+static inline int sk_q_zero(int type) { return type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : type == SK_Q6_K ? 32 : 0; }
+
+/* Row r's xz for format type (after its xs and xh). */
+static inline void sk_qrows_zero(int type, const sk_qrows *rows, int r) {
+    const int zero = sk_q_zero(type), nb = rows->k / 32;
+    if (!zero) return;
+    int32_t *z = rows->xz + (size_t)r * nb * 2;
+    for (int b = 0; b < nb; b++) {
+        const int32_t *h = rows->xh + ((size_t)r * nb + b) * 2;
+        z[2 * b] = -zero * (type == SK_Q6_K ? h[0] : rows->xs[(size_t)r * nb + b]);
+        z[2 * b + 1] = type == SK_Q6_K ? -zero * h[1] : 0;
     }
 }
 
@@ -468,7 +489,10 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
         if (r0 < r1) {
             const uint16_t *xp = sk_prepare_rows(x + (size_t)r0 * k_in, r1 - r0, k, op, norm_w, eps,
                                                  op ? scratch + (size_t)r0 * k : NULL, sum_squares);
-            for (int r = r0; r < r1; r++) quantize(xp + (size_t)(r - r0) * k, &xq, r);
+            for (int r = r0; r < r1; r++) {
+                quantize(xp + (size_t)(r - r0) * k, &xq, r);
+                sk_qrows_zero(type, &xq, r);
+            }
         }
         if (nt > 1) {
             #pragma omp barrier

@@ -87,6 +87,9 @@
 #define QT_ROWS 4
 #define QT_SPLIT(R) ((R) <= 2)
 #endif
+#ifndef QT_ROW_BLOCK
+#define QT_ROW_BLOCK 64
+#endif
 
 /* Column c's 4-byte group i of an x8 block in lane c: W_i (inputs 4i..4i+3), from the 4-bit formats' P_(i % 4)
    (low nibbles for i < 4, high for the rest) and, for Q5_*, H's bit i of each byte as the fifth bit (quant.h). */
@@ -168,7 +171,8 @@ QINLINE void QT(finish_rows)(const float *sums, int R, int cc, int r, int col, u
    the R rows and meets each row's 4 activations of that group broadcast, so that a row's integer sums of QW
    columns take 8 dot4 steps and its scaling one conversion, one multiply and one fused multiply-add. The zero
    points (Q4_0's 8, Q5_0's 16; Q8_0's weights taken as w + 128 where q_dot4 takes any bytes) start each sum at
-   minus that many times the row's block sum xs; without VNNI Q8_0's signs move to the activations. The loops
+   minus that many times the row's block sum (xz, worked out when the row was quantized; Q8_0's here, see
+   sk_q_zero); without VNNI Q8_0's signs move to the activations. The loops
    run unrolled (gcc keeps the accumulators in registers only then). */
 QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
     const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
@@ -179,7 +183,7 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
     const int zero = type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : q8 && SK_DOT_ANY_BYTES ? 128 : 0;
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
-    const int32_t *xs = xq->xs + (size_t)r0 * nb;
+    const int32_t *xz = xq->xz + (size_t)r0 * nb * 2, *xs = xq->xs + (size_t)r0 * nb;
     qt_f acc[QT_ROWS], ov[QT_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < QT_ROWS; r++) acc[r] = ov[r] = QF_ZERO();
@@ -190,7 +194,8 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
         qt_i ia[QT_ROWS], ib[QT_ROWS];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            ia[r] = zero ? QI_SET32(-zero * xs[(size_t)r * nb + b]) : QI_ZERO();
+            const size_t at = (size_t)r * nb + b;
+            ia[r] = !zero ? QI_ZERO() : q8 ? QI_SET32(-zero * xs[at]) : QI_SET32(xz[2 * at]);
             ib[r] = QI_ZERO();
         }
         qt_i H = five ? QI_LOAD(p + at_h, G) : QI_ZERO();
@@ -238,7 +243,7 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
     const int six = type == SK_Q6_K, five = type == SK_Q5_K, at_h = sk_x8_high(type), at_q = sk_x8_quants(type);
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
-    const int32_t *xh = xq->xh + (size_t)r0 * nb * 2;
+    const int32_t *xz = xq->xz + (size_t)r0 * nb * 2;
     qt_f acc[QT_ROWS], ov[QT_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < QT_ROWS; r++) acc[r] = ov[r] = QF_ZERO();
@@ -260,9 +265,9 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             qt_i ia[QT_ROWS], ib[QT_ROWS];
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                const int32_t *h = xh + ((size_t)r * nb + b) * 2;
-                ia[r] = six ? QI_SET32(-32 * h[0]) : QI_ZERO();
-                ib[r] = six ? QI_SET32(-32 * h[1]) : QI_ZERO();
+                const int32_t *z = xz + ((size_t)r * nb + b) * 2;
+                ia[r] = six ? QI_SET32(z[0]) : QI_ZERO();
+                ib[r] = six ? QI_SET32(z[1]) : QI_ZERO();
             }
             const qt_i H = five ? QI_LOAD(p + at_h + 32 * s, G) : QI_ZERO();
             const qt_i T0 = six ? QI_LOAD(p + at_h + 64 * s, G) : QI_ZERO();
@@ -329,11 +334,11 @@ QT_TILES(SK_Q6_K, kx8_tile)
 #undef QT_TILES
 #undef QT_WIDE_CASES
 
-/* Columns c0..c1-1 (c0 a multiple of 8) for every row: QW columns at a time over rows QT_ROWS at a time, the
+/* Rows r0..r1-1 x columns c0..c1-1 (c0 a multiple of 8): QW columns at a time over rows QT_ROWS at a time, the
    columns' weights read again from the cache for each QT_ROWS rows; at 16 lanes a last lone group by the 8-lane
    driver. */
-static void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
-                       const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
+static void QT(q_block)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
+                        const float *bias, int r0, int r1, int c0, int c1, const uint16_t *residual) {
     float sums[QT_ROWS * QW];
     q_tile_fn tile = type == SK_Q4_0 ? QT(tile_SK_Q4_0) : type == SK_Q4_1 ? QT(tile_SK_Q4_1)
                    : type == SK_Q5_0 ? QT(tile_SK_Q5_0) : type == SK_Q5_1 ? QT(tile_SK_Q5_1)
@@ -341,16 +346,27 @@ static void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrow
                    : type == SK_Q5_K ? QT(tile_SK_Q5_K) : QT(tile_SK_Q6_K);
     for (int col = c0; col < c1; col += QW) {
         if (QW > 8 && c1 - col <= 8) {
-            q_cols_8(type, w, row_bytes, xq, y, ldy, bias, m, k, col, c1, residual);
+            q_block_8(type, w, row_bytes, xq, y, ldy, bias, r0, r1, col, c1, residual);
             return;
         }
         int cc = c1 - col < QW ? c1 - col : QW;
-        for (int r = 0; r < m; r += QT_ROWS) {
-            int R = r + QT_ROWS <= m ? QT_ROWS : m - r;
+        for (int r = r0; r < r1; r += QT_ROWS) {
+            int R = r + QT_ROWS <= r1 ? QT_ROWS : r1 - r;
             tile(R, w + (size_t)(col / 8) * 8 * row_bytes, row_bytes, xq, r, sums);
             QT(finish_rows)(sums, R, cc, r, col, y, ldy, bias, residual);
         }
     }
+}
+
+/* Columns c0..c1-1 for every row, QT_ROW_BLOCK rows at a time: a block's quantized rows (k bytes each) stay in the
+   core's cache while every column's weights pass over them, where all of a prefill's rows would be read again
+   from the shared cache for each QW columns. (The 8-lane one goes unused where 16 lanes drive the products.) */
+static __attribute__((unused)) void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
+                       const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
+    (void)k;
+    for (int r0 = 0; r0 < m; r0 += QT_ROW_BLOCK)
+        QT(q_block)(type, w, row_bytes, xq, y, ldy, bias, r0, r0 + QT_ROW_BLOCK < m ? r0 + QT_ROW_BLOCK : m, c0, c1,
+                    residual);
 }
 
 #undef QT
