@@ -299,7 +299,7 @@ def test_the_roofline_tools_build_and_rate_a_kernels_products(tmp_path: Path) ->
     assert [(r[0], int(r[1])) for r in rows] == [(f, m) for f in formats for m in (1, 2, 4, 8, 16, 64)]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
     bad = subprocess.run([tmp_path / "tile_rate", lib, "8", "100"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "K: of 256" in bad.stderr
+    assert bad.returncode == 2 and "K: of 32" in bad.stderr
 
 
 def test_the_setting_selects_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

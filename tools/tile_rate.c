@@ -57,14 +57,15 @@ int main(int argc, char **argv) {
         return 1;
     }
     const int n = argc == 4 ? atoi(argv[2]) : 2048, k = argc == 4 ? atoi(argv[3]) : 1024, most = 64;
-    if (n <= 0 || n % 8 || k <= 0 || k % 256) {
-        fprintf(stderr, "N: a multiple of 8, K: of 256\n");
+    if (n <= 0 || n % 8 || k <= 0 || k % 32) {
+        fprintf(stderr, "N: a multiple of 8, K: of 32 (the K-quants, taken where K is one of 256)\n");
         return 2;
     }
     srand(1);
     uint16_t *x = malloc(sizeof(uint16_t) * (size_t)most * k), *y = malloc(sizeof(uint16_t) * (size_t)most * n);
     for (int i = 0; i < most * k; i++) x[i] = bf16((float)(rand() % 4001 - 2000) / 1000.0f);
     for (size_t f = 0; f < sizeof FORMATS / sizeof FORMATS[0]; f++) {
+        if (k % FORMATS[f].block) continue;
         const long rb = (long)k / FORMATS[f].block * FORMATS[f].bytes;
         uint8_t *w = malloc((size_t)n * rb), *packed = malloc((size_t)n * rb);
         for (size_t i = 0; i < (size_t)n * rb; i++) w[i] = (uint8_t)rand();

@@ -23,10 +23,12 @@
 #define QI_SET8 _mm256_set1_epi8
 #define QI_SET32 _mm256_set1_epi32
 #define QI_ZERO _mm256_setzero_si256
-#define QI_DOT4 q_dot4
 #define QI_DOT4_AT(acc, W, p) q_dot4((acc), (W), _mm256_set1_epi32(q_load4(p)))
 #define QI_ABS8 _mm256_abs_epi8
 #define QI_SIGN8 _mm256_sign_epi8
+#define QI_PAIRS _mm256_maddubs_epi16
+#define QI_ADD16 _mm256_add_epi16
+#define QI_WIDEN(acc, p) _mm256_add_epi32((acc), _mm256_madd_epi16((p), _mm256_set1_epi16(1)))
 /* 8 bytes at p (and at p + G) widened to a lane each. */
 #define QI_U8(p, G) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define QI_I8(p, G) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
@@ -56,10 +58,12 @@
 #define QI_SET8 _mm512_set1_epi8
 #define QI_SET32 _mm512_set1_epi32
 #define QI_ZERO _mm512_setzero_si512
-#define QI_DOT4 _mm512_dpbusd_epi32
 #define QI_DOT4_AT(acc, W, p) q16_dot4_at((acc), (W), (p))
 #define QI_ABS8 _mm512_abs_epi8
 #define QI_SIGN8(x, w) _mm512_mask_sub_epi8((x), _mm512_movepi8_mask(w), _mm512_setzero_si512(), (x))
+#define QI_PAIRS _mm512_maddubs_epi16
+#define QI_ADD16 _mm512_add_epi16
+#define QI_WIDEN(acc, p) _mm512_add_epi32((acc), _mm512_madd_epi16((p), _mm512_set1_epi16(1)))
 #define QI_U8(p, G) q16_bytes((const uint8_t *)(p), (G), 0)
 #define QI_I8(p, G) q16_bytes((const uint8_t *)(p), (G), 1)
 #define QF_HALF(p, G) q16_half((const uint8_t *)(p), (G))
@@ -112,6 +116,12 @@ QINLINE qt_i QT(x8_six)(qt_i P, int i, qt_i T) {
     qt_i hi = u < 2 ? QI_SLLI16(T, 4 - 2 * u) : u > 2 ? QI_SRLI16(T, 2 * u - 4) : T;
     return QI_OR(q, QI_AND(hi, QI_SET8(0x30)));
 }
+
+/* Without VNNI (q_dot4: VPMADDUBSW, then VPMADDWD to widen its 16-bit pair sums), how many dot4 steps' pair sums
+   a tile adds in 16 bits before widening them once: VPMADDUBSW saturates a pair sum to int16, and the sum of n
+   steps' stays exact while n * 2 * max|w| * 127 < 2^15: the 4- and 5-bit formats (w <= 31) 4 steps (31,496),
+   Q6_K (w <= 63) 2 (32,004), Q8_0 (|w| <= 128, its signs moved to the activations) 1. */
+QINLINE int QT(pair_run)(int type) { return type == SK_Q8_0 ? 1 : type == SK_Q6_K ? 2 : 4; }
 
 /* Prefetch: the same block Q8_AHEAD tiles of columns ahead (the rest of this thread's share streams after). */
 QINLINE void QT(x8_ahead)(const uint8_t *p, long row_bytes, int from, int to) {
@@ -199,6 +209,7 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
             ib[r] = QI_ZERO();
         }
         qt_i H = five ? QI_LOAD(p + at_h, G) : QI_ZERO();
+        qt_i p16[QT_ROWS];
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
             qt_i W = q8 ? QI_LOAD(p + at_q + 32 * i, G) : QT(x8_nibbles)(QI_LOAD(p + at_q + 32 * (i % 4), G), i, five, H);
@@ -206,14 +217,17 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int8_t *at = xr + (size_t)r * k + 32 * b + 4 * i;
-                const int second = QT_SPLIT(R) && i % 2;
-                const qt_i sum = second ? ib[r] : ia[r];
-                const qt_i dot = q8 && !SK_DOT_ANY_BYTES ? QI_DOT4(sum, Wa, QI_SIGN8(QI_SET32(q_load4(at)), W))
-                                                         : QI_DOT4_AT(sum, Wa, at);
-                if (second)
-                    ib[r] = dot;
+                if (!SK_DOT_ANY_BYTES) {  /* pair sums in 16 bits, widened every pair_run steps */
+                    const int run = QT(pair_run)(type);
+                    const qt_i x = QI_SET32(q_load4(at)), pairs = QI_PAIRS(Wa, q8 ? QI_SIGN8(x, W) : x);
+                    p16[r] = i % run ? QI_ADD16(p16[r], pairs) : pairs;
+                    if (i % run == run - 1) ia[r] = QI_WIDEN(ia[r], p16[r]);
+                    continue;
+                }
+                if (QT_SPLIT(R) && i % 2)
+                    ib[r] = QI_DOT4_AT(ib[r], Wa, at);
                 else
-                    ia[r] = dot;
+                    ia[r] = QI_DOT4_AT(ia[r], Wa, at);
             }
         }
         qt_f d = QF_HALF(p, G);
@@ -272,6 +286,7 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             const qt_i H = five ? QI_LOAD(p + at_h + 32 * s, G) : QI_ZERO();
             const qt_i T0 = six ? QI_LOAD(p + at_h + 64 * s, G) : QI_ZERO();
             const qt_i T1 = six ? QI_LOAD(p + at_h + 64 * s + 32, G) : QI_ZERO();
+            qt_i p16[QT_ROWS];
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) {
                 qt_i Pq = QI_LOAD(P + 32 * (i % 4), G);
@@ -280,6 +295,18 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     const int8_t *at = xr + (size_t)r * k + 32 * b + 4 * i;
+                    if (!SK_DOT_ANY_BYTES) {  /* as x8_tile's; a run never crosses Q6_K's halves (2 divides 4) */
+                        const int run = QT(pair_run)(type);
+                        const qt_i pairs = QI_PAIRS(W, QI_SET32(q_load4(at)));
+                        p16[r] = i % run ? QI_ADD16(p16[r], pairs) : pairs;
+                        if (i % run == run - 1) {
+                            if (six && i >= 4)
+                                ib[r] = QI_WIDEN(ib[r], p16[r]);
+                            else
+                                ia[r] = QI_WIDEN(ia[r], p16[r]);
+                        }
+                        continue;
+                    }
                     if (second)
                         ib[r] = QI_DOT4_AT(ib[r], W, at);
                     else
@@ -386,10 +413,12 @@ static __attribute__((unused)) void QT(q_cols)(int type, const uint8_t *w, long 
 #undef QI_SET8
 #undef QI_SET32
 #undef QI_ZERO
-#undef QI_DOT4
 #undef QI_DOT4_AT
 #undef QI_ABS8
 #undef QI_SIGN8
+#undef QI_PAIRS
+#undef QI_ADD16
+#undef QI_WIDEN
 #undef QI_U8
 #undef QI_I8
 #undef QF_HALF
