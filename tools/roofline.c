@@ -43,6 +43,8 @@ FAMILY(vnni256_vex, "avx2,avxvnni", __m256i, "%{vex%} vpdpbusd", "x", 32)
 FAMILY(vnni256_evex, "avx512f,avx512vl,avx512vnni", __m256i, "vpdpbusd", "v", 32)
 FAMILY(vnni512, "avx512f,avx512vnni", __m512i, "vpdpbusd", "v", 64)
 FAMILY(bf16dot512, "avx512f,avx512bf16", __m512, "vdpbf16ps", "v", 32)
+/* VPMADDUBSW alone (16-bit pair sums, not accumulated): the ceiling of tiles that widen a run of them once. */
+FAMILY(pairs256, "avx2", __m256i, "vpmaddubsw", "x", 32)
 
 /* AVX2's int8 product (vpmaddubsw, vpmaddwd, then vpaddd into the chain): three instructions per 32 MACs. */
 __attribute__((target("avx2"))) static double maddubs256(void) {
@@ -78,6 +80,7 @@ int main(void) {
     __builtin_cpu_init();
     bench("fp32 FMA, 256-bit (AVX2)", __builtin_cpu_supports("fma"), fma256);
     bench("int8 maddubs+madd, 256-bit (AVX2)", __builtin_cpu_supports("avx2"), maddubs256);
+    bench("int8 vpmaddubsw alone, 256-bit (AVX2)", __builtin_cpu_supports("avx2"), pairs256);
     bench("int8 vpdpbusd, 256-bit (AVX-VNNI)", __builtin_cpu_supports("avxvnni"), vnni256_vex);
     bench("int8 vpdpbusd, 256-bit (AVX512-VNNI VL)", __builtin_cpu_supports("avx512vnni"), vnni256_evex);
     bench("fp32 FMA, 512-bit (AVX-512F)", __builtin_cpu_supports("avx512f"), fma512);
