@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from app.engine import kernels
 from app.engine.kernels import build, detect
+from app.engine.kernels.quantized import FORMATS
 from app.engine.model.transformer import PackedLinear, Transformer
 from tests.conftest import KERNEL_ENDS, assert_same_on_1_and_2_threads, use_kernel
 
@@ -295,8 +296,7 @@ def test_the_roofline_tools_build_and_rate_a_kernels_products(tmp_path: Path) ->
     done = subprocess.run([tmp_path / "tile_rate", lib, "8", "256"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines()]
-    formats = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-    assert [(r[0], int(r[1])) for r in rows] == [(f, m) for f in formats for m in (1, 2, 4, 8, 16, 64)]
+    assert [(r[0], int(r[1])) for r in rows] == [(f, m) for f in FORMATS for m in (1, 2, 4, 8, 16, 64)]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
     bad = subprocess.run([tmp_path / "tile_rate", lib, "8", "100"], capture_output=True, text=True)
     assert bad.returncode == 2 and "K: of 32" in bad.stderr

@@ -164,7 +164,7 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
 static void qa_rows16(int type, int R, const sk_qrows *xq, int r0, const uint8_t *B, const float *D, const float *M,
                       float *sums) {
     const int k = xq->k, nb = k / 32, six = type == SK_Q6_K, q8 = type == SK_Q8_0, halves = six ? 2 : 1;
-    const int depth = six ? 16 : 32, zero = type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : six ? 32 : 0;
+    const int depth = six ? 16 : 32, zero = sk_q_zero(type);  /* Q8_0: signed tiles, no zero point */
     const int units = nb * halves;
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb;
@@ -185,10 +185,7 @@ static void qa_rows16(int type, int R, const sk_qrows *xq, int r0, const uint8_t
         for (int r = 0; r < 16; r++) {
             if (r >= R) break;
             __m512i I = _mm512_load_si512(Cu + 16 * r);
-            if (zero) {
-                const int32_t z = six ? xq->xh[((size_t)(r0 + r) * nb + b) * 2 + h] : xq->xs[(size_t)(r0 + r) * nb + b];
-                I = _mm512_add_epi32(I, _mm512_set1_epi32(-zero * z));
-            }
+            if (zero) I = _mm512_add_epi32(I, _mm512_set1_epi32(xq->xz[((size_t)(r0 + r) * nb + b) * 2 + h]));
             const __m512 dd = _mm512_mul_ps(Dh, _mm512_set1_ps(dx[(size_t)r * nb + b]));
             acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(I), acc[r]);
         }

@@ -123,6 +123,20 @@ QINLINE qt_i QT(x8_six)(qt_i P, int i, qt_i T) {
    Q6_K (w <= 63) 2 (32,004), Q8_0 (|w| <= 128, its signs moved to the activations) 1. */
 QINLINE int QT(pair_run)(int type) { return type == SK_Q8_0 ? 1 : type == SK_Q6_K ? 2 : 4; }
 
+/* Step i (0-7) of a row's integer sum *sum: the dot4 of the weights Wa with the row's 4 activations at `at`. With
+   VNNI one VPDPBUSD; without, VPMADDUBSW's pair sums added into p16 and widened into *sum at the end of each run of
+   pair_run steps (Q8_0's activations take the signs of its weights W, Wa their magnitudes). */
+QINLINE void QT(dot_step)(int type, qt_i *sum, qt_i *p16, qt_i Wa, qt_i W, const int8_t *at, int i) {
+    if (SK_DOT_ANY_BYTES) {
+        *sum = QI_DOT4_AT(*sum, Wa, at);
+        return;
+    }
+    const int run = QT(pair_run)(type);
+    const qt_i x = QI_SET32(q_load4(at)), pairs = QI_PAIRS(Wa, type == SK_Q8_0 ? QI_SIGN8(x, W) : x);
+    *p16 = i % run ? QI_ADD16(*p16, pairs) : pairs;
+    if (i % run == run - 1) *sum = QI_WIDEN(*sum, *p16);
+}
+
 /* Prefetch: the same block Q8_AHEAD tiles of columns ahead (the rest of this thread's share streams after). */
 QINLINE void QT(x8_ahead)(const uint8_t *p, long row_bytes, int from, int to) {
     for (int h = 0; h < QW / 8; h++)
@@ -190,7 +204,7 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
     (void)G;
     const int offset = sk_q_offset(type), at_h = sk_x8_high(type), at_q = sk_x8_quants(type);
     const int five = at_h != 0, q8 = type == SK_Q8_0;
-    const int zero = type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : q8 && SK_DOT_ANY_BYTES ? 128 : 0;
+    const int zero = q8 ? (SK_DOT_ANY_BYTES ? 128 : 0) : sk_q_zero(type);
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
     const int32_t *xz = xq->xz + (size_t)r0 * nb * 2, *xs = xq->xs + (size_t)r0 * nb;
@@ -217,17 +231,7 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int8_t *at = xr + (size_t)r * k + 32 * b + 4 * i;
-                if (!SK_DOT_ANY_BYTES) {  /* pair sums in 16 bits, widened every pair_run steps */
-                    const int run = QT(pair_run)(type);
-                    const qt_i x = QI_SET32(q_load4(at)), pairs = QI_PAIRS(Wa, q8 ? QI_SIGN8(x, W) : x);
-                    p16[r] = i % run ? QI_ADD16(p16[r], pairs) : pairs;
-                    if (i % run == run - 1) ia[r] = QI_WIDEN(ia[r], p16[r]);
-                    continue;
-                }
-                if (QT_SPLIT(R) && i % 2)
-                    ib[r] = QI_DOT4_AT(ib[r], Wa, at);
-                else
-                    ia[r] = QI_DOT4_AT(ia[r], Wa, at);
+                QT(dot_step)(type, QT_SPLIT(R) && i % 2 ? &ib[r] : &ia[r], &p16[r], Wa, W, at, i);
             }
         }
         qt_f d = QF_HALF(p, G);
@@ -294,23 +298,8 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
                 const int second = six ? i >= 4 : QT_SPLIT(R) && i % 2;
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
-                    const int8_t *at = xr + (size_t)r * k + 32 * b + 4 * i;
-                    if (!SK_DOT_ANY_BYTES) {  /* as x8_tile's; a run never crosses Q6_K's halves (2 divides 4) */
-                        const int run = QT(pair_run)(type);
-                        const qt_i pairs = QI_PAIRS(W, QI_SET32(q_load4(at)));
-                        p16[r] = i % run ? QI_ADD16(p16[r], pairs) : pairs;
-                        if (i % run == run - 1) {
-                            if (six && i >= 4)
-                                ib[r] = QI_WIDEN(ib[r], p16[r]);
-                            else
-                                ia[r] = QI_WIDEN(ia[r], p16[r]);
-                        }
-                        continue;
-                    }
-                    if (second)
-                        ib[r] = QI_DOT4_AT(ib[r], W, at);
-                    else
-                        ia[r] = QI_DOT4_AT(ia[r], W, at);
+                    /* (A run of pair sums never crosses Q6_K's halves: 2 divides 4.) */
+                    QT(dot_step)(type, second ? &ib[r] : &ia[r], &p16[r], W, W, xr + (size_t)r * k + 32 * b + 4 * i, i);
                 }
             }
 #pragma GCC unroll 8
@@ -388,8 +377,9 @@ static void QT(q_block)(int type, const uint8_t *w, long row_bytes, const sk_qro
 /* Columns c0..c1-1 for every row, QT_ROW_BLOCK rows at a time: a block's quantized rows (k bytes each) stay in the
    core's cache while every column's weights pass over them, where all of a prefill's rows would be read again
    from the shared cache for each QW columns. (The 8-lane one goes unused where 16 lanes drive the products.) */
-static __attribute__((unused)) void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
-                       const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
+static __attribute__((unused)) void QT(q_cols)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq,
+                                               uint16_t *y, int ldy, const float *bias, int m, int k, int c0, int c1,
+                                               const uint16_t *residual) {
     (void)k;
     for (int r0 = 0; r0 < m; r0 += QT_ROW_BLOCK)
         QT(q_block)(type, w, row_bytes, xq, y, ldy, bias, r0, r0 + QT_ROW_BLOCK < m ? r0 + QT_ROW_BLOCK : m, c0, c1,
