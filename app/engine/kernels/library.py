@@ -367,7 +367,8 @@ class QuantLinear:
 
     Each output is quant.h's fixed chain over the exact dequantized weights (the bits of the generic kernel on
     every portable kernel), whatever the row count: the same promises as `KernelLinear`. Every format quantizes
-    each row of x to 8 bits per 32 inputs and multiplies in integers, as llama.cpp does."""
+    each row of x to 8 bits (per 32 inputs; the K-quants per 256, with power-of-two steps per 32) and multiplies
+    in integers, as llama.cpp does."""
 
     def __init__(self, kernel: Kernel, weight: QuantizedWeight, bias: Tensor | None) -> None:
         self.kernel = kernel

@@ -2,9 +2,10 @@
    definitions every kernel computes bit for bit.
 
    A weight row (one output) is k / QK blocks of its format, QK = 32 or 256 inputs per block. Every format
-   takes integer products (below): the activations are quantized to 8 bits per 32 inputs and meet the weights'
-   integers in exact integer dot products, scaled in float32. A weight's value, its integer times its scale
-   plus its offset (sk_q_ints_ref), is the one the `gguf` package's (and llama.cpp's) dequantization gives, up
+   takes integer products (below): the activations are quantized to 8 bits (per 32 inputs; for the K-quants per
+   256 with power-of-two steps per 32) and meet the weights' integers in exact integer dot products, scaled in
+   float32. A weight's value, its integer times its scale
+   plus its offset (sk_q_ints_ref, sk_kblock), is the one the `gguf` package's (and llama.cpp's) dequantization gives, up
    to that dequantization's own rounding (at most one: Q4_1, Q5_1 and the K-quants' offsets, Q6_K's scale). */
 #ifndef SPECSERVE_KERNEL_QUANT_H
 #define SPECSERVE_KERNEL_QUANT_H
@@ -66,25 +67,32 @@ void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, u
                 int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,
                 uint16_t *scratch);
 
-/* Integer products (every format): as llama.cpp's vec_dot_q4_1_q8_1 and kin, the activations are quantized
-   too, per row and per 32-input block, and the weights' integers meet them in exact integer dot products.
-   Fixed so that a result depends on nothing but its own row and column:
-   - activations (bf16, widened exactly): for block b of a row, amax = max |x_i|, dx = amax / 127,
-     id = 1 / dx (0 where dx is 0), xq_i = x_i * id rounded to the nearest integer (ties to even), in
-     [-127, 127]; S_b = dx * (float)sum_i xq_i;
-   - weights as integers w_i per 32 inputs (a chunk: a whole block of the 32-input formats, one eighth of a
-     K-quant's): Q4_0 q - 8, Q5_0 q - 16, Q8_0 q, Q4_1 and Q5_1 q, Q4_K and Q5_K q, Q6_K q - 32; the chunk's
-     scale D: the block's d (float16), or for Q4_K and Q5_K d * sc (its 6-bit sub-block scale), for Q6_K
-     d * sc with sc the 8-bit scale of its first 16 inputs or of its last 16 (two scales), each product exact;
-     its offset M (sk_q_offset): Q4_1 and Q5_1 m (float16), Q4_K and Q5_K -(dmin * mn), exact; 0 otherwise;
-   - one float32 sum L per output takes, chunk by chunk in order, I = sum_{i<32} w_i xq_i (an exact integer,
-     |I| < 2^20) by one fused multiply-add L = fma(D * dx, (float)I, L), D * dx rounded once; Q6_K's chunk takes
-     its two halves so, I over inputs 0-15 with its first D, then over 16-31 with its second; the formats with
-     an offset (Q4_1, Q5_1, Q4_K, Q5_K) keep one more float, O = fma(M, S_b, O) chunk by chunk; the result is
-     L + O (O = 0 for the others). Which order the integers are added in is free (they are exact): a tile
-     takes 8 columns' I at once in the lanes of one vector (the x8 layout below);
+/* Integer products (every format): as llama.cpp's vec_dot_q4_1_q8_1 and vec_dot_q4_K_q8_K, the activations are
+   quantized too, per row, and the weights' integers meet them in exact integer dot products. Fixed so that a
+   result depends on nothing but its own row and column:
+   - activations (bf16, widened exactly), per block of QA inputs of a row (QA = 32 for the 32-input formats, 256
+     for the K-quants: sk_q_act): amax = max |x_i| over the block, dx = amax / 127, id = 1 / dx (0 where dx is 0);
+     per 32 inputs b of it (a chunk) e_b, the largest of 0-3 with amax_b * 2^e_b <= amax (amax_b: the chunk's max
+     |x_i|; always 0 where QA is 32), xq_i = x_i * (id * 2^e_b) rounded to the nearest integer (ties to even), in
+     [-127, 127]: the chunk's step is dx / 2^e_b, a power of two below the block's, so a chunk of small values
+     keeps its digits while the K-quants' chunk sums stay integers on one step, dx / 8 (each shifted left by
+     3 - e_b); xs_b = sum of the chunk's xq_i, S_b = dx * (float)xs_b (the 32-input formats);
+   - weights as integers w_i per 32 inputs (a whole block of the 32-input formats, a chunk of a K-quant's): Q4_0
+     q - 8, Q5_0 q - 16, Q8_0 q, Q4_1 and Q5_1 q, Q4_K and Q5_K q, Q6_K q - 32;
+   - the 32-input formats: one float32 sum L per output takes, block by block in order, I = sum_{i<32} w_i xq_i
+     (an exact integer, |I| < 2^20) by one fused multiply-add L = fma(d * dx, (float)I, L) (d: the block's
+     float16 scale; d * dx rounded once); Q4_1 and Q5_1 keep one more float, O = fma(m, S_b, O) block by block
+     (m: their float16 offset), and the result is L + O (L for the others);
+   - the K-quants, per 256-input block in order, in integers up to its end: Q4_K and Q5_K take J = sum_s sc_s *
+     (I_s << (3 - e_s)) over their 8 chunks s (sc_s the 6-bit scale, I_s as above) and N = sum_s mn_s * (xs_s <<
+     (3 - e_s)) (mn_s the 6-bit minimum), then L = fma(d * u, (float)J, L) and L = fma(-dmin * u, (float)N, L) with
+     u = dx / 8 (d, dmin float16; each product rounded once); Q6_K takes J = sum_t sc_t * (I_t << (3 - e)) over its
+     16 halves t (16 inputs each, sc_t its int8 scale, I_t = sum_{i in t} w_i xq_i, e its chunk's), then L =
+     fma(d * u, (float)J, L). The integers are exact (|J| < 2^31, |N| < 2^24; (float)J rounds to nearest) and the
+     result is L. Which order integers are added in is free (they are exact): a tile takes 8 columns' I at once
+     in the lanes of one vector (the x8 layout below);
    - then bias, bf16 rounding and residual as sk_finish.
-   The values multiplied are the weights' exact values and xq_i * dx: the oracle of the tests. */
+   The values multiplied are the weights' exact values and xq_i * dx / 2^e_b: the oracle of the tests. */
 static inline int sk_q_int(int type) { return sk_q_block(type) != 0; }
 
 /* Whether a format's chunks have an offset M (and its chain O). */
@@ -92,54 +100,87 @@ static inline int sk_q_offset(int type) {
     return type == SK_Q4_1 || type == SK_Q5_1 || type == SK_Q4_K || type == SK_Q5_K;
 }
 
-/* Quantized activation rows: xq [m][k], and per row and block dx, S [m][k / 32] and the sum of xq, xs
-   [m][k / 32] (what Q4_0, Q5_0 and Q8_0's zero points subtract 8, 16 or 128 times); xh [m][k / 32][2]: the sums
-   of xq over each half block (what Q6_K's subtracts 32 times); xz [m][k / 32][2]: each block's (Q6_K: each half's)
-   sum times minus its zero point (sk_q_zero, sk_qrows_zero), where a SIMD tile starts its integer sums (a
-   broadcast from memory: no integer work per row in the tile). One allocation, freed by sk_qrows_free. */
+/* The activations' block QA of a format: 32, or 256 for the K-quants (quant.h's definition above). */
+static inline int sk_q_act(int type) { return sk_q_block(type) == 256 ? 256 : 32; }
+
+/* Quantized activation rows: xq [m][k], and per row and 32 inputs (chunk) b: d [m][k / 32], the step of the
+   chunk's integer sums as the tiles take them (dx; the K-quants' dx / 8, their sums shifted left by xe), S [m][k /
+   32] (S_b) and xs [m][k / 32], the sum of the chunk's xq (what Q4_0, Q5_0 and Q8_0's zero points subtract 8, 16 or
+   128 times); xe [m][k / 32]: 3 - e_b, the left shift of a K-quant chunk's integer sums (0 where qa is 32); xh [m][k
+   / 32][2]: the sums of xq over each half chunk (what Q6_K's subtracts 32 times); xz [m][k / 32][2]: each chunk's
+   (Q6_K: each half's) sum times minus its zero point (sk_q_zero), where a SIMD tile starts its integer sums (a
+   broadcast from memory: no integer work per row in the tile); xp [m][k / 64]: the K-quants' xs of chunks 2j and
+   2j + 1, each shifted by its xe, as the low and high 16 bits of one word (the pairs a 16-bit dot product takes to
+   the minimums). xz and xp: sk_qrows_terms. qa: the inputs that share a dx (sk_q_act). One allocation, freed by
+   sk_qrows_free. */
 typedef struct {
     int8_t *q;
     float *d, *s;
-    int32_t *xh, *xs, *xz;
-    int k;
+    int32_t *xh, *xs, *xz, *xe, *xp;
+    int k, qa;
 } sk_qrows;
 
-static inline sk_qrows sk_qrows_alloc(int m, int k) {
-    size_t nb = (size_t)(k / 32), blocks = (size_t)m * nb;
-    size_t bytes = (size_t)m * k + blocks * (8 + 20);
+static inline sk_qrows sk_qrows_alloc(int m, int k, int qa) {
+    size_t nb = (size_t)(k / 32), blocks = (size_t)m * nb, pairs = (size_t)m * (nb / 2);
+    size_t bytes = (size_t)m * k + blocks * (8 + 24) + pairs * 4;
     uint8_t *p = aligned_alloc(64, (bytes + 127) / 64 * 64 + 64);
     sk_qrows r;
     r.xh = (int32_t *)p;
     r.xz = r.xh + blocks * 2;
     r.xs = r.xz + blocks * 2;
-    r.d = (float *)(r.xs + blocks);
+    r.xe = r.xs + blocks;
+    r.xp = r.xe + blocks;
+    r.d = (float *)(r.xp + pairs);
     r.s = r.d + blocks;
     r.q = (int8_t *)(r.s + blocks);
     r.k = k;
+    r.qa = qa;
     return r;
 }
 
 static inline void sk_qrows_free(sk_qrows *r) { free(r->xh); }
 
+/* A chunk's e (0-3; the definition above) from its largest magnitude and its block's: exact comparisons. */
+static inline int sk_q_step(float amax_chunk, float amax) {
+    int e = 0;
+    while (e < 3 && amax_chunk * (float)(2 << e) <= amax) e++;
+    return e;
+}
+
+/* Chunk b's fields of row r beside its xq: xh (its halves' sums h0, h1), xs, S, d and xe, for a block whose dx is
+   dx and the chunk's e. */
+static inline void sk_qrows_chunk(const sk_qrows *rows, int r, int b, float dx, int e, int32_t h0, int32_t h1) {
+    const size_t at = (size_t)r * (rows->k / 32) + b;
+    rows->xh[2 * at] = h0;
+    rows->xh[2 * at + 1] = h1;
+    rows->xs[at] = h0 + h1;
+    rows->s[at] = dx * (float)(h0 + h1);
+    rows->d[at] = rows->qa == 256 ? dx * 0.125f : dx;
+    rows->xe[at] = rows->qa == 256 ? 3 - e : 0;
+}
+
 /* Row r of x (bf16, k inputs) -> its quantized form in rows (the definition above). */
 static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, int r) {
-    int k = rows->k, nb = k / 32;
-    for (int b = 0; b < nb; b++) {
-        const uint16_t *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(sk_bf16_to_f32(xb[i])));
-        float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
-        int8_t *q = rows->q + (size_t)r * k + 32 * b;
-        int32_t *xh = rows->xh + ((size_t)r * nb + b) * 2, sum = 0;
-        for (int i = 0; i < 32; i++) q[i] = (int8_t)nearbyintf(sk_bf16_to_f32(xb[i]) * id);
-        for (int h = 0; h < 2; h++) {
-            xh[h] = 0;
-            for (int i = 16 * h; i < 16 * h + 16; i++) xh[h] += q[i];
-            sum += xh[h];
+    const int k = rows->k, per = rows->qa / 32;
+    for (int a = 0; a < k / 32; a += per) {
+        float amax = 0.0f, chunk[8];
+        for (int b = 0; b < per; b++) {
+            chunk[b] = 0.0f;
+            for (int i = 32 * (a + b); i < 32 * (a + b + 1); i++) chunk[b] = fmaxf(chunk[b], fabsf(sk_bf16_to_f32(x[i])));
+            amax = fmaxf(amax, chunk[b]);
         }
-        rows->d[(size_t)r * nb + b] = dx;
-        rows->s[(size_t)r * nb + b] = dx * (float)sum;
-        rows->xs[(size_t)r * nb + b] = sum;
+        const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+        for (int b = a; b < a + per; b++) {
+            const int e = per > 1 ? sk_q_step(chunk[b - a], amax) : 0;
+            const float ide = id * (float)(1 << e);
+            int8_t *q = rows->q + (size_t)r * k + 32 * b;
+            int32_t h[2] = {0, 0};
+            for (int i = 0; i < 32; i++) {
+                q[i] = (int8_t)nearbyintf(sk_bf16_to_f32(x[32 * b + i]) * ide);
+                h[i / 16] += q[i];
+            }
+            sk_qrows_chunk(rows, r, b, dx, e, h[0], h[1]);
+        }
     }
 }
 
@@ -149,9 +190,16 @@ static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, 
    integer work it saves). */
 static inline int sk_q_zero(int type) { return type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : type == SK_Q6_K ? 32 : 0; }
 
-/* Row r's xz for format type (after its xs and xh). */
-static inline void sk_qrows_zero(int type, const sk_qrows *rows, int r) {
+/* Row r's xz and xp for format type (after the rest of its fields). */
+static inline void sk_qrows_terms(int type, const sk_qrows *rows, int r) {
     const int zero = sk_q_zero(type), nb = rows->k / 32;
+    if (rows->qa == 256 && type != SK_Q6_K) {
+        const int32_t *xs = rows->xs + (size_t)r * nb, *xe = rows->xe + (size_t)r * nb;
+        for (int j = 0; j < nb / 2; j++) {
+            const uint32_t lo = (uint32_t)(xs[2 * j] * (1 << xe[2 * j])), hi = (uint32_t)(xs[2 * j + 1] * (1 << xe[2 * j + 1]));
+            rows->xp[(size_t)r * (nb / 2) + j] = (int32_t)((lo & 0xffffu) | hi << 16);
+        }
+    }
     if (!zero) return;
     int32_t *z = rows->xz + (size_t)r * nb * 2;
     for (int b = 0; b < nb; b++) {
@@ -161,33 +209,9 @@ static inline void sk_qrows_zero(int type, const sk_qrows *rows, int r) {
     }
 }
 
-/* Chunk s (inputs 32s..32s+31 of block b; 0 for the 32-input formats) as integers w[32], its scales D for
-   lanes 0-3 and 4-7 (d[0], d[1]: equal but for Q6_K) and its offset M (0 without one). */
-static inline void sk_q_ints_ref(int type, const uint8_t *b, int s, int *w, float *d, float *m) {
-    if (sk_q_block(type) == 256) {
-        if (type == SK_Q6_K) {
-            int h = s / 4, i = s % 4;
-            const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
-            const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * i;
-            float dk = sk_f16_to_f32(b + 208);
-            for (int j = 0; j < 32; j++) w[j] = (((ql[j] >> (4 * (i >> 1))) & 15) | (((qh[j] >> (2 * i)) & 3) << 4)) - 32;
-            d[0] = dk * (float)sc[0];
-            d[1] = dk * (float)sc[1];
-            *m = 0.0f;
-        } else {
-            int sc, mn;
-            sk_k_scale_min(b + 4, s, &sc, &mn);
-            const uint8_t *qs = b + (type == SK_Q4_K ? 16 : 48) + 32 * (s / 2), *qh = b + 16;
-            for (int j = 0; j < 32; j++) {
-                w[j] = (qs[j] >> (4 * (s & 1))) & 15;
-                if (type == SK_Q5_K) w[j] |= ((qh[j] >> s) & 1) << 4;
-            }
-            d[0] = d[1] = sk_f16_to_f32(b) * (float)sc;
-            *m = -(sk_f16_to_f32(b + 2) * (float)mn);
-        }
-        return;
-    }
-    d[0] = d[1] = sk_f16_to_f32(b);
+/* A 32-input format's block as integers w[32], its scale d and its offset m (0 without one). */
+static inline void sk_q_ints_ref(int type, const uint8_t *b, int *w, float *d, float *m) {
+    *d = sk_f16_to_f32(b);
     *m = type == SK_Q4_1 || type == SK_Q5_1 ? sk_f16_to_f32(b + 2) : 0.0f;
     if (type == SK_Q8_0) {
         for (int j = 0; j < 32; j++) w[j] = (int8_t)b[2 + j];
@@ -431,35 +455,71 @@ void sk_q_unpack(int type, const uint8_t *packed, long row_bytes, const int64_t 
                        (uint8_t *)packed + (size_t)(ids[r] / 8) * 8 * row_bytes + (size_t)b * 8 * bytes, 0);
 }
 
+/* The portable definition of a K-quant integer product (sk_qlinear_int_ref's). */
+static inline void sk_qlinear_k_ref(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y,
+                                    int ldy, const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
+    const int nk = k / 256, nb = k / 32, bytes = sk_q_bytes(type), six = type == SK_Q6_K, zero = six ? 32 : 0;
+    sk_kblock *kb = malloc(sizeof(sk_kblock) * (size_t)nk);
+    for (int col = c0; col < c1; col++) {
+        const uint8_t *group = w + (size_t)(col / 8) * 8 * row_bytes;
+        for (int a = 0; a < nk; a++) sk_k_group(type, (uint8_t *)group + (size_t)a * 8 * bytes, col % 8, kb + a, 0);
+        for (int r = 0; r < m; r++) {
+            const int8_t *q = xq->q + (size_t)r * k;
+            const int32_t *xe = xq->xe + (size_t)r * nb, *xs = xq->xs + (size_t)r * nb;
+            float l = 0.0f;
+            for (int a = 0; a < nk; a++) {
+                const sk_kblock *B = kb + a;
+                const int8_t *qa = q + 256 * a;
+                uint8_t half[4];
+                for (int i = 0; i < 4; i++) half[i] = (uint8_t)B->half[i];
+                int32_t J = 0, N = 0;
+                for (int t = 0; t < (six ? 16 : 8); t++) {
+                    const int n = six ? 16 : 32, shift = xe[8 * a + n * t / 32];
+                    int32_t I = 0;
+                    for (int i = n * t; i < n * t + n; i++) I += (B->q[i] - zero) * qa[i];
+                    J += (six ? (int8_t)B->sc[t] : B->sc[t]) * (I * (1 << shift));
+                    if (!six) N += B->mn[t] * (xs[8 * a + t] * (1 << shift));
+                }
+                const float u = xq->d[(size_t)r * nb + 8 * a];
+                l = fmaf(sk_f16_to_f32(half) * u, (float)J, l);
+                if (!six) l = fmaf(-sk_f16_to_f32(half + 2) * u, (float)N, l);
+            }
+            const size_t at = (size_t)r * ldy + col;
+            y[at] = sk_finish(l, bias, col, residual ? residual + at : NULL);
+        }
+    }
+    free(kb);
+}
+
 /* The portable definition of an integer product: column by column, every row (w: sk_q_pack's layout). */
 static inline void sk_qlinear_int_ref(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y,
                                       int ldy, const float *bias, int m, int k, int c0, int c1,
                                       const uint16_t *residual) {
-    int nb = k / 32, qk = sk_q_block(type), bytes = sk_q_bytes(type), halves = type == SK_Q6_K ? 2 : 1;
-    int offset = sk_q_offset(type);
+    if (sk_q_block(type) == 256) {
+        sk_qlinear_k_ref(type, w, row_bytes, xq, y, ldy, bias, m, k, c0, c1, residual);
+        return;
+    }
+    const int nb = k / 32, bytes = sk_q_bytes(type), offset = sk_q_offset(type);
     int *wi = malloc(sizeof(int) * (size_t)k);
-    float *wd = malloc(sizeof(float) * 3 * (size_t)nb), *wm = wd + 2 * nb;
-    uint8_t blk[256];
+    float *wd = malloc(sizeof(float) * 2 * (size_t)nb), *wm = wd + nb;
+    uint8_t blk[34];
     for (int col = c0; col < c1; col++) {
         const uint8_t *group = w + (size_t)(col / 8) * 8 * row_bytes;
         for (int b = 0; b < nb; b++) {
-            if (b % (qk / 32) == 0)
-                sk_x8_move(type, col % 8, blk, (uint8_t *)group + (size_t)(b / (qk / 32)) * 8 * bytes, 0);
-            sk_q_ints_ref(type, blk, b % (qk / 32), wi + 32 * b, wd + 2 * b, wm + b);
+            sk_x8_move(type, col % 8, blk, (uint8_t *)group + (size_t)b * 8 * bytes, 0);
+            sk_q_ints_ref(type, blk, wi + 32 * b, wd + b, wm + b);
         }
         for (int r = 0; r < m; r++) {
             const int8_t *q = xq->q + (size_t)r * k;
             const float *dx = xq->d + (size_t)r * nb, *s = xq->s + (size_t)r * nb;
             float l = 0.0f, o = 0.0f;
             for (int b = 0; b < nb; b++) {
-                for (int h = 0; h < halves; h++) {
-                    int part = 0;
-                    for (int i = 32 / halves * h; i < 32 / halves * (h + 1); i++) part += wi[32 * b + i] * q[32 * b + i];
-                    l = fmaf(wd[2 * b + h] * dx[b], (float)part, l);
-                }
+                int part = 0;
+                for (int i = 0; i < 32; i++) part += wi[32 * b + i] * q[32 * b + i];
+                l = fmaf(wd[b] * dx[b], (float)part, l);
                 if (offset) o = fmaf(wm[b], s[b], o);
             }
-            size_t at = (size_t)r * ldy + col;
+            const size_t at = (size_t)r * ldy + col;
             y[at] = sk_finish(offset ? l + o : l, bias, col, residual ? residual + at : NULL);
         }
     }
@@ -478,7 +538,7 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
                                     const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *scratch,
                                     float (*sum_squares)(const uint16_t *, int), sk_quantize_fn quantize,
                                     sk_qicols_fn icols) {
-    sk_qrows xq = sk_qrows_alloc(m, k);
+    sk_qrows xq = sk_qrows_alloc(m, k, sk_q_act(type));
     const int k_in = op == 2 || op == 3 ? 2 * k : k;  /* [gate | up] rows before SwiGLU / GeGLU */
     #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
@@ -491,7 +551,7 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
                                                  op ? scratch + (size_t)r0 * k : NULL, sum_squares);
             for (int r = r0; r < r1; r++) {
                 quantize(xp + (size_t)(r - r0) * k, &xq, r);
-                sk_qrows_zero(type, &xq, r);
+                sk_qrows_terms(type, &xq, r);
             }
         }
         if (nt > 1) {

@@ -1,7 +1,8 @@
 /* Integer products on AMX-INT8 tiles (Intel Sapphire Rapids and later) for many rows at once: a prefill, a
    verification, a batch. The same arithmetic as quant.h's chain, so the same bits as the generic kernel: a tile
-   product gives each (row, column) chunk's exact integer sum I, and the vector units then run the chain on it,
-   L = fma(D * dx, (float)I, L) chunk by chunk in order (and the offsets' O in a pass of their own).
+   product gives each (row, column) chunk's exact integer sum I, and the vector units then run the chain on it:
+   L = fma(D * dx, (float)I, L) chunk by chunk in order (and the offsets' O in a pass of their own), or the
+   K-quants' integer block sums and their fused multiply-adds at each block's end.
 
    Per 16 columns (two adjacent x8 groups) every chunk's weights are unpacked once, for all rows, into the
    layout a tile's B operand reads: row i of a chunk's B is W_i at 16 lanes (lane c: column c's inputs
@@ -84,8 +85,9 @@ static inline void qa_release(void) { _tile_release(); }
 #endif
 
 /* The 16 columns at g (two x8 groups, the second at g + G) unpacked: for chunk b, B [b][8][64] (the W_i, the
-   weights as bytes), D [b][2][16] (the scale of inputs 0-15 and of 16-31: equal but for Q6_K) and, with an
-   offset, M [b][16]; the same values quant_tile.h's tiles compute. */
+   weights as bytes) and D [b][2][16], the scale of inputs 0-15 and of 16-31 (float; the K-quants: their integer
+   scales, as int32); M [b][16], a 32-input format's offsets, or per K-quant block d [16], -dmin [16] and the
+   minimums' pairs [4][16] (as the tiles': kx8_mins); the same values quant_tile.h's tiles compute. */
 static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, float *D, float *M) {
     const int bytes = sk_q_bytes(type), at_h = sk_x8_high(type), at_q = sk_x8_quants(type);
     const int five = at_h != 0, offset = sk_q_offset(type);
@@ -108,18 +110,23 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
     const int six = type == SK_Q6_K;
     for (int blk = 0; blk < nb / 8; blk++) {
         const uint8_t *p = g + (size_t)blk * 8 * bytes;
-        const __m512 d = q16_half(p, G);
-        const __m512 ndmin = six ? d : _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(q16_half(p + 16, G)),
-                                                                             _mm512_set1_epi32((int)0x80000000u)));
+        float *Mb = M + (size_t)blk * 128;
+        _mm512_storeu_ps(Mb, q16_half(p, G));
+        if (!six) {
+            _mm512_storeu_ps(Mb + 16, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(q16_half(p + 16, G)),
+                                                                            _mm512_set1_epi32((int)0x80000000u))));
+            __m512i MN[4];
+            kx8_mins_16(p, G, MN);
+            for (int j = 0; j < 4; j++) _mm512_storeu_si512(Mb + 32 + 16 * j, MN[j]);
+        }
         __m512i U = six ? _mm512_setzero_si512() : q16_load(p + SK_KX8_U, G);
         for (int s = 0; s < 8; s++) {
             const int b = 8 * blk + s;
             const uint8_t *P = p + at_q + 128 * s;
-            __m512 Ds[2], Ms;
-            kx8_scales_16(six, p, G, s, d, ndmin, &U, Ds, &Ms);
-            _mm512_storeu_ps(D + (size_t)b * 32, Ds[0]);
-            _mm512_storeu_ps(D + (size_t)b * 32 + 16, Ds[1]);
-            if (!six) _mm512_storeu_ps(M + (size_t)b * 16, Ms);
+            __m512i SC[2];
+            kx8_scales_16(six, p, G, s, &U, SC);
+            _mm512_storeu_si512(D + (size_t)b * 32, SC[0]);
+            _mm512_storeu_si512(D + (size_t)b * 32 + 16, SC[1]);
             const __m512i H = five ? q16_load(p + at_h + 32 * s, G) : _mm512_setzero_si512();
             const __m512i T0 = six ? q16_load(p + at_h + 64 * s, G) : _mm512_setzero_si512();
             const __m512i T1 = six ? q16_load(p + at_h + 64 * s + 32, G) : _mm512_setzero_si512();
@@ -160,18 +167,24 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
 /* Rows r0..r0+R-1 (R <= 16) x the 16 unpacked columns -> sums [R][16]: each chunk's (half's) tile product
    issued two ahead of its use and stored one ahead (a store waits for its product: apart, neither the tile
    unit nor the vector units wait on the other; four C tiles and ring slots in turn), then per row the chain's
-   step L = fma(D * dx, (float)(I + zero point), L), 16 rows' chains side by side; the offsets' chain after. */
+   step, 16 rows' chains side by side: the 32-input formats' L = fma(D * dx, (float)(I + zero point), L) (the
+   offsets' chain after); the K-quants' J += scale * ((I + zero point) << xe), and at the end of each 256-input
+   block J's (and the minimums') fused multiply-adds. */
 static void qa_rows16(int type, int R, const sk_qrows *xq, int r0, const uint8_t *B, const float *D, const float *M,
                       float *sums) {
     const int k = xq->k, nb = k / 32, six = type == SK_Q6_K, q8 = type == SK_Q8_0, halves = six ? 2 : 1;
     const int depth = six ? 16 : 32, zero = sk_q_zero(type);  /* Q8_0: signed tiles, no zero point */
-    const int units = nb * halves;
+    const int units = nb * halves, kq = sk_q_block(type) == 256;
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb;
     int32_t ring[4][256] __attribute__((aligned(64)));
     __m512 acc[16];
+    __m512i J[16];
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < 16; r++) {
+        acc[r] = _mm512_setzero_ps();
+        J[r] = _mm512_setzero_si512();
+    }
     QA_ISSUE(0);
     if (units > 1) QA_ISSUE(1);
     QA_KEEP(0);
@@ -186,11 +199,32 @@ static void qa_rows16(int type, int R, const sk_qrows *xq, int r0, const uint8_t
             if (r >= R) break;
             __m512i I = _mm512_load_si512(Cu + 16 * r);
             if (zero) I = _mm512_add_epi32(I, _mm512_set1_epi32(xq->xz[((size_t)(r0 + r) * nb + b) * 2 + h]));
+            if (kq) {
+                const int32_t *sh = xq->xe + (size_t)(r0 + r) * nb + b;
+                J[r] = _mm512_add_epi32(J[r], _mm512_mullo_epi32(q16_sllv_at(I, sh), _mm512_castps_si512(Dh)));
+                continue;
+            }
             const __m512 dd = _mm512_mul_ps(Dh, _mm512_set1_ps(dx[(size_t)r * nb + b]));
             acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(I), acc[r]);
         }
+        if (!kq || b % 8 != 7 || h != halves - 1) continue;
+        /* A K-quant block's end (dx: the block's step u). */
+        const float *Mb = M + (size_t)(b / 8) * 128;
+        const __m512 d = _mm512_loadu_ps(Mb), ndmin = _mm512_loadu_ps(Mb + 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) {
+            if (r >= R) break;
+            const __m512 x = _mm512_set1_ps(dx[(size_t)r * nb + b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, x), _mm512_cvtepi32_ps(J[r]), acc[r]);
+            J[r] = _mm512_setzero_si512();
+            if (six) continue;
+            const int32_t *pairs = xq->xp + (size_t)(r0 + r) * (nb / 2) + 4 * (b / 8);
+            __m512i N = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) N = q16_dot2_at(N, _mm512_loadu_si512(Mb + 32 + 16 * j), pairs + j);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ndmin, x), _mm512_cvtepi32_ps(N), acc[r]);
+        }
     }
-    if (!sk_q_offset(type)) {
+    if (!sk_q_offset(type) || kq) {
 #pragma GCC unroll 16
         for (int r = 0; r < 16; r++)
             if (r < R) _mm512_storeu_ps(sums + 16 * r, acc[r]);

@@ -34,41 +34,55 @@ QINLINE __m128i q_bf16x8(__m256 f) {
 
 /* Integer products (quant.h's sk_q_int formats; the generic kernel's bits). */
 
-/* Row r of x quantized (sk_quantize_row_ref's values). */
-static void q8_quantize_row(const uint16_t *x, const sk_qrows *rows, int r) {
-    int k = rows->k, nb = k / 32;
+/* 32 bf16 at p widened to float32, and their largest magnitude. */
+QINLINE float q_widen32(const uint16_t *p, __m256 *v) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int b = 0; b < nb; b++) {
-        const uint16_t *xb = x + 32 * b;
-        __m256 v[4];
-        for (int i = 0; i < 4; i++)
-            v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + 8 * i))), 16));
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        float amax = _mm_cvtss_f32(m4);
-        float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
-        __m256 idv = _mm256_set1_ps(id);
-        __m256i q[4];
-        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));  /* nearest, ties even */
-        /* 32 int32 -> 32 int8 in input order. */
-        __m256i w16 = _mm256_packs_epi32(q[0], q[1]), x16 = _mm256_packs_epi32(q[2], q[3]);
-        __m256i b8 = _mm256_packs_epi16(w16, x16);
-        b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(rows->q + (size_t)r * k + 32 * b), b8);
-        __m256i x4 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), b8), _mm256_set1_epi16(1));
-        /* The 4-input sums of each half to both halves' sums (lanes 0 and 4), then the block's. */
-        x4 = _mm256_add_epi32(x4, _mm256_shuffle_epi32(x4, 0x4e));
-        x4 = _mm256_add_epi32(x4, _mm256_shuffle_epi32(x4, 0xb1));
-        int32_t *xh = rows->xh + ((size_t)r * nb + b) * 2;
-        xh[0] = _mm256_cvtsi256_si32(x4);
-        xh[1] = _mm_cvtsi128_si32(_mm256_extracti128_si256(x4, 1));
-        const int32_t sum = xh[0] + xh[1];
-        rows->d[(size_t)r * nb + b] = dx;
-        rows->s[(size_t)r * nb + b] = dx * (float)sum;
-        rows->xs[(size_t)r * nb + b] = sum;
+    for (int i = 0; i < 4; i++)
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * i))), 16));
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    return _mm_cvtss_f32(m4);
+}
+
+/* Chunk b of row r (its 32 inputs widened in v) at the step 1 / id: its xq and sk_qrows_chunk's fields. */
+QINLINE void q8_chunk(const __m256 *v, float id, const sk_qrows *rows, int r, int b, float dx, int e) {
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));  /* nearest, ties even */
+    /* 32 int32 -> 32 int8 in input order. */
+    __m256i w16 = _mm256_packs_epi32(q[0], q[1]), x16 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i b8 = _mm256_packs_epi16(w16, x16);
+    b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)(rows->q + (size_t)r * rows->k + 32 * b), b8);
+    __m256i x4 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), b8), _mm256_set1_epi16(1));
+    /* The 4-input sums of each half to both halves' sums (lanes 0 and 4). */
+    x4 = _mm256_add_epi32(x4, _mm256_shuffle_epi32(x4, 0x4e));
+    x4 = _mm256_add_epi32(x4, _mm256_shuffle_epi32(x4, 0xb1));
+    sk_qrows_chunk(rows, r, b, dx, e, _mm256_cvtsi256_si32(x4), _mm_cvtsi128_si32(_mm256_extracti128_si256(x4, 1)));
+}
+
+/* Row r of x quantized (sk_quantize_row_ref's values): per block of rows->qa inputs its largest magnitude, then
+   each 32 of them at their step. */
+static void q8_quantize_row(const uint16_t *x, const sk_qrows *rows, int r) {
+    const int nb = rows->k / 32, per = rows->qa / 32;
+    __m256 v[4];
+    for (int a = 0; a < nb; a += per) {
+        if (per == 1) {
+            const float dx = q_widen32(x + 32 * a, v) / 127.0f;
+            q8_chunk(v, dx != 0.0f ? 1.0f / dx : 0.0f, rows, r, a, dx, 0);
+            continue;
+        }
+        float amax = 0.0f, chunk[8];
+        for (int b = 0; b < per; b++) amax = fmaxf(amax, chunk[b] = q_widen32(x + 32 * (a + b), v));
+        const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+        for (int b = 0; b < per; b++) {
+            const int e = sk_q_step(chunk[b], amax);
+            q_widen32(x + 32 * (a + b), v);
+            q8_chunk(v, id * (float)(1 << e), rows, r, a + b, dx, e);
+        }
     }
 }
 

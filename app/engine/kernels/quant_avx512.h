@@ -33,6 +33,18 @@ QINLINE __m512i q16_dot4_at(__m512i acc, __m512i W, const int8_t *p) {
     return acc;
 }
 
+/* a's lanes shifted left by the int32 at n, broadcast as the instruction's memory operand (as q16_dot4_at). */
+QINLINE __m512i q16_sllv_at(__m512i a, const int32_t *n) {
+    __asm__("vpsllvd %1%{1to16%}, %0, %0" : "+v"(a) : "m"(*n));
+    return a;
+}
+
+/* acc + the sums of adjacent 16-bit products of a's lanes and the two int16 at p broadcast (VPDPWSSD). */
+QINLINE __m512i q16_dot2_at(__m512i acc, __m512i a, const int32_t *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*p));
+    return acc;
+}
+
 QINLINE __m512 q16_half(const uint8_t *p, long G) {
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
                                                    _mm_loadu_si128((const __m128i *)(p + G)), 1));

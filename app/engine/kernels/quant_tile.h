@@ -22,6 +22,11 @@
 #define QI_SLLI32 _mm256_slli_epi32
 #define QI_SET8 _mm256_set1_epi8
 #define QI_SET32 _mm256_set1_epi32
+/* a's lanes shifted left by the count at p (an int32). */
+#define QI_SLL_AT(a, p) _mm256_sllv_epi32((a), _mm256_set1_epi32(*(p)))
+#define QI_MULLO _mm256_mullo_epi32
+/* acc + the sums of adjacent 16-bit products of a's lanes and the int32 at p (its two halves) broadcast. */
+#define QI_DOT2_AT(acc, a, p) _mm256_add_epi32((acc), _mm256_madd_epi16((a), _mm256_set1_epi32(*(p))))
 #define QI_ZERO _mm256_setzero_si256
 #define QI_DOT4_AT(acc, W, p) q_dot4((acc), (W), _mm256_set1_epi32(q_load4(p)))
 #define QI_ABS8 _mm256_abs_epi8
@@ -57,6 +62,9 @@
 #define QI_SLLI32 _mm512_slli_epi32
 #define QI_SET8 _mm512_set1_epi8
 #define QI_SET32 _mm512_set1_epi32
+#define QI_SLL_AT q16_sllv_at
+#define QI_MULLO _mm512_mullo_epi32
+#define QI_DOT2_AT q16_dot2_at
 #define QI_ZERO _mm512_setzero_si512
 #define QI_DOT4_AT(acc, W, p) q16_dot4_at((acc), (W), (p))
 #define QI_ABS8 _mm512_abs_epi8
@@ -144,24 +152,36 @@ QINLINE void QT(x8_ahead)(const uint8_t *p, long row_bytes, int from, int to) {
             _mm_prefetch((const char *)(p + (Q8_AHEAD * QW + 8 * h) * row_bytes + line), _MM_HINT_T0);
 }
 
-/* A K-quant chunk s's scales for the QW columns of the group block at p: D[0], D[1] (the scales of its inputs 0-15
-   and 16-31: d times the chunk's 6-bit scale, or Q6_K's two int8 ones) and M (-dmin times its 6-bit minimum; 0
-   for Q6_K); d, ndmin: the block's d and -dmin; U: the block's top scale bits, moved on to the next chunk's. */
-QINLINE void QT(kx8_scales)(int six, const uint8_t *p, long G, int s, qt_f d, qt_f ndmin, qt_i *U, qt_f *D, qt_f *M) {
+/* A K-quant chunk s's integer scales for the QW columns of the group block at p: SC[0], SC[1], those of its inputs
+   0-15 and 16-31 (the chunk's 6-bit scale twice, or Q6_K's two int8 ones); U: the block's top scale bits, moved on
+   to the next chunk's. */
+QINLINE void QT(kx8_scales)(int six, const uint8_t *p, long G, int s, qt_i *U, qt_i *SC) {
     (void)G;
     if (six) {
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) D[h] = QF_MUL(d, QF_CVT(QI_I8(p + SK_Q6X8_C + 16 * s + 8 * h, G)));
-        *M = QF_ZERO();
+        for (int h = 0; h < 2; h++) SC[h] = QI_I8(p + SK_Q6X8_C + 16 * s + 8 * h, G);
         return;
     }
-    const qt_i low4 = QI_SET32(15), top2 = QI_SET32(0x30);
     const qt_i v = QI_U8(p + SK_KX8_S + 8 * s, G);
-    const qt_i sc = QI_OR(QI_AND(v, low4), QI_AND(QI_SLLI32(*U, 4), top2));
-    const qt_i mn = QI_OR(QI_SRLI32(v, 4), QI_AND(QI_SLLI32(*U, 2), top2));
+    SC[0] = SC[1] = QI_OR(QI_AND(v, QI_SET32(15)), QI_AND(QI_SLLI32(*U, 4), QI_SET32(0x30)));
     *U = QI_SRLI32(*U, 4);
-    D[0] = D[1] = QF_MUL(d, QF_CVT(sc));
-    *M = QF_MUL(ndmin, QF_CVT(mn));
+}
+
+/* A Q4_K or Q5_K block's 6-bit minimums for the QW columns of the group block at p, in pairs: MN[j] lane c holds
+   column c's minimum of chunk 2j in its low 16 bits and of chunk 2j + 1 in its high 16 (QI_DOT2_AT's operands, against
+   sk_qrows' xp). */
+QINLINE void QT(kx8_mins)(const uint8_t *p, long G, qt_i *MN) {
+    (void)G;
+    qt_i U = QI_LOAD(p + SK_KX8_U, G);
+    const qt_i top2 = QI_SET32(0x30);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        /* Chunk s's top bits are U's bits 4s + 2, 4s + 3 (U moved on 8 bits a pair). */
+        const qt_i lo = QI_OR(QI_SRLI32(QI_U8(p + SK_KX8_S + 16 * j, G), 4), QI_AND(QI_SLLI32(U, 2), top2));
+        const qt_i hi = QI_OR(QI_SRLI32(QI_U8(p + SK_KX8_S + 16 * j + 8, G), 4), QI_AND(QI_SRLI32(U, 2), top2));
+        MN[j] = QI_OR(lo, QI_SLLI32(hi, 16));
+        U = QI_SRLI32(U, 8);
+    }
 }
 
 /* Rows r..r+R-1 of sums [R][QW] (cc valid columns from col) finished into y (sk_finish: bias, bf16, residual). */
@@ -249,37 +269,39 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
 
 /* The K-quants' tile (Q4_K, Q5_K, Q6_K), as x8_tile: R rows (R <= QT_ROWS) x QW columns -> sums [R][QW].
 
-   Per 256-input block: d (and dmin, negated) of the columns converted once; per chunk, the columns' scales (and
-   minimums) unpacked from S and U (Q6_K: its two halves' int8 scales), then as x8_tile: 8 dot4 steps of each
-   4-byte group unpacked once for the R rows, one conversion, one multiply and one fused multiply-add per row
-   (Q6_K: two, one per half, each half's integer sum started at -32 times the row's sum of that half); the
-   minimums' chain one fused multiply-add more. */
+   Per chunk: the columns' integer scales unpacked from S and U (Q6_K: its two halves' int8 scales), then as
+   x8_tile 8 dot4 steps of each 4-byte group unpacked once for the R rows (Q6_K: a sum per half, each started at
+   -32 times the row's sum of that half); each row's integer sum of the chunk shifted to its block's step (xe) and
+   times the scales, into the row's block sum J: one integer multiply (Q6_K two) where the 32-input formats' chain
+   takes a multiply and a fused multiply-add. Per 256-input block then one conversion and one fused multiply-add
+   of J per row, and for Q4_K and Q5_K the minimums' N in four 16-bit dot products of pairs and one more. */
 QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
     const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
     const long G = 8 * row_bytes;  /* the next group (16 lanes) */
     (void)G;
     const int six = type == SK_Q6_K, five = type == SK_Q5_K, at_h = sk_x8_high(type), at_q = sk_x8_quants(type);
     const int8_t *xr = xq->q + (size_t)r0 * k;
-    const float *dx = xq->d + (size_t)r0 * nb, *sx = xq->s + (size_t)r0 * nb;
-    const int32_t *xz = xq->xz + (size_t)r0 * nb * 2;
-    qt_f acc[QT_ROWS], ov[QT_ROWS];
+    const float *ux = xq->d + (size_t)r0 * nb;
+    const int32_t *xz = xq->xz + (size_t)r0 * nb * 2, *xe = xq->xe + (size_t)r0 * nb, *xp = xq->xp + (size_t)r0 * (nb / 2);
+    qt_f acc[QT_ROWS];
 #pragma GCC unroll 8
-    for (int r = 0; r < QT_ROWS; r++) acc[r] = ov[r] = QF_ZERO();
+    for (int r = 0; r < QT_ROWS; r++) acc[r] = QF_ZERO();
     for (int blk = 0; blk < k / 256; blk++) {
         const uint8_t *p = g + (size_t)blk * 8 * bytes;
-        const qt_f d = QF_HALF(p, G);
-        const qt_f ndmin = six ? d : QF_XOR(QF_HALF(p + 16, G), QF_SET(-0.0f));
         qt_i U = six ? QI_ZERO() : QI_LOAD(p + SK_KX8_U, G);
+        qt_i J[QT_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < QT_ROWS; r++) J[r] = QI_ZERO();
 #pragma GCC unroll 1
         for (int s = 0; s < 8; s++) {
             const int b = 8 * blk + s;
             const uint8_t *P = p + at_q + 128 * s;
             /* A quarter of the group block's lines per chunk. */
             QT(x8_ahead)(p, row_bytes, 256 * s, 256 * (s + 1) < 8 * bytes ? 256 * (s + 1) : 8 * bytes);
-            qt_f D[2], M;
-            QT(kx8_scales)(six, p, G, s, d, ndmin, &U, D, &M);
+            qt_i SC[2];
+            QT(kx8_scales)(six, p, G, s, &U, SC);
             /* Two integer sums per row: Q6_K's halves; the others' even and odd groups where QT_SPLIT, added
-               before the conversion. */
+               before the shift. */
             qt_i ia[QT_ROWS], ib[QT_ROWS];
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
@@ -304,19 +326,38 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             }
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                const qt_f x = QF_SET(dx[(size_t)r * nb + b]);
+                const int32_t *sh = xe + (size_t)r * nb + b;
                 if (six) {
-                    acc[r] = QF_FMA(QF_MUL(D[0], x), QF_CVT(ia[r]), acc[r]);
-                    acc[r] = QF_FMA(QF_MUL(D[1], x), QF_CVT(ib[r]), acc[r]);
+                    J[r] = QI_ADD32(J[r], QI_MULLO(QI_SLL_AT(ia[r], sh), SC[0]));
+                    J[r] = QI_ADD32(J[r], QI_MULLO(QI_SLL_AT(ib[r], sh), SC[1]));
                 } else {
-                    acc[r] = QF_FMA(QF_MUL(D[0], x), QF_CVT(QI_ADD32(ia[r], ib[r])), acc[r]);
-                    ov[r] = QF_FMA(M, QF_SET(sx[(size_t)r * nb + b]), ov[r]);
+                    J[r] = QI_ADD32(J[r], QI_MULLO(QI_SLL_AT(QI_ADD32(ia[r], ib[r]), sh), SC[0]));
                 }
             }
         }
+        const qt_f d = QF_HALF(p, G);
+        if (six) {
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+                acc[r] = QF_FMA(QF_MUL(d, QF_SET(ux[(size_t)r * nb + 8 * blk])), QF_CVT(J[r]), acc[r]);
+            continue;
+        }
+        const qt_f ndmin = QF_XOR(QF_HALF(p + 16, G), QF_SET(-0.0f));
+        qt_i MN[4];
+        QT(kx8_mins)(p, G, MN);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const qt_f u = QF_SET(ux[(size_t)r * nb + 8 * blk]);
+            const int32_t *pairs = xp + (size_t)r * (nb / 2) + 4 * blk;
+            qt_i N = QI_ZERO();
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) N = QI_DOT2_AT(N, MN[j], pairs + j);
+            acc[r] = QF_FMA(QF_MUL(d, u), QF_CVT(J[r]), acc[r]);
+            acc[r] = QF_FMA(QF_MUL(ndmin, u), QF_CVT(N), acc[r]);
+        }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) QF_STORE(sums + QW * r, sk_q_offset(type) ? QF_ADD(acc[r], ov[r]) : acc[r]);
+    for (int r = 0; r < R; r++) QF_STORE(sums + QW * r, acc[r]);
 }
 
 /* One format's tiles, the format and the row count constants in each. */
@@ -402,6 +443,9 @@ static __attribute__((unused)) void QT(q_cols)(int type, const uint8_t *w, long 
 #undef QI_SLLI32
 #undef QI_SET8
 #undef QI_SET32
+#undef QI_SLL_AT
+#undef QI_MULLO
+#undef QI_DOT2_AT
 #undef QI_ZERO
 #undef QI_DOT4_AT
 #undef QI_ABS8
