@@ -4,9 +4,9 @@
    A weight row (one output) is k / QK blocks of its format, QK = 32 or 256 inputs per block. Every format
    takes integer products (below): the activations are quantized to 8 bits (per 32 inputs; for the K-quants per
    256 with power-of-two steps per 32) and meet the weights' integers in exact integer dot products, scaled in
-   float32. A weight's value, its integer times its scale
-   plus its offset (sk_q_ints_ref, sk_kblock), is the one the `gguf` package's (and llama.cpp's) dequantization gives, up
-   to that dequantization's own rounding (at most one: Q4_1, Q5_1 and the K-quants' offsets, Q6_K's scale). */
+   float32. A weight's value, its integer times its scale plus its offset (sk_q_ints_ref, sk_kblock), is the one
+   the `gguf` package's (and llama.cpp's) dequantization gives, up to that dequantization's own rounding (at most
+   one: Q4_1, Q5_1 and the K-quants' offsets, Q6_K's scale). */
 #ifndef SPECSERVE_KERNEL_QUANT_H
 #define SPECSERVE_KERNEL_QUANT_H
 
@@ -166,7 +166,8 @@ static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, 
         float amax = 0.0f, chunk[8];
         for (int b = 0; b < per; b++) {
             chunk[b] = 0.0f;
-            for (int i = 32 * (a + b); i < 32 * (a + b + 1); i++) chunk[b] = fmaxf(chunk[b], fabsf(sk_bf16_to_f32(x[i])));
+            for (int i = 32 * (a + b); i < 32 * (a + b + 1); i++)
+                chunk[b] = fmaxf(chunk[b], fabsf(sk_bf16_to_f32(x[i])));
             amax = fmaxf(amax, chunk[b]);
         }
         const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
@@ -196,7 +197,8 @@ static inline void sk_qrows_terms(int type, const sk_qrows *rows, int r) {
     if (rows->qa == 256 && type != SK_Q6_K) {
         const int32_t *xs = rows->xs + (size_t)r * nb, *xe = rows->xe + (size_t)r * nb;
         for (int j = 0; j < nb / 2; j++) {
-            const uint32_t lo = (uint32_t)(xs[2 * j] * (1 << xe[2 * j])), hi = (uint32_t)(xs[2 * j + 1] * (1 << xe[2 * j + 1]));
+            const uint32_t lo = (uint32_t)(xs[2 * j] * (1 << xe[2 * j]));
+            const uint32_t hi = (uint32_t)(xs[2 * j + 1] * (1 << xe[2 * j + 1]));
             rows->xp[(size_t)r * (nb / 2) + j] = (int32_t)((lo & 0xffffu) | hi << 16);
         }
     }
