@@ -145,11 +145,19 @@ QINLINE void QT(dot_step)(int type, qt_i *sum, qt_i *p16, qt_i Wa, qt_i W, const
     if (i % run == run - 1) *sum = QI_WIDEN(*sum, *p16);
 }
 
-/* Prefetch: the same block Q8_AHEAD tiles of columns ahead (the rest of this thread's share streams after). */
+/* Prefetch: the same block Q8_AHEAD tiles of columns ahead (the rest of this thread's share streams after). At 16
+   lanes into the core's second-level cache, not the first: a tile of few rows reads two groups' streams, and the
+   lines fetched two tiles ahead into the first-level cache pushed out the ones it was reading (the default target's
+   one-row step 4.7-5.2 -> 3.2-3.3 ms, docs/bench); at 8 lanes the first, where the two measured alike. */
+#if QW == 16
+#define QT_HINT _MM_HINT_T1
+#else
+#define QT_HINT _MM_HINT_T0
+#endif
 QINLINE void QT(x8_ahead)(const uint8_t *p, long row_bytes, int from, int to) {
     for (int h = 0; h < QW / 8; h++)
         for (int line = from; line < to; line += 64)
-            _mm_prefetch((const char *)(p + (Q8_AHEAD * QW + 8 * h) * row_bytes + line), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + (Q8_AHEAD * QW + 8 * h) * row_bytes + line), QT_HINT);
 }
 
 /* A K-quant chunk s's integer scales for the QW columns of the group block at p: SC[0], SC[1], those of its inputs
@@ -429,6 +437,7 @@ static __attribute__((unused)) void QT(q_cols)(int type, const uint8_t *w, long 
 
 #undef QT
 #undef QT_SPLIT
+#undef QT_HINT
 #undef QT_ROWS
 #undef qt_i
 #undef qt_f
