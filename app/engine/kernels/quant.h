@@ -219,8 +219,7 @@ static inline void sk_q_ints_ref(int type, const uint8_t *b, int *w, float *d, f
         for (int j = 0; j < 32; j++) w[j] = (int8_t)b[2 + j];
         return;
     }
-    int five = type == SK_Q5_0 || type == SK_Q5_1, off;
-    int zero = type == SK_Q4_0 ? 8 : type == SK_Q5_0 ? 16 : 0;
+    int five = type == SK_Q5_0 || type == SK_Q5_1, off, zero = sk_q_zero(type);
     uint32_t qh = 0;
     if (five) {
         const uint8_t *h = b + (type == SK_Q5_0 ? 2 : 4);
@@ -460,7 +459,7 @@ void sk_q_unpack(int type, const uint8_t *packed, long row_bytes, const int64_t 
 /* The portable definition of a K-quant integer product (sk_qlinear_int_ref's). */
 static inline void sk_qlinear_k_ref(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y,
                                     int ldy, const float *bias, int m, int k, int c0, int c1, const uint16_t *residual) {
-    const int nk = k / 256, nb = k / 32, bytes = sk_q_bytes(type), six = type == SK_Q6_K, zero = six ? 32 : 0;
+    const int nk = k / 256, nb = k / 32, bytes = sk_q_bytes(type), six = type == SK_Q6_K, zero = sk_q_zero(type);
     sk_kblock *kb = malloc(sizeof(sk_kblock) * (size_t)nk);
     for (int col = c0; col < c1; col++) {
         const uint8_t *group = w + (size_t)(col / 8) * 8 * row_bytes;

@@ -65,23 +65,17 @@ QINLINE void q8_chunk(const __m256 *v, float id, const sk_qrows *rows, int r, in
 }
 
 /* Row r of x quantized (sk_quantize_row_ref's values): per block of rows->qa inputs its largest magnitude, then
-   each 32 of them at their step. */
+   each 32 of them at their step (widened once, kept for both). */
 static void q8_quantize_row(const uint16_t *x, const sk_qrows *rows, int r) {
     const int nb = rows->k / 32, per = rows->qa / 32;
-    __m256 v[4];
+    __m256 v[8][4];
     for (int a = 0; a < nb; a += per) {
-        if (per == 1) {
-            const float dx = q_widen32(x + 32 * a, v) / 127.0f;
-            q8_chunk(v, dx != 0.0f ? 1.0f / dx : 0.0f, rows, r, a, dx, 0);
-            continue;
-        }
         float amax = 0.0f, chunk[8];
-        for (int b = 0; b < per; b++) amax = fmaxf(amax, chunk[b] = q_widen32(x + 32 * (a + b), v));
+        for (int b = 0; b < per; b++) amax = fmaxf(amax, chunk[b] = q_widen32(x + 32 * (a + b), v[b]));
         const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
         for (int b = 0; b < per; b++) {
-            const int e = sk_q_step(chunk[b], amax);
-            q_widen32(x + 32 * (a + b), v);
-            q8_chunk(v, id * (float)(1 << e), rows, r, a + b, dx, e);
+            const int e = per > 1 ? sk_q_step(chunk[b], amax) : 0;
+            q8_chunk(v[b], id * (float)(1 << e), rows, r, a + b, dx, e);
         }
     }
 }

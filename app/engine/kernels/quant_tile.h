@@ -290,7 +290,8 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
     const int six = type == SK_Q6_K, five = type == SK_Q5_K, at_h = sk_x8_high(type), at_q = sk_x8_quants(type);
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *ux = xq->d + (size_t)r0 * nb;
-    const int32_t *xz = xq->xz + (size_t)r0 * nb * 2, *xe = xq->xe + (size_t)r0 * nb, *xp = xq->xp + (size_t)r0 * (nb / 2);
+    const int32_t *xz = xq->xz + (size_t)r0 * nb * 2, *xe = xq->xe + (size_t)r0 * nb;
+    const int32_t *xp = xq->xp + (size_t)r0 * (nb / 2);
     qt_f acc[QT_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < QT_ROWS; r++) acc[r] = QF_ZERO();
