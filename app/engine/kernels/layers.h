@@ -46,6 +46,19 @@ static inline void sk_product(const sk_product_t *p, const uint16_t *x, uint16_t
 
 static inline uint16_t sk_bf16_mul(uint16_t a, uint16_t b) { return sk_f32_to_bf16(sk_bf16_to_f32(a) * sk_bf16_to_f32(b)); }
 
+/* One head's RoPE (d even): dst[i] = x[i] * c[i] + x[i +- d/2] * s[i], each product and the sum rounded to bf16
+   as torch's three operations round them. In halves, without an index modulo d, so that gcc vectorises it. */
+static inline void sk_rope_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, int d, uint16_t *dst) {
+    const int half = d / 2;
+    for (int side = 0; side < 2; side++) {
+        const int lo = side * half, other = side ? -half : half;
+        for (int i = lo; i < lo + half; i++) {
+            uint16_t a = sk_bf16_mul(x[i], c[i]), b = sk_bf16_mul(x[i + other], s[i]);
+            dst[i] = sk_f32_to_bf16(sk_bf16_to_f32(a) + sk_bf16_to_f32(b));
+        }
+    }
+}
+
 /* y [m][k] = each row of x [m][k] RMS-normalised with w and eps (bf16, as a product's op 1), plus residual
    [m][k] where given (rounded again, as sk_finish adds one). y may be x or residual: an element is read before
    it is written. k % 16 == 0. The norms a block runs outside its products (q/k, post-attention, post-MLP). */
@@ -125,11 +138,7 @@ void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, const sk_seq
             for (int hh = 0; hh < h + kv; hh++) {
                 const uint16_t *src = wide + (size_t)r * width + (size_t)hh * d;
                 uint16_t *dst = qk + (size_t)r * rot + (size_t)hh * d;
-                const uint16_t *c = lc + (size_t)r * d, *s = ls + (size_t)r * d;
-                for (int i = 0; i < d; i++) {
-                    uint16_t a = sk_bf16_mul(src[i], c[i]), b = sk_bf16_mul(src[(i + d / 2) % d], s[i]);
-                    dst[i] = sk_f32_to_bf16(sk_bf16_to_f32(a) + sk_bf16_to_f32(b));
-                }
+                sk_rope_row(src, lc + (size_t)r * d, ls + (size_t)r * d, d, dst);
             }
         int n_parts = 0;
         for (int i = 0, row = 0; i < n_seqs; row += (int)seqs[i].t, i++) {

@@ -528,6 +528,52 @@ static inline void sk_qlinear_int_ref(int type, const uint8_t *w, long row_bytes
     free(wd);
 }
 
+/* A thread's share of a product's x8 groups, in chunks of `chunk` groups (the last one shorter): the chunks
+   front..back-1 of its share not yet taken, packed in one word (front in the low 32 bits) so that the owner,
+   taking from the front, and another thread, taking from the back, claim each chunk once with one compare and
+   swap. On its own cache line: the owner's claims do not contend with the other shares'. */
+typedef struct {
+    uint64_t left __attribute__((aligned(64)));
+    int first, end;  /* the share's first group and one past its last */
+} sk_share;
+
+/* Groups per chunk for `groups` groups among `threads`: about 8 chunks a thread (a chunk is what a thread that
+   finished first can still take over), whole 16-column tiles (even), at most 64 groups (one claim each). */
+static inline int sk_share_chunk(int groups, int threads) {
+    int c = groups / (8 * threads);
+    c = c < 2 ? 2 : c > 64 ? 64 : c;
+    return c & ~1;
+}
+
+static inline void sk_share_init(sk_share *s, int g0, int g1, int chunk) {
+    s->first = g0;
+    s->end = g1;
+    __atomic_store_n(&s->left, (uint64_t)((g1 - g0 + chunk - 1) / chunk) << 32, __ATOMIC_RELAXED);
+}
+
+/* Claims the next chunk thread t computes, groups [*g0, *g1): its own share's from the front, then the others'
+   from their backs (a column's result does not depend on which thread computes it); 0 when none is left. On a
+   shared host one thread can run slower for a while, and with fixed halves the other waited for it at the end of
+   every product. */
+static inline int sk_share_take(sk_share *share, int t, int nt, int chunk, int *g0, int *g1) {
+    for (int i = 0; i < nt; i++) {
+        sk_share *s = &share[(t + i) % nt];
+        uint64_t old = __atomic_load_n(&s->left, __ATOMIC_RELAXED);
+        for (;;) {
+            const uint32_t front = (uint32_t)old, back = (uint32_t)(old >> 32);
+            if (front >= back) break;
+            const uint32_t taken = i == 0 ? front : back - 1;
+            const uint64_t next = i == 0 ? old + 1 : (uint64_t)front | (uint64_t)(back - 1) << 32;
+            if (__atomic_compare_exchange_n(&s->left, &old, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+                *g0 = s->first + chunk * (int)taken;
+                *g1 = *g0 + chunk < s->end ? *g0 + chunk : s->end;
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
 /* The frame every kernel's sk_qlinear shares: the fused op, the inputs quantized, columns shared among threads
    (a column's result does not depend on which thread computes it). */
 typedef void (*sk_qicols_fn)(int type, const uint8_t *w, long row_bytes, const sk_qrows *xq, uint16_t *y, int ldy,
@@ -540,6 +586,8 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
                                     float (*sum_squares)(const uint16_t *, int), sk_quantize_fn quantize,
                                     sk_qicols_fn icols) {
     sk_qrows xq = sk_qrows_alloc(m, k, sk_q_act(type));
+    sk_share local[8], *share = threads <= 8 ? local : aligned_alloc(64, sizeof(sk_share) * (size_t)threads);
+    const int chunk = sk_share_chunk((n + 7) / 8, threads);
     const int k_in = op == 2 || op == 3 ? 2 * k : k;  /* [gate | up] rows before SwiGLU / GeGLU */
     #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
@@ -555,15 +603,19 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
                 sk_qrows_terms(type, &xq, r);
             }
         }
-        if (nt > 1) {
+        if (nt == 1) {
+            icols(type, w, row_bytes, &xq, y, ldy, bias, m, k, 0, n, residual);
+        } else {
+            /* Columns in whole x8 groups (what the SIMD kernels take at a time), each thread's share in chunks. */
+            const int groups = (n + 7) / 8;
+            sk_share_init(&share[t], (int)((long)groups * t / nt), (int)((long)groups * (t + 1) / nt), chunk);
             #pragma omp barrier
+            int g0, g1;
+            while (sk_share_take(share, t, nt, chunk, &g0, &g1))
+                icols(type, w, row_bytes, &xq, y, ldy, bias, m, k, 8 * g0, 8 * g1 < n ? 8 * g1 : n, residual);
         }
-        /* Thread shares in multiples of 8 columns (an x8 group; what the SIMD kernels take at a time). */
-        int groups = (n + 7) / 8;
-        int c0 = 8 * (int)((long)groups * t / nt), c1 = 8 * (int)((long)groups * (t + 1) / nt);
-        if (c1 > n) c1 = n;
-        if (c0 < c1) icols(type, w, row_bytes, &xq, y, ldy, bias, m, k, c0, c1, residual);
     }
+    if (share != local) free(share);
     sk_qrows_free(&xq);
 }
 
