@@ -239,6 +239,22 @@ def test_the_layer_stack_gives_the_layer_by_layer_bits(packed_target) -> None:
         assert_layer_stack_gives_layer_by_layer_bits(packed_target(name).model)
 
 
+def test_the_final_norm_is_the_kernels(packed_target) -> None:
+    """On a kernel, the hidden states' final RMSNorm is the kernel's own (the bits of every CPU), not torch's, whose
+    sum of squares runs in an order its build's vector width sets (its plain and AVX2 builds differ)."""
+    for name in ("generic", HERE[-1]):
+        model = packed_target(name).model
+        ids = torch.tensor([[1, 504, 3, 2288, 9, 6056, 16, 1017, 30]])
+        cos, sin = model._rope(0, ids.shape[1])
+        cache = model.new_cache(32)
+        layers = model._stack(model._embed(ids), cos, sin, cache.k, cache.v, 0)
+        want = model.kernel.rms_norm(layers, model.norm.weight, model.norm.eps)
+        assert torch.equal(model.hidden(ids, 0, model.new_cache(32)), want)
+        # Many rows: where torch's order would round a value the other way (a few in a million values).
+        rows = (torch.randn(4096, want.shape[-1], generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+        assert torch.equal(model._final_norm(rows), model.kernel.rms_norm(rows, model.norm.weight, model.norm.eps))
+
+
 @pytest.mark.parametrize("name", PORTABLE)
 def test_portable_kernels_give_the_generic_kernels_bits(name: str) -> None:
     """avx512 and avx2 compute common.h's arithmetic in wider registers: the same bits as plain C."""

@@ -397,3 +397,25 @@ def test_the_default_target_decodes_natively_with_its_promises(target_path) -> N
         assert not [o for o in outs if isinstance(o, Exception)]
     assert [g.generated_ids for g in gens] == base
     assert sum(g.stats.accepted for g in gens) > 0
+
+
+def test_embedding_rows_kept_between_lookups_are_the_tables() -> None:
+    """A quantized embedding keeps the rows of its few-token lookups (a decoding step's): each lookup, one token or a
+    few, repeated or not, gives the rows a whole-table lookup gives, bit for bit; a caller writing into what it got
+    changes no later lookup; at capacity the oldest rows go; an id out of range is refused."""
+    from app.engine.model.transformer import QuantizedEmbedding
+
+    weight = random_weight("Q8_0", 40, 64, seed=3)
+    embed = QuantizedEmbedding(weight, torch.bfloat16)
+    embed._most = 5
+    table = weight.dequantize().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        ids = torch.randint(0, 40, (1, int(torch.randint(1, 4, (1,), generator=g))), generator=g)
+        got = embed(ids)
+        assert got.shape == (*ids.shape, 64) and torch.equal(got, table[ids])
+        got.fill_(7)  # the caller's tensor, not a kept row
+        assert len(embed._rows) <= 5
+    assert torch.equal(embed(torch.arange(40)[None]), table[None])  # a long lookup: the table's rows directly
+    with pytest.raises(IndexError):
+        QuantizedEmbedding(weight, torch.bfloat16)(torch.tensor([[40]]))

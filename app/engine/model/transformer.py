@@ -599,7 +599,15 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class QuantizedEmbedding(nn.Module):
     """An embedding table kept as GGUF blocks: a lookup dequantizes the rows it needs, exactly, into `dtype`
-    (the values a dequantized table in that dtype holds)."""
+    (the values a dequantized table in that dtype holds).
+
+    The rows of the last tokens looked up one or a few at a time (a decoding step's) are kept, up to
+    `_ROW_CACHE_BYTES`, the oldest dropped first: a lookup through torch's dozen small operations costs a
+    decoding step of the default target about 4 % (each runs cold, after the step's weights went through the
+    caches), and a text uses few distinct tokens."""
+
+    _ROW_CACHE_BYTES = 8 << 20
+    _FEW = 16  # lookups of at most this many ids go through the kept rows
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
@@ -607,9 +615,22 @@ class QuantizedEmbedding(nn.Module):
         # head's product, which holds the only copy (`Transformer.pack`).
         self.quantized: QuantizedWeight | kernels.QuantLinear = weight
         self.dtype = dtype
+        self._rows: dict[int, Tensor] = {}
+        self._most = max(1, self._ROW_CACHE_BYTES // (weight.in_features * torch.finfo(dtype).bits // 8))
 
     def forward(self, ids: Tensor) -> Tensor:
-        return self.quantized.rows(ids).to(self.dtype)
+        if ids.numel() > self._FEW:
+            return self.quantized.rows(ids).to(self.dtype)
+        keys = ids.reshape(-1).tolist()
+        missing = [key for key in dict.fromkeys(keys) if key not in self._rows]
+        if missing:
+            found = self.quantized.rows(torch.tensor(missing, dtype=torch.long)).to(self.dtype)
+            for key, row in zip(missing, found, strict=True):
+                if len(self._rows) >= self._most:
+                    del self._rows[next(iter(self._rows))]
+                self._rows[key] = row.clone()  # its own storage: a view would keep the whole lookup alive
+        # A new tensor: the caller may write into what it gets, never into a kept row.
+        return torch.stack([self._rows[key] for key in keys]).reshape(*ids.shape, -1)
 
 
 class DecoderBlock(nn.Module):
@@ -951,7 +972,7 @@ class Transformer(nn.Module):
                 x = layer(x, c, s, i, cache, start_pos, mask)
         if cache is not None:
             cache.length = end
-        return self.norm(x)
+        return self._final_norm(x)
 
     def _stack_for(self, caches: Sequence[KVCache]) -> kernels.LayerStack | None:
         """The layer stack, where it runs every layer and each of `caches` attends on this model's kernel."""
@@ -987,7 +1008,15 @@ class Transformer(nn.Module):
             for i, layer in enumerate(self.layers):
                 x = layer.forward_parts(x, layout, i)
         layout.advance()
-        return layout.split(self.norm(x)[0])
+        return layout.split(self._final_norm(x)[0])
+
+    def _final_norm(self, x: Tensor) -> Tensor:
+        """The final RMSNorm of hidden states x [..., dim]: the kernel's where the products run on one (the bits
+        of every CPU: torch's own sums its squares in an order that depends on the build's vector width, and 236 of
+        2.4 million bf16 values differ between its AVX2 and its plain one), else torch's."""
+        if self.kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
+            return self.kernel.rms_norm(x, self.norm.weight, self.norm.eps or 0.0)
+        return self.norm(x)
 
     @staticmethod
     def _cache_mask(cache: KVCache, start: int, t: int, mask: Tensor | None) -> Tensor:
