@@ -587,7 +587,7 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
                                     sk_qicols_fn icols) {
     sk_qrows xq = sk_qrows_alloc(m, k, sk_q_act(type));
     sk_share local[8], *share = threads <= 8 ? local : aligned_alloc(64, sizeof(sk_share) * (size_t)threads);
-    const int chunk = sk_share_chunk((n + 7) / 8, threads);
+    const int groups = (n + 7) / 8, chunk = sk_share_chunk(groups, threads);
     const int k_in = op == 2 || op == 3 ? 2 * k : k;  /* [gate | up] rows before SwiGLU / GeGLU */
     #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
@@ -607,7 +607,6 @@ static inline void sk_qlinear_frame(int type, const uint8_t *w, long row_bytes, 
             icols(type, w, row_bytes, &xq, y, ldy, bias, m, k, 0, n, residual);
         } else {
             /* Columns in whole x8 groups (what the SIMD kernels take at a time), each thread's share in chunks. */
-            const int groups = (n + 7) / 8;
             sk_share_init(&share[t], (int)((long)groups * t / nt), (int)((long)groups * (t + 1) / nt), chunk);
             #pragma omp barrier
             int g0, g1;

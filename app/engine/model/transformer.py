@@ -1015,7 +1015,7 @@ class Transformer(nn.Module):
         of every CPU: torch's own sums its squares in an order that depends on the build's vector width, and 236 of
         2.4 million bf16 values differ between its AVX2 and its plain one), else torch's."""
         if self.kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
-            return self.kernel.rms_norm(x, self.norm.weight, self.norm.eps or 0.0)
+            return self.kernel.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
 
     @staticmethod
