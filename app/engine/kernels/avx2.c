@@ -174,6 +174,12 @@ static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, 
     return 1.0f / sk_tree16(lanes);
 }
 
+/* sk_scores_fn: a row at a time. */
+static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
+                   float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
+    sk_scores_each(row_scores, H, q, n, kc, d, scale, s, inv, split, n0, tail);
+}
+
 /* Quantized weights: the AVX2 tiles of quant_avx2.h. */
 void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,
                 int m, int k, int n, int threads, int op, const uint16_t *norm_w, float eps, const uint16_t *residual,

@@ -29,21 +29,31 @@ INLINE float tree(__m512 l) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-/* tree() of 16 vectors at once: lane t of the result is tree(l[t]), by the same additions (i + i+8, i + i+4,
-   i + i+2, i + i+1), four levels of pairing two vectors' halves: after them lane 4c + e holds key c + 4e. */
-INLINE __m512 tree16x16(const __m512 *l) {
-    __m512 h[8], q[4], r[2];
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; p++)  /* keys 2p, 2p+1: lanes 0-7, 8-15 */
-        h[p] = _mm512_add_ps(_mm512_shuffle_f32x4(l[2 * p], l[2 * p + 1], 0x44), _mm512_shuffle_f32x4(l[2 * p], l[2 * p + 1], 0xee));
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++)  /* keys 4p..4p+3: 128-bit chunk c, key 4p + c */
-        q[p] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * p], h[2 * p + 1], 0x88), _mm512_shuffle_f32x4(h[2 * p], h[2 * p + 1], 0xdd));
+/* tree16x16's first two levels for keys 4p..4p+3 (l: their 4 vectors): i + i+8 pairing two keys' halves, then
+   i + i+4 pairing two pairs' quarters; 128-bit chunk c of the result holds key 4p + c's four sums. */
+INLINE __m512 tree4(const __m512 *l) {
+    const __m512 h0 = _mm512_add_ps(_mm512_shuffle_f32x4(l[0], l[1], 0x44), _mm512_shuffle_f32x4(l[0], l[1], 0xee));
+    const __m512 h1 = _mm512_add_ps(_mm512_shuffle_f32x4(l[2], l[3], 0x44), _mm512_shuffle_f32x4(l[2], l[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h0, h1, 0x88), _mm512_shuffle_f32x4(h0, h1, 0xdd));
+}
+
+/* tree16x16's last two levels over tree4 of keys 0-3, 4-7, 8-11, 12-15 (q[0..3]). */
+INLINE __m512 tree_last(const __m512 *q) {
+    __m512 r[2];
 #pragma GCC unroll 2
     for (int p = 0; p < 2; p++)  /* chunk c: keys 8p + c (lanes 0, 1) and 8p + 4 + c (lanes 2, 3) */
         r[p] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * p], q[2 * p + 1], 0x44), _mm512_shuffle_ps(q[2 * p], q[2 * p + 1], 0xee));
     const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xdd));
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+}
+
+/* tree() of 16 vectors at once: lane t of the result is tree(l[t]), by the same additions (i + i+8, i + i+4,
+   i + i+2, i + i+1), four levels of pairing two vectors' halves: after them lane 4c + e holds key c + 4e. */
+INLINE __m512 tree16x16(const __m512 *l) {
+    __m512 q[4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) q[p] = tree4(l + 4 * p);
+    return tree_last(q);
 }
 
 /* 16 floats -> 16 bf16, rounded to nearest even (NaN kept NaN), as sk_f32_to_bf16 (quant_avx512.h). */
@@ -117,46 +127,91 @@ static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, in
 #define SK_LANES 16
 #include "lanes.h"
 
-/* One query row's scores and softmax (sk_row_scores_fn). */
-static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
-                        float *qe, int n0, const int32_t *tail) {
-    int n = qpos + 1, j = 0;
-    sk_split_row(q, d, qo, qe);
-    /* 16 keys at a time: their lane sums reduced together (tree16x16), each by the tree's own additions. */
-    const __m512 sv = _mm512_set1_ps(scale);
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (; j + 16 <= n; j += 16) {
-        __m512 l[16];
-        const uint16_t *kj[16];
+/* One key's lanes (a query row split, qo and qe): its score before the tree. */
+INLINE __m512 key_lanes(const float *qo, const float *qe, const uint16_t *kj, int d) {
+    __m512 l = _mm512_setzero_ps();
+    for (int c = 0; c < d / 32; c++) {
+        __m512i v = load32bf(kj + 32 * c);
+        l = _mm512_fmadd_ps(_mm512_loadu_ps(qo + 16 * c), odd16(v), l);
+        l = _mm512_fmadd_ps(_mm512_loadu_ps(qe + 16 * c), even16(v), l);
+    }
+    return l;
+}
+
+/* Scores of keys j..j+15 for one query row (split: qo, qe) into s[j..j+15]: their lane sums reduced together
+   (tree16x16), each by the tree's own additions. */
+INLINE __m512 keys16(const float *qo, const float *qe, const uint16_t *kc, int d, int j, int n0, const int32_t *tail,
+                     __m512 sv, float *s) {
+    __m512 l[16];
+    const uint16_t *kj[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) {
+        kj[t] = kc + sk_slot(j + t, n0, tail) * d;
+        l[t] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < d / 32; c++) {
+        const __m512 o = _mm512_loadu_ps(qo + 16 * c), e = _mm512_loadu_ps(qe + 16 * c);
 #pragma GCC unroll 16
         for (int t = 0; t < 16; t++) {
-            kj[t] = kc + sk_slot(j + t, n0, tail) * d;
-            l[t] = _mm512_setzero_ps();
+            const __m512i v = load32bf(kj[t] + 32 * c);
+            l[t] = _mm512_fmadd_ps(e, even16(v), _mm512_fmadd_ps(o, odd16(v), l[t]));
+        }
+    }
+    const __m512 sc = _mm512_mul_ps(tree16x16(l), sv);
+    _mm512_storeu_ps(s + j, sc);
+    return sc;
+}
+
+/* keys16 for R (2-4) rows that read the same keys: 4 keys at a time, each key's vector loaded and split once for
+   the R rows (4R accumulators), its rows' first two tree levels taken before the next 4 keys. */
+INLINE void keys16_rows(int R, const float *const *qs, int d, const uint16_t *kc, int j, int n0, const int32_t *tail,
+                        __m512 sv, float *const *s) {
+    __m512 q[4][4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        __m512 l[4][4];
+        const uint16_t *kj[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            kj[t] = kc + sk_slot(j + 4 * p + t, n0, tail) * d;
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) l[r][t] = _mm512_setzero_ps();
         }
         for (int c = 0; c < d / 32; c++) {
-            const __m512 o = _mm512_loadu_ps(qo + 16 * c), e = _mm512_loadu_ps(qe + 16 * c);
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; t++) {
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
                 const __m512i v = load32bf(kj[t] + 32 * c);
-                l[t] = _mm512_fmadd_ps(e, even16(v), _mm512_fmadd_ps(o, odd16(v), l[t]));
+                const __m512 o = odd16(v), e = even16(v);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    l[r][t] = _mm512_fmadd_ps(_mm512_loadu_ps(qs[r] + d / 2 + 16 * c), e,
+                                              _mm512_fmadd_ps(_mm512_loadu_ps(qs[r] + 16 * c), o, l[r][t]));
             }
         }
-        const __m512 sc = _mm512_mul_ps(tree16x16(l), sv);
-        _mm512_storeu_ps(s + j, sc);
-        mv = _mm512_max_ps(mv, sc);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) q[r][p] = tree4(l[r]);
     }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(s[r] + j, _mm512_mul_ps(tree_last(q[r]), sv));
+}
+
+/* Keys j..n-1 of one row (j a multiple of 16) after its shared blocks: 16 at a time, then one at a time. */
+static void row_rest(const float *qo, const float *qe, const uint16_t *kc, int d, int j, int n, float scale, float *s,
+                     int n0, const int32_t *tail) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (; j + 16 <= n; j += 16) keys16(qo, qe, kc, d, j, n0, tail, sv, s);
+    for (; j < n; j++) s[j] = tree(key_lanes(qo, qe, kc + sk_slot(j, n0, tail) * d, d)) * scale;
+}
+
+/* A row's softmax over its scores s[0..n-1] in place (the exponentials); returns 1 / their sum. The maximum over
+   16-key blocks as vectors, then the rest one at a time (max is exact: the order does not matter but for NaN, kept
+   as before). */
+static float softmax(float *s, int n) {
+    int j = 0;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
     float mx = _mm512_reduce_max_ps(mv);
-    for (; j < n; j++) {
-        const uint16_t *kj = kc + sk_slot(j, n0, tail) * d;
-        __m512 l = _mm512_setzero_ps();
-        for (int c = 0; c < d / 32; c++) {
-            __m512i v = load32bf(kj + 32 * c);
-            l = _mm512_fmadd_ps(_mm512_loadu_ps(qo + 16 * c), odd16(v), l);
-            l = _mm512_fmadd_ps(_mm512_loadu_ps(qe + 16 * c), even16(v), l);
-        }
-        s[j] = tree(l) * scale;
-        mx = fmaxf(mx, s[j]);
-    }
+    for (; j < n; j++) mx = fmaxf(mx, s[j]);
     __m512 m16 = _mm512_set1_ps(mx), l = _mm512_setzero_ps();
     j = 0;
     for (; j + 16 <= n; j += 16) {
@@ -171,6 +226,32 @@ static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, 
         lanes[j % 16] += s[j];
     }
     return 1.0f / sk_tree16(lanes);
+}
+
+/* sk_scores_fn: rows 4 at a time share their common keys' blocks (keys16_rows); each row then its own rest. */
+static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
+                   float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int i = 0; i < H; i++) sk_split_row(q[i], d, split + (size_t)i * d, split + (size_t)i * d + d / 2);
+    for (int h0 = 0; h0 < H; h0 += 4) {
+        const int R = H - h0 < 4 ? H - h0 : 4;
+        const float *qs[4];
+        int fewest = n[h0], j = 0;
+        for (int r = 0; r < R; r++) {
+            qs[r] = split + (size_t)(h0 + r) * d;
+            fewest = n[h0 + r] < fewest ? n[h0 + r] : fewest;
+        }
+        if (R > 1)
+            for (; j + 16 <= fewest; j += 16) {
+                switch (R) {
+                    case 2: keys16_rows(2, qs, d, kc, j, n0, tail, sv, s + h0); break;
+                    case 3: keys16_rows(3, qs, d, kc, j, n0, tail, sv, s + h0); break;
+                    default: keys16_rows(4, qs, d, kc, j, n0, tail, sv, s + h0); break;
+                }
+            }
+        for (int r = 0; r < R; r++) row_rest(qs[r], qs[r] + d / 2, kc, d, j, n[h0 + r], scale, s[h0 + r], n0, tail);
+    }
+    for (int i = 0; i < H; i++) inv[i] = softmax(s[i], n[i]);
 }
 
 /* Quantized weights: quant_avx512.h's tiles, 16 columns at a time where the build has VNNI and BW (the generic bits, as on avx2). */

@@ -222,22 +222,29 @@ static inline void sk_row_keys(const part_t *pt, int tt, int32_t *path, int *qpo
 }
 
 /* The work items of an attention call: each part's new keys and values written into its cache; returned (to
-   free), first[p] part p's first item (one a row and kv head), first[n_parts] their count; *longest the longest
-   sequence (at least 16), *rows the most rows of a tree part (at least 1). */
+   free), first[p] part p's first item, first[n_parts] their count. An item is a kv head and a run of up to
+   *block consecutive rows of one chain part (a tree part's rows one at a time: their keys differ), so that the
+   rows' weighted sums of values read each value once; *block is 4, halved while that leaves fewer than four
+   items a thread. *longest the longest sequence (at least 16), *rows the most rows of a tree part (at least 1). */
 static inline long *sk_attention_items(const part_t *parts, int n_parts, int k_stride, int v_stride, int kv, int d,
-                                       int64_t *longest, int64_t *rows) {
-    long total = 0;
+                                       int threads, int *block, int64_t *longest, int64_t *rows) {
     long *first = malloc(sizeof(long) * (n_parts + 1));
     *longest = 16;
     *rows = 1;
     for (int p = 0; p < n_parts; p++) {
         sk_write_cache(&parts[p], k_stride, v_stride, kv, d);
-        first[p] = total;
-        total += parts[p].t * kv;
         if (parts[p].start + parts[p].t > *longest) *longest = parts[p].start + parts[p].t;
         if (parts[p].parent && parts[p].t > *rows) *rows = parts[p].t;
     }
-    first[n_parts] = total;
+    for (*block = 4;; *block /= 2) {
+        long total = 0;
+        for (int p = 0; p < n_parts; p++) {
+            first[p] = total;
+            total += (parts[p].parent ? parts[p].t : (parts[p].t + *block - 1) / *block) * kv;
+        }
+        first[n_parts] = total;
+        if (*block == 1 || total >= 4L * threads) break;
+    }
     return first;
 }
 
@@ -248,56 +255,87 @@ static inline long *sk_attention_items(const part_t *parts, int n_parts, int k_s
    the very bits the same row gets in sequential decoding, whose keys are those values in slots 0..qpos. */
 typedef float (*sk_row_scores_fn)(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s,
                                   float *qo, float *qe, int n0, const int32_t *tail);
-/* The weighted sums of values of H rows that read the same keys 0..n-1 (score rows s, inverses inv), every
-   dimension, into out[0..H-1]. */
-typedef void (*sk_values_fn)(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv,
+/* The scores and softmax of H rows that read the same keys: row i's query q[i] at position n[i] - 1 against keys
+   0..n[i]-1 (slots as sk_row_scores_fn's, by n0 and tail) into s[i], 1 / its sum into inv[i]; split: room for H * d
+   floats. Each row gets the bits it gets alone (sk_row_scores_fn's). */
+typedef void (*sk_scores_fn)(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
+                             float *const *s, float *inv, float *split, int n0, const int32_t *tail);
+
+/* sk_scores_fn by a kernel's one-row function, a row at a time. */
+static inline void sk_scores_each(sk_row_scores_fn row_scores, int H, const uint16_t *const *q, const int *n,
+                                  const uint16_t *kc, int d, float scale, float *const *s, float *inv, float *split,
+                                  int n0, const int32_t *tail) {
+    for (int i = 0; i < H; i++)
+        inv[i] = row_scores(q[i], n[i] - 1, kc, d, scale, s[i], split + (size_t)i * d, split + (size_t)i * d + d / 2,
+                            n0, tail);
+}
+
+/* The weighted sums of values of H rows (score rows s, inverses inv), row i over keys 0..n[i]-1, every dimension,
+   into out[0..H-1]: the rows read the same keys (their first min(n) shared; each row's chain over its own keys
+   in order, as alone). */
+typedef void (*sk_values_fn)(int H, float *const *s, const int *n, const uint16_t *vc, int d, const float *inv,
                              uint16_t *const *out, int n0, const int32_t *tail);
 
 /* Causal attention for several sequences in one call: each part's new keys and values are written into its
    cache, then its query row (t, head hh) attends keys 0..start+t of kv head hh / (h / kv) (a tree part's row: its
-   prefix and ancestors, see part_t), by the kernel's `row_scores` and `values`. Work items (part, position, kv
-   head) are shared among the threads: the heads that share a kv head read the same keys, so their weighted sums
-   of values run side by side, `side` at a time. A row's result does not depend on which thread or item. */
+   prefix and ancestors, see part_t), by the kernel's `row_scores` and `values`. Work items (a kv head and a run
+   of rows, sk_attention_items) are shared among the threads: the heads that share a kv head, and the run's rows,
+   read the same keys, so their weighted sums of values run side by side, `side` at a time. A row's result does not
+   depend on which thread or item. */
 static inline void sk_attention_heads(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h,
-                                      int kv, int d, float scale, int threads, sk_row_scores_fn row_scores,
-                                      sk_values_fn values, int side) {
+                                      int kv, int d, float scale, int threads, sk_scores_fn scores, sk_values_fn values,
+                                      int side) {
     const int group = h / kv;
+    int block;
     int64_t longest, rows;
-    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, &longest, &rows);
+    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, threads, &block, &longest, &rows);
     const long total = first[n_parts];
     const size_t span = (size_t)(longest + 16 + 15) / 16 * 16;
+    const int most = group * block;  /* rows x heads of an item */
     #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
     {
-        float qo[128] __attribute__((aligned(64))), qe[128] __attribute__((aligned(64)));
-        float *sbuf = aligned_alloc(64, sizeof(float) * span * (size_t)group);
+        float *sbuf = aligned_alloc(64, sizeof(float) * span * (size_t)most);
+        float *split = aligned_alloc(64, sizeof(float) * (size_t)d * (size_t)most);
         int32_t *path = malloc(sizeof(int32_t) * (size_t)rows);
-        float **s = malloc(sizeof(float *) * (size_t)group), *inv = malloc(sizeof(float) * (size_t)group);
-        uint16_t **out = malloc(sizeof(uint16_t *) * (size_t)group);
+        float **s = malloc(sizeof(float *) * (size_t)most), *inv = malloc(sizeof(float) * (size_t)most);
+        uint16_t **out = malloc(sizeof(uint16_t *) * (size_t)most);
+        const uint16_t **q = malloc(sizeof(uint16_t *) * (size_t)most);
+        int *n = malloc(sizeof(int) * (size_t)most);
         #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < total; it++) {
             int p = 0;
             while (first[p + 1] <= it) p++;
             const part_t *pt = &parts[p];
             const long local = it - first[p];
-            const int tt = (int)(local / kv), g = (int)(local % kv);
-            int qpos, n0;
-            const int32_t *tail;
-            sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
+            const int step = pt->parent ? 1 : block, t0 = (int)(local / kv) * step, g = (int)(local % kv);
+            const int nr = pt->t - t0 < step ? (int)pt->t - t0 : step;
             const uint16_t *kc = pt->kc + (size_t)g * pt->cap * d, *vc = pt->vc + (size_t)g * pt->cap * d;
-            for (int r = 0; r < group; r++) {
-                const int hh = g * group + r;
-                s[r] = sbuf + span * r;
-                out[r] = pt->out + (size_t)tt * h * d + (size_t)hh * d;
-                inv[r] = row_scores(pt->q + (size_t)tt * q_stride + (size_t)hh * d, qpos, kc, d, scale, s[r], qo, qe,
-                                    n0, tail);
+            int qpos = 0, n0 = 0;
+            const int32_t *tail = NULL;
+            for (int i = 0; i < nr; i++) {
+                const int tt = t0 + i;
+                sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
+                for (int r = 0; r < group; r++) {
+                    const int hh = g * group + r, at = i * group + r;
+                    s[at] = sbuf + span * at;
+                    q[at] = pt->q + (size_t)tt * q_stride + (size_t)hh * d;
+                    out[at] = pt->out + (size_t)tt * h * d + (size_t)hh * d;
+                    n[at] = qpos + 1;
+                }
             }
-            for (int r0 = 0; r0 < group; r0 += side)
-                values(group - r0 < side ? group - r0 : side, s + r0, qpos + 1, vc, d, inv + r0, out + r0, n0, tail);
+            /* A run's last row reads every key the others read (a chain: n0 = qpos + 1 for each). */
+            const int H = nr * group;
+            scores(H, q, n, kc, d, scale, s, inv, split, n0, tail);
+            for (int r0 = 0; r0 < H; r0 += side)
+                values(H - r0 < side ? H - r0 : side, s + r0, n + r0, vc, d, inv + r0, out + r0, n0, tail);
         }
+        free(n);
+        free(q);
         free(out);
         free(inv);
         free(s);
         free(path);
+        free(split);
         free(sbuf);
     }
     free(first);

@@ -71,13 +71,19 @@ static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, 
     return 1.0f / sk_tree16(lanes);
 }
 
+/* sk_scores_fn: a row at a time. */
+static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
+                   float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
+    sk_scores_each(row_scores, H, q, n, kc, d, scale, s, inv, split, n0, tail);
+}
+
 /* The weighted sums of values (sk_values_fn), one row after another. */
-static void values(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv, uint16_t *const *out,
-                   int n0, const int32_t *tail) {
+static void values(int H, float *const *s, const int *n, const uint16_t *vc, int d, const float *inv,
+                   uint16_t *const *out, int n0, const int32_t *tail) {
     float acc[256];
     for (int r = 0; r < H; r++) {
         for (int i = 0; i < d; i++) acc[i] = 0.0f;
-        for (int j = 0; j < n; j++) {
+        for (int j = 0; j < n[r]; j++) {
             const uint16_t *vj = vc + sk_slot(j, n0, tail) * d;
             for (int i = 0; i < d; i++) acc[i] = fmaf(s[r][j], sk_bf16_to_f32(vj[i]), acc[i]);
         }
@@ -87,7 +93,7 @@ static void values(int H, float *const *s, int n, const uint16_t *vc, int d, con
 
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, row_scores, values, h);
+    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, scores, values, h);
 }
 
 void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,

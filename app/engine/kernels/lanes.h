@@ -83,16 +83,13 @@ void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *b
 }
 
 /* The weighted sums of values (common.h: per dimension one fused multiply-add per key, keys in order) of H <= SK_SIDE
-   rows that read the same keys (the heads of one kv head at one position), dimensions d0..d0+W-1 (W = SK_PASS, or 32
-   for a last half pass): each value vector widened once for all of them, H times as many chains in flight. */
-INLINE void values_rows(int H, int W, float *const *s, int n, const uint16_t *vc, int d, int d0, const float *inv,
-                        uint16_t *const *out, int n0, const int32_t *tail) {
-    sk_vec acc[SK_SIDE][4];
-#pragma GCC unroll 4
-    for (int h = 0; h < SK_SIDE; h++)
-#pragma GCC unroll 4
-        for (int b = 0; b < 4; b++) acc[h][b] = sk_vzero();
-    for (int j = 0; j < n; j++) {
+   rows that read the same keys (the heads of one kv head, at one position or a run of them; row h over keys
+   0..n[h]-1), dimensions d0..d0+W-1 (W = SK_PASS, or 32 for a last half pass): each value vector widened once for
+   all of them, H times as many chains in flight. Keys past the fewest rows' last go to the rows that read them
+   only (a fused multiply-add by a zero weight could still turn -0 into +0). */
+INLINE void values_keys(int H, int W, float *const *s, const int *n, const uint16_t *vc, int d, int d0, int n0,
+                        const int32_t *tail, int j0, int j1, int check, sk_vec acc[SK_SIDE][4]) {
+    for (int j = j0; j < j1; j++) {
         const uint16_t *vj = vc + sk_slot(j, n0, tail) * d + d0;
         sk_vec v[4];
 #pragma GCC unroll 4
@@ -100,33 +97,49 @@ INLINE void values_rows(int H, int W, float *const *s, int n, const uint16_t *vc
 #pragma GCC unroll 4
         for (int h = 0; h < SK_SIDE; h++) {
             if (h >= H) break;
+            if (check && j >= n[h]) continue;
             const sk_vec p = sk_vset1(s[h][j]);
 #pragma GCC unroll 4
             for (int b = 0; b < 4; b++)
                 if (b < W / SK_LANES) acc[h][b] = sk_vfma(p, v[b], acc[h][b]);
         }
     }
+}
+
+INLINE void values_rows(int H, int W, float *const *s, const int *n, const uint16_t *vc, int d, int d0,
+                        const float *inv, uint16_t *const *out, int n0, const int32_t *tail) {
+    sk_vec acc[SK_SIDE][4];
+#pragma GCC unroll 4
+    for (int h = 0; h < SK_SIDE; h++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) acc[h][b] = sk_vzero();
+    int fewest = n[0], most = n[0];
+    for (int h = 1; h < H; h++) {
+        fewest = n[h] < fewest ? n[h] : fewest;
+        most = n[h] > most ? n[h] : most;
+    }
+    values_keys(H, W, s, n, vc, d, d0, n0, tail, 0, fewest, 0, acc);
+    values_keys(H, W, s, n, vc, d, d0, n0, tail, fewest, most, 1, acc);
     for (int h = 0; h < H; h++)
         for (int b = 0; b < W / SK_LANES; b++)
             sk_vstore(out[h] + d0 + SK_LANES * b, sk_vmul(acc[h][b], sk_vset1(inv[h])));
 }
 
 /* values_rows over every dimension (sk_values_fn). */
-static void values(int H, float *const *s, int n, const uint16_t *vc, int d, const float *inv, uint16_t *const *out,
-                   int n0, const int32_t *tail) {
+static void values(int H, float *const *s, const int *n, const uint16_t *vc, int d, const float *inv,
+                   uint16_t *const *out, int n0, const int32_t *tail) {
     int d0 = 0;
     for (; d0 + SK_PASS <= d; d0 += SK_PASS) values_rows(H, SK_PASS, s, n, vc, d, d0, inv, out, n0, tail);
     if (d0 < d) values_rows(H, 32, s, n, vc, d, d0, inv, out, n0, tail);
 }
 
-/* The source's own (sk_row_scores_fn), defined after this. */
-static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
-                        float *qe, int n0, const int32_t *tail);
+/* The source's own (sk_scores_fn), defined after this. */
+static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
+                   float *const *s, float *inv, float *split, int n0, const int32_t *tail);
 
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, row_scores, values,
-                       SK_SIDE);
+    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, scores, values, SK_SIDE);
 }
 
 #endif
