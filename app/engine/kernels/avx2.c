@@ -104,19 +104,29 @@ static void rest_tile(int R, int B, const uint16_t *w, const float *x, int k, in
 #define SK_LANES 8
 #include "lanes.h"
 
-/* tree() of 8 keys at once: a[t] is key t's lanes i + i+8 (i < 8); lane t of the result is its score's sum, by
-   the tree's own additions (i + i+4, i + i+2, i + i+1), pairing two vectors' halves at each level. */
-INLINE __m256 tree8x8(const __m256 *a) {
-    __m256 b[4], c[2];
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++)  /* keys 2p, 2p+1: i + i+4 in the low and high half */
-        b[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20), _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+/* tree8x8's first level for keys 2p, 2p+1 (a0, a1: their lanes i + i+8): i + i+4 in the low and high half. */
+INLINE __m256 tree2(__m256 a0, __m256 a1) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
+}
+
+/* tree8x8's last levels over tree2 of keys 0-1, 2-3, 4-5, 6-7 (b[0..3]). */
+INLINE __m256 tree_last(const __m256 *b) {
+    __m256 c[2];
 #pragma GCC unroll 2
     for (int p = 0; p < 2; p++)  /* half h: keys 4p + h (lanes 0, 1), 4p + 2 + h (lanes 2, 3): i + i+2 */
         c[p] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * p], b[2 * p + 1], 0x44), _mm256_shuffle_ps(b[2 * p], b[2 * p + 1], 0xee));
     /* half h: keys h, 2 + h, 4 + h, 6 + h: i + i+1 */
     const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xdd));
     return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* tree() of 8 keys at once: a[t] is key t's lanes i + i+8 (i < 8); lane t of the result is its score's sum, by
+   the tree's own additions (i + i+4, i + i+2, i + i+1), pairing two vectors' halves at each level. */
+INLINE __m256 tree8x8(const __m256 *a) {
+    __m256 b[4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) b[p] = tree2(a[2 * p], a[2 * p + 1]);
+    return tree_last(b);
 }
 
 /* One key's lanes i + i+8 (i < 8): its score before the tree's last three levels. */
@@ -132,29 +142,64 @@ INLINE __m256 key_lanes(const float *qo, const float *qe, const uint16_t *kj, in
     return _mm256_add_ps(lo, hi);
 }
 
-/* One query row's scores and softmax (sk_row_scores_fn), 8 keys at a time, their trees reduced together
-   (tree8x8). */
-static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
-                        float *qe, int n0, const int32_t *tail) {
-    int n = qpos + 1, j = 0;
-    sk_split_row(q, d, qo, qe);
+/* Scores of keys j..j+7 for two rows that read the same keys (split rows qs[0], qs[1]: odd half then even half)
+   into s[r][j..j+7]: two keys at a time, each key's vectors loaded and split once for both rows, the rows' first
+   tree level taken before the next two keys. */
+INLINE void keys8_rows2(const float *const *qs, int d, const uint16_t *kc, int j, int n0, const int32_t *tail,
+                        __m256 sv, float *const *s) {
+    __m256 b[2][4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        __m256 lo[2][2], hi[2][2];
+        const uint16_t *kj[2];
+#pragma GCC unroll 2
+        for (int t = 0; t < 2; t++) {
+            kj[t] = kc + sk_slot(j + 2 * p + t, n0, tail) * d;
+            lo[0][t] = hi[0][t] = lo[1][t] = hi[1][t] = _mm256_setzero_ps();
+        }
+        for (int c = 0; c < d / 32; c++) {
+#pragma GCC unroll 2
+            for (int t = 0; t < 2; t++) {
+                const __m256i vlo = load16bf(kj[t] + 32 * c), vhi = load16bf(kj[t] + 32 * c + 16);
+                const __m256 ol = odd8(vlo), el = even8(vlo), oh = odd8(vhi), eh = even8(vhi);
+#pragma GCC unroll 2
+                for (int r = 0; r < 2; r++) {
+                    const float *qo = qs[r] + 16 * c, *qe = qs[r] + d / 2 + 16 * c;
+                    lo[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(qe), el, _mm256_fmadd_ps(_mm256_loadu_ps(qo), ol, lo[r][t]));
+                    hi[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 8), eh, _mm256_fmadd_ps(_mm256_loadu_ps(qo + 8), oh, hi[r][t]));
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++)
+            b[r][p] = tree2(_mm256_add_ps(lo[r][0], hi[r][0]), _mm256_add_ps(lo[r][1], hi[r][1]));
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; r++) _mm256_storeu_ps(s[r] + j, _mm256_mul_ps(tree_last(b[r]), sv));
+}
+
+/* Keys j..n-1 of one row (j a multiple of 8) after its shared blocks: 8 at a time, then one at a time. */
+static void row_rest(const float *qo, const float *qe, const uint16_t *kc, int d, int j, int n, float scale, float *s,
+                     int n0, const int32_t *tail) {
     const __m256 sv = _mm256_set1_ps(scale);
-    __m256 mv = _mm256_set1_ps(-INFINITY);
     for (; j + 8 <= n; j += 8) {
         __m256 a[8];
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) a[t] = key_lanes(qo, qe, kc + sk_slot(j + t, n0, tail) * d, d);
-        const __m256 sc = _mm256_mul_ps(tree8x8(a), sv);
-        _mm256_storeu_ps(s + j, sc);
-        mv = _mm256_max_ps(mv, sc);
+        _mm256_storeu_ps(s + j, _mm256_mul_ps(tree8x8(a), sv));
     }
+    for (; j < n; j++) s[j] = tree8(key_lanes(qo, qe, kc + sk_slot(j, n0, tail) * d, d)) * scale;
+}
+
+/* A row's softmax over its scores s[0..n-1] in place (the exponentials); returns 1 / their sum. */
+static float softmax(float *s, int n) {
+    int j = 0;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
     float m8[8], mx = -INFINITY;
     _mm256_storeu_ps(m8, mv);
     for (int t = 0; t < 8; t++) mx = fmaxf(mx, m8[t]);
-    for (; j < n; j++) {
-        s[j] = tree8(key_lanes(qo, qe, kc + sk_slot(j, n0, tail) * d, d)) * scale;
-        mx = fmaxf(mx, s[j]);
-    }
+    for (; j < n; j++) mx = fmaxf(mx, s[j]);
     __m256 m = _mm256_set1_ps(mx), lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     j = 0;
     for (; j + 16 <= n; j += 16) {
@@ -174,10 +219,21 @@ static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, 
     return 1.0f / sk_tree16(lanes);
 }
 
-/* sk_scores_fn: a row at a time. */
+/* sk_scores_fn: rows 2 at a time share their common keys' blocks (keys8_rows2); each row then its own rest. */
 static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
                    float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
-    sk_scores_each(row_scores, H, q, n, kc, d, scale, s, inv, split, n0, tail);
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int i = 0; i < H; i++) sk_split_row(q[i], d, split + (size_t)i * d, split + (size_t)i * d + d / 2);
+    for (int h0 = 0; h0 < H; h0 += 2) {
+        const int R = H - h0 < 2 ? H - h0 : 2;
+        const float *qs[2] = {split + (size_t)h0 * d, split + (size_t)(h0 + R - 1) * d};
+        const int fewest = n[h0] < n[h0 + R - 1] ? n[h0] : n[h0 + R - 1];
+        int j = 0;
+        if (R == 2)
+            for (; j + 8 <= fewest; j += 8) keys8_rows2(qs, d, kc, j, n0, tail, sv, s + h0);
+        for (int r = 0; r < R; r++) row_rest(qs[r], qs[r] + d / 2, kc, d, j, n[h0 + r], scale, s[h0 + r], n0, tail);
+    }
+    for (int i = 0; i < H; i++) inv[i] = softmax(s[i], n[i]);
 }
 
 /* Quantized weights: the AVX2 tiles of quant_avx2.h. */
