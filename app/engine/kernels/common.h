@@ -261,15 +261,6 @@ typedef float (*sk_row_scores_fn)(const uint16_t *q, int qpos, const uint16_t *k
 typedef void (*sk_scores_fn)(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
                              float *const *s, float *inv, float *split, int n0, const int32_t *tail);
 
-/* sk_scores_fn by a kernel's one-row function, a row at a time. */
-static inline void sk_scores_each(sk_row_scores_fn row_scores, int H, const uint16_t *const *q, const int *n,
-                                  const uint16_t *kc, int d, float scale, float *const *s, float *inv, float *split,
-                                  int n0, const int32_t *tail) {
-    for (int i = 0; i < H; i++)
-        inv[i] = row_scores(q[i], n[i] - 1, kc, d, scale, s[i], split + (size_t)i * d, split + (size_t)i * d + d / 2,
-                            n0, tail);
-}
-
 /* The weighted sums of values of H rows (score rows s, inverses inv), row i over keys 0..n[i]-1, every dimension,
    into out[0..H-1]: the rows read the same keys (their first min(n) shared; each row's chain over its own keys
    in order, as alone). */
@@ -278,7 +269,7 @@ typedef void (*sk_values_fn)(int H, float *const *s, const int *n, const uint16_
 
 /* Causal attention for several sequences in one call: each part's new keys and values are written into its
    cache, then its query row (t, head hh) attends keys 0..start+t of kv head hh / (h / kv) (a tree part's row: its
-   prefix and ancestors, see part_t), by the kernel's `row_scores` and `values`. Work items (a kv head and a run
+   prefix and ancestors, see part_t), by the kernel's `scores` and `values`. Work items (a kv head and a run
    of rows, sk_attention_items) are shared among the threads: the heads that share a kv head, and the run's rows,
    read the same keys, so their weighted sums of values run side by side, `side` at a time. A row's result does not
    depend on which thread or item. */

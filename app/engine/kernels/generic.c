@@ -74,7 +74,9 @@ static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, 
 /* sk_scores_fn: a row at a time. */
 static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
                    float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
-    sk_scores_each(row_scores, H, q, n, kc, d, scale, s, inv, split, n0, tail);
+    for (int i = 0; i < H; i++)
+        inv[i] = row_scores(q[i], n[i] - 1, kc, d, scale, s[i], split + (size_t)i * d, split + (size_t)i * d + d / 2,
+                            n0, tail);
 }
 
 /* The weighted sums of values (sk_values_fn), one row after another. */

@@ -1,7 +1,7 @@
 /* The drivers avx2.c and avx512.c share, written once over the width of a float vector (the idea of ggml's
    simd-mappings.h): the column-block tiling of the bf16 products, sk_linear, and attention's driver with its
    weighted sums of values. Each source defines SK_LANES (8: AVX2's __m256, 16: AVX-512's __m512), its helpers
-   (widenN, storeN, sum_squares), its tile and rest_tile and, after including this, its row_scores; what
+   (widenN, storeN, sum_squares), its tile and rest_tile and, after including this, its scores; what
    differs by width is named once below. The arithmetic is the same chain on either width (and the generic
    kernel's), so the bits do not depend on which source runs it. */
 #ifndef SPECSERVE_KERNEL_LANES_H
