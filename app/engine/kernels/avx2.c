@@ -219,21 +219,11 @@ static float softmax(float *s, int n) {
     return 1.0f / sk_tree16(lanes);
 }
 
-/* sk_scores_fn: rows 2 at a time share their common keys' blocks (keys8_rows2); each row then its own rest. */
-static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
-                   float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
-    const __m256 sv = _mm256_set1_ps(scale);
-    for (int i = 0; i < H; i++) sk_split_row(q[i], d, split + (size_t)i * d, split + (size_t)i * d + d / 2);
-    for (int h0 = 0; h0 < H; h0 += 2) {
-        const int R = H - h0 < 2 ? H - h0 : 2;
-        const float *qs[2] = {split + (size_t)h0 * d, split + (size_t)(h0 + R - 1) * d};
-        const int fewest = n[h0] < n[h0 + R - 1] ? n[h0] : n[h0 + R - 1];
-        int j = 0;
-        if (R == 2)
-            for (; j + 8 <= fewest; j += 8) keys8_rows2(qs, d, kc, j, n0, tail, sv, s + h0);
-        for (int r = 0; r < R; r++) row_rest(qs[r], qs[r] + d / 2, kc, d, j, n[h0 + r], scale, s[h0 + r], n0, tail);
-    }
-    for (int i = 0; i < H; i++) inv[i] = softmax(s[i], n[i]);
+/* keys_rows (lanes.h): SK_SHARE is 2, so R is. */
+INLINE void keys_rows(int R, const float *const *qs, int d, const uint16_t *kc, int j, int n0, const int32_t *tail,
+                      float scale, float *const *s) {
+    (void)R;
+    keys8_rows2(qs, d, kc, j, n0, tail, _mm256_set1_ps(scale), s);
 }
 
 /* Quantized weights: the AVX2 tiles of quant_avx2.h. */

@@ -228,30 +228,15 @@ static float softmax(float *s, int n) {
     return 1.0f / sk_tree16(lanes);
 }
 
-/* sk_scores_fn: rows 4 at a time share their common keys' blocks (keys16_rows); each row then its own rest. */
-static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
-                   float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
+/* keys_rows (lanes.h): keys16_rows at the row count. */
+INLINE void keys_rows(int R, const float *const *qs, int d, const uint16_t *kc, int j, int n0, const int32_t *tail,
+                      float scale, float *const *s) {
     const __m512 sv = _mm512_set1_ps(scale);
-    for (int i = 0; i < H; i++) sk_split_row(q[i], d, split + (size_t)i * d, split + (size_t)i * d + d / 2);
-    for (int h0 = 0; h0 < H; h0 += 4) {
-        const int R = H - h0 < 4 ? H - h0 : 4;
-        const float *qs[4];
-        int fewest = n[h0], j = 0;
-        for (int r = 0; r < R; r++) {
-            qs[r] = split + (size_t)(h0 + r) * d;
-            fewest = n[h0 + r] < fewest ? n[h0 + r] : fewest;
-        }
-        if (R > 1)
-            for (; j + 16 <= fewest; j += 16) {
-                switch (R) {
-                    case 2: keys16_rows(2, qs, d, kc, j, n0, tail, sv, s + h0); break;
-                    case 3: keys16_rows(3, qs, d, kc, j, n0, tail, sv, s + h0); break;
-                    default: keys16_rows(4, qs, d, kc, j, n0, tail, sv, s + h0); break;
-                }
-            }
-        for (int r = 0; r < R; r++) row_rest(qs[r], qs[r] + d / 2, kc, d, j, n[h0 + r], scale, s[h0 + r], n0, tail);
+    switch (R) {
+        case 2: keys16_rows(2, qs, d, kc, j, n0, tail, sv, s); break;
+        case 3: keys16_rows(3, qs, d, kc, j, n0, tail, sv, s); break;
+        default: keys16_rows(4, qs, d, kc, j, n0, tail, sv, s); break;
     }
-    for (int i = 0; i < H; i++) inv[i] = softmax(s[i], n[i]);
 }
 
 /* Quantized weights: quant_avx512.h's tiles, 16 columns at a time where the build has VNNI and BW (the generic bits, as on avx2). */

@@ -197,11 +197,11 @@ static inline uint16_t sk_finish(float sum, const float *bias, int col, const ui
     return y;
 }
 
-/* The cache slot of key j (see sk_row_scores_fn). */
+/* The cache slot of key j (see sk_scores_fn). */
 static inline size_t sk_slot(int j, int n0, const int32_t *tail) { return j < n0 ? (size_t)j : (size_t)tail[j - n0]; }
 
 /* A row's keys: its position qpos and where its keys lie past the contiguous prefix (n0, tail; see
-   sk_row_scores_fn). For a tree part, `path` (room for t ints) receives the slots of the row's ancestors
+   sk_scores_fn). For a tree part, `path` (room for t ints) receives the slots of the row's ancestors
    and its own, root first. */
 static inline void sk_row_keys(const part_t *pt, int tt, int32_t *path, int *qpos, int *n0, const int32_t **tail) {
     int start = (int)pt->start;
@@ -248,16 +248,12 @@ static inline long *sk_attention_items(const part_t *parts, int n_parts, int k_s
     return first;
 }
 
-/* One query row's scores and softmax: q [d] at position qpos against keys 0..qpos of one kv head's cache (kc:
-   [cap][d]) into s[0..qpos], the exponentials (s: scratch for qpos + 17 floats; qo, qe: for the split query);
-   returns 1 / their sum. Key j lies in slot j for j < n0 and in slot tail[j - n0] after (a tree row's ancestors,
-   sk_slot); a chain row has n0 = qpos + 1. The arithmetic runs over key indices j, never slots: a tree row gets
-   the very bits the same row gets in sequential decoding, whose keys are those values in slots 0..qpos. */
-typedef float (*sk_row_scores_fn)(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s,
-                                  float *qo, float *qe, int n0, const int32_t *tail);
-/* The scores and softmax of H rows that read the same keys: row i's query q[i] at position n[i] - 1 against keys
-   0..n[i]-1 (slots as sk_row_scores_fn's, by n0 and tail) into s[i], 1 / its sum into inv[i]; split: room for H * d
-   floats. Each row gets the bits it gets alone (sk_row_scores_fn's). */
+/* The scores and softmax of H rows that read the same keys of one kv head's cache (kc: [cap][d]): row i's query
+   q[i] at position n[i] - 1 against keys 0..n[i]-1 into s[i] (room for n[i] + 16 floats), the exponentials, and 1 /
+   their sum into inv[i]; split: room for H * d floats. Key j lies in slot j for j < n0 and in slot tail[j - n0]
+   after (a tree row's ancestors, sk_slot); a chain's rows have n0 >= n[i]. The arithmetic runs over key indices j,
+   never slots, and each row's alone: a tree row gets the very bits the same row gets in sequential decoding, whose
+   keys are those values in slots 0..n[i]-1, and a row the bits it gets beside any others. */
 typedef void (*sk_scores_fn)(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
                              float *const *s, float *inv, float *split, int n0, const int32_t *tail);
 

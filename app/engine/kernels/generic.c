@@ -46,7 +46,7 @@ void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *b
     free(xf);
 }
 
-/* One query row's scores and softmax (sk_row_scores_fn). */
+/* One query row's scores and softmax (sk_scores_fn's for one row: q at qpos, qo and qe its split halves). */
 static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
                         float *qe, int n0, const int32_t *tail) {
     int n = qpos + 1;

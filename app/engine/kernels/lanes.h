@@ -18,6 +18,9 @@ typedef __m512 sk_vec;
 /* Attention's values: 4 heads side by side, 64 dimensions a pass (4 registers a head, 16 accumulators). */
 #define SK_SIDE 4
 #define SK_PASS 64
+/* Attention's scores: 4 queries share each block of 16 keys (avx512.c's keys_rows). */
+#define SK_SHARE 4
+#define SK_KEYS 16
 /* 32 registers: a block holds 32 columns (two registers per slot); three rows left over still fit two blocks. */
 #define SK_COLS 32
 #define SK_REST_BLOCKS(rest) ((rest) == 1 ? 4 : (rest) <= 3 ? 2 : 1)
@@ -33,6 +36,9 @@ typedef __m256 sk_vec;
    value vectors fill the 16). */
 #define SK_SIDE 3
 #define SK_PASS 32
+/* Attention's scores: 2 queries share each block of 8 keys (avx2.c's keys_rows). */
+#define SK_SHARE 2
+#define SK_KEYS 8
 /* 16 registers: a block holds 16 columns; past 12 accumulators gcc spills, so 3-5 rows left over take one. */
 #define SK_COLS 16
 #define SK_REST_BLOCKS(rest) ((rest) == 1 ? 4 : (rest) == 2 ? 2 : 1)
@@ -133,9 +139,34 @@ static void values(int H, float *const *s, const int *n, const uint16_t *vc, int
     if (d0 < d) values_rows(H, 32, s, n, vc, d, d0, inv, out, n0, tail);
 }
 
-/* The source's own (sk_scores_fn), defined after this. */
+/* The source's own, defined after this: the scores of keys j..j+SK_KEYS-1 for R (2..SK_SHARE) split queries qs
+   (odd half, then even half) that read the same keys, into s[r][j..] (keys_rows); one query's keys j..n-1 after
+   its shared blocks (j a multiple of SK_KEYS; row_rest); a query's softmax over its scores in place, returning 1 /
+   the exponentials' sum (softmax). Each key's score is the tree of its own lanes whichever of them computes it. */
+INLINE void keys_rows(int R, const float *const *qs, int d, const uint16_t *kc, int j, int n0, const int32_t *tail,
+                      float scale, float *const *s);
+static void row_rest(const float *qo, const float *qe, const uint16_t *kc, int d, int j, int n, float scale, float *s,
+                     int n0, const int32_t *tail);
+static float softmax(float *s, int n);
+
+/* sk_scores_fn: queries SK_SHARE at a time share their common keys' blocks (keys_rows); each then its own rest. */
 static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
-                   float *const *s, float *inv, float *split, int n0, const int32_t *tail);
+                   float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
+    for (int i = 0; i < H; i++) sk_split_row(q[i], d, split + (size_t)i * d, split + (size_t)i * d + d / 2);
+    for (int h0 = 0; h0 < H; h0 += SK_SHARE) {
+        const int R = H - h0 < SK_SHARE ? H - h0 : SK_SHARE;
+        const float *qs[SK_SHARE];
+        int fewest = n[h0], j = 0;
+        for (int r = 0; r < R; r++) {
+            qs[r] = split + (size_t)(h0 + r) * d;
+            fewest = n[h0 + r] < fewest ? n[h0 + r] : fewest;
+        }
+        if (R > 1)
+            for (; j + SK_KEYS <= fewest; j += SK_KEYS) keys_rows(R, qs, d, kc, j, n0, tail, scale, s + h0);
+        for (int r = 0; r < R; r++) row_rest(qs[r], qs[r] + d / 2, kc, d, j, n[h0 + r], scale, s[h0 + r], n0, tail);
+    }
+    for (int i = 0; i < H; i++) inv[i] = softmax(s[i], n[i]);
+}
 
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
