@@ -143,6 +143,34 @@ def test_attention_rows_depend_only_on_themselves(kern, kv: int, heads: int, sta
     assert torch.equal(_attend(kern, q, k, v, start), whole)
 
 
+@pytest.mark.parametrize(("kv", "heads", "d"), [(3, 9, 64), (1, 4, 256)])
+def test_long_context_rows_get_the_same_bits_on_one_thread_and_two(kern, kv: int, heads: int, d: int) -> None:
+    # At a long context a decoding row's few items (3 kv heads for 2 threads, or 1) are shared among the threads:
+    # the scores and exponentials by ranges of keys, the weighted sums by ranges of dimensions; a small tree's rows
+    # likewise. Their bits stay those of one thread, and a chain row's those it gets among many rows.
+    if not kernels.attention_fits(kern, d, torch.bfloat16, torch.device("cpu")):
+        assert d % kern.spec.head_multiple, "every other head size this test takes must run"
+        return
+    g = torch.Generator().manual_seed(12)
+    start, t = 900, 5
+    k = torch.randn(kv, start + t + 20, d, generator=g).bfloat16()
+    v = torch.randn(kv, start + t + 20, d, generator=g).bfloat16()
+    q = torch.randn(1, t, heads, d, generator=g).bfloat16()
+    whole = _attend(kern, q, k, v, start)
+    for i in (0, 4):
+        assert_same_on_1_and_2_threads(lambda i=i: _attend(kern, q[:, i : i + 1], k, v, start + i), whole[:, i : i + 1])
+    if kern.trees:
+        parents = torch.tensor([-1, 0, 0], dtype=torch.int32)  # the root, its child, and that child's sibling
+        new_k, new_v = (c[:, start : start + 3].transpose(0, 1)[None].contiguous() for c in (k, v))
+
+        def tree() -> torch.Tensor:
+            return kern.attention(q[:, :3], new_k, new_v, [(0, 3, k, v, start, parents)])
+
+        rows = tree()
+        assert torch.equal(rows[:, :2], whole[:, :2])  # the root and its child: the chain's first two rows
+        assert_same_on_1_and_2_threads(tree, rows)
+
+
 def test_attention_of_several_sequences_in_one_call(kern) -> None:
     # A batch's call writes each sequence's new keys into its own cache and gives each the bits it gets alone.
     g = torch.Generator().manual_seed(8)
@@ -185,6 +213,11 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
     q8 = torch.randn(1, 5, 8, 128, generator=g).bfloat16()
     kc8 = torch.randn(1, 90, 128, generator=g).bfloat16()
     vc8 = torch.randn(1, 90, 128, generator=g).bfloat16()
+    # Long contexts whose rows' few items the threads share (sk_attention_shared).
+    kc_long = torch.randn(3, 900, 64, generator=g).bfloat16()
+    vc_long = torch.randn(3, 900, 64, generator=g).bfloat16()
+    kc8_long = torch.randn(1, 600, 128, generator=g).bfloat16()
+    vc8_long = torch.randn(1, 600, 128, generator=g).bfloat16()
     return [
         kern.linear(w, b)(x),
         kern.linear(w, None)(x, norm=norm_w, eps=1e-5),
@@ -195,6 +228,8 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
         _attend(kern, q, kc, vc, 250),
         _attend(kern, q[:, :1], kc, vc, 3),
         _attend(kern, q8, kc8, vc8, 41),
+        _attend(kern, q[:, :1], kc_long, vc_long, 850),
+        _attend(kern, q8[:, :1], kc8_long, vc8_long, 555),
     ]
 
 

@@ -1,6 +1,7 @@
-"""What the cached attention of a step costs on a CPU kernel, by context length and query rows: 30 layers' calls
-(SmolLM2-135M's shape: 9 heads on 3 kv heads of 64 dimensions), each layer over its own cache, so the keys and
-values stream from memory as in a forward; medians of N (default 9) on T threads (default 2).
+"""What the cached attention of a step costs on a CPU kernel, by context length and query rows: a model's layers'
+calls (SHAPE=heads,kv_heads,head_dim,layers; default SmolLM2-135M's 9,3,64,30; Gemma 3 270M's 4,1,256,18), each
+layer over its own cache, so the keys and values stream from memory as in a forward; medians of N (default 9) on
+T threads (default 2).
 
 Run: .venv/bin/python tools/measure_attention.py [KERNEL]   (default: the one `auto` selects; CTX=300,2000
 ROWS=1,8 to choose the grid)
@@ -21,7 +22,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("T", "2")))
     kern = kernels.load(sys.argv[1]) if len(sys.argv) > 1 else kernels.kernel()
     assert kern is not None, "no CPU kernel here"
-    heads, kv, d, layers = 9, 3, 64, 30
+    heads, kv, d, layers = (int(x) for x in os.environ.get("SHAPE", "9,3,64,30").split(","))
     contexts = [int(c) for c in os.environ.get("CTX", "300,2000").split(",")]
     grid_rows = [int(r) for r in os.environ.get("ROWS", "1,8").split(",")]
     capacity = max(contexts) + max(grid_rows)
@@ -42,7 +43,8 @@ def main() -> None:
                 for kc, vc in caches:
                     kern.attention(q, k, v, [(0, rows, kc, vc, ctx)])
                 times.append(time.perf_counter() - t0)
-            print(f"context {ctx:5d}, {rows:2d} rows: {statistics.median(times) * 1e3:.2f} ms (30 layers)", flush=True)
+            ms = statistics.median(times) * 1e3
+            print(f"context {ctx:5d}, {rows:2d} rows: {ms:.2f} ms ({layers} layers)", flush=True)
 
 
 if __name__ == "__main__":

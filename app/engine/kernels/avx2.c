@@ -191,34 +191,6 @@ static void row_rest(const float *qo, const float *qe, const uint16_t *kc, int d
     for (; j < n; j++) s[j] = tree8(key_lanes(qo, qe, kc + sk_slot(j, n0, tail) * d, d)) * scale;
 }
 
-/* A row's softmax over its scores s[0..n-1] in place (the exponentials); returns 1 / their sum. */
-static float softmax(float *s, int n) {
-    int j = 0;
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-    float m8[8], mx = -INFINITY;
-    _mm256_storeu_ps(m8, mv);
-    for (int t = 0; t < 8; t++) mx = fmaxf(mx, m8[t]);
-    for (; j < n; j++) mx = fmaxf(mx, s[j]);
-    __m256 m = _mm256_set1_ps(mx), lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    j = 0;
-    for (; j + 16 <= n; j += 16) {
-        __m256 a = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m)), b = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), m));
-        _mm256_storeu_ps(s + j, a);
-        _mm256_storeu_ps(s + j + 8, b);
-        lo = _mm256_add_ps(lo, a);
-        hi = _mm256_add_ps(hi, b);
-    }
-    float lanes[16];
-    _mm256_storeu_ps(lanes, lo);
-    _mm256_storeu_ps(lanes + 8, hi);
-    for (; j < n; j++) {
-        s[j] = sk_exp(s[j] - mx);
-        lanes[j % 16] += s[j];
-    }
-    return 1.0f / sk_tree16(lanes);
-}
-
 /* keys_rows (lanes.h): SK_SHARE is 2, so R is. */
 INLINE void keys_rows(int R, const float *const *qs, int d, const uint16_t *kc, int j, int n0, const int32_t *tail,
                       float scale, float *const *s) {

@@ -203,31 +203,6 @@ static void row_rest(const float *qo, const float *qe, const uint16_t *kc, int d
     for (; j < n; j++) s[j] = tree(key_lanes(qo, qe, kc + sk_slot(j, n0, tail) * d, d)) * scale;
 }
 
-/* A row's softmax over its scores s[0..n-1] in place (the exponentials); returns 1 / their sum. The maximum over
-   16-key blocks as vectors, then the rest one at a time (max is exact: the order does not matter but for NaN, kept
-   as before). */
-static float softmax(float *s, int n) {
-    int j = 0;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
-    float mx = _mm512_reduce_max_ps(mv);
-    for (; j < n; j++) mx = fmaxf(mx, s[j]);
-    __m512 m16 = _mm512_set1_ps(mx), l = _mm512_setzero_ps();
-    j = 0;
-    for (; j + 16 <= n; j += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
-        _mm512_storeu_ps(s + j, e);
-        l = _mm512_add_ps(l, e);
-    }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, l);
-    for (; j < n; j++) {
-        s[j] = sk_exp(s[j] - mx);
-        lanes[j % 16] += s[j];
-    }
-    return 1.0f / sk_tree16(lanes);
-}
-
 /* keys_rows (lanes.h): keys16_rows at the row count. */
 INLINE void keys_rows(int R, const float *const *qs, int d, const uint16_t *kc, int j, int n0, const int32_t *tail,
                       float scale, float *const *s) {

@@ -248,82 +248,223 @@ static inline long *sk_attention_items(const part_t *parts, int n_parts, int k_s
     return first;
 }
 
-/* The scores and softmax of H rows that read the same keys of one kv head's cache (kc: [cap][d]): row i's query
-   q[i] at position n[i] - 1 against keys 0..n[i]-1 into s[i] (room for n[i] + 16 floats), the exponentials, and 1 /
-   their sum into inv[i]; split: room for H * d floats. Key j lies in slot j for j < n0 and in slot tail[j - n0]
-   after (a tree row's ancestors, sk_slot); a chain's rows have n0 >= n[i]. The arithmetic runs over key indices j,
-   never slots, and each row's alone: a tree row gets the very bits the same row gets in sequential decoding, whose
-   keys are those values in slots 0..n[i]-1, and a row the bits it gets beside any others. */
-typedef void (*sk_scores_fn)(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
-                             float *const *s, float *inv, float *split, int n0, const int32_t *tail);
+/* What a kernel gives attention: the steps of H rows that read the same keys of one kv head's cache (kc, vc:
+   [cap][d]), row i at position n[i] - 1 reading keys 0..n[i]-1, its scores in s[i] (room for n[i] + 16 floats).
+   Key j lies in slot j for j < n0 and in slot tail[j - n0] after (a tree row's ancestors, sk_slot); a chain's
+   rows have n0 >= n[i]. The arithmetic runs over key indices j, never slots, and each row's alone: a tree row gets
+   the very bits the same row gets in sequential decoding, whose keys are those values in slots 0..n[i]-1, and a
+   row the bits it gets beside any others, and whichever range of keys or dimensions a step is given.
+   - keys: the scaled scores of keys j0..min(j1, n[i])-1 (j0 a multiple of 16) into s[i][j], each key's the tree of
+     its own lanes; qs[i] is row i's query split (sk_split_row: odd half, then even half);
+   - peak: the largest of s[0..n-1];
+   - exps: s[j] = exp(s[j] - mx) for j0 <= j < j1, in place;
+   - sum: 1 / the sum of s[0..n-1], in 16 lanes by key index mod 16, keys in order, then the tree;
+   - values: the weighted sums of values of H <= side rows (inverses inv), row i over keys 0..n[i]-1, dimensions
+     d0..d1-1 (multiples of 32), into out[0..H-1] (each dimension's chain over its row's keys in order). */
+typedef struct {
+    void (*keys)(int H, const float *const *qs, const int *n, const uint16_t *kc, int d, float scale, float *const *s,
+                 int n0, const int32_t *tail, int j0, int j1);
+    float (*peak)(const float *s, int n);
+    void (*exps)(float *s, int j0, int j1, float mx);
+    float (*sum)(const float *s, int n);
+    void (*values)(int H, float *const *s, const int *n, const uint16_t *vc, int d, const float *inv,
+                   uint16_t *const *out, int n0, const int32_t *tail, int d0, int d1);
+    int side;
+} sk_attention_kernel;
 
-/* The weighted sums of values of H rows (score rows s, inverses inv), row i over keys 0..n[i]-1, every dimension,
-   into out[0..H-1]: the rows read the same keys (their first min(n) shared; each row's chain over its own keys
-   in order, as alone). */
-typedef void (*sk_values_fn)(int H, float *const *s, const int *n, const uint16_t *vc, int d, const float *inv,
-                             uint16_t *const *out, int n0, const int32_t *tail);
+/* An attention call's shape and its work items (sk_attention_items). */
+typedef struct {
+    const part_t *parts;
+    const long *first;
+    int n_parts, q_stride, h, kv, d, block;
+} sk_attention_call;
+
+/* One thread's room for an item: its rows' score rows (span floats each, where span > 0), split queries,
+   pointers to both, inverses, outputs, queries, key counts and a tree row's path; two allocations. */
+typedef struct {
+    float *sbuf, *split, **s, **qs, *inv;
+    uint16_t **out;
+    const uint16_t **q;
+    int *n;
+    int32_t *path;
+} sk_item_room;
+
+static inline void sk_room_alloc(sk_item_room *r, size_t span, int most, int d, int64_t rows) {
+    const size_t m = (size_t)most;
+    r->sbuf = aligned_alloc(64, sizeof(float) * (span + (size_t)d) * m);
+    r->split = r->sbuf + span * m;
+    void **p = malloc(sizeof(void *) * 4 * m + sizeof(float) * m + sizeof(int) * m + sizeof(int32_t) * (size_t)rows);
+    r->s = (float **)p;
+    r->qs = (float **)(p + m);
+    r->out = (uint16_t **)(p + 2 * m);
+    r->q = (const uint16_t **)(p + 3 * m);
+    r->inv = (float *)(p + 4 * m);
+    r->n = (int *)(r->inv + m);
+    r->path = (int32_t *)(r->n + m);
+}
+
+static inline void sk_room_free(sk_item_room *r) {
+    free(r->s);
+    free(r->sbuf);
+}
+
+/* Item `it`'s rows into room (score rows span apart from sbuf): returns H (rows x heads, a run's rows in order,
+   each row's heads in order); *kc, *vc its kv head's caches, *n0 and *tail its keys past the prefix. A run's
+   last row reads every key the others read (a chain: n0 = its position + 1). */
+static inline int sk_item_rows(const sk_attention_call *c, long it, sk_item_room *room, float *sbuf, size_t span,
+                               const uint16_t **kc, const uint16_t **vc, int *n0, const int32_t **tail) {
+    const int group = c->h / c->kv, d = c->d;
+    int p = 0;
+    while (c->first[p + 1] <= it) p++;
+    const part_t *pt = &c->parts[p];
+    const long local = it - c->first[p];
+    const int step = pt->parent ? 1 : c->block, t0 = (int)(local / c->kv) * step, g = (int)(local % c->kv);
+    const int nr = pt->t - t0 < step ? (int)pt->t - t0 : step;
+    *kc = pt->kc + (size_t)g * pt->cap * d;
+    *vc = pt->vc + (size_t)g * pt->cap * d;
+    int qpos = 0;
+    for (int i = 0; i < nr; i++) {
+        const int tt = t0 + i;
+        sk_row_keys(pt, tt, room->path, &qpos, n0, tail);
+        for (int r = 0; r < group; r++) {
+            const int hh = g * group + r, at = i * group + r;
+            room->s[at] = sbuf + span * at;
+            room->q[at] = pt->q + (size_t)tt * c->q_stride + (size_t)hh * d;
+            room->out[at] = pt->out + (size_t)tt * c->h * d + (size_t)hh * d;
+            room->n[at] = qpos + 1;
+        }
+    }
+    return nr * group;
+}
+
+/* The queries of an item's rows split (room->qs). */
+static inline void sk_item_split(sk_item_room *room, int H, int d) {
+    for (int i = 0; i < H; i++) {
+        room->qs[i] = room->split + (size_t)i * d;
+        sk_split_row(room->q[i], d, room->split + (size_t)i * d, room->split + (size_t)i * d + d / 2);
+    }
+}
+
+/* An item's weighted sums of values over dimensions d0..d1-1, `side` rows at a time. */
+static inline void sk_item_values(const sk_attention_kernel *K, sk_item_room *room, int H, const uint16_t *vc, int d,
+                                  int n0, const int32_t *tail, int d0, int d1) {
+    for (int r0 = 0; r0 < H; r0 += K->side)
+        K->values(H - r0 < K->side ? H - r0 : K->side, room->s + r0, room->n + r0, vc, d, room->inv + r0,
+                  room->out + r0, n0, tail, d0, d1);
+}
+
+/* Scores' multiply-adds (keys x heads x dimensions) of the item slots the threads' last round would leave idle,
+   from which the items' steps are shared (sk_attention_shared): below, the two barriers cost more. */
+#define SK_SHARED_IDLE (1L << 17)
+
+/* Too few items for the threads (a decoding step's 3 kv heads on 2 threads leave one thread idle a third of the
+   time; Gemma 3's one kv head, half): each item's steps split among the threads in ranges that leave every
+   result's bits as they are. The scores of a range of keys, and their peak, each; after a barrier, the
+   exponentials of a range of keys each (a row's peak the largest of its ranges': max is exact); after another,
+   the weighted sums of values of a range of dimensions each (every thread takes a row's sum over all its keys
+   itself, in key order). */
+static inline void sk_attention_shared(const sk_attention_call *c, long total, const sk_attention_kernel *K,
+                                       float scale, int threads, size_t span, int most, int64_t longest,
+                                       int64_t rows) {
+    const int d = c->d;
+    const int chunk = (int)((longest + threads - 1) / threads + 15) / 16 * 16;
+    /* Ranges of dimensions in whole pairs of 64-byte lines of each value (threads reading halves of the same pair
+       would each fetch both: the prefetchers pull lines in pairs). */
+    const int pairs = (d + 63) / 64, dparts = pairs < threads ? pairs : threads;
+    const int dims = (pairs + dparts - 1) / dparts * 64;
+    float *sbuf = aligned_alloc(64, sizeof(float) * span * (size_t)most * (size_t)total);
+    float *tops = malloc(sizeof(float) * (size_t)most * (size_t)total * (size_t)threads);  /* [item][row][range] */
+    #pragma omp parallel num_threads(threads)
+    {
+        sk_item_room room;
+        sk_room_alloc(&room, 0, most, d, rows);
+        const uint16_t *kc = NULL, *vc = NULL;
+        int n0 = 0;
+        const int32_t *tail = NULL;
+        #pragma omp for schedule(static)
+        for (long u = 0; u < total * threads; u++) {
+            const long it = u / threads;
+            const int H = sk_item_rows(c, it, &room, sbuf + span * most * it, span, &kc, &vc, &n0, &tail);
+            const int j0 = (int)(u % threads) * chunk;
+            float *top = tops + (size_t)most * threads * it + u % threads;
+            if (j0 < room.n[H - 1]) {
+                sk_item_split(&room, H, d);
+                K->keys(H, (const float *const *)room.qs, room.n, kc, d, scale, room.s, n0, tail, j0, j0 + chunk);
+            }
+            for (int i = 0; i < H; i++) {
+                const int j1 = j0 + chunk < room.n[i] ? j0 + chunk : room.n[i];
+                top[(size_t)threads * i] = j0 < j1 ? K->peak(room.s[i] + j0, j1 - j0) : -INFINITY;
+            }
+        }
+        #pragma omp for schedule(static)
+        for (long u = 0; u < total * threads; u++) {
+            const long it = u / threads;
+            const int H = sk_item_rows(c, it, &room, sbuf + span * most * it, span, &kc, &vc, &n0, &tail);
+            const int j0 = (int)(u % threads) * chunk;
+            for (int i = 0; i < H; i++) {
+                if (j0 >= room.n[i]) continue;
+                const float *top = tops + (size_t)most * threads * it + (size_t)threads * i;
+                float mx = top[0];
+                for (int r = 1; r < threads; r++) mx = fmaxf(mx, top[r]);
+                K->exps(room.s[i], j0, j0 + chunk < room.n[i] ? j0 + chunk : room.n[i], mx);
+            }
+        }
+        #pragma omp for schedule(static)
+        for (long u = 0; u < total * dparts; u++) {
+            const long it = u / dparts;
+            const int H = sk_item_rows(c, it, &room, sbuf + span * most * it, span, &kc, &vc, &n0, &tail);
+            const int d0 = (int)(u % dparts) * dims;
+            if (d0 >= d) continue;
+            for (int i = 0; i < H; i++) room.inv[i] = K->sum(room.s[i], room.n[i]);
+            sk_item_values(K, &room, H, vc, d, n0, tail, d0, d0 + dims < d ? d0 + dims : d);
+        }
+        sk_room_free(&room);
+    }
+    free(tops);
+    free(sbuf);
+}
 
 /* Causal attention for several sequences in one call: each part's new keys and values are written into its
    cache, then its query row (t, head hh) attends keys 0..start+t of kv head hh / (h / kv) (a tree part's row: its
-   prefix and ancestors, see part_t), by the kernel's `scores` and `values`. Work items (a kv head and a run
-   of rows, sk_attention_items) are shared among the threads: the heads that share a kv head, and the run's rows,
-   read the same keys, so their weighted sums of values run side by side, `side` at a time. A row's result does not
-   depend on which thread or item. */
+   prefix and ancestors, see part_t), by the kernel's steps K. Work items (a kv head and a run of rows,
+   sk_attention_items) are shared among the threads: the heads that share a kv head, and the run's rows, read
+   the same keys, so their scores share each key's load and their weighted sums of values run side by side,
+   K->side at a time. Too few items for the threads at long contexts share each item (sk_attention_shared). A
+   row's result does not depend on which thread or item. */
 static inline void sk_attention_heads(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h,
-                                      int kv, int d, float scale, int threads, sk_scores_fn scores, sk_values_fn values,
-                                      int side) {
-    const int group = h / kv;
-    int block;
+                                      int kv, int d, float scale, int threads, const sk_attention_kernel *K) {
+    sk_attention_call c = {parts, NULL, n_parts, q_stride, h, kv, d, 0};
     int64_t longest, rows;
-    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, threads, &block, &longest, &rows);
+    long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, threads, &c.block, &longest, &rows);
+    c.first = first;
     const long total = first[n_parts];
     const size_t span = (size_t)(longest + 16 + 15) / 16 * 16;
-    const int most = group * block;  /* rows x heads of an item */
+    const int most = h / kv * c.block;  /* rows x heads of an item */
+    const long idle = (total + threads - 1) / threads * threads - total;
+    if (threads > 1 && total < 2 * threads && idle * longest * (h / kv) * d >= SK_SHARED_IDLE) {
+        sk_attention_shared(&c, total, K, scale, threads, span, most, longest, rows);
+        free(first);
+        return;
+    }
     #pragma omp parallel num_threads(threads) if (threads > 1 && total > 1)
     {
-        float *sbuf = aligned_alloc(64, sizeof(float) * span * (size_t)most);
-        float *split = aligned_alloc(64, sizeof(float) * (size_t)d * (size_t)most);
-        int32_t *path = malloc(sizeof(int32_t) * (size_t)rows);
-        float **s = malloc(sizeof(float *) * (size_t)most), *inv = malloc(sizeof(float) * (size_t)most);
-        uint16_t **out = malloc(sizeof(uint16_t *) * (size_t)most);
-        const uint16_t **q = malloc(sizeof(uint16_t *) * (size_t)most);
-        int *n = malloc(sizeof(int) * (size_t)most);
+        sk_item_room room;
+        sk_room_alloc(&room, span, most, d, rows);
+        const uint16_t *kc = NULL, *vc = NULL;
+        int n0 = 0;
+        const int32_t *tail = NULL;
         #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < total; it++) {
-            int p = 0;
-            while (first[p + 1] <= it) p++;
-            const part_t *pt = &parts[p];
-            const long local = it - first[p];
-            const int step = pt->parent ? 1 : block, t0 = (int)(local / kv) * step, g = (int)(local % kv);
-            const int nr = pt->t - t0 < step ? (int)pt->t - t0 : step;
-            const uint16_t *kc = pt->kc + (size_t)g * pt->cap * d, *vc = pt->vc + (size_t)g * pt->cap * d;
-            int qpos = 0, n0 = 0;
-            const int32_t *tail = NULL;
-            for (int i = 0; i < nr; i++) {
-                const int tt = t0 + i;
-                sk_row_keys(pt, tt, path, &qpos, &n0, &tail);
-                for (int r = 0; r < group; r++) {
-                    const int hh = g * group + r, at = i * group + r;
-                    s[at] = sbuf + span * at;
-                    q[at] = pt->q + (size_t)tt * q_stride + (size_t)hh * d;
-                    out[at] = pt->out + (size_t)tt * h * d + (size_t)hh * d;
-                    n[at] = qpos + 1;
-                }
+            const int H = sk_item_rows(&c, it, &room, room.sbuf, span, &kc, &vc, &n0, &tail);
+            sk_item_split(&room, H, d);
+            K->keys(H, (const float *const *)room.qs, room.n, kc, d, scale, room.s, n0, tail, 0, room.n[H - 1]);
+            for (int i = 0; i < H; i++) {
+                K->exps(room.s[i], 0, room.n[i], K->peak(room.s[i], room.n[i]));
+                room.inv[i] = K->sum(room.s[i], room.n[i]);
             }
-            /* A run's last row reads every key the others read (a chain: n0 = qpos + 1 for each). */
-            const int H = nr * group;
-            scores(H, q, n, kc, d, scale, s, inv, split, n0, tail);
-            for (int r0 = 0; r0 < H; r0 += side)
-                values(H - r0 < side ? H - r0 : side, s + r0, n + r0, vc, d, inv + r0, out + r0, n0, tail);
+            sk_item_values(K, &room, H, vc, d, n0, tail, 0, d);
         }
-        free(n);
-        free(q);
-        free(out);
-        free(inv);
-        free(s);
-        free(path);
-        free(split);
-        free(sbuf);
+        sk_room_free(&room);
     }
     free(first);
 }

@@ -46,56 +46,58 @@ void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *b
     free(xf);
 }
 
-/* One query row's scores and softmax (sk_scores_fn's for one row: q at qpos, qo and qe its split halves). */
-static float row_scores(const uint16_t *q, int qpos, const uint16_t *kc, int d, float scale, float *s, float *qo,
-                        float *qe, int n0, const int32_t *tail) {
-    int n = qpos + 1;
-    sk_split_row(q, d, qo, qe);
+/* The attention steps (common.h's sk_attention_kernel), a row at a time. */
+static void keys(int H, const float *const *qs, const int *n, const uint16_t *kc, int d, float scale, float *const *s,
+                 int n0, const int32_t *tail, int j0, int j1) {
+    for (int r = 0; r < H; r++) {
+        const float *qo = qs[r], *qe = qs[r] + d / 2;
+        for (int j = j0; j < n[r] && j < j1; j++) {
+            const uint16_t *kj = kc + sk_slot(j, n0, tail) * d;
+            float l[16] = {0};
+            for (int c = 0; c < d / 32; c++)
+                for (int i = 0; i < 16; i++) {
+                    l[i] = fmaf(qo[16 * c + i], sk_bf16_to_f32(kj[32 * c + 2 * i + 1]), l[i]);
+                    l[i] = fmaf(qe[16 * c + i], sk_bf16_to_f32(kj[32 * c + 2 * i]), l[i]);
+                }
+            s[r][j] = sk_tree16(l) * scale;
+        }
+    }
+}
+
+static float peak(const float *s, int n) {
     float mx = -INFINITY;
-    for (int j = 0; j < n; j++) {
-        const uint16_t *kj = kc + sk_slot(j, n0, tail) * d;
-        float l[16] = {0};
-        for (int c = 0; c < d / 32; c++)
-            for (int i = 0; i < 16; i++) {
-                l[i] = fmaf(qo[16 * c + i], sk_bf16_to_f32(kj[32 * c + 2 * i + 1]), l[i]);
-                l[i] = fmaf(qe[16 * c + i], sk_bf16_to_f32(kj[32 * c + 2 * i]), l[i]);
-            }
-        s[j] = sk_tree16(l) * scale;
-        mx = fmaxf(mx, s[j]);
-    }
+    for (int j = 0; j < n; j++) mx = fmaxf(mx, s[j]);
+    return mx;
+}
+
+static void exps(float *s, int j0, int j1, float mx) {
+    for (int j = j0; j < j1; j++) s[j] = sk_exp(s[j] - mx);
+}
+
+static float sum(const float *s, int n) {
     float lanes[16] = {0};
-    for (int j = 0; j < n; j++) {
-        s[j] = sk_exp(s[j] - mx);
-        lanes[j % 16] += s[j];
-    }
+    for (int j = 0; j < n; j++) lanes[j % 16] += s[j];
     return 1.0f / sk_tree16(lanes);
 }
 
-/* sk_scores_fn: a row at a time. */
-static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
-                   float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
-    for (int i = 0; i < H; i++)
-        inv[i] = row_scores(q[i], n[i] - 1, kc, d, scale, s[i], split + (size_t)i * d, split + (size_t)i * d + d / 2,
-                            n0, tail);
-}
-
-/* The weighted sums of values (sk_values_fn), one row after another. */
 static void values(int H, float *const *s, const int *n, const uint16_t *vc, int d, const float *inv,
-                   uint16_t *const *out, int n0, const int32_t *tail) {
+                   uint16_t *const *out, int n0, const int32_t *tail, int d0, int d1) {
     float acc[256];
     for (int r = 0; r < H; r++) {
-        for (int i = 0; i < d; i++) acc[i] = 0.0f;
+        for (int i = d0; i < d1; i++) acc[i] = 0.0f;
         for (int j = 0; j < n[r]; j++) {
             const uint16_t *vj = vc + sk_slot(j, n0, tail) * d;
-            for (int i = 0; i < d; i++) acc[i] = fmaf(s[r][j], sk_bf16_to_f32(vj[i]), acc[i]);
+            for (int i = d0; i < d1; i++) acc[i] = fmaf(s[r][j], sk_bf16_to_f32(vj[i]), acc[i]);
         }
-        for (int i = 0; i < d; i++) out[r][i] = sk_f32_to_bf16(acc[i] * inv[r]);
+        for (int i = d0; i < d1; i++) out[r][i] = sk_f32_to_bf16(acc[i] * inv[r]);
     }
 }
 
+static const sk_attention_kernel attention_kernel = {keys, peak, exps, sum, values, 1};
+
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, scores, values, h);
+    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, &attention_kernel);
 }
 
 void sk_qlinear(int type, const uint8_t *w, long row_bytes, const uint16_t *x, uint16_t *y, int ldy, const float *bias,

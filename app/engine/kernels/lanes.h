@@ -1,7 +1,7 @@
 /* The drivers avx2.c and avx512.c share, written once over the width of a float vector (the idea of ggml's
-   simd-mappings.h): the column-block tiling of the bf16 products, sk_linear, and attention's driver with its
-   weighted sums of values. Each source defines SK_LANES (8: AVX2's __m256, 16: AVX-512's __m512), its helpers
-   (widenN, storeN, sum_squares), its tile and rest_tile and, after including this, its scores; what
+   simd-mappings.h): the column-block tiling of the bf16 products, sk_linear, and attention's steps but the key
+   blocks' scores. Each source defines SK_LANES (8: AVX2's __m256, 16: AVX-512's __m512), its helpers (widenN,
+   storeN, expN, sum_squares), its tile and rest_tile and, after including this, its keys_rows and row_rest; what
    differs by width is named once below. The arithmetic is the same chain on either width (and the generic
    kernel's), so the bits do not depend on which source runs it. */
 #ifndef SPECSERVE_KERNEL_LANES_H
@@ -13,6 +13,12 @@ typedef __m512 sk_vec;
 #define sk_vset1 _mm512_set1_ps
 #define sk_vfma _mm512_fmadd_ps
 #define sk_vmul _mm512_mul_ps
+#define sk_vadd _mm512_add_ps
+#define sk_vsub _mm512_sub_ps
+#define sk_vmax _mm512_max_ps
+#define sk_vload _mm512_loadu_ps
+#define sk_vput _mm512_storeu_ps
+#define sk_vexp exp16
 #define sk_vwiden widen16
 #define sk_vstore store16
 /* Attention's values: 4 heads side by side, 64 dimensions a pass (4 registers a head, 16 accumulators). */
@@ -30,6 +36,12 @@ typedef __m256 sk_vec;
 #define sk_vset1 _mm256_set1_ps
 #define sk_vfma _mm256_fmadd_ps
 #define sk_vmul _mm256_mul_ps
+#define sk_vadd _mm256_add_ps
+#define sk_vsub _mm256_sub_ps
+#define sk_vmax _mm256_max_ps
+#define sk_vload _mm256_loadu_ps
+#define sk_vput _mm256_storeu_ps
+#define sk_vexp exp8
 #define sk_vwiden widen8
 #define sk_vstore store8
 /* Attention's values: 3 heads side by side, 32 dimensions a pass (4 registers a head: 12 accumulators and the 4
@@ -112,65 +124,120 @@ INLINE void values_keys(int H, int W, float *const *s, const int *n, const uint1
     }
 }
 
-INLINE void values_rows(int H, int W, float *const *s, const int *n, const uint16_t *vc, int d, int d0,
-                        const float *inv, uint16_t *const *out, int n0, const int32_t *tail) {
+/* values_keys over keys ja..jb-1 of every row, the accumulators carried in `carry` ([SK_SIDE][4][SK_LANES]). */
+INLINE void values_rows(int H, int W, float *const *s, const int *n, const uint16_t *vc, int d, int d0, int n0,
+                        const int32_t *tail, int ja, int jb, float *carry) {
     sk_vec acc[SK_SIDE][4];
 #pragma GCC unroll 4
     for (int h = 0; h < SK_SIDE; h++)
 #pragma GCC unroll 4
-        for (int b = 0; b < 4; b++) acc[h][b] = sk_vzero();
+        for (int b = 0; b < 4; b++) acc[h][b] = sk_vload(carry + (4 * h + b) * SK_LANES);
     int fewest = n[0], most = n[0];
     for (int h = 1; h < H; h++) {
         fewest = n[h] < fewest ? n[h] : fewest;
         most = n[h] > most ? n[h] : most;
     }
-    values_keys(H, W, s, n, vc, d, d0, n0, tail, 0, fewest, 0, acc);
-    values_keys(H, W, s, n, vc, d, d0, n0, tail, fewest, most, 1, acc);
-    for (int h = 0; h < H; h++)
-        for (int b = 0; b < W / SK_LANES; b++)
-            sk_vstore(out[h] + d0 + SK_LANES * b, sk_vmul(acc[h][b], sk_vset1(inv[h])));
+    values_keys(H, W, s, n, vc, d, d0, n0, tail, ja, fewest < jb ? fewest : jb, 0, acc);
+    values_keys(H, W, s, n, vc, d, d0, n0, tail, fewest > ja ? fewest : ja, most < jb ? most : jb, 1, acc);
+#pragma GCC unroll 4
+    for (int h = 0; h < SK_SIDE; h++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) sk_vput(carry + (4 * h + b) * SK_LANES, acc[h][b]);
 }
 
-/* values_rows over every dimension (sk_values_fn). */
+/* Bytes of values a block of keys of the weighted sums over more than one pass of dimensions: the passes after
+   the first find the block's values in the core's L2 (every pass over every key reads them from memory again
+   once they outgrow it), while the blocks stay long enough for the prefetchers' streams. */
+#define SK_VALUE_BYTES (256 * 1024)
+
+/* values_rows over dimensions d0..d1-1 (sk_attention_kernel's values): one pass at a time over every key, or
+   (more than one pass) the passes in turn over each block of SK_VALUE_BYTES. */
 static void values(int H, float *const *s, const int *n, const uint16_t *vc, int d, const float *inv,
-                   uint16_t *const *out, int n0, const int32_t *tail) {
-    int d0 = 0;
-    for (; d0 + SK_PASS <= d; d0 += SK_PASS) values_rows(H, SK_PASS, s, n, vc, d, d0, inv, out, n0, tail);
-    if (d0 < d) values_rows(H, 32, s, n, vc, d, d0, inv, out, n0, tail);
+                   uint16_t *const *out, int n0, const int32_t *tail, int d0, int d1) {
+    float carry[256 / 32 * SK_SIDE * 4 * SK_LANES] __attribute__((aligned(64)));
+    const int size = SK_SIDE * 4 * SK_LANES;
+    memset(carry, 0, sizeof(float) * (size_t)((d1 - d0 + SK_PASS - 1) / SK_PASS * size));
+    int most = n[0];
+    for (int h = 1; h < H; h++) most = n[h] > most ? n[h] : most;
+    const int block = d1 - d0 > SK_PASS ? SK_VALUE_BYTES / (2 * d) : most;
+    for (int ja = 0; ja < most; ja += block)
+        for (int dd = d0, p = 0; dd < d1; dd += SK_PASS, p++) {
+            if (dd + SK_PASS <= d1)
+                values_rows(H, SK_PASS, s, n, vc, d, dd, n0, tail, ja, ja + block, carry + p * size);
+            else
+                values_rows(H, 32, s, n, vc, d, dd, n0, tail, ja, ja + block, carry + p * size);
+        }
+    for (int dd = d0, p = 0; dd < d1; dd += SK_PASS, p++)
+        for (int h = 0; h < H; h++)
+            for (int b = 0; b < (d1 - dd < SK_PASS ? d1 - dd : SK_PASS) / SK_LANES; b++)
+                sk_vstore(out[h] + dd + SK_LANES * b, sk_vmul(sk_vload(carry + p * size + (4 * h + b) * SK_LANES),
+                                                            sk_vset1(inv[h])));
 }
 
 /* The source's own, defined after this: the scores of keys j..j+SK_KEYS-1 for R (2..SK_SHARE) split queries qs
    (odd half, then even half) that read the same keys, into s[r][j..] (keys_rows); one query's keys j..n-1 after
-   its shared blocks (j a multiple of SK_KEYS; row_rest); a query's softmax over its scores in place, returning 1 /
-   the exponentials' sum (softmax). Each key's score is the tree of its own lanes whichever of them computes it. */
+   its shared blocks (j a multiple of SK_KEYS; row_rest). Each key's score is the tree of its own lanes whichever
+   of them computes it. */
 INLINE void keys_rows(int R, const float *const *qs, int d, const uint16_t *kc, int j, int n0, const int32_t *tail,
                       float scale, float *const *s);
 static void row_rest(const float *qo, const float *qe, const uint16_t *kc, int d, int j, int n, float scale, float *s,
                      int n0, const int32_t *tail);
-static float softmax(float *s, int n);
 
-/* sk_scores_fn: queries SK_SHARE at a time share their common keys' blocks (keys_rows); each then its own rest. */
-static void scores(int H, const uint16_t *const *q, const int *n, const uint16_t *kc, int d, float scale,
-                   float *const *s, float *inv, float *split, int n0, const int32_t *tail) {
-    for (int i = 0; i < H; i++) sk_split_row(q[i], d, split + (size_t)i * d, split + (size_t)i * d + d / 2);
+/* sk_attention_kernel's keys: queries SK_SHARE at a time share their common keys' blocks (keys_rows); each then
+   its own rest of the range. */
+static void keys(int H, const float *const *qs, const int *n, const uint16_t *kc, int d, float scale, float *const *s,
+                 int n0, const int32_t *tail, int j0, int j1) {
     for (int h0 = 0; h0 < H; h0 += SK_SHARE) {
         const int R = H - h0 < SK_SHARE ? H - h0 : SK_SHARE;
-        const float *qs[SK_SHARE];
-        int fewest = n[h0], j = 0;
-        for (int r = 0; r < R; r++) {
-            qs[r] = split + (size_t)(h0 + r) * d;
-            fewest = n[h0 + r] < fewest ? n[h0 + r] : fewest;
-        }
+        int fewest = j1, j = j0;
+        for (int r = 0; r < R; r++) fewest = n[h0 + r] < fewest ? n[h0 + r] : fewest;
         if (R > 1)
-            for (; j + SK_KEYS <= fewest; j += SK_KEYS) keys_rows(R, qs, d, kc, j, n0, tail, scale, s + h0);
-        for (int r = 0; r < R; r++) row_rest(qs[r], qs[r] + d / 2, kc, d, j, n[h0 + r], scale, s[h0 + r], n0, tail);
+            for (; j + SK_KEYS <= fewest; j += SK_KEYS) keys_rows(R, qs + h0, d, kc, j, n0, tail, scale, s + h0);
+        for (int r = 0; r < R; r++)
+            row_rest(qs[h0 + r], qs[h0 + r] + d / 2, kc, d, j, n[h0 + r] < j1 ? n[h0 + r] : j1, scale, s[h0 + r], n0,
+                     tail);
     }
-    for (int i = 0; i < H; i++) inv[i] = softmax(s[i], n[i]);
 }
+
+/* sk_attention_kernel's peak: blocks as vectors, then the rest one at a time (max is exact: the order does not
+   matter but for NaN). */
+static float peak(const float *s, int n) {
+    int j = 0;
+    sk_vec mv = sk_vset1(-INFINITY);
+    for (; j + SK_LANES <= n; j += SK_LANES) mv = sk_vmax(mv, sk_vload(s + j));
+    float m[SK_LANES], mx = -INFINITY;
+    sk_vput(m, mv);
+    for (int t = 0; t < SK_LANES; t++) mx = fmaxf(mx, m[t]);
+    for (; j < n; j++) mx = fmaxf(mx, s[j]);
+    return mx;
+}
+
+/* sk_attention_kernel's exps (the vector exp is sk_exp's bits). */
+static void exps(float *s, int j0, int j1, float mx) {
+    const sk_vec m = sk_vset1(mx);
+    int j = j0;
+    for (; j + SK_LANES <= j1; j += SK_LANES) sk_vput(s + j, sk_vexp(sk_vsub(sk_vload(s + j), m)));
+    for (; j < j1; j++) s[j] = sk_exp(s[j] - mx);
+}
+
+/* sk_attention_kernel's sum: 16 lanes (16 / SK_LANES vectors) over blocks of 16 keys, then the rest. */
+static float sum(const float *s, int n) {
+    sk_vec l[16 / SK_LANES];
+    for (int b = 0; b < 16 / SK_LANES; b++) l[b] = sk_vzero();
+    int j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int b = 0; b < 16 / SK_LANES; b++) l[b] = sk_vadd(l[b], sk_vload(s + j + SK_LANES * b));
+    float lanes[16];
+    for (int b = 0; b < 16 / SK_LANES; b++) sk_vput(lanes + SK_LANES * b, l[b]);
+    for (; j < n; j++) lanes[j % 16] += s[j];
+    return 1.0f / sk_tree16(lanes);
+}
+
+static const sk_attention_kernel attention_kernel = {keys, peak, exps, sum, values, SK_SIDE};
 
 void sk_attention(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h, int kv, int d,
                   float scale, int threads) {
-    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, scores, values, SK_SIDE);
+    sk_attention_heads(parts, n_parts, q_stride, k_stride, v_stride, h, kv, d, scale, threads, &attention_kernel);
 }
 
 #endif
