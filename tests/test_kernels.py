@@ -159,6 +159,12 @@ def test_long_context_rows_get_the_same_bits_on_one_thread_and_two(kern, kv: int
     whole = _attend(kern, q, k, v, start)
     for i in (0, 4):
         assert_same_on_1_and_2_threads(lambda i=i: _attend(kern, q[:, i : i + 1], k, v, start + i), whole[:, i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)  # ranges that divide neither the keys nor the items evenly
+        assert torch.equal(_attend(kern, q[:, 4:], k, v, start + 4), whole[:, 4:])
+    finally:
+        torch.set_num_threads(threads)
     if kern.trees:
         parents = torch.tensor([-1, 0, 0], dtype=torch.int32)  # the root, its child, and that child's sibling
         new_k, new_v = (c[:, start : start + 3].transpose(0, 1)[None].contiguous() for c in (k, v))
