@@ -82,11 +82,13 @@ KERNELS = [*kernels.available(), "torch"]
 KERNEL_ENDS = list(dict.fromkeys([kernels.available()[0], "generic"]))
 
 
-def assert_same_on_1_and_2_threads(compute: Callable[[], torch.Tensor], expected: torch.Tensor) -> None:
-    """`compute()` gives `expected`'s very bits on one thread and on two (the thread count is restored)."""
+def assert_same_on_thread_counts(
+    compute: Callable[[], torch.Tensor], expected: torch.Tensor, counts: tuple[int, ...] = (1, 2)
+) -> None:
+    """`compute()` gives `expected`'s very bits on each of `counts` threads (the thread count is restored)."""
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2):
+        for n in counts:
             torch.set_num_threads(n)
             assert torch.equal(compute(), expected), n
     finally:

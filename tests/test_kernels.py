@@ -17,7 +17,7 @@ from app.engine import kernels
 from app.engine.kernels import build, detect
 from app.engine.kernels.quantized import FORMATS
 from app.engine.model.transformer import PackedLinear, Transformer
-from tests.conftest import KERNEL_ENDS, assert_same_on_1_and_2_threads, use_kernel
+from tests.conftest import KERNEL_ENDS, assert_same_on_thread_counts, use_kernel
 
 HERE = kernels.available()
 # The kernels that give the generic kernel's bits, and those that only come near them (in their own order).
@@ -57,7 +57,7 @@ def test_a_row_does_not_depend_on_the_row_count_or_threads(kern) -> None:
     for rows in (1, 2, 3, 4, 5, 7, 16, 17, 33):
         assert torch.equal(lin(x[:rows]), whole[:rows]), rows
     assert torch.equal(lin(x[23:24]), whole[23:24])
-    assert_same_on_1_and_2_threads(lambda: lin(x), whole)
+    assert_same_on_thread_counts(lambda: lin(x), whole)
     assert torch.equal(lin(x), whole)  # and again: the same bits every run
 
 
@@ -157,14 +157,9 @@ def test_long_context_rows_get_the_same_bits_on_one_thread_and_two(kern, kv: int
     v = torch.randn(kv, start + t + 20, d, generator=g).bfloat16()
     q = torch.randn(1, t, heads, d, generator=g).bfloat16()
     whole = _attend(kern, q, k, v, start)
-    for i in (0, 4):
-        assert_same_on_1_and_2_threads(lambda i=i: _attend(kern, q[:, i : i + 1], k, v, start + i), whole[:, i : i + 1])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)  # ranges that divide neither the keys nor the items evenly
-        assert torch.equal(_attend(kern, q[:, 4:], k, v, start + 4), whole[:, 4:])
-    finally:
-        torch.set_num_threads(threads)
+    for i in (0, 4):  # 3 threads: ranges that divide neither the keys nor the items evenly
+        row = whole[:, i : i + 1]
+        assert_same_on_thread_counts(lambda i=i: _attend(kern, q[:, i : i + 1], k, v, start + i), row, (1, 2, 3))
     if kern.trees:
         parents = torch.tensor([-1, 0, 0], dtype=torch.int32)  # the root, its child, and that child's sibling
         new_k, new_v = (c[:, start : start + 3].transpose(0, 1)[None].contiguous() for c in (k, v))
@@ -174,7 +169,7 @@ def test_long_context_rows_get_the_same_bits_on_one_thread_and_two(kern, kv: int
 
         rows = tree()
         assert torch.equal(rows[:, :2], whole[:, :2])  # the root and its child: the chain's first two rows
-        assert_same_on_1_and_2_threads(tree, rows)
+        assert_same_on_thread_counts(tree, rows)
 
 
 def test_attention_of_several_sequences_in_one_call(kern) -> None:

@@ -30,7 +30,7 @@ from app.engine.kernels.quantized import FORMATS, QuantizedWeight
 from app.engine.kernels.table import REFERENCE
 from app.engine.model.loading import load_model
 from app.engine.model.weights import held_weights
-from tests.conftest import TARGET_NAME, assert_same_on_1_and_2_threads, use_kernel
+from tests.conftest import TARGET_NAME, assert_same_on_thread_counts, use_kernel
 from tests.test_kernels import assert_layer_stack_gives_layer_by_layer_bits
 from tests.test_weights import IDS, _gguf_source_model, _our_logits, _write_gguf
 
@@ -116,7 +116,7 @@ def test_each_format_against_its_exact_dequantized_values(kern, qtype: str) -> N
     whole = lin(x)
     assert all(torch.equal(lin(x[i : i + 1]), whole[i : i + 1]) for i in range(14))
     assert torch.equal(torch.cat([lin(x[:5]), lin(x[5:7]), lin(x[7:])]), whole)
-    assert_same_on_1_and_2_threads(lambda: lin(x), whole)
+    assert_same_on_thread_counts(lambda: lin(x), whole)
 
 
 def test_fused_norm_swiglu_residual_and_mixed_formats(kern) -> None:

@@ -276,13 +276,14 @@ typedef struct {
 typedef struct {
     const part_t *parts;
     const long *first;
-    int n_parts, q_stride, h, kv, d, block;
+    int q_stride, h, kv, d, block;
 } sk_attention_call;
 
 /* One thread's room for an item: its rows' score rows (span floats each, where span > 0), split queries,
    pointers to both, inverses, outputs, queries, key counts and a tree row's path; two allocations. */
 typedef struct {
-    float *sbuf, *split, **s, **qs, *inv;
+    float *sbuf, *split, **s, *inv;
+    const float **qs;
     uint16_t **out;
     const uint16_t **q;
     int *n;
@@ -295,7 +296,7 @@ static inline void sk_room_alloc(sk_item_room *r, size_t span, int most, int d, 
     r->split = r->sbuf + span * m;
     void **p = malloc(sizeof(void *) * 4 * m + sizeof(float) * m + sizeof(int) * m + sizeof(int32_t) * (size_t)rows);
     r->s = (float **)p;
-    r->qs = (float **)(p + m);
+    r->qs = (const float **)(p + m);
     r->out = (uint16_t **)(p + 2 * m);
     r->q = (const uint16_t **)(p + 3 * m);
     r->inv = (float *)(p + 4 * m);
@@ -389,7 +390,7 @@ static inline void sk_attention_shared(const sk_attention_call *c, long total, c
             float *top = tops + (size_t)most * threads * it + u % threads;
             if (j0 < room.n[H - 1]) {
                 sk_item_split(&room, H, d);
-                K->keys(H, (const float *const *)room.qs, room.n, kc, d, scale, room.s, n0, tail, j0, j0 + chunk);
+                K->keys(H, room.qs, room.n, kc, d, scale, room.s, n0, tail, j0, j0 + chunk);
             }
             for (int i = 0; i < H; i++) {
                 const int j1 = j0 + chunk < room.n[i] ? j0 + chunk : room.n[i];
@@ -433,7 +434,7 @@ static inline void sk_attention_shared(const sk_attention_call *c, long total, c
    row's result does not depend on which thread or item. */
 static inline void sk_attention_heads(const part_t *parts, int n_parts, int q_stride, int k_stride, int v_stride, int h,
                                       int kv, int d, float scale, int threads, const sk_attention_kernel *K) {
-    sk_attention_call c = {parts, NULL, n_parts, q_stride, h, kv, d, 0};
+    sk_attention_call c = {parts, NULL, q_stride, h, kv, d, 0};
     int64_t longest, rows;
     long *first = sk_attention_items(parts, n_parts, k_stride, v_stride, kv, d, threads, &c.block, &longest, &rows);
     c.first = first;
@@ -457,7 +458,7 @@ static inline void sk_attention_heads(const part_t *parts, int n_parts, int q_st
         for (long it = 0; it < total; it++) {
             const int H = sk_item_rows(&c, it, &room, room.sbuf, span, &kc, &vc, &n0, &tail);
             sk_item_split(&room, H, d);
-            K->keys(H, (const float *const *)room.qs, room.n, kc, d, scale, room.s, n0, tail, 0, room.n[H - 1]);
+            K->keys(H, room.qs, room.n, kc, d, scale, room.s, n0, tail, 0, room.n[H - 1]);
             for (int i = 0; i < H; i++) {
                 K->exps(room.s[i], 0, room.n[i], K->peak(room.s[i], room.n[i]));
                 room.inv[i] = K->sum(room.s[i], room.n[i]);
