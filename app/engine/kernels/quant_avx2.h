@@ -97,7 +97,7 @@ QINLINE void q_finish8(const float *sums, const float *bias, const uint16_t *res
     _mm_storeu_si128((__m128i *)y, h);
 }
 
-typedef void (*q_tile_fn)(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s);
+typedef void (*q_tile_fn)(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s, int ahead);
 
 /* The tiles and q_cols_8, 8 columns in the lanes of one __m256i. */
 #define QW 8

@@ -145,7 +145,11 @@ QINLINE void QT(dot_step)(int type, qt_i *sum, qt_i *p16, qt_i Wa, qt_i W, const
     if (i % run == run - 1) *sum = QI_WIDEN(*sum, *p16);
 }
 
-/* Prefetch: the same block Q8_AHEAD tiles of columns ahead (the rest of this thread's share streams after). At 16
+/* Prefetch: the same block Q8_AHEAD tiles of columns ahead (the rest of this thread's share streams after), by the
+   first tile of rows over these columns (`ahead`); the full tiles after it (a prefill's, a verification's past 8
+   rows) find those lines fetched, and their prefetches, a loop of them per K-quant chunk, only took issue slots
+   from the arithmetic. `ahead` is a constant in every tile (QT_TILES): tested at run time, it cost the K-quants'
+   one-row tiles several per cent. At 16
    lanes into the core's second-level cache, not the first: a tile of few rows reads two groups' streams, and the
    lines fetched two tiles ahead into the first-level cache pushed out the ones it was reading (the default target's
    one-row step 4.7-5.2 -> 3.2-3.3 ms, docs/bench); at 8 lanes the first, where the two measured alike. */
@@ -226,7 +230,8 @@ QINLINE void QT(finish_rows)(const float *sums, int R, int cc, int r, int col, u
    minus that many times the row's block sum (xz, worked out when the row was quantized; Q8_0's here, see
    sk_q_zero); without VNNI Q8_0's signs move to the activations. The loops
    run unrolled (gcc keeps the accumulators in registers only then). */
-QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
+QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, const sk_qrows *xq, int r0, float *sums,
+                         int ahead) {
     const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
     const long G = 8 * row_bytes;  /* the next group (16 lanes) */
     (void)G;
@@ -241,7 +246,7 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
     for (int r = 0; r < QT_ROWS; r++) acc[r] = ov[r] = QF_ZERO();
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = g + (size_t)b * 8 * bytes;
-        QT(x8_ahead)(p, row_bytes, 0, 8 * bytes);
+        if (ahead) QT(x8_ahead)(p, row_bytes, 0, 8 * bytes);
         /* Two integer sums per row (even and odd groups) where QT_SPLIT, added before the conversion. */
         qt_i ia[QT_ROWS], ib[QT_ROWS];
 #pragma GCC unroll 8
@@ -283,7 +288,8 @@ QINLINE void QT(x8_tile)(int type, int R, const uint8_t *g, long row_bytes, cons
    times the scales, into the row's block sum J: one integer multiply (Q6_K two) where the 32-input formats' chain
    takes a multiply and a fused multiply-add. Per 256-input block then one conversion and one fused multiply-add
    of J per row, and for Q4_K and Q5_K the minimums' N in four 16-bit dot products of pairs and one more. */
-QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, const sk_qrows *xq, int r0, float *sums) {
+QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, const sk_qrows *xq, int r0, float *sums,
+                          int ahead) {
     const int k = xq->k, nb = k / 32, bytes = sk_q_bytes(type);
     const long G = 8 * row_bytes;  /* the next group (16 lanes) */
     (void)G;
@@ -306,7 +312,8 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
             const int b = 8 * blk + s;
             const uint8_t *P = p + at_q + 128 * s;
             /* A quarter of the group block's lines per chunk. */
-            QT(x8_ahead)(p, row_bytes, 256 * s, 256 * (s + 1) < 8 * bytes ? 256 * (s + 1) : 8 * bytes);
+            if (ahead)
+                QT(x8_ahead)(p, row_bytes, 256 * s, 256 * (s + 1) < 8 * bytes ? 256 * (s + 1) : 8 * bytes);
             qt_i SC[2];
             QT(kx8_scales)(six, p, G, s, &U, SC);
             /* Two integer sums per row: Q6_K's halves; the others' even and odd groups where QT_SPLIT, added
@@ -369,24 +376,31 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
     for (int r = 0; r < R; r++) QF_STORE(sums + QW * r, acc[r]);
 }
 
-/* One format's tiles, the format and the row count constants in each. */
+/* One format's tiles, the format, the row count and whether to prefetch constants in each (a full tile both
+   ways). */
 #if QT_ROWS == 8
 #define QT_WIDE_CASES(T, TILE)                                                                                  \
-    case 8: QT(TILE)(T, 8, g, rb, xq, r0, s); break;                                                           \
-    case 7: QT(TILE)(T, 7, g, rb, xq, r0, s); break;                                                           \
-    case 6: QT(TILE)(T, 6, g, rb, xq, r0, s); break;                                                           \
-    case 5: QT(TILE)(T, 5, g, rb, xq, r0, s); break;
+    case 7: QT(TILE)(T, 7, g, rb, xq, r0, s, 1); break;                                                        \
+    case 6: QT(TILE)(T, 6, g, rb, xq, r0, s, 1); break;                                                        \
+    case 5: QT(TILE)(T, 5, g, rb, xq, r0, s, 1); break;                                                        \
+    case 4: QT(TILE)(T, 4, g, rb, xq, r0, s, 1); break;
 #else
 #define QT_WIDE_CASES(T, TILE)
 #endif
 #define QT_TILES(T, TILE)                                                                                       \
-    static void QT(tile_##T)(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s) {         \
+    static void QT(tile_##T)(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s,           \
+                             int ahead) {                                                               \
         switch (R) {                                                                                            \
+            case QT_ROWS:                                                                                       \
+                if (ahead)                                                                                      \
+                    QT(TILE)(T, QT_ROWS, g, rb, xq, r0, s, 1);                                                  \
+                else                                                                                            \
+                    QT(TILE)(T, QT_ROWS, g, rb, xq, r0, s, 0);                                                  \
+                break;                                                                                          \
             QT_WIDE_CASES(T, TILE)                                                                              \
-            case 4: QT(TILE)(T, 4, g, rb, xq, r0, s); break;                                                   \
-            case 3: QT(TILE)(T, 3, g, rb, xq, r0, s); break;                                                   \
-            case 2: QT(TILE)(T, 2, g, rb, xq, r0, s); break;                                                   \
-            default: QT(TILE)(T, 1, g, rb, xq, r0, s); break;                                                  \
+            case 3: QT(TILE)(T, 3, g, rb, xq, r0, s, 1); break;                                                \
+            case 2: QT(TILE)(T, 2, g, rb, xq, r0, s, 1); break;                                                \
+            default: QT(TILE)(T, 1, g, rb, xq, r0, s, 1); break;                                               \
         }                                                                                                       \
     }
 QT_TILES(SK_Q4_0, x8_tile)
@@ -418,7 +432,7 @@ static void QT(q_block)(int type, const uint8_t *w, long row_bytes, const sk_qro
         int cc = c1 - col < QW ? c1 - col : QW;
         for (int r = r0; r < r1; r += QT_ROWS) {
             int R = r + QT_ROWS <= r1 ? QT_ROWS : r1 - r;
-            tile(R, w + (size_t)(col / 8) * 8 * row_bytes, row_bytes, xq, r, sums);
+            tile(R, w + (size_t)(col / 8) * 8 * row_bytes, row_bytes, xq, r, sums, r == r0);
             QT(finish_rows)(sums, R, cc, r, col, y, ldy, bias, residual);
         }
     }
