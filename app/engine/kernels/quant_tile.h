@@ -149,10 +149,10 @@ QINLINE void QT(dot_step)(int type, qt_i *sum, qt_i *p16, qt_i Wa, qt_i W, const
    first tile of rows over these columns (`ahead`); the full tiles after it (a prefill's, a verification's past 8
    rows) find those lines fetched, and their prefetches, a loop of them per K-quant chunk, only took issue slots
    from the arithmetic. `ahead` is a constant in every tile (QT_TILES): tested at run time, it cost the K-quants'
-   one-row tiles several per cent. At 16
-   lanes into the core's second-level cache, not the first: a tile of few rows reads two groups' streams, and the
-   lines fetched two tiles ahead into the first-level cache pushed out the ones it was reading (the default target's
-   one-row step 4.7-5.2 -> 3.2-3.3 ms, docs/bench); at 8 lanes the first, where the two measured alike. */
+   one-row tiles several per cent. At 16 lanes into the core's second-level cache, not the first: a tile of few
+   rows reads two groups' streams, and the lines fetched two tiles ahead into the first-level cache pushed out the
+   ones it was reading (the default target's one-row step 4.7-5.2 -> 3.2-3.3 ms, docs/bench); at 8 lanes the first,
+   where the two measured alike. */
 #if QW == 16
 #define QT_HINT _MM_HINT_T1
 #else
@@ -380,16 +380,16 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
    ways). */
 #if QT_ROWS == 8
 #define QT_WIDE_CASES(T, TILE)                                                                                  \
-    case 7: QT(TILE)(T, 7, g, rb, xq, r0, s, 1); break;                                                        \
-    case 6: QT(TILE)(T, 6, g, rb, xq, r0, s, 1); break;                                                        \
-    case 5: QT(TILE)(T, 5, g, rb, xq, r0, s, 1); break;                                                        \
+    case 7: QT(TILE)(T, 7, g, rb, xq, r0, s, 1); break;                                                         \
+    case 6: QT(TILE)(T, 6, g, rb, xq, r0, s, 1); break;                                                         \
+    case 5: QT(TILE)(T, 5, g, rb, xq, r0, s, 1); break;                                                         \
     case 4: QT(TILE)(T, 4, g, rb, xq, r0, s, 1); break;
 #else
 #define QT_WIDE_CASES(T, TILE)
 #endif
 #define QT_TILES(T, TILE)                                                                                       \
-    static void QT(tile_##T)(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s,           \
-                             int ahead) {                                                               \
+    static void QT(tile_##T)(int R, const uint8_t *g, long rb, const sk_qrows *xq, int r0, float *s,            \
+                             int ahead) {                                                                       \
         switch (R) {                                                                                            \
             case QT_ROWS:                                                                                       \
                 if (ahead)                                                                                      \
@@ -398,9 +398,9 @@ QINLINE void QT(kx8_tile)(int type, int R, const uint8_t *g, long row_bytes, con
                     QT(TILE)(T, QT_ROWS, g, rb, xq, r0, s, 0);                                                  \
                 break;                                                                                          \
             QT_WIDE_CASES(T, TILE)                                                                              \
-            case 3: QT(TILE)(T, 3, g, rb, xq, r0, s, 1); break;                                                \
-            case 2: QT(TILE)(T, 2, g, rb, xq, r0, s, 1); break;                                                \
-            default: QT(TILE)(T, 1, g, rb, xq, r0, s, 1); break;                                               \
+            case 3: QT(TILE)(T, 3, g, rb, xq, r0, s, 1); break;                                                 \
+            case 2: QT(TILE)(T, 2, g, rb, xq, r0, s, 1); break;                                                 \
+            default: QT(TILE)(T, 1, g, rb, xq, r0, s, 1); break;                                                \
         }                                                                                                       \
     }
 QT_TILES(SK_Q4_0, x8_tile)
