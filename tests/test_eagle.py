@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import app.engine.drafting.eagle as eagle_module
+from app.engine import kernels
 from app.engine.decoding.sampling import SamplingParams
 from app.engine.drafting.eagle import (
     EagleConfig,
@@ -21,9 +22,11 @@ from app.engine.drafting.eagle import (
 )
 from app.engine.engine import Engine
 from app.engine.generation import Generation
+from app.engine.kernels.quantized import quantize
 from app.engine.model.loading import LoadedModel
 from app.engine.reference import greedy_decode
 from app.engine.step import GenerationParams
+from tests.conftest import KERNEL_ENDS, use_kernel
 
 V = 64
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -245,3 +248,101 @@ def test_the_draft_reads_the_last_window_of_a_long_prompt(target, tok, monkeypat
     short = drafter.session(capacity=64)
     short.features[:10] = _states(target, ids[:10])
     assert short.propose(ids[:10], 3) == _reference_proposal(drafter.draft, target, ids[:10], 3)
+
+
+# --- the draft on a CPU kernel: its matrices as integer blocks, its layer in one kernel call -------------------
+
+
+def _kernel_target(make_tiny_model, kernel: str):
+    """A tiny bf16 target packed for `kernel`, shaped so that its products and attention run there (dims of 32)."""
+    model = make_tiny_model(seed=12, vocab_size=V, dim=64, n_heads=2, n_kv_heads=1, intermediate_size=96)
+    model = model.to(torch.bfloat16)
+    with use_kernel(kernel):
+        model.pack(kernels.kernel())
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantized_blocks_round_each_weight_to_its_nearest_step(qtype):
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
+    q = quantize(w, qtype)
+    assert q.shape == (16, 96) and q.formats == [qtype]
+    back = q.dequantize()
+    # Each block of 32 inputs has one step: its largest magnitude over 127 (Q8_0: each value rounded to the
+    # nearest) or over 8 (Q4_0: -8..7 steps, so the side opposite the largest value is clamped a step short); the
+    # step is stored in float16, whose rounding moves the largest values by up to 2^-11 of it.
+    largest = w.reshape(16, 3, 32).abs().amax(-1, keepdim=True)
+    steps = largest / (127 if qtype == "Q8_0" else 8)
+    err = (back - w).reshape(16, 3, 32).abs()
+    assert bool((err <= steps * (0.5 if qtype == "Q8_0" else 1.0) + largest * 2**-10).all())
+    assert float(err.mean()) < float(steps.mean()) * 0.4
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 40), qtype)
+    with pytest.raises(ValueError, match="32-input"):
+        quantize(w, "Q4_K")
+
+
+@pytest.mark.parametrize("kernel", KERNEL_ENDS)
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0", "bf16"])
+def test_a_draft_on_a_kernel_runs_its_layer_in_one_call_with_the_layer_by_layer_bits(
+    make_tiny_model, tok, tmp_path, kernel, weights
+):
+    """`load_draft` on a packed target: the matrices as `weights` blocks (or bf16) on the target's kernel, the
+    decoder layer in one LayerStack call that gives the bits of its calls one by one, predictions close to the
+    float32 draft's, and sessions that propose, across rollbacks and batched, what a fresh session proposes."""
+    target = _kernel_target(make_tiny_model, kernel)
+    float_draft = EagleDraft(EagleConfig.for_target(target.config, V, "tiny"))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in float_draft.parameters():
+            p.normal_(0, 0.2)
+    save_draft(float_draft, tmp_path / "d")
+    draft = load_draft(tmp_path / "d", target, weights)
+    assert draft.runs_as == ("bfloat16" if weights == "bf16" else weights.upper())
+    assert draft._stack is not None and draft._stack.kernel is target.kernel
+    assert isinstance(draft._head.fused, kernels.QuantLinear) == (weights != "bf16")
+
+    states = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        one = draft.new_cache(16, torch.bfloat16, torch.device("cpu"))
+        stacked = draft(states, tokens, 0, one)
+        stack, draft.__dict__["_stack"] = draft._stack, None
+        apart = draft(states, tokens, 0, draft.new_cache(16, torch.bfloat16, torch.device("cpu")))
+        draft.__dict__["_stack"] = stack
+        assert torch.equal(stacked, apart)
+        float_draft.attach(target)
+        want = float_draft(states.float(), tokens)
+        got = draft(states, tokens, 0, draft.new_cache(16, torch.bfloat16, torch.device("cpu")))
+    assert torch.nn.functional.cosine_similarity(got.float(), want, dim=-1).min() > 0.98
+
+    drafter = EagleDrafter("eagle", draft, LoadedModel(target, tok, "t", 0.0))
+    ids = list(PROMPT)
+    features = _states(target, [*ids, *range(20, 30)])
+    session = drafter.session(capacity=64)
+    session.features[: len(features)] = features
+    for accepted in (2, 0, 3):
+        fresh = drafter.session(capacity=64)
+        fresh.features[: len(features)] = features
+        got_ids = session.propose(ids, 4)
+        assert got_ids == fresh.propose(ids, 4) and len(got_ids) == 4
+        ids = [*ids, *got_ids[:accepted], 20 + accepted]
+    sessions = [drafter.session(64) for _ in range(3)]
+    prefixes = [PROMPT, PROMPT[:5], PROMPT[2:]]
+    for s, p in zip(sessions, prefixes, strict=True):
+        s.features[: len(p)] = _states(target, p)
+    batched = drafter.propose_batch(sessions, prefixes, [3, 1, 4], [0.0] * 3)
+    alone = []
+    for p, k in zip(prefixes, [3, 1, 4], strict=True):
+        s = drafter.session(64)
+        s.features[: len(p)] = _states(target, p)
+        alone.append(s.propose(p, k))
+    assert batched == alone
+
+
+def test_a_draft_beside_a_target_without_a_kernel_keeps_its_dtype(target, tmp_path):
+    save_draft(_draft(target, seed=1), tmp_path / "d")
+    draft = load_draft(tmp_path / "d", target, "q8_0")
+    assert draft.runs_as == "float32" and draft._stack is None
+    with pytest.raises(EagleError, match="q8_0, q4_0, bf16"):
+        load_draft(tmp_path / "d", target, "q2_k")

@@ -90,7 +90,9 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
     )
     # As serve spells them (app.service.settings, one table).
     if flags:
-        add_setting_flags(parser, ["num_draft_tokens", "dtype", "weights"], {"num_draft_tokens": ["-k"]})
+        add_setting_flags(
+            parser, ["num_draft_tokens", "dtype", "weights", "draft_weights"], {"num_draft_tokens": ["-k"]}
+        )
     parser.add_argument(
         "--max-new-tokens",
         "-n",
@@ -204,7 +206,12 @@ def run(args: argparse.Namespace) -> int:
     if not model_drafts and HYBRID in drafts:
         model_drafts = [default_draft_name(target)]
     engine, loaded = build_engine(
-        target, model_drafts[0] if model_drafts else "ngram", args.num_draft_tokens, args.dtype, weights=args.weights
+        target,
+        model_drafts[0] if model_drafts else "ngram",
+        args.num_draft_tokens,
+        args.dtype,
+        weights=args.weights,
+        draft_weights=args.draft_weights,
     )
     if args.structured:
         from app.bench.structured import run_structured, structured_markdown

@@ -33,7 +33,17 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
     if flags:
         add_setting_flags(
             parser,
-            ["target", "draft", "num_draft_tokens", "draft_schedule", "draft_p_min", "dtype", "weights", "device"],
+            [
+                "target",
+                "draft",
+                "num_draft_tokens",
+                "draft_schedule",
+                "draft_p_min",
+                "dtype",
+                "weights",
+                "draft_weights",
+                "device",
+            ],
             {"num_draft_tokens": ["-k"], "draft_schedule": ["--schedule"], "draft_p_min": ["--p-min"]},
         )
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
@@ -89,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             args.dtype,
             args.device,
             weights=args.weights,
+            draft_weights=args.draft_weights,
         )
         tok = loaded.tokenizer
         params = GenerationParams(

@@ -9,6 +9,7 @@ from app import store
 from app.engine.defaults import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_DRAFT_SCHEDULE,
+    DEFAULT_DRAFT_WEIGHTS,
     DEFAULT_NUM_DRAFT_TOKENS,
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
@@ -54,6 +55,7 @@ def build_engine(
     weights: str = "auto",
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     suffix_index_mb: float = DEFAULT_SUFFIX_INDEX_MB,
+    draft_weights: str = DEFAULT_DRAFT_WEIGHTS,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
@@ -64,7 +66,8 @@ def build_engine(
     the target. `cache_dir` (default: the model store's, $SPECSERVE_CACHE) is where the engine keeps what it
     builds (the CPU kernels): the engine itself knows nothing of the store. `weights`: how a GGUF's quantized
     matrices are held (`load_model`; a model draft follows the target). `suffix_index_mb`: the memory the index of
-    earlier answers that the lookups draft from may hold (0: none kept).
+    earlier answers that the lookups draft from may hold (0: none kept). `draft_weights`: how a feature draft's
+    matrices run on the target's CPU kernel (`app.engine.defaults.DRAFT_WEIGHTS`).
     """
     if suffix_index_mb < 0:
         raise DraftError("suffix_index_mb must be 0 or more")
@@ -82,7 +85,7 @@ def build_engine(
         path = store.resolve(default)
         if is_eagle_dir(path):
             try:
-                model = EagleDrafter(default, load_draft(path, loaded.model), loaded)
+                model = EagleDrafter(default, load_draft(path, loaded.model, draft_weights), loaded)
             except EagleError as exc:
                 raise DraftError(f"draft {default!r}: {exc}") from exc
         else:

@@ -144,6 +144,7 @@ class Runtime:
             prefix_cache_mb=settings.prefix_cache_mb,
             suffix_index_mb=settings.suffix_index_mb,
             weights=settings.weights,
+            draft_weights=settings.draft_weights,
         )
         return cls.from_engine(engine, settings, metrics, generation_temperature(settings.target))
 

@@ -26,12 +26,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from app.engine.defaults import MAX_DRAFT_TOKENS
+from app.engine.defaults import DEFAULT_DRAFT_WEIGHTS, DRAFT_WEIGHTS, MAX_DRAFT_TOKENS
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.loop import NetworkSession, run_drafts
 from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tree
-from app.engine.kernels import Kernel
-from app.engine.kernels.quantized import QuantizedWeight
+from app.engine.kernels import Kernel, LayerStack, StackLayer, attention_fits
+from app.engine.kernels.quantized import FORMATS, QuantizedWeight, quantize
 from app.engine.memory import kv_cache_bytes
 from app.engine.model.loading import LoadedModel
 from app.engine.model.transformer import (
@@ -123,9 +123,12 @@ class EagleDraft(nn.Module):
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self.__dict__["_kernel"] = None  # the CPU kernel pack() laid the block out for (its caches attend on it)
+        self.__dict__["_stack"] = None  # the decoder layer in one kernel call (pack)
 
-    def attach(self, target: Transformer, pack: bool = False) -> None:
-        """Borrow `target`'s (frozen) embedding and the rows of its output layer for `vocab_ids`."""
+    def attach(self, target: Transformer, pack: bool = False, qtype: str | None = None) -> None:
+        """Borrow `target`'s (frozen) embedding and the rows of its output layer for `vocab_ids`. `pack`: the rows
+        run on the target's kernel; `qtype` (with `pack`): bf16 rows run as blocks of that format too (a quantized
+        target's rows always run as its own blocks)."""
         c, d = target.config, self.config
         if (c.dim, c.vocab_size, c.n_layers) != (d.dim, d.target_vocab_size, d.target_n_layers):
             raise EagleError(
@@ -136,27 +139,73 @@ class EagleDraft(nn.Module):
         # neither trained nor saved with the draft.
         self.__dict__["_embed"] = target.embed
         rows = target.head_rows(self.vocab_ids)
-        if isinstance(rows, QuantizedWeight):  # a quantized target's rows run as its blocks, on its kernel
+        if isinstance(rows, QuantizedWeight):  # a quantized target's rows run as blocks, on its kernel
+            if pack and qtype is not None and _bytes_per_weight(qtype) < min(map(_bytes_per_weight, rows.formats)):
+                rows = quantize(rows.dequantize(), qtype)  # fewer bytes a draft token (q4_0 of Q8_0 rows)
             self.__dict__["_head"] = PackedLinear(rows, None, target.kernel)
             self._head_rows = torch.empty(0)
             return
         packs = pack and can_pack(rows.dtype, rows.device, target.kernel)
+        if packs and qtype is not None and target.kernel is not None:
+            self.__dict__["_head"] = PackedLinear(quantize(rows, qtype), None, target.kernel)
+            self._head_rows = torch.empty(0)
+            return
         self.__dict__["_head"] = PackedLinear(rows, None, target.kernel) if packs else None
         self._head_rows = rows
 
+    def _matrices(self) -> list[tuple[nn.Module, str]]:
+        b = self.block
+        return [(self, "fc"), (b.attn, "wqkv"), (b.attn, "wo"), (b, "w13"), (b, "w2")]
+
+    def quantize(self, kernel: Kernel, qtype: str) -> None:
+        """Every matrix of the draft (the fusion layer and the decoder layer's four) as `qtype` blocks (see
+        `app.engine.kernels.quantized.quantize`), computed on by `kernel`'s integer products: a draft token then reads
+        a quarter (Q8_0) of its bf16 bytes. Call on the float32 weights, before `pack` (inference only,
+        irreversible)."""
+        for owner, name in self._matrices():
+            lin = getattr(owner, name)
+            if isinstance(lin, nn.Linear):
+                # The bias copied: the module's own is cast with the draft's dtype later, and the product keeps floats.
+                bias = None if lin.bias is None else lin.bias.detach().float().clone()
+                setattr(owner, name, PackedLinear(quantize(lin.weight, qtype), bias, kernel))
+
     def pack(self, kernel: Kernel | None) -> None:
         """Lay the bf16 weights out for `kernel` (the target's) or oneDNN (inference only), as `Transformer.pack`
-        does."""
-        dtype, device = self.fc.weight.dtype, self.fc.weight.device
+        does; on a kernel whose attention fits, the decoder layer then runs as a one-layer `LayerStack` (one C
+        call for its norms, products, RoPE, attention and residuals)."""
+        dtype, device = self.norm.weight.dtype, self.norm.weight.device
         if not can_pack(dtype, device, kernel):
             return
         self.__dict__["_kernel"] = kernel
-        self.fc = PackedLinear(self.fc.weight, self.fc.bias, kernel)  # type: ignore[assignment]
-        b = self.block
-        b.attn.wqkv = PackedLinear(b.attn.wqkv.weight, b.attn.wqkv.bias, kernel)  # type: ignore[assignment]
-        b.attn.wo = PackedLinear(b.attn.wo.weight, None, kernel)  # type: ignore[assignment]
-        b.w13 = PackedLinear(b.w13.weight, None, kernel)  # type: ignore[assignment]
-        b.w2 = PackedLinear(b.w2.weight, None, kernel)  # type: ignore[assignment]
+        for owner, name in self._matrices():
+            lin = getattr(owner, name)
+            if isinstance(lin, nn.Linear):
+                setattr(owner, name, PackedLinear(lin.weight, lin.bias, kernel))
+        self.__dict__["_stack"] = self._layer_stack(kernel)
+
+    def _layer_stack(self, kernel: Kernel | None) -> LayerStack | None:
+        # A draft token ran a dozen torch operations around its products (RoPE, the residuals, norms), each a
+        # dispatch that cost more than the arithmetic of a 1-row layer.
+        b, cfg = self.block, self.config
+        if kernel is None or not attention_fits(kernel, cfg.head_dim, self.norm.weight.dtype, self.norm.weight.device):
+            return None
+        if not b._fusable():
+            return None
+        layer = StackLayer(
+            b.attn.wqkv.fused, b.attn.wo.fused, b.w13.fused, b.w2.fused, b.attn_norm.weight, b.ffn_norm.weight
+        )
+        try:
+            return LayerStack(kernel, [layer], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps)
+        except ValueError:  # padded products: the layer's own calls
+            return None
+
+    @property
+    def runs_as(self) -> str:
+        """What the draft's matrices run as: their GGUF format (`Q8_0`), `bfloat16` or `float32`."""
+        fc = self.fc
+        if isinstance(fc, PackedLinear) and fc.quantized is not None:
+            return "+".join(fc.quantized.formats)
+        return str(self.norm.weight.dtype).removeprefix("torch.")
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(self.config.block_config(), capacity, 1, dtype, device, self.__dict__["_kernel"])
@@ -168,20 +217,35 @@ class EagleDraft(nn.Module):
             self._rope_len = n
         return self._cos[start:end], self._sin[start:end]
 
+    def _stack_for(self, caches: Sequence[KVCache]) -> LayerStack | None:
+        stack = self.__dict__["_stack"]
+        return stack if stack is not None and all(c.kernel is stack.kernel for c in caches) else None
+
+    def _final_norm(self, x: Tensor) -> Tensor:
+        kernel = self.__dict__["_kernel"]
+        if kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
+            return kernel.rms_norm(x, self.norm.weight, self.norm.eps)
+        return self.norm(x)
+
     def forward(self, states: Tensor, next_tokens: Tensor, start_pos: int = 0, cache: KVCache | None = None) -> Tensor:
         if self._embed is None:
             raise RuntimeError("attach(target) first")
         t = states.shape[1]
         x = self.fc(torch.cat([self._embed(next_tokens).to(states.dtype), states], dim=-1))
         cos, sin = self._rope(start_pos, start_pos + t, x.dtype, x.device)
-        mask = None
-        if cache is not None and cache.needs_mask(t):
-            keys = torch.arange(start_pos + t, device=x.device)
-            mask = keys[None, :] <= (start_pos + torch.arange(t, device=x.device))[:, None]
-        x = self.block(x, cos, sin, 0, cache, start_pos, mask)
+        stack = self._stack_for([cache]) if cache is not None and x.shape[0] == 1 else None
+        if stack is not None:
+            assert cache is not None
+            x = stack(x, cos, sin, cache.k, cache.v, start_pos)
+        else:
+            mask = None
+            if cache is not None and cache.needs_mask(t):
+                keys = torch.arange(start_pos + t, device=x.device)
+                mask = keys[None, :] <= (start_pos + torch.arange(t, device=x.device))[:, None]
+            x = self.block(x, cos, sin, 0, cache, start_pos, mask)
         if cache is not None:
             cache.length = start_pos + t
-        return self.norm(x)
+        return self._final_norm(x)
 
     def forward_batch(self, items: Sequence[tuple[Tensor, Tensor, int, KVCache]]) -> list[Tensor]:
         """`forward` for several sessions at once: (states [T_i, dim], next_tokens [T_i], start_pos_i,
@@ -196,14 +260,24 @@ class EagleDraft(nn.Module):
             lambda a, b: self._rope(a, b, dtype, device),
         )
         x = self.fc(torch.cat([self._embed(tokens).to(dtype), states], dim=-1))
-        x = self.block.forward_parts(x, layout, 0)
+        stack = self._stack_for([p.cache for p in layout.parts])
+        if stack is not None and all(p.mask is None for p in layout.parts):
+            seqs = [(p.cache.k, p.cache.v, p.start_pos, p.rows, None) for p in layout.parts]
+            x = stack.batch(x, layout.cos, layout.sin, seqs)
+        else:
+            x = self.block.forward_parts(x, layout, 0)
         layout.advance()
-        return layout.split(self.norm(x)[0])
+        return layout.split(self._final_norm(x)[0])
 
     def draft_logits(self, states: Tensor) -> Tensor:
         """Logits over the draft vocabulary [..., draft_vocab_size] for predicted states [..., dim]."""
         head = self.__dict__["_head"]
         return head(states) if head is not None else F.linear(states, self._head_rows)
+
+
+def _bytes_per_weight(qtype: str) -> float:
+    _, inputs, size = FORMATS[qtype]
+    return size / inputs
 
 
 def save_draft(draft: EagleDraft, out_dir: Path) -> None:
@@ -247,14 +321,24 @@ def read_draft(path: Path) -> EagleDraft:
     return draft
 
 
-def load_draft(path: Path, target: Transformer) -> EagleDraft:
-    """The draft in `path`, attached to `target`, in its dtype and on its device, ready for inference."""
+def load_draft(path: Path, target: Transformer, weights: str = DEFAULT_DRAFT_WEIGHTS) -> EagleDraft:
+    """The draft in `path`, attached to `target`, in its dtype and on its device, ready for inference; on the
+    target's CPU kernel with its matrices as `weights` (`DRAFT_WEIGHTS`)."""
+    if weights not in DRAFT_WEIGHTS:
+        raise EagleError(f"draft weights {weights!r}: choose one of {', '.join(DRAFT_WEIGHTS)}")
     draft = read_draft(path)
     if int(draft.vocab_ids.max()) >= target.config.vocab_size:
         raise EagleError("draft vocabulary ids exceed the target's vocabulary")
+    kernel = target.kernel
+    qtype = weights.upper() if weights != "bf16" and kernel is not None else None
+    if qtype is not None and can_pack(target.dtype, target.device, kernel):
+        assert kernel is not None
+        draft.quantize(kernel, qtype)  # from the float32 weights as saved
+    else:
+        qtype = None
     draft = draft.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-    draft.attach(target, pack=True)
-    draft.pack(target.kernel)
+    draft.attach(target, pack=True, qtype=qtype)
+    draft.pack(kernel)
     return draft
 
 

@@ -113,6 +113,21 @@ class QuantizedWeight:
         return QuantizedWeight(segments, parts[0].in_features)
 
 
+def quantize(weight: Tensor, qtype: str) -> QuantizedWeight:
+    """`weight` [N, K] (any float dtype; K a multiple of the format's block) as `qtype` blocks, rounded as
+    llama.cpp's reference quantizer does (`gguf.quants.quantize`): what a model's own matrices (a trained draft's)
+    become to run on the integer kernels. The 32-input formats only (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
+    import gguf
+
+    if qtype not in FORMATS or FORMATS[qtype][1] != 32:
+        raise ValueError(f"{qtype} is not a 32-input format the kernels compute on")
+    if weight.dim() != 2 or weight.shape[1] % 32:
+        raise ValueError(f"{qtype} quantizes [N, K] weights with K a multiple of 32, not {list(weight.shape)}")
+    values = np.ascontiguousarray(weight.detach().to("cpu", torch.float32).numpy())
+    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype])
+    return QuantizedWeight([(qtype, torch.from_numpy(np.ascontiguousarray(blocks)))], weight.shape[1])
+
+
 def _dequantize(qtype: str, data: Tensor) -> Tensor:
     if qtype in _IN_TORCH:
         return _IN_TORCH[qtype](data)
