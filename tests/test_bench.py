@@ -33,8 +33,8 @@ def test_rows_times_every_kernel_and_weight_format(target_path: Path, tmp_path: 
     rows.md written, each row's extra cost as defined, and native weights' read floor under bf16's."""
     # The best kernel and generic: each kernel's timing is the same code over another library.
     cheap = functools.partial(rows.row_costs, rows=(2, 1), context=8, repeats=1, warmup=0, on=KERNEL_ENDS)
-    monkeypatch.setattr(rows, "row_costs", lambda target, weights: cheap(target, weights=weights))
-    assert main(["bench", "--rows", "--target", str(target_path), "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(rows, "row_costs", lambda target, weights, **draft: cheap(target, weights=weights, **draft))
+    assert main(["bench", "--rows", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "rows.json").read_text())
     tables = result["tables"]
     assert [(t["kernel"], t["weights"]) for t in tables] == [(k, w) for k in KERNEL_ENDS for w in rows.ROW_WEIGHTS]
@@ -46,6 +46,10 @@ def test_rows_times_every_kernel_and_weight_format(target_path: Path, tmp_path: 
         assert two["extra_per_row"] == pytest.approx((two["ms"] - one["ms"]) / one["ms"])
         assert t["floor_ms"] == pytest.approx(t["step_bytes"] / result["read_bandwidth"] * 1e3)
         assert one["floor_of_ms"] == pytest.approx(t["floor_ms"] / one["ms"])
+        # The catalog's feature draft beside each: its token's cost as a share of the target's 1-row step.
+        drafted = t["draft_token"]
+        assert drafted["runs_as"] == "Q8_0" and drafted["ms"] > 0
+        assert drafted["of_step"] == pytest.approx(drafted["ms"] / one["ms"])
     for kernel in KERNEL_ENDS:
         native, bf16 = (t for t in tables if t["kernel"] == kernel)
         # The default target: Q4_1 layers and a Q8_0 tied head (about 96 MB) against 134.5 M bf16 parameters.
@@ -54,6 +58,7 @@ def test_rows_times_every_kernel_and_weight_format(target_path: Path, tmp_path: 
         assert 0 < native["floor_ms"] < bf16["floor_ms"]
     markdown = (tmp_path / "rows.md").read_text()
     assert markdown.count("| rows | 1 | 2 |") == len(tables) and "extra per row" in markdown
+    assert markdown.count("A token of the feature draft (Q8_0)") == len(tables)
 
 
 def test_rows_refuses_float32_weights(tmp_path: Path, capsys) -> None:

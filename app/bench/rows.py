@@ -113,6 +113,31 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 ROW_WEIGHTS = ("native", "bf16")
 
 
+def draft_token_ms(
+    model: Transformer, draft_dir: Path, draft_weights: str, context: int, repeats: int, warmup: int = 0
+) -> tuple[str, float]:
+    """What one token of the feature draft in `draft_dir` costs beside `model` (its target, loaded as the engine
+    loads it, `draft_weights` as `load_draft` takes them): its forward over one position after `context` positions
+    of the target's states, its head over the draft vocabulary and the argmax, the median of `repeats` after
+    `warmup` (milliseconds). Returns (what the draft's matrices run as, ms)."""
+    from app.engine.drafting.eagle import load_draft
+
+    draft = load_draft(draft_dir, model, draft_weights)
+    ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=torch.Generator())
+    times = []
+    with torch.inference_mode():
+        states = model.hidden(ids[:, :context])
+        cache = draft.new_cache(context + 1, model.dtype, model.device)
+        draft(states[:, :-1], ids[:, 1:context], 0, cache)
+        for _ in range(warmup + repeats):
+            cache.truncate(context - 1)
+            t0 = time.perf_counter()
+            guess = draft(states[:, -1:], ids[:, context:], context - 1, cache)
+            int(draft.draft_logits(guess[0, -1]).argmax())
+            times.append(time.perf_counter() - t0)
+    return draft.runs_as, statistics.median(times[warmup:]) * 1e3
+
+
 def row_costs(
     target: str | Path,
     rows: tuple[int, ...] = ROW_COUNTS,
@@ -121,12 +146,16 @@ def row_costs(
     repeats: int = 9,
     warmup: int = 3,
     on: Sequence[str] | None = None,
+    draft: Path | None = None,
+    draft_weights: str = "q8_0",
 ) -> dict[str, Any]:
     """What 1..16 verification rows cost per CPU kernel this machine runs (or those `on` names) and weight
     format (`native` GGUF blocks, `bf16`): one target forward with its head over R new rows, `context` tokens in
     the cache, the median of `repeats` calls after `warmup`, beside the floor of a 1-row step (the bytes a step
     reads over the measured read bandwidth). Per (kernel, weights): ms by row count, each row's extra cost as a
-    fraction of a 1-row step ((ms(R) - ms(1)) / (R - 1) / ms(1)) and the floor. `rows` must hold 1."""
+    fraction of a 1-row step ((ms(R) - ms(1)) / (R - 1) / ms(1)) and the floor; with a feature `draft`
+    directory, one draft token's ms (`draft_token_ms`, `draft_weights`) and its share of a 1-row step. `rows`
+    must hold 1."""
     if 1 not in rows:
         raise ValueError("row costs are fractions of a 1-row step: rows must hold 1")
     rows = tuple(sorted(set(rows)))
@@ -138,8 +167,13 @@ def row_costs(
             nbytes = step_bytes(model)
             times = step_times(model, rows, context, repeats, warmup)
             floor = nbytes / bandwidth * 1e3
+            drafted = None
+            if draft is not None:
+                runs_as, ms = draft_token_ms(model, draft, draft_weights, context, repeats * 4, warmup)
+                drafted = {"runs_as": runs_as, "ms": ms, "of_step": ms / times[1]}
             tables.append(
                 {
+                    "draft_token": drafted,
                     "kernel": name,
                     "weights": w,
                     "runs_as": model.weights()[0],
@@ -190,4 +224,10 @@ def rows_markdown(result: dict[str, Any]) -> str:
             + " |",
             "| read floor / ms | " + " | ".join(f"{c['floor_of_ms']:.2f}" for c in cells) + " |",
         ]
+        d = t.get("draft_token")
+        if d is not None:
+            lines += [
+                "",
+                f"A token of the feature draft ({d['runs_as']}): {d['ms']:.3f} ms, {d['of_step']:.3f} of a 1-row step.",
+            ]
     return "\n".join(lines)

@@ -372,7 +372,13 @@ def _bench_rows(args: argparse.Namespace, target: str) -> int:
     if args.weights not in ("auto", *ROW_WEIGHTS):
         raise CliError(f"--rows times {' and '.join(ROW_WEIGHTS)} weights (--weights auto: both)")
     weights = ROW_WEIGHTS if args.weights == "auto" else (args.weights,)
-    result = row_costs(store.resolve(target), weights=weights)
+    from app.engine.drafting.eagle import is_eagle_dir
+
+    # The target's catalog draft beside its rows, where it is a feature draft (the default target's).
+    draft_name = store.default_draft_for(target)
+    draft = store.resolve(draft_name) if draft_name else None
+    draft = draft if draft is not None and is_eagle_dir(draft) else None
+    result = row_costs(store.resolve(target), weights=weights, draft=draft, draft_weights=args.draft_weights)
     _write_tables(Path(args.out), "rows", result, rows_markdown(result))
     return 0
 
