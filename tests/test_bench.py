@@ -48,7 +48,8 @@ def test_rows_times_every_kernel_and_weight_format(target_path: Path, tmp_path: 
         assert one["floor_of_ms"] == pytest.approx(t["floor_ms"] / one["ms"])
         # The catalog's feature draft beside each: its token's cost as a share of the target's 1-row step.
         drafted = t["draft_token"]
-        assert drafted["runs_as"] == "Q8_0" and drafted["ms"] > 0
+        # (generic's plain-C integer products cost a draft token more than its bf16 ones: bf16 there)
+        assert drafted["runs_as"] == ("bfloat16" if t["kernel"] == "generic" else "Q8_0") and drafted["ms"] > 0
         assert drafted["of_step"] == pytest.approx(drafted["ms"] / one["ms"])
     for kernel in KERNEL_ENDS:
         native, bf16 = (t for t in tables if t["kernel"] == kernel)
@@ -58,7 +59,7 @@ def test_rows_times_every_kernel_and_weight_format(target_path: Path, tmp_path: 
         assert 0 < native["floor_ms"] < bf16["floor_ms"]
     markdown = (tmp_path / "rows.md").read_text()
     assert markdown.count("| rows | 1 | 2 |") == len(tables) and "extra per row" in markdown
-    assert markdown.count("A token of the feature draft (Q8_0)") == len(tables)
+    assert markdown.count("A token of the feature draft (") == len(tables)
 
 
 def test_rows_refuses_float32_weights(tmp_path: Path, capsys) -> None:

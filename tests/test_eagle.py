@@ -344,5 +344,13 @@ def test_a_draft_beside_a_target_without_a_kernel_keeps_its_dtype(target, tmp_pa
     save_draft(_draft(target, seed=1), tmp_path / "d")
     draft = load_draft(tmp_path / "d", target, "q8_0")
     assert draft.runs_as == "float32" and draft._stack is None
-    with pytest.raises(EagleError, match="q8_0, q4_0, bf16"):
+    with pytest.raises(EagleError, match="auto, q8_0, q4_0, bf16"):
         load_draft(tmp_path / "d", target, "q2_k")
+
+
+@pytest.mark.parametrize("kernel", KERNEL_ENDS)
+def test_auto_draft_weights_are_q8_0_where_the_kernel_has_integer_dot_products(make_tiny_model, tmp_path, kernel):
+    target = _kernel_target(make_tiny_model, kernel)
+    save_draft(EagleDraft(EagleConfig.for_target(target.config, V, "tiny")), tmp_path / "d")
+    draft = load_draft(tmp_path / "d", target)
+    assert draft.runs_as == ("Q8_0" if target.kernel.spec.dot else "bfloat16")

@@ -147,7 +147,7 @@ def row_costs(
     warmup: int = 3,
     on: Sequence[str] | None = None,
     draft: Path | None = None,
-    draft_weights: str = "q8_0",
+    draft_weights: str = "auto",
 ) -> dict[str, Any]:
     """What 1..16 verification rows cost per CPU kernel this machine runs (or those `on` names) and weight
     format (`native` GGUF blocks, `bf16`): one target forward with its head over R new rows, `context` tokens in

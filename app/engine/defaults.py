@@ -48,13 +48,13 @@ MAX_LOGPROBS = 20
 # avx512 and VNNI kernels, else dequantized (each kernel's `auto_native`, app/engine/kernels/table.py).
 WEIGHTS = ("auto", "native", "bf16", "float32")
 # How a feature draft's matrices run on the target's CPU kernel (see `app.engine.drafting.eagle.load_draft`).
-DRAFT_WEIGHTS = ("q8_0", "q4_0", "bf16")
-DEFAULT_DRAFT_WEIGHTS = "q8_0"
+DRAFT_WEIGHTS = ("auto", "q8_0", "q4_0", "bf16")
+DEFAULT_DRAFT_WEIGHTS = "auto"
 DRAFT_WEIGHTS_HELP = (
-    "a trained feature draft's matrices on the CPU kernels: `q8_0` (default) or `q4_0` blocks on the integer "
-    "products (a quarter or an eighth of bf16's bytes per draft token; `q4_0` its output rows too), or `bf16`; "
-    "elsewhere (torch's path, CUDA) it runs in the target's dtype. Only the draft's speed and guesses change, never "
-    "an answer's tokens"
+    "a trained feature draft's matrices on the CPU kernels: `q8_0` or `q4_0` blocks on the integer products (half "
+    "or a quarter of bf16's bytes per draft token; `q4_0` its output rows too), or `bf16`; `auto` (default): `q8_0` "
+    "on a kernel with integer dot products (all but generic), else `bf16`. Elsewhere (torch's path, CUDA) it runs "
+    "in the target's dtype. Only the draft's speed and guesses change, never an answer's tokens"
 )
 WEIGHTS_HELP = (
     "a GGUF's quantized matrices: `native` computed on as the file's blocks by the CPU kernels (8-bit activations "

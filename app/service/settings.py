@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and activations")
     weights: Literal["auto", "native", "bf16", "float32"] = Field("auto", description=WEIGHTS_HELP)
-    draft_weights: Literal["q8_0", "q4_0", "bf16"] = Field("q8_0", description=DRAFT_WEIGHTS_HELP)
+    draft_weights: Literal["auto", "q8_0", "q4_0", "bf16"] = Field("auto", description=DRAFT_WEIGHTS_HELP)
     device: str = Field("auto", description="`auto`, `cpu`, `cuda` or `cuda:N`")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for every interface)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
