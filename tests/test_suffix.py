@@ -219,23 +219,25 @@ async def test_prediction_and_cache_salt_over_http(packed_target, api_client):
     question = "List the days of the week, one per line, then say which one is the first of the weekend. " * 3
     chat = {"messages": [{"role": "user", "content": question}], "max_tokens": 40, "temperature": 0}
     async with api_client(engine) as c:
-        plain = (await c.post("/v1/chat/completions", json={**chat, "cache_salt": "a"})).json()
+        plain = (await c.post("/v1/chat/completions", json={**chat, "cache_salt": "tenant-a-0123456789abcdef"})).json()
         text = plain["choices"][0]["message"]["content"]
         assert plain["usage"]["completion_tokens_details"] == {
             "accepted_prediction_tokens": 0,
             "rejected_prediction_tokens": 0,
         }
-        again = (await c.post("/v1/chat/completions", json={**chat, "cache_salt": "a"})).json()
+        again = (await c.post("/v1/chat/completions", json={**chat, "cache_salt": "tenant-a-0123456789abcdef"})).json()
         assert again["choices"][0]["message"]["content"] == text
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # tenant a's prompt, cached
         assert again["speculative"]["draft_sources"].get("index", 0) > 0  # and its answer, drafted from
-        other = (await c.post("/v1/chat/completions", json={**chat, "cache_salt": "b"})).json()
+        other = (await c.post("/v1/chat/completions", json={**chat, "cache_salt": "tenant-b-0123456789abcdef"})).json()
         assert other["choices"][0]["message"]["content"] == text
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing of tenant a's
         assert other["speculative"]["draft_sources"].get("index", 0) == 0
         # A fresh tenant, so that only the prediction has the answer: drafted from it, the same text.
         predicted = {"type": "content", "content": [{"type": "text", "text": text.replace("Monday", "Sunday")}]}
-        r = await c.post("/v1/chat/completions", json={**chat, "cache_salt": "p", "prediction": predicted})
+        r = await c.post(
+            "/v1/chat/completions", json={**chat, "cache_salt": "tenant-p-0123456789abcdef", "prediction": predicted}
+        )
         assert r.status_code == 200, r.text
         got = r.json()
         assert got["choices"][0]["message"]["content"] == text
@@ -249,7 +251,7 @@ async def test_prediction_and_cache_salt_over_http(packed_target, api_client):
                     "max_new_tokens": 12,
                     "details": True,
                     "prediction": " four, five, six, seven, eight",
-                    "cache_salt": "n",
+                    "cache_salt": "tenant-n-0123456789abcdef",
                 },
             },
         )

@@ -33,6 +33,7 @@ from app.api.schemas import (
     SpeculativeParameters,
     closed_grammar,
 )
+from app.api.security import key_name
 from app.engine.decoding.grammar import GrammarError, GrammarSpec
 from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.decoding.penalties import PenaltyParams
@@ -64,7 +65,8 @@ class JobSpec:
     logprobs: int | None = None  # each generated token's log-probability with this many alternatives
     prompt_logprobs: int | None = None  # each prompt token's, likewise
     grammar: Grammar | None = None  # what the output is constrained to (structured output)
-    cache_salt: str | None = None  # the tenant of the prefix cache and the index of earlier answers
+    tenant: str | None = None  # of the prefix cache and the index of earlier answers (`tenant`)
+    isolated: bool = False  # a tenant of its own: nothing read from earlier requests, nothing kept for later
     prediction: str | None = None  # text the answer will mostly be (a lookup source)
 
 
@@ -76,6 +78,21 @@ class Prepared:
     params: GenerationParams
     draft: str
     num_draft_tokens: int
+
+
+def tenant(request: Request, settings: Settings, salt: str | None) -> tuple[str | None, bool]:
+    """The engine's tenant of a request, and whether it is isolated (a tenant of its own).
+
+    A request's tenant is its API key's (by name), refined by its `cache_salt` within that key: two keys never
+    share one, whatever salts their clients send. Without a salt it is the key's own (without keys: the one
+    shared tenant, None), or, with ``isolation: strict``, a tenant of its own. Key names hold no ``|``, so no
+    two (key, salt) pairs compose the same string."""
+    name = key_name(request.scope)
+    if salt is None:
+        if settings.isolation == "strict":
+            return None, True
+        return (None if name is None else f"key:{name}"), False
+    return (f"salt:{salt}" if name is None else f"key:{name}|salt:{salt}"), False
 
 
 def _invalid(message: str) -> APIError:
@@ -140,7 +157,8 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
         logprobs=spec.logprobs,
         prompt_logprobs=spec.prompt_logprobs,
         penalties=penalties,
-        cache_salt=spec.cache_salt,
+        cache_salt=spec.tenant,
+        isolated=spec.isolated,
         prediction=prediction,
         lookup_draft_tokens=spec.speculative.lookup_draft_tokens if spec.speculative is not None else None,
     )

@@ -55,7 +55,9 @@ Runtime_ = Annotated[Runtime, Depends(get_runtime)]
 Settings_ = Annotated[Settings, Depends(get_settings)]
 
 
-async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, stream: bool) -> jobs.Prepared:
+async def _prepare(
+    request: Request, runtime: Runtime, settings: Settings, body: GenerateRequest, stream: bool
+) -> jobs.Prepared:
     ignored = body.ignored_fields()
     if ignored:  # ignored, as TGI ignores them, but said
         log.warning("the request's fields %s are unknown and were ignored", ", ".join(ignored))
@@ -67,6 +69,7 @@ async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, 
     # Every token's log-probability where tokens are returned (as TGI gives them), the prompt's with
     # decoder_input_details: the engine computes them only then.
     shown = stream or p.details
+    tenant, isolated = jobs.tenant(request, settings, body.salt())
     spec = jobs.JobSpec(
         prompt=body.inputs,
         max_new_tokens=p.max_new_tokens,
@@ -80,7 +83,8 @@ async def _prepare(runtime: Runtime, settings: Settings, body: GenerateRequest, 
         logprobs=(p.top_n_tokens or 0) if shown else None,
         prompt_logprobs=0 if p.details and p.decoder_input_details and not stream else None,
         grammar=p.grammar.grammar() if p.grammar is not None else None,
-        cache_salt=p.cache_salt,
+        tenant=tenant,
+        isolated=isolated,
         prediction=p.prediction,
     )
     return await jobs.prepare(runtime, settings, spec)
@@ -95,7 +99,7 @@ def _full_text(body: GenerateRequest, finished: Finished) -> str:
 
 
 async def _generate(request: Request, body: GenerateRequest, runtime: Runtime, settings: Settings) -> Response:
-    prepared = await _prepare(runtime, settings, body, stream=False)
+    prepared = await _prepare(request, runtime, settings, body, stream=False)
     ticket = jobs.submit(runtime, settings, prepared)
     try:
         outcome = await jobs.run_to_end(ticket, request)
@@ -128,8 +132,8 @@ async def _generate(request: Request, body: GenerateRequest, runtime: Runtime, s
     )
 
 
-async def _stream(body: GenerateRequest, runtime: Runtime, settings: Settings) -> StreamingResponse:
-    prepared = await _prepare(runtime, settings, body, stream=True)
+async def _stream(request: Request, body: GenerateRequest, runtime: Runtime, settings: Settings) -> StreamingResponse:
+    prepared = await _prepare(request, runtime, settings, body, stream=True)
     ticket = jobs.submit(runtime, settings, prepared)
     names = TokenNames(runtime.tokenizer) if body.parameters.top_n_tokens else None
     provenance = body.parameters.provenance
@@ -186,9 +190,11 @@ async def generate(request: Request, body: GenerateRequest, runtime: Runtime_, s
     responses={**_SSE_OK, **_ERRORS},
     summary="Generate text as server-sent events (TGI /generate_stream)",
 )
-async def generate_stream(body: GenerateRequest, runtime: Runtime_, settings: Settings_) -> StreamingResponse:
+async def generate_stream(
+    request: Request, body: GenerateRequest, runtime: Runtime_, settings: Settings_
+) -> StreamingResponse:
     """Generate from `inputs` as /generate does, one event per token even when one target pass accepts several."""
-    return await _stream(body, runtime, settings)
+    return await _stream(request, body, runtime, settings)
 
 
 @router.post(
@@ -212,7 +218,7 @@ async def generate_stream(body: GenerateRequest, runtime: Runtime_, settings: Se
 async def compat_generate(request: Request, body: GenerateRequest, runtime: Runtime_, settings: Settings_) -> Response:
     """As /generate (answered as a one-element list) or, with `stream: true`, as /generate_stream."""
     if body.stream:
-        return await _stream(body, runtime, settings)
+        return await _stream(request, body, runtime, settings)
     single = await _generate(request, body, runtime, settings)
     if single.status_code != 200:
         return single

@@ -297,6 +297,7 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
     # echo with logprobs: the prompt's log-probabilities come first, with as many alternatives.
     echoed = body.logprobs if body.echo else None
     wanted = [n for n in (echoed, body.prompt_logprobs) if n is not None]
+    tenant, isolated = jobs.tenant(request, settings, body.cache_salt)
     prepared = []
     for i, prompt in enumerate(prompts):
         spec = jobs.JobSpec(
@@ -311,7 +312,8 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
             decoding=body.decoding(),
             penalties=body.penalties(),
             truncate=body.truncate_prompt_tokens,
-            cache_salt=body.cache_salt,
+            tenant=tenant,
+            isolated=isolated,
             prediction=body.prediction.text() if body.prediction is not None else None,
             # provenance reports each token's log-probability: the engine computes them only when asked
             logprobs=body.logprobs if body.logprobs is not None or not body.provenance else 0,
@@ -438,6 +440,7 @@ async def chat_completions(
     for parameters in tools.parameter_grammars(body):
         await jobs.check_grammar(runtime, parameters)
     sampling = _sampling(body, runtime)
+    tenant, isolated = jobs.tenant(request, settings, body.cache_salt)
     spec = jobs.JobSpec(
         prompt=prompt,
         # max_tokens is the deprecated name: the new one wins when both are given.
@@ -450,7 +453,8 @@ async def chat_completions(
         decoding=body.decoding(),
         penalties=body.penalties(),
         truncate=body.truncate_prompt_tokens,
-        cache_salt=body.cache_salt,
+        tenant=tenant,
+        isolated=isolated,
         prediction=body.prediction.text() if body.prediction is not None else None,
         # provenance reports each token's log-probability: the engine computes them only when asked
         logprobs=(body.top_logprobs or 0) if body.logprobs else 0 if body.provenance else None,

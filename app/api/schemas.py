@@ -421,10 +421,14 @@ def _provenance_field() -> Any:
     return Field(None, exclude_if=_unset, description="with `provenance: true` only (our extension)")
 
 
-CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
+# A salt is a secret: whoever sends the same salt (with the same API key) reads what this tenant's answers left in
+# the caches, through how fast its own come. Short enough to guess, it would be no boundary at all.
+MIN_CACHE_SALT = 16
+CacheSalt = Annotated[str, Field(min_length=MIN_CACHE_SALT, max_length=256)]
 _CACHE_SALT = (
-    "the tenant (vLLM's cache_salt): the prefix cache and the index of earlier answers are used within requests of "
-    "the same salt only, so that no other tenant's text changes how fast this answer comes"
+    f"a secret ({MIN_CACHE_SALT}-256 characters; vLLM's cache_salt) naming the tenant within the request's API key: "
+    "the prefix cache and the index of earlier answers are used within requests of the same key and salt only, so "
+    "that no other tenant's text changes how fast this answer comes"
 )
 
 
@@ -632,6 +636,20 @@ class GenerateRequest(BaseModel):
     inputs: str = Field(description="the prompt, sent as is (no chat template)", json_schema_extra={"minLength": 1})
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = Field(False, description="only for `POST /`: answer as `/generate_stream` does")
+    cache_salt: CacheSalt | None = Field(
+        None, description="as `parameters.cache_salt`, where vLLM's clients send it; both: they must be the same"
+    )
+
+    @model_validator(mode="after")
+    def _one_salt(self) -> GenerateRequest:
+        top, inner = self.cache_salt, self.parameters.cache_salt
+        if top is not None and inner is not None and top != inner:
+            raise ValueError("cache_salt and parameters.cache_salt differ: send one of them")
+        return self
+
+    def salt(self) -> str | None:
+        """The request's cache_salt, wherever it was sent."""
+        return self.cache_salt if self.cache_salt is not None else self.parameters.cache_salt
 
     def ignored_fields(self) -> list[str]:
         """The top-level fields no field names: ignored, and logged."""

@@ -4,10 +4,11 @@
 one; the id goes back in the ``X-Request-ID`` response header and into every log record of the request.
 
 `APIKeyGuard` refuses, with 401 in the API's error shape, any request without ``Authorization: Bearer
-<key>`` except to the open paths (``/health``, and ``/metrics`` when the settings say so) and a ``GET`` of the
-open pages (the playground, which asks for the key itself). The key is
+<key>`` of one of the configured keys, except to the open paths (``/health``, and ``/metrics`` when the
+settings say so) and a ``GET`` of the open pages (the playground, which asks for the key itself). Each key is
 compared in constant time. It runs before the body is read, so an unauthenticated client cannot make the
-server buffer a body.
+server buffer a body. The name of the key a request came with is its ``api_key_name`` in the request's state:
+its tenant (`app.api.jobs.tenant`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import hmac
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -65,22 +66,30 @@ def _bearer_token(scope: Scope) -> bytes | None:
     return None
 
 
+def key_name(scope: Scope) -> str | None:
+    """The name of the API key the request came with; None on a server without keys (or an open path)."""
+    return scope.get("state", {}).get("api_key_name")
+
+
 class APIKeyGuard:
-    """ASGI middleware: 401 for a request without the API key, except to `open_paths`."""
+    """ASGI middleware: 401 for a request without one of the API keys (`keys`: each key by its name), except to
+    `open_paths`."""
 
     def __init__(
         self,
         app: ASGIApp,
-        api_key: str,
+        keys: Mapping[str, str],
         open_paths: Iterable[str],
         metrics: Metrics | None = None,
         open_pages: Iterable[str] = (),
     ) -> None:
         self.app = app
-        self._key = api_key.encode("utf-8")
+        self._keys = [(name, key.encode("utf-8")) for name, key in keys.items()]
         self.open_paths = frozenset(open_paths)
         self.open_pages = frozenset(open_pages)
         self.metrics = metrics
+        if metrics is not None:
+            metrics.keys_configured([name for name, _ in self._keys])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
@@ -90,10 +99,16 @@ class APIKeyGuard:
             await self.app(scope, receive, send)
             return
         token = _bearer_token(scope)
-        # compare_digest takes time independent of where the bytes differ (a length difference shows).
-        if token is not None and hmac.compare_digest(token, self._key):
-            await self.app(scope, receive, send)
-            return
+        if token is not None:
+            # compare_digest takes time independent of where the bytes differ (a length difference shows); every
+            # key is compared, so the time does not say which key matched either.
+            matched = [name for name, key in self._keys if hmac.compare_digest(token, key)]
+            if matched:
+                scope.setdefault("state", {})["api_key_name"] = matched[0]
+                if self.metrics is not None:
+                    self.metrics.key_used(matched[0])
+                await self.app(scope, receive, send)
+                return
         if token is None:
             message = "this server requires an API key: send the header Authorization: Bearer <key>"
         else:

@@ -210,19 +210,26 @@ class Engine:
         """A finished answer goes into the index of earlier answers, for its tenant's later requests to draft from
         (target-only answers too: what the server wrote, whichever draft the request chose)."""
         assert self.traffic is not None
+        if gen.params.isolated:
+            return
         self.traffic.add(gen.params.cache_salt, gen.ids, gen.prompt_len)
 
     def _reuse(self, gen: Generation) -> None:
         """Load the cached blocks that continue `gen`'s prompt past what its cache holds."""
         # Prompt log-probabilities need every prompt row's hidden state, which the cache does not keep.
-        if self.prefix_cache is None or not gen.needs_prefill or gen.params.prompt_logprobs is not None:
+        if (
+            self.prefix_cache is None
+            or not gen.needs_prefill
+            or gen.params.prompt_logprobs is not None
+            or gen.params.isolated
+        ):
             return
         salt = gen.params.cache_salt
         gen.stats.cached_tokens += self.prefix_cache.load(gen.ids, gen.prompt_len, gen.cache, gen.features, salt)
 
     def _keep(self, gen: Generation) -> None:
         """Cache what `gen` computed: called after a prefill step and when it finishes."""
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and not gen.params.isolated:
             self.prefix_cache.store(gen.ids, gen.cache, gen.features, gen.params.cache_salt)
 
     @torch.inference_mode()

@@ -87,7 +87,8 @@ class Generation:
         if self._draft is not None:
             # The rejection sampler's text depends on its drafts: no drafts from other requests' answers, so that its
             # seed gives the same text whatever the server answered before.
-            history = self.sampling.greedy or params.sampler != "rejection"
+            # An isolated request reads no other request's answers either.
+            history = (self.sampling.greedy or params.sampler != "rejection") and not params.isolated
             self._draft.start(len(prompt_ids), params.cache_salt, params.prediction, history)
         # A feature-conditioned draft reads the target's final hidden state of every verified position.
         self._features = self._draft.features if self._draft is not None else None

@@ -76,9 +76,13 @@ class GenerationParams:
     # its logits) is proposed as it is, within a draft and after it, target-only too, without counting against
     # the draft length; the target still runs its row. False: only the draft proposes (to measure the gain).
     forced_tokens: bool = True
-    # The tenant (vLLM's cache_salt): the prefix cache and the index of earlier answers are read and written within
-    # it only, so one tenant's text never changes how fast another's comes. None: the shared default.
+    # The tenant: the prefix cache and the index of earlier answers are read and written within it only, so one
+    # tenant's text never changes how fast another's comes. None: the shared default. Opaque to the engine: the
+    # caller composes it (the service from the request's API key and cache_salt).
     cache_salt: str | None = None
+    # A tenant of its own: reads nothing earlier requests left in the prefix cache or the index, and leaves nothing
+    # there for later ones (strict isolation, where no tenant was named).
+    isolated: bool = False
     # The tokens the answer will mostly be (OpenAI's predicted outputs: a code edit's file), a lookup source.
     prediction: tuple[int, ...] = ()
     # The most tokens a lookup in text already written (app.engine.drafting.suffix) drafts per step on the

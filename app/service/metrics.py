@@ -284,6 +284,12 @@ class Metrics:
             [*labels, "reason"],
             registry=r,
         )
+        self._by_key = Counter(
+            p + "api_key_requests",
+            "Requests that came with each API key, by the key's name (never the key).",
+            [*labels, "key"],
+            registry=r,
+        )
         r.register(_MemoryCollector(m))
         # Every series exists from the start, so that rate() has a zero to begin from.
         for reason in REFUSALS:
@@ -315,6 +321,15 @@ class Metrics:
     def request_ended(self, outcome: str, finish_reason: str | None = None) -> None:
         """Count a request that ended (rejected ones included) by `outcome` (see OUTCOMES)."""
         self._requests.labels(self.model_name, outcome, finish_reason or "none").inc()
+
+    def key_used(self, name: str) -> None:
+        """A request came with the API key named `name`."""
+        self._by_key.labels(self.model_name, name).inc()
+
+    def keys_configured(self, names: list[str]) -> None:
+        """Start each API key's series at zero, so that rate() has a zero to begin from."""
+        for name in names:
+            self._by_key.labels(self.model_name, name)
 
     def request_refused(self, reason: str) -> None:
         """A request refused before it started (`reason`: one of REFUSALS), counted as outcome overloaded too."""

@@ -134,7 +134,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     components["ChatCompletionChunk"] = chunk
 
     settings: Settings = app.state.settings
-    if settings.api_key is not None:
+    if settings.named_api_keys:
         schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
         schema["security"] = [{"apiKey": []}]
         for path in open_paths(settings):
@@ -162,6 +162,26 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
+def _log_tenancy(settings: Settings) -> None:
+    """Say at start-up who may read what others left in the caches: it is a choice, and a default one."""
+    names = list(settings.named_api_keys)
+    strict = settings.isolation == "strict"
+    if names:
+        rest = "its own tenant" if strict else "its key's"
+        log.info(
+            "API keys %s: each key is a tenant (refined by cache_salt); a request without cache_salt is %s",
+            ", ".join(names),
+            rest,
+        )
+    elif strict:
+        log.info("no API key; isolation strict: each request without cache_salt is a tenant of its own")
+    else:
+        log.info(
+            "no API key: requests without cache_salt share one tenant (the prefix cache and the index of earlier "
+            "answers, whose effect shows in the responses); set API keys or --isolation strict to keep them apart"
+        )
+
+
 def open_paths(settings: Settings) -> tuple[str, ...]:
     """The paths served without the API key."""
     return ("/health", "/metrics") if settings.metrics_public else ("/health",)
@@ -174,6 +194,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _log_tenancy(settings)
         loader = None
         if engine is not None:
             app.state.runtime = Runtime.from_engine(engine, settings, metrics)
@@ -215,10 +236,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.add_middleware(
         BodyGuard, max_bytes=settings.max_body_bytes, read_timeout=settings.body_read_timeout, metrics=metrics
     )
-    if settings.api_key is not None:
+    keys = settings.named_api_keys
+    if keys:
         app.add_middleware(
             APIKeyGuard,
-            api_key=settings.api_key.get_secret_value(),
+            keys=keys,
             open_paths=open_paths(settings),
             metrics=metrics,
             open_pages=ui.PAGES,

@@ -189,6 +189,24 @@ class Settings(BaseSettings):
         description="require `Authorization: Bearer <key>` on every route but /health (and /metrics with "
         "metrics_public); unset or empty: no key. Prefer SPECSERVE_API_KEY to the flag, which shows in `ps`",
     )
+    api_keys: SecretStr | None = Field(
+        None,
+        description="several API keys, each its own tenant: `name:key` pairs, comma-separated; a request's prefix "
+        "cache and index of earlier answers are its key's, refined by its cache_salt, so no key reads what another "
+        "wrote. Names (letters, digits, `.`, `_`, `-`) go in logs, never keys; api_key beside them is named "
+        "`default`. Prefer SPECSERVE_API_KEYS to the flag, which shows in `ps`",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="a file of API keys as api_keys takes them, one `name:key` a line (blank lines and lines "
+        "starting with `#` skipped); read at start-up",
+    )
+    isolation: Literal["shared", "strict"] = Field(
+        "shared",
+        description="the tenant of a request without cache_salt: `shared`: its API key's (without keys: one "
+        "tenant for every such request, as a single user's server wants); `strict`: a tenant of its own, so it "
+        "reads nothing earlier requests left and leaves nothing for later ones",
+    )
     metrics_public: bool = Field(False, description="with an API key, serve /metrics without it (for a scraper)")
     cors_allow_origins: str = Field(
         "", description="comma-separated origins browsers may call the API from (`*` for any); empty: CORS off"
@@ -203,6 +221,48 @@ class Settings(BaseSettings):
         if not all(33 <= ord(c) <= 126 for c in value.get_secret_value()):
             raise ValueError("the API key must be printable ASCII without spaces")
         return value
+
+    @field_validator("api_keys", mode="after")
+    @classmethod
+    def _usable_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value().strip():
+            return None
+        parse_api_keys(value.get_secret_value().split(","), "api_keys")
+        return value
+
+    @field_validator("api_key_file", mode="after")
+    @classmethod
+    def _readable_key_file(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        _read_key_file(value)
+        return value
+
+    @property
+    def named_api_keys(self) -> dict[str, str]:
+        """Every API key by its name (`api_key` as ``default``, then `api_keys`, then the key file's); empty
+        without keys. Raises ValueError for a name or a key given twice."""
+        keys: dict[str, str] = {}
+        if self.api_key is not None:
+            keys["default"] = self.api_key.get_secret_value()
+        entries: list[tuple[str, str]] = []
+        if self.api_keys is not None:
+            entries += parse_api_keys(self.api_keys.get_secret_value().split(","), "api_keys")
+        if self.api_key_file is not None:
+            entries += _read_key_file(self.api_key_file)
+        for name, key in entries:
+            if name in keys:
+                raise ValueError(f"the API key name {name!r} is given twice")
+            keys[name] = key
+        if len(set(keys.values())) < len(keys):
+            # One key under two names would be two tenants that one client cannot tell apart.
+            raise ValueError("two API key names have the same key: each key must be its own")
+        return keys
+
+    @model_validator(mode="after")
+    def _keys_are_distinct(self) -> Settings:
+        self.named_api_keys  # noqa: B018  # raises ValueError, a one-line settings error
+        return self
 
     @field_validator("kv_cache_memory", mode="after")
     @classmethod
@@ -234,6 +294,40 @@ class Settings(BaseSettings):
         target as it was named), then the aliases of ``served_model_name``, each once."""
         aliases = [name.strip() for name in self.served_model_name.split(",") if name.strip()]
         return list(dict.fromkeys([self.model_name or self.target, *aliases]))
+
+
+_KEY_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def parse_api_keys(entries: list[str], source: str, unit: str = "entry") -> list[tuple[str, str]]:
+    """The (name, key) of each ``name:key`` entry (blank ones skipped); `source` and `unit` (``entry``,
+    ``line``) say where a malformed one is in the ValueError it raises, which never quotes a key."""
+    out: list[tuple[str, str]] = []
+    for number, entry in enumerate(entries, 1):
+        entry = entry.strip()
+        if not entry:
+            continue
+        name, sep, key = entry.partition(":")
+        if not sep or not _KEY_NAME.fullmatch(name):
+            raise ValueError(
+                f"{source}, {unit} {number}: expected `name:key`, the name of letters, digits, `.`, `_` or `-`"
+            )
+        # An HTTP header carries it: anything else could never match (and is a paste error).
+        if not key or not all(33 <= ord(c) <= 126 for c in key):
+            raise ValueError(f"{source}, key {name!r}: it must be printable ASCII without spaces")
+        out.append((name, key))
+    return out
+
+
+def _read_key_file(path: str) -> list[tuple[str, str]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"api_key_file {path!r} cannot be read: {exc}") from exc
+    # A comment line is blanked rather than dropped, so that an entry's number is its line's.
+    lines = ["" if line.lstrip().startswith("#") else line for line in lines]
+    return parse_api_keys(lines, f"api_key_file {path!r}", "line")
 
 
 _UNITS = {
