@@ -68,6 +68,7 @@ class JobSpec:
     tenant: str | None = None  # of the prefix cache and the index of earlier answers (`tenant`)
     isolated: bool = False  # a tenant of its own: nothing read from earlier requests, nothing kept for later
     prediction: str | None = None  # text the answer will mostly be (a lookup source)
+    prediction_field: str = "prediction"
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,10 @@ class Prepared:
     params: GenerationParams
     draft: str
     num_draft_tokens: int
+
+
+# The longest prediction, in tokens, per token a request may generate.
+PREDICTION_TOKENS_PER_NEW_TOKEN = 4
 
 
 def tenant(request: Request, settings: Settings, salt: str | None) -> tuple[str | None, bool]:
@@ -137,6 +142,15 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     if spec.prediction:
         # The answer's text, not a prompt: no BOS in front of it.
         prediction = tuple(await admission.run(runtime.tokenizer.encode, spec.prediction, False))
+        # The worker indexes a prediction whole, and the answer can follow at most max_new tokens of it: beyond a
+        # few times that, more prediction buys nothing and costs memory and the worker's time.
+        most = PREDICTION_TOKENS_PER_NEW_TOKEN * max(max_new, 1)
+        if len(prediction) > most:
+            raise _invalid(
+                f"{spec.prediction_field} is {len(prediction)} tokens, over the limit of {most} tokens "
+                f"({PREDICTION_TOKENS_PER_NEW_TOKEN} times {spec.max_new_tokens_field}, {max_new}): send less of it, "
+                f"or ask for more tokens"
+            )
     d = spec.decoding
     params = GenerationParams(
         max_new_tokens=max_new,

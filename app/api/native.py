@@ -86,6 +86,7 @@ async def _prepare(
         tenant=tenant,
         isolated=isolated,
         prediction=p.prediction,
+        prediction_field="parameters.prediction",
     )
     return await jobs.prepare(runtime, settings, spec)
 

@@ -27,6 +27,7 @@ from app.engine.defaults import (
 from app.engine.drafting.base import Drafter
 from app.engine.drafting.draft_length import SCHEDULES, StepCosts, VerifyCosts
 from app.engine.drafting.suffix_index import TrafficIndex
+from app.engine.drafting.suffix_index import _cost as index_charge
 from app.engine.generation import Generation
 from app.engine.memory import kv_cache_bytes
 from app.engine.model.tokenizer import Tokenizer
@@ -160,17 +161,22 @@ class Engine:
         max_new_tokens: int,
         draft: str | None = None,
         num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+        prediction_tokens: int = 0,
     ) -> int:
         """Bytes a request's generation allocates when it starts and holds to its end: the target's KV cache and
-        its draft session's, for the capacity `start` gives it (`cache_capacity`). Raises GenerationError for an
-        unknown `draft`."""
+        its draft session's, for the capacity `start` gives it (`cache_capacity`), and the lookup index of its
+        prediction of `prediction_tokens` tokens. Raises GenerationError for an unknown `draft`."""
         drafter = self.drafter(draft)
         # As Generation: target-only without a drafter, and no draft session for k = 0.
         k = num_draft_tokens if drafter is not None else 0
         config = self.target.config
         capacity = cache_capacity(prompt_len, max_new_tokens, k, self.verify_width, config.max_seq_len)
         held = kv_cache_bytes(config, capacity, self.target.dtype)
-        return held + drafter.session_bytes(capacity) if drafter is not None and k else held
+        if drafter is not None and k:
+            held += drafter.session_bytes(capacity)
+            # Charged as the index charges what it files (an upper bound): a long prediction is no small thing.
+            held += index_charge(prediction_tokens) if prediction_tokens else 0
+        return held
 
     def start(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None) -> Generation:
         """A new generation, ready to `step()`; raises GenerationError for a request it cannot run.

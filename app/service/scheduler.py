@@ -416,16 +416,23 @@ class Scheduler:
         """What `job` will hold; RequestFailed (``validation``) when that alone exceeds the budget."""
         try:
             need = self.engine.kv_bytes(
-                len(job.prompt_ids), job.params.max_new_tokens, job.draft, job.params.num_draft_tokens
+                len(job.prompt_ids),
+                job.params.max_new_tokens,
+                job.draft,
+                job.params.num_draft_tokens,
+                len(job.params.prediction),
             )
         except GenerationError as exc:
             raise RequestFailed("validation", str(exc)) from None
         if need > self.kv_budget:
+            n = len(job.params.prediction)
+            predicted = f", with the index of a prediction of {n} tokens" if n else ""
             raise RequestFailed(
                 "validation",
                 f"this request needs {format_bytes(need)} of KV cache (a prompt of {len(job.prompt_ids)} tokens "
-                f"and up to {job.params.max_new_tokens} new ones), more than the server's whole KV-cache budget of "
-                f"{format_bytes(self.kv_budget)}: it could never run; send a shorter prompt or ask for fewer tokens",
+                f"and up to {job.params.max_new_tokens} new ones{predicted}), more than the server's whole KV-cache "
+                f"budget of {format_bytes(self.kv_budget)}: it could never run; send a shorter prompt or ask for fewer "
+                "tokens",
             )
         return need
 
