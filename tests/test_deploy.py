@@ -475,6 +475,36 @@ def test_k8s_deployment_and_service() -> None:
     assert annotations["prometheus.io/port"] == str(ports["http"])
 
 
+def test_the_deployments_fail_closed_without_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image listens on every interface, which the server refuses without a key: the image alone needs a key
+    (or the explicit flag), compose gives the flag only because it publishes on 127.0.0.1 of the host, and a k8s
+    pod does not start without its key's secret."""
+    from pydantic import ValidationError
+
+    for name in list(os.environ):
+        if name.startswith("SPECSERVE_"):
+            monkeypatch.delenv(name)
+    image = {k: v for k, v in dockerfile_env().items() if k.startswith("SPECSERVE_") and k != "SPECSERVE_CACHE"}
+    for name, value in image.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match="no API key is set"):
+        Settings()
+    monkeypatch.setenv("SPECSERVE_API_KEY", "a-key-0123456789")
+    assert Settings().host == "0.0.0.0"
+    monkeypatch.delenv("SPECSERVE_API_KEY")
+    for name in SPECSERVE_SERVICES:
+        env = SERVICES[name]["environment"]
+        monkeypatch.setenv("SPECSERVE_ALLOW_UNAUTHENTICATED", interpolate(env["SPECSERVE_ALLOW_UNAUTHENTICATED"]))
+        assert Settings().allow_unauthenticated, name
+    for name in ("specserve", "lb"):
+        [(address, _, _)] = published(name)
+        assert address == "127.0.0.1"
+    [container] = k8s_objects()["Deployment"]["spec"]["template"]["spec"]["containers"]
+    [key] = [e for e in container["env"] if e["name"] == "SPECSERVE_API_KEY"]
+    assert not key["valueFrom"]["secretKeyRef"].get("optional", False)
+    assert "SPECSERVE_ALLOW_UNAUTHENTICATED" not in {e["name"] for e in container["env"]}
+
+
 def test_shutdown_grace_fits_in_what_the_orchestrators_give() -> None:
     """The server's drain (requests in flight finish, the rest end with an error event) ends 5 s or more
     before Kubernetes or Docker send SIGKILL, and matches in both."""

@@ -37,6 +37,10 @@ SERVE_FLAGS = [
     "--log-format",
     "--log-level",
     "--api-key",
+    "--api-keys",
+    "--api-key-file",
+    "--isolation",
+    "--allow-unauthenticated",
     "--metrics-public",
     "--cors-allow-origins",
 ]
@@ -53,7 +57,7 @@ def test_every_setting_has_a_flag() -> None:
     for field, flag in flags.items():
         assert flag == "--" + field.replace("_", "-")
     options = {o for a in _serve_parser(cli.build_parser())._actions for o in a.option_strings}
-    assert set(SERVE_FLAGS) | {"--no-metrics-public"} <= options
+    assert set(SERVE_FLAGS) | {"--no-metrics-public", "--no-allow-unauthenticated"} <= options
 
 
 def _parsed_settings(monkeypatch: pytest.MonkeyPatch, *argv: str) -> Settings:
@@ -88,6 +92,32 @@ def test_flags_take_their_types_from_the_settings(monkeypatch: pytest.MonkeyPatc
     assert flags["--metrics-public"]["help"].endswith("(default: no)")
     assert flags["--model-name"]["help"] == Settings.model_fields["model_name"].description  # None: not shown
     assert [flags[f]["type"] for f in ("--port", "--draft-p-min", "--max-input-tokens")] == [int, float, int]
+
+
+KEY_VARIABLES = ("SPECSERVE_API_KEY", "SPECSERVE_API_KEYS", "SPECSERVE_API_KEY_FILE", "SPECSERVE_ALLOW_UNAUTHENTICATED")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.9", "localhost", "::1", "[::1]"])
+def test_a_loopback_server_needs_no_key(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in KEY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert Settings(host=host).host == host
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.20", "myhost.example"])
+def test_a_server_others_reach_refuses_to_start_without_a_key_unless_told(
+    host: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in KEY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["serve", "--host", host]) == 1
+    err = capsys.readouterr().err
+    assert f"host {host} is reachable from other machines and no API key is set" in err
+    assert "--allow-unauthenticated" in err
+    assert _parsed_settings(monkeypatch, "--host", host, "--allow-unauthenticated").allow_unauthenticated
+    assert _parsed_settings(monkeypatch, "--host", host, "--api-keys", "a:key-0123456789").host == host
+    monkeypatch.setenv("SPECSERVE_API_KEY", "key-0123456789")
+    assert _parsed_settings(monkeypatch, "--host", host).host == host
 
 
 def test_a_literal_out_of_its_choices_is_a_settings_error(capsys: pytest.CaptureFixture[str]) -> None:

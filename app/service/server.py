@@ -39,7 +39,7 @@ from app.api.security import REQUEST_ID_HEADER, APIKeyGuard, RequestID
 from app.engine.engine import Engine
 from app.service.metrics import Metrics
 from app.service.runtime import Runtime
-from app.service.settings import Settings
+from app.service.settings import Settings, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +163,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 def _log_tenancy(settings: Settings) -> None:
-    """Say at start-up who may read what others left in the caches: it is a choice, and a default one."""
+    """Say at start-up who may use the server and who may read what others left in its caches: both are choices,
+    and the keyless ones defaults."""
     names = list(settings.named_api_keys)
+    if not names and not is_loopback(settings.host):
+        log.warning(
+            "serving %s without an API key (allow_unauthenticated): anyone who reaches it may use it", settings.host
+        )
     strict = settings.isolation == "strict"
     if names:
         rest = "its own tenant" if strict else "its key's"

@@ -10,6 +10,7 @@ commas), so a new setting needs no other code to become a flag.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Literal
 
@@ -207,6 +208,11 @@ class Settings(BaseSettings):
         "tenant for every such request, as a single user's server wants); `strict`: a tenant of its own, so it "
         "reads nothing earlier requests left and leaves nothing for later ones",
     )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="listen on a host other than a loopback address without an API key (behind a proxy that "
+        "authenticates, or on a network only trusted clients reach); without it such a server refuses to start",
+    )
     metrics_public: bool = Field(False, description="with an API key, serve /metrics without it (for a scraper)")
     cors_allow_origins: str = Field(
         "", description="comma-separated origins browsers may call the API from (`*` for any); empty: CORS off"
@@ -264,6 +270,16 @@ class Settings(BaseSettings):
         self.named_api_keys  # noqa: B018  # raises ValueError, a one-line settings error
         return self
 
+    @model_validator(mode="after")
+    def _closed_unless_told(self) -> Settings:
+        # Fail closed: a server others can reach, with nobody's key asked, serves anyone who finds it.
+        if not is_loopback(self.host) and not self.named_api_keys and not self.allow_unauthenticated:
+            raise ValueError(
+                f"host {self.host} is reachable from other machines and no API key is set: set SPECSERVE_API_KEY "
+                "(or api_keys, api_key_file), or allow_unauthenticated (--allow-unauthenticated) to serve it open"
+            )
+        return self
+
     @field_validator("kv_cache_memory", mode="after")
     @classmethod
     def _size_or_auto(cls, value: str) -> str:
@@ -294,6 +310,16 @@ class Settings(BaseSettings):
         target as it was named), then the aliases of ``served_model_name``, each once."""
         aliases = [name.strip() for name in self.served_model_name.split(",") if name.strip()]
         return list(dict.fromkeys([self.model_name or self.target, *aliases]))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or ``localhost``): reachable from this machine only."""
+    if host.strip().lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name other than localhost: it may resolve to anything
 
 
 _KEY_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
