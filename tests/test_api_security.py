@@ -268,3 +268,21 @@ def test_log_lines_carry_the_request_id(log_format: str, capsys: pytest.CaptureF
         assert lines[0].endswith("INFO app.test [rid-7]: inside")
         assert lines[1].endswith("INFO app.test: outside")
         assert lines[2].endswith("INFO app.test [rid-8]: from the worker")
+
+
+async def test_health_says_that_loading_failed_but_not_the_exception_text(tmp_path) -> None:
+    """/health is open to anyone: it names the exception's type only; its text (a path here) is for the log."""
+    import anyio
+
+    missing = tmp_path / "private-dir-4711" / "model.gguf"
+    app = create_app(Settings(target=str(missing)))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            with anyio.fail_after(60):
+                while (health := await client.get("/health")).json()["status"] == "loading":
+                    await anyio.sleep(0.05)
+            info = await client.get("/info")
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert "log" in health.json()["error"]
+    assert "private-dir-4711" not in health.text and "private-dir-4711" not in info.text

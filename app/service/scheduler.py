@@ -649,8 +649,9 @@ class Scheduler:
 
     def _died(self, exc: BaseException) -> None:
         """The thread is ending on `exc`: every request held, and every later one, gets a 503 at once."""
-        reason = f"the worker stopped ({type(exc).__name__}: {exc})"
-        log.critical("%s; every request is refused until the server restarts", reason, exc_info=exc)
+        # Clients (and /health, open to anyone) hear the exception's type only; the log has its text.
+        reason = f"the worker stopped ({type(exc).__name__})"
+        log.critical("%s: %s; every request is refused until the server restarts", reason, exc, exc_info=exc)
         with self._lock:
             self._failure = reason
             held = list(self._held)

@@ -92,7 +92,9 @@ async def _load(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
         runtime = await _in_own_thread(lambda: Runtime.load(settings, metrics))
     except Exception as exc:
         log.exception("loading %s failed", settings.target)
-        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        # Only the exception's type: /health is open to anyone, and its text may name paths, hosts or the
+        # Hub's answers; the log above has it whole.
+        app.state.load_error = f"{type(exc).__name__}; the server's log says why"
         return
     if app.state.closing:
         runtime.close()
