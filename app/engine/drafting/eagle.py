@@ -159,9 +159,9 @@ class EagleDraft(nn.Module):
 
     def quantize(self, kernel: Kernel, qtype: str) -> None:
         """Every matrix of the draft (the fusion layer and the decoder layer's four) as `qtype` blocks (see
-        `app.engine.kernels.quantized.quantize`), computed on by `kernel`'s integer products: a draft token then reads
-        a quarter (Q8_0) of its bf16 bytes. Call on the float32 weights, before `pack` (inference only,
-        irreversible)."""
+        `app.engine.kernels.quantized.quantize`), computed on by `kernel`'s integer products: a draft token then
+        reads about half (Q8_0) or a quarter (Q4_0) of its bf16 bytes. Call on the float32 weights, before `pack`
+        (inference only, irreversible)."""
         for owner, name in self._matrices():
             lin = getattr(owner, name)
             if isinstance(lin, nn.Linear):
@@ -331,7 +331,7 @@ def load_draft(path: Path, target: Transformer, weights: str = DEFAULT_DRAFT_WEI
         raise EagleError("draft vocabulary ids exceed the target's vocabulary")
     kernel = target.kernel
     if weights == "auto":
-        # Plain C's integer products (generic) cost a draft token more than its bf16 ones: 3.5 against about 1 ms.
+        # Plain C's integer products (generic) are slower than its bf16 ones (docs/bench, the draft on the kernels).
         weights = "q8_0" if kernel is not None and kernel.spec.dot else "bf16"
     qtype = weights.upper() if weights != "bf16" and kernel is not None else None
     if qtype is not None and can_pack(target.dtype, target.device, kernel):
