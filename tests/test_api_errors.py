@@ -233,7 +233,8 @@ async def test_body_limits_and_content_type(api_client) -> None:
     assert big.status_code == 413 and "over the limit of 2048" in big.json()["error"]
     assert big_oai.status_code == 413 and "2048" in big_oai.json()["error"]["message"]
     assert form.status_code == 415 and "application/json" in form.json()["error"]
-    assert no_type.status_code == 200  # a body without a content type is taken as JSON, as curl -d users expect
+    # Nor is a body without a content type: a web page can send one to any origin without a CORS preflight.
+    assert no_type.status_code == 415 and "Content-Type: application/json" in no_type.json()["error"]
     assert pair.status_code == 200, pair.text
     assert missing.status_code == 404 and missing.json()["error_type"] == "not_found"
     assert wrong_method.status_code == 405 and "GET" in wrong_method.json()["error"]

@@ -144,7 +144,15 @@ class BodyGuard:
             await refuse("too_large", f"the request body is {size_text} bytes, over the limit of {self.max_bytes}")
             return
         content_type = headers.get("content-type")
-        if content_type is not None and not _is_json(content_type):
+        if content_type is None:
+            # A web page may send a body without a type (a typeless Blob) to any origin without asking first (no
+            # CORS preflight); asking for application/json means a browser asks, so no page can post to a local
+            # server behind its user's back.
+            await refuse(
+                "unsupported_media_type", "the body must be JSON sent with the header Content-Type: application/json"
+            )
+            return
+        if not _is_json(content_type):
             await refuse(
                 "unsupported_media_type", f"the body must be JSON (Content-Type: application/json), not {content_type}"
             )
