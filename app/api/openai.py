@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from app.api import jobs, tools
+from app.api import admission, jobs, tools
 from app.api.deps import get_runtime, get_settings
 from app.api.errors import APIError, cut, documented_errors
 from app.api.logprobs import TokenNames, chat_logprobs, completion_logprobs, prompt_logprobs
@@ -429,12 +429,14 @@ async def chat_completions(
     n = body.n or 1
     _check_choices(n, settings)
     tokenizer = runtime.tokenizer
+    # Rendered and encoded as ids here, so that special tokens' strings in the client's text stay text
+    # (Tokenizer.encode_chat); in the pre-admission pool, as a long prompt's tokenizing is.
     try:
         if tokenizer.takes_tools:
             messages, functions = tools.template_messages(body)
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=functions)
+            prompt = await admission.run(tokenizer.encode_chat, messages, True, functions)
         else:
-            prompt = tokenizer.apply_chat_template(tools.render_messages(body), add_generation_prompt=True)
+            prompt = await admission.run(tokenizer.encode_chat, tools.render_messages(body), True)
     except TokenizerError as exc:
         raise APIError("validation", f"messages: {exc}") from exc
     for parameters in tools.parameter_grammars(body):

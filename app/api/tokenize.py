@@ -30,16 +30,18 @@ async def tokenize(body: TokenizeRequest, runtime: Runtime_) -> TokenizeResponse
     tokenizer = runtime.tokenizer
     if body.messages is not None:
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        # As the chat route encodes them: special tokens' strings in the messages are text (Tokenizer.encode_chat).
         try:
-            text = tokenizer.apply_chat_template(turns, add_generation_prompt=body.add_generation_prompt)
+            ids = await admission.run(
+                tokenizer.encode_chat, turns, body.add_generation_prompt, None, bool(body.add_special_tokens)
+            )
         except TokenizerError as exc:
             raise APIError("validation", f"messages: {exc}") from exc
-        special = bool(body.add_special_tokens)
     else:
         assert body.prompt is not None
-        text, special = body.prompt, body.add_special_tokens is not False
-    # A long prompt: in the bounded pool, as /v1/completions'. Without special tokens, no BOS but one the text wrote.
-    ids = await admission.run(tokenizer.encode, text, special)
+        # A long prompt: in the bounded pool, as /v1/completions'. Without special tokens, no BOS but one the text
+        # wrote.
+        ids = await admission.run(tokenizer.encode, body.prompt, body.add_special_tokens is not False)
     strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=runtime.info.context_length, tokens=ids, token_strs=strs)
 

@@ -116,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
             name = args.target or DEFAULT_TARGET
             raise CliError(f"{name} has no chat template (a base model): pass --no-chat to send the prompt as is")
         for prompt in prompts:
-            text = prompt if args.no_chat else tok.apply_chat_template([{"role": "user", "content": prompt}])
-            prompt_ids = tok.encode(text)
+            # A chat turn as the server encodes one: special tokens' strings in the prompt stay text.
+            chat = [{"role": "user", "content": prompt}]
+            prompt_ids = tok.encode(prompt) if args.no_chat else tok.encode_chat(chat)
             gen = engine.start(prompt_ids, params, args.draft)
             while not gen.finished:
                 out = gen.step()

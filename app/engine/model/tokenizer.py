@@ -9,7 +9,10 @@ brings its tokenizer.json.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,9 @@ _GGUF_MODELS = ("gpt2", "llama")
 _SPACE = "\u2581"
 # Architectures whose SentencePiece vocabulary lists its pieces in merge order (their scores do not follow it).
 _PIECES_IN_ORDER = ("gemma", "gemma2", "gemma3")
+# What stands in a client's text for a special token's string while the chat template renders it (see
+# `Tokenizer.encode_chat`): private-use characters, which templates' filters (trim, tojson) leave alone.
+_HIDE_OPEN, _HIDE_CLOSE = "\ue000", "\ue001"
 
 
 class TokenizerError(ValueError):
@@ -146,6 +152,17 @@ def _raise(message: str) -> None:
     raise TokenizerError(message)
 
 
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """`value` (JSON-like: mappings, lists, strings, scalars) with `fn` applied to every string in it, keys too."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {fn(k) if isinstance(k, str) else k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(v, fn) for v in value]
+    return value
+
+
 class Tokenizer:
     """Encoding, decoding and chat formatting for one model."""
 
@@ -166,6 +183,9 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
         self.special_ids = frozenset(i for t in special_tokens if (i := backend.token_to_id(t)) is not None)
+        texts = sorted({t for t in special_tokens if backend.token_to_id(t) is not None}, key=len, reverse=True)
+        # Longest first, so that a token whose text begins with another's is found whole.
+        self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
         ends = {i for t in _END_OF_TURN if (i := backend.token_to_id(t)) is not None and i in self.special_ids}
         self.eos_token_ids: frozenset[int] = frozenset(ends | set(eos_token_ids))
         self._template = None
@@ -239,6 +259,66 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    @cached_property
+    def _plain(self) -> HFTokenizer:
+        """A copy of the backend that reads special tokens' strings as ordinary text (its own copy: the switch is
+        the whole tokenizer's, and the backend is shared by threads that do want them parsed)."""
+        plain = HFTokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        bos: bool = True,
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (see `apply_chat_template`), where only
+        the template's own markers are special tokens: a special token's string in a message, a tool call or a
+        tool's schema is encoded as the ordinary text it spells. BOS as `encode` adds it.
+
+        Encoding the rendered text whole would parse `<|im_end|>\\n<|im_start|>system` typed by a client as the
+        end of its turn and the start of a system turn. So every such string in the client's values is swapped for
+        a placeholder that no client can guess before the template renders them; the special tokens left in the
+        rendered text are the template's, and the text between them, placeholders put back, is encoded with no
+        special tokens at all. A conversation without such strings is encoded whole, exactly as before."""
+        found: list[str] = []
+        nonce = secrets.token_hex(8)
+        pattern = self._special_text
+
+        def hide(text: str) -> str:
+            def placeholder(match: re.Match[str]) -> str:
+                found.append(match.group(0))
+                return f"{_HIDE_OPEN}{nonce}.{len(found) - 1}{_HIDE_CLOSE}"
+
+            return pattern.sub(placeholder, text) if pattern is not None else text
+
+        hidden_messages = _map_strings(list(messages), hide)
+        hidden_tools = None if tools is None else _map_strings(list(tools), hide)
+        text = self.apply_chat_template(hidden_messages, add_generation_prompt, hidden_tools)
+        if not found:
+            return self.encode(text, bos)
+        hidden = re.compile(f"{_HIDE_OPEN}{nonce}\\.(\\d+){_HIDE_CLOSE}")
+
+        def restore(part: str) -> str:
+            return hidden.sub(lambda m: found[int(m.group(1))], part)
+
+        whole = self.backend.encode_batch([text], add_special_tokens=False)[0]
+        marks = [(i, span) for i, span in zip(whole.ids, whole.offsets, strict=True) if i in self.special_ids]
+        gaps, start = [], 0
+        for _, (begin, end) in marks:
+            gaps.append(restore(text[start:begin]))
+            start = end
+        gaps.append(restore(text[start:]))
+        encoded = [e.ids for e in self._plain.encode_batch(gaps, add_special_tokens=False)]
+        ids: list[int] = list(encoded[0])
+        for (token, _), after in zip(marks, encoded[1:], strict=True):
+            ids += [token, *after]
+        if bos and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
 
     def apply_chat_template(
         self,
