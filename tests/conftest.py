@@ -46,6 +46,8 @@ SPECBENCH = REPO_ROOT.parent / "shared" / "bench" / "specbench-dev.jsonl"  # rea
 BENCH_PROMPTS = REPO_ROOT / "app" / "bench" / "prompts.jsonl"
 # What engine tests pin where they count steps or forwards: a fixed draft length without a confidence cut-off,
 # prompts prefilled whole (the library's defaults are the server's, app.engine.defaults).
+# The Host names the in-process apps answer to: the default's loopback names and httpx's test host.
+TEST_HOSTS = "localhost,127.0.0.1,[::1],testserver"
 FIXED_DRAFT = {"draft_schedule": "fixed", "draft_p_min": 0.0, "prefill_chunk": 0, "prefill_step_seconds": 0.0}
 
 
@@ -317,6 +319,9 @@ def api_client(api_engine):
 
     @contextlib.asynccontextmanager
     async def client(engine=None, **settings):
+        # httpx's and the openai SDK's test URLs say http://testserver: a name the Host check of a keyless
+        # loopback server refuses by default, so the tests' apps list it beside the default's.
+        settings.setdefault("allowed_hosts", TEST_HOSTS)
         app = create_app(Settings(**settings), engine if engine is not None else api_engine)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)

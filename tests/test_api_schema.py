@@ -14,6 +14,7 @@ from schemathesis import GenerationMode
 
 from app.service.server import create_app
 from app.service.settings import Settings
+from tests.conftest import TEST_HOSTS
 
 OPERATIONS = [
     ("POST", "/generate"),
@@ -35,7 +36,8 @@ OPERATIONS = [
 @pytest.fixture(scope="module")
 def api_schema(api_engine):
     # schemathesis calls the app through Starlette's TestClient, which runs the lifespan around each call.
-    app = create_app(Settings(max_new_tokens=2, default_max_new_tokens=2, max_queue_size=64), api_engine)
+    settings = Settings(max_new_tokens=2, default_max_new_tokens=2, max_queue_size=64, allowed_hosts=TEST_HOSTS)
+    app = create_app(settings, api_engine)
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 

@@ -121,6 +121,73 @@ async def test_openai_client_with_the_key(api_client) -> None:
             await bad.models.list()
 
 
+LOOPBACK = ["localhost", "localhost:8000", "127.0.0.1", "127.0.0.1:8000", "[::1]", "[::1]:8000", "LocalHost."]
+# Names a rebound page's requests carry (its own name, with or without a port) or that only look local.
+FOREIGN = ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost.evil.example", "[::2]:8000", "x y"]
+
+
+async def test_a_keyless_loopback_server_answers_to_loopback_names_only(api_client) -> None:
+    """DNS rebinding: a page on evil.example, re-pointed at 127.0.0.1, reaches a keyless local server as its own
+    origin, so it could read answers and send work. Its requests carry Host: evil.example, refused with 400 in
+    the route's error shape before any body is read; the loopback names pass with any port."""
+    async with api_client(allowed_hosts="") as client:  # the default: what `specserve serve` runs
+        passed = [(await client.get("/v1/models", headers={"Host": h})).status_code for h in LOOPBACK]
+        refused = [await client.get("/info", headers={"Host": h}) for h in FOREIGN]
+        chat = await client.post(
+            "/v1/chat/completions",
+            headers={"Host": "evil.example"},
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+        )
+        health = await client.get("/health", headers={"Host": "evil.example"})
+    assert passed == [200] * len(LOOPBACK)
+    assert [r.status_code for r in refused] == [400] * len(FOREIGN)
+    body = refused[0].json()
+    assert body["error_type"] == "validation" and "Host 'evil.example'" in body["error"]
+    assert "--allowed-hosts" in body["error"] and "localhost" in body["error"]
+    assert chat.status_code == 400 and "Host 'evil.example'" in chat.json()["error"]["message"]
+    assert health.status_code == 400
+
+
+async def test_allowed_hosts_replaces_the_default_and_keys_or_a_public_host_drop_it(api_client) -> None:
+    """--allowed-hosts names the hosts (the default's names too, if wanted); `*` turns the check off; a server
+    with a key, or one on a public address told to serve open, checks no Host unless told."""
+    async with api_client(allowed_hosts="api.example, ::1") as client:
+        named = await client.get("/v1/models", headers={"Host": "API.example:443"})
+        bracketed = await client.get("/v1/models", headers={"Host": "[::1]:8000"})
+        local = await client.get("/v1/models", headers={"Host": "localhost:8000"})
+    async with api_client(allowed_hosts="*") as client:
+        anything = await client.get("/v1/models", headers={"Host": "evil.example"})
+    async with api_client(allowed_hosts="", api_key=KEY) as client:
+        keyed = await client.get("/v1/models", headers={"Host": "evil.example", **AUTH})
+    async with api_client(allowed_hosts="", host="0.0.0.0", allow_unauthenticated=True) as client:
+        public = await client.get("/v1/models", headers={"Host": "10.0.0.5:8000"})
+    assert (named.status_code, bracketed.status_code, local.status_code) == (200, 200, 400)
+    assert anything.status_code == keyed.status_code == public.status_code == 200
+    assert Settings().trusted_hosts == {"localhost", "127.0.0.1", "[::1]"}
+    for bad in ("localhost:8000", "[::1]:80", "a b", "[::1"):
+        with pytest.raises(ValueError, match="allowed_hosts"):
+            Settings(allowed_hosts=bad)
+
+
+async def test_a_request_without_a_host_header_is_refused() -> None:
+    """HTTP/1.0 lets a request leave Host out: with a Host check on, it is refused, not waved through."""
+    sent: list[dict] = []
+
+    async def app(scope, receive, send) -> None:  # pragma: no cover - must not be reached
+        raise AssertionError("the request went through")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    guard = security.TrustedHost(app, hosts={"localhost"})
+    await guard({"type": "http", "method": "GET", "path": "/info", "headers": []}, receive, send)
+    assert sent[0]["status"] == 400
+    assert "no Host header" in json.loads(sent[1]["body"])["error"]
+
+
 async def test_cors_is_off_unless_configured(api_client) -> None:
     preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
     async with api_client() as client:
@@ -207,7 +274,7 @@ async def test_no_traceback_in_answers_and_the_id_in_the_log(api_engine, json_lo
 
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
             crash = await client.get("/boom", headers={"X-Request-ID": "crash-1"})
             failed = await client.post(
                 "/generate",
@@ -278,7 +345,7 @@ async def test_health_says_that_loading_failed_but_not_the_exception_text(tmp_pa
     app = create_app(Settings(target=str(missing)))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             with anyio.fail_after(60):
                 while (health := await client.get("/health")).json()["status"] == "loading":
                     await anyio.sleep(0.05)

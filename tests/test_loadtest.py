@@ -43,7 +43,7 @@ async def _level(engine, clients: int, requests: int, api: str, **settings):
         if api == "tgi":
             options.pop("model")
         return await run_level(
-            "http://testserver", PROMPTS, clients, requests, options, 120, api, None, httpx.ASGITransport(app=app)
+            "http://localhost", PROMPTS, clients, requests, options, 120, api, None, httpx.ASGITransport(app=app)
         )
 
 
@@ -106,7 +106,7 @@ async def test_an_open_loop_level_sends_every_request_at_its_arrival_time(api_en
     async with app.router.lifespan_context(app):
         options = {"max_new_tokens": 8, "speculative": {"draft": "ngram"}, "model": "smollm2-135m-instruct"}
         transport = httpx.ASGITransport(app=app)
-        results, wall = await run_rate("http://testserver", PROMPTS, 50.0, 6, options, 120, "chat", None, transport)
+        results, wall = await run_rate("http://localhost", PROMPTS, 50.0, 6, options, 120, "chat", None, transport)
     starts = sorted(r.start for r in results)
     ends = sorted(r.end for r in results)
     assert len(results) == 6 and starts[1] < ends[0]  # the second arrived before the first was done
@@ -323,7 +323,7 @@ async def test_conversations_over_a_real_server_grow_turn_by_turn(api_engine):
     async with app.router.lifespan_context(app):
         options = {"max_new_tokens": 4, "speculative": {"draft": "ngram"}, "model": "smollm2-135m-instruct"}
         transport = httpx.ASGITransport(app=app)
-        results, _ = await run_conversations("http://testserver", 2, 2, options, 120, None, transport, seed=1)
+        results, _ = await run_conversations("http://localhost", 2, 2, options, 120, None, transport, seed=1)
     assert len(results) == 4 and all(r.ok for r in results), [r.error for r in results]
     m = summarize_turns(results, 2)
     assert m["prompts_grew"] == "2/2" and m["completed_conversations"] == 2

@@ -1,7 +1,11 @@
-"""Middleware in front of the routes: request ids, the optional API key.
+"""Middleware in front of the routes: request ids, the Host check, the optional API key.
 
 `RequestID` gives every request an id, the client's ``X-Request-ID`` when it sent a sane one, else a new
 one; the id goes back in the ``X-Request-ID`` response header and into every log record of the request.
+
+`TrustedHost` answers 400 to a request whose ``Host`` header names none of the allowed hosts: on a keyless server
+listening on 127.0.0.1, the loopback names only, so that a web page whose name its owner re-points at 127.0.0.1
+(DNS rebinding) cannot use the server from the victim's browser as if it were the page's own origin.
 
 `APIKeyGuard` refuses, with 401 in the API's error shape, any request without ``Authorization: Bearer
 <key>`` of one of the configured keys, except to the open paths (``/health``, and ``/metrics`` when the
@@ -21,9 +25,10 @@ from collections.abc import Iterable, Mapping
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import error_response
+from app.api.errors import error_response, shown
 from app.service.logs import request_id_var
 from app.service.metrics import Metrics
+from app.service.settings import normal_host
 
 REQUEST_ID_HEADER = "X-Request-ID"
 # What a client's own id may look like: no spaces, quotes or control characters (it goes into log lines).
@@ -53,6 +58,35 @@ class RequestID:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class TrustedHost:
+    """ASGI middleware: 400 for a request whose ``Host`` header (any port) names none of `hosts` (as
+    `normal_host` spells them), or that has none."""
+
+    def __init__(self, app: ASGIApp, hosts: Iterable[str]) -> None:
+        self.app = app
+        self.hosts = frozenset(hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"host"), None)
+        if given is not None and normal_host(given) in self.hosts:
+            await self.app(scope, receive, send)
+            return
+        allowed = ", ".join(sorted(self.hosts))
+        if given is None:
+            message = f"the request has no Host header; this server answers to {allowed}"
+        else:
+            # shown(): the header is the client's text, and the message goes into a log line.
+            message = (
+                f"Host {shown(given)} is not a name this server answers to ({allowed}); "
+                "a server reached by another name lists it in allowed_hosts (--allowed-hosts)"
+            )
+        response = error_response(scope.get("method", "GET"), scope["path"], "validation", message, status=400)
+        await response(scope, receive, send)
 
 
 def _bearer_token(scope: Scope) -> bytes | None:

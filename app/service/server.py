@@ -35,7 +35,7 @@ from app.api import native, openai, ops, tokenize, ui
 from app.api.body import BodyGuard
 from app.api.errors import OPENAI_PREFIX, error_body, install_error_handlers
 from app.api.schemas import ChatCompletionChunk
-from app.api.security import REQUEST_ID_HEADER, APIKeyGuard, RequestID
+from app.api.security import REQUEST_ID_HEADER, APIKeyGuard, RequestID, TrustedHost
 from app.engine.engine import Engine
 from app.service.metrics import Metrics
 from app.service.runtime import Runtime
@@ -238,7 +238,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.include_router(ops.router)
     app.include_router(tokenize.router)
     app.include_router(ui.router)
-    # The last added runs first: request id, CORS (a preflight carries no key), API key, then the body guard
+    # The last added runs first: request id, Host, CORS (a preflight carries no key), API key, then the body guard
     # (so that a client without the key never gets to send a body).
     app.add_middleware(
         BodyGuard, max_bytes=settings.max_body_bytes, read_timeout=settings.body_read_timeout, metrics=metrics
@@ -260,6 +260,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
             expose_headers=[REQUEST_ID_HEADER, "Retry-After"],
         )
+    hosts = settings.trusted_hosts
+    if hosts is not None:
+        # Before CORS and the key: a rebound page's request is refused whatever else it carries.
+        app.add_middleware(TrustedHost, hosts=hosts)
     app.add_middleware(RequestID)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -213,6 +213,13 @@ class Settings(BaseSettings):
         description="listen on a host other than a loopback address without an API key (behind a proxy that "
         "authenticates, or on a network only trusted clients reach); without it such a server refuses to start",
     )
+    allowed_hosts: str = Field(
+        "",
+        description="comma-separated names a request's Host header may carry (any port; `*` for any), others "
+        "answered 400. Empty: localhost, 127.0.0.1 and [::1] on a server without API keys listening on a loopback "
+        "address (so that a web page whose name resolves to 127.0.0.1 cannot use it: DNS rebinding), no check "
+        "otherwise",
+    )
     metrics_public: bool = Field(False, description="with an API key, serve /metrics without it (for a scraper)")
     cors_allow_origins: str = Field(
         "", description="comma-separated origins browsers may call the API from (`*` for any); empty: CORS off"
@@ -304,6 +311,30 @@ class Settings(BaseSettings):
         """The origins of `cors_allow_origins`, as a list (empty: CORS is off)."""
         return [o.strip() for o in self.cors_allow_origins.split(",") if o.strip()]
 
+    @field_validator("allowed_hosts", mode="after")
+    @classmethod
+    def _hosts_are_names(cls, value: str) -> str:
+        for name in value.split(","):
+            name = name.strip()
+            # A port here would be a paste of a URL's authority: the check takes any port, so it names none.
+            with_port = name.count(":") == 1 or (name.startswith("[") and not name.endswith("]"))
+            if name and name != "*" and (normal_host(name) is None or with_port):
+                raise ValueError(f"allowed_hosts: {name!r} is not a host name or address (give it without a port)")
+        return value
+
+    @property
+    def trusted_hosts(self) -> frozenset[str] | None:
+        """The Host names requests may carry (`normal_host`'s spelling), or None where any will do: the
+        `allowed_hosts` given, else the loopback names on a keyless server listening on a loopback address."""
+        given = [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
+        if "*" in given:
+            return None
+        if given:
+            return frozenset(n for h in given if (n := normal_host(h)) is not None)
+        if is_loopback(self.host) and not self.named_api_keys:
+            return frozenset(LOOPBACK_NAMES)
+        return None
+
     @property
     def served_model_names(self) -> list[str]:
         """Every `model` the OpenAI API accepts: first the id its answers report (``model_name``, else the
@@ -320,6 +351,29 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
     except ValueError:
         return False  # a name other than localhost: it may resolve to anything
+
+
+# What a keyless local server answers to by default: the names a browser uses for this machine.
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+_HOST_NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
+_IPV6 = re.compile(r"[0-9a-f:.]+")
+
+
+def normal_host(host: str) -> str | None:
+    """`host` (a Host header's value, or a name in allowed_hosts) without its port, lower-case, a name's final dot
+    dropped, an IPv6 address in brackets; None where it is not one (a bracket unclosed, a port not digits)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        address, bracket, port = host[1:].partition("]")
+        if not bracket or (port and not (port[:1] == ":" and port[1:].isdigit())):
+            return None
+    elif host.count(":") > 1:  # a bare IPv6 address, as allowed_hosts may name one
+        address = host
+    else:
+        name, colon, port = host.partition(":")
+        name = name.removesuffix(".")
+        return name if _HOST_NAME.fullmatch(name) and (not colon or port.isdigit()) else None
+    return f"[{address}]" if _IPV6.fullmatch(address) else None
 
 
 _KEY_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
