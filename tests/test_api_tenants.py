@@ -169,3 +169,30 @@ def test_named_keys_from_the_variable_the_file_and_api_key(tmp_path, monkeypatch
         Settings(api_key_file=str(keyfile))
     with pytest.raises(ValueError, match="cannot be read"):
         Settings(api_key_file=str(tmp_path / "missing"))
+
+
+def _gauge(text: str, name: str) -> float:
+    """The value of the sample of `name` in a Prometheus text exposition."""
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+async def test_info_tells_no_key_what_the_caches_hold(suffix_engine, api_client) -> None:
+    """With keys, /info's figures of what the prefix cache and the index hold now are null: key B reading them
+    before and after key A's request would learn how long A's prompt and answer were. The limits stay. The totals
+    stay in /metrics, an operator's, behind the key; without keys (one user) /info shows them."""
+    async with api_client(suffix_engine, api_keys=KEYS) as c:
+        before = (await c.get("/info", headers=_auth(KEY_B))).json()
+        await _probe(c, _auth(KEY_A))
+        after = (await c.get("/info", headers=_auth(KEY_B))).json()
+        metrics = await c.get("/metrics", headers=_auth(KEY_A))
+        unkeyed = await c.get("/metrics")
+    for info in (before, after):
+        held = [info[f] for f in ("prefix_cache_used_bytes", "suffix_index_used_bytes", "suffix_index_answers")]
+        assert held == [None, None, None], info
+        assert info["suffix_index_bytes"] == 1 << 22 and "prefix_cache_bytes" in info
+    assert unkeyed.status_code == 401
+    assert _gauge(metrics.text, "specserve_suffix_index_answers") >= 1
+    async with api_client(suffix_engine) as c:
+        await _probe(c)
+        info = (await c.get("/info")).json()
+    assert info["suffix_index_answers"] >= 1 and info["suffix_index_used_bytes"] > 0

@@ -57,6 +57,9 @@ async def info(
     i = runtime.info
     prefix_limit, prefix_used = runtime.prefix_cache_bytes
     index_limit, index_used, index_answers = runtime.suffix_index
+    # Every tenant's key reads /info: what the caches hold now, read before and after another tenant's request,
+    # is the size of its prompt and its answer. The limits are configuration, and stay.
+    private = bool(settings.named_api_keys)
     return Info(
         model_id=i.model_id,
         served_model_name=i.served_model_name,
@@ -80,10 +83,10 @@ async def info(
         kv_cache_memory_bytes=runtime.scheduler.kv_budget,
         max_queue_size=settings.max_queue_size,
         prefix_cache_bytes=prefix_limit,
-        prefix_cache_used_bytes=prefix_used,
+        prefix_cache_used_bytes=None if private else prefix_used,
         suffix_index_bytes=index_limit,
-        suffix_index_used_bytes=index_used,
-        suffix_index_answers=index_answers,
+        suffix_index_used_bytes=None if private else index_used,
+        suffix_index_answers=None if private else index_answers,
         request_timeout=settings.request_timeout,
         version=i.version,
     )

@@ -1395,12 +1395,21 @@ class Info(BaseModel):
         description="memory the automatic prefix cache may hold (--prefix-cache-mb); 0: off (or rows depend on the "
         "batch: torch's path, a device)"
     )
-    prefix_cache_used_bytes: int = Field(description="memory the prefix cache holds now")
+    prefix_cache_used_bytes: int | None = Field(
+        description="memory the prefix cache holds now; null on a server with API keys (see suffix_index_answers)"
+    )
     suffix_index_bytes: int = Field(
         0, description="memory the index of earlier answers may hold (--suffix-index-mb); 0: none kept"
     )
-    suffix_index_used_bytes: int = Field(0, description="memory the index of earlier answers holds now")
-    suffix_index_answers: int = Field(0, description="answers the index holds now, all tenants together")
+    suffix_index_used_bytes: int | None = Field(
+        0, description="memory the index of earlier answers holds now; null on a server with API keys"
+    )
+    suffix_index_answers: int | None = Field(
+        0,
+        description="answers the index holds now, all tenants together; null on a server with API keys, where "
+        "every key reads /info and the change between two reads would be another tenant's answers and their size "
+        "(the totals are in /metrics, the operator's)",
+    )
     request_timeout: float
     version: str
 
