@@ -26,8 +26,7 @@ from app.engine.defaults import (
 )
 from app.engine.drafting.base import Drafter
 from app.engine.drafting.draft_length import SCHEDULES, StepCosts, VerifyCosts
-from app.engine.drafting.suffix_index import TrafficIndex
-from app.engine.drafting.suffix_index import _cost as index_charge
+from app.engine.drafting.suffix_index import TrafficIndex, index_bytes
 from app.engine.generation import Generation
 from app.engine.memory import kv_cache_bytes
 from app.engine.model.tokenizer import Tokenizer
@@ -175,7 +174,7 @@ class Engine:
         if drafter is not None and k:
             held += drafter.session_bytes(capacity)
             # Charged as the index charges what it files (an upper bound): a long prediction is no small thing.
-            held += index_charge(prediction_tokens) if prediction_tokens else 0
+            held += index_bytes(prediction_tokens) if prediction_tokens else 0
         return held
 
     def start(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None = None) -> Generation:

@@ -59,8 +59,9 @@ class Match:
     position: int = 0  # where in it `tokens` start
 
 
-def _cost(tokens: int) -> int:
-    """The most bytes a sequence of `tokens` tokens may be charged."""
+def index_bytes(tokens: int) -> int:
+    """The most bytes a sequence of `tokens` tokens may be charged in an index (what memory admission counts for a
+    request's prediction)."""
     return _SEQUENCE_BYTES + tokens * (_TOKEN_BYTES + _OCCURRENCE_BYTES + _ANCHOR_BYTES)
 
 
@@ -210,7 +211,7 @@ class TrafficIndex:
     def add(self, tenant: str | None, token_ids: Sequence[int], prompt_len: int) -> None:
         """File a finished request's answer (token_ids[prompt_len:], after the prompt's last CONTEXT tokens)."""
         answer = token_ids[max(0, prompt_len - self.CONTEXT) :]
-        if len(token_ids) - prompt_len < 1 or _cost(len(answer)) > self.max_bytes:
+        if len(token_ids) - prompt_len < 1 or index_bytes(len(answer)) > self.max_bytes:
             return  # nothing written, or more than the whole budget (which would evict every other answer)
         sid = self._tenants.setdefault(tenant, SuffixIndex()).add(answer)
         self._order[(tenant, sid)] = None
