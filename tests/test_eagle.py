@@ -254,8 +254,9 @@ def test_the_draft_reads_the_last_window_of_a_long_prompt(target, tok, monkeypat
 
 
 def _kernel_target(make_tiny_model, kernel: str):
-    """A tiny bf16 target packed for `kernel`, shaped so that its products and attention run there (dims of 32)."""
-    model = make_tiny_model(seed=12, vocab_size=V, dim=64, n_heads=2, n_kv_heads=1, intermediate_size=96)
+    """A tiny bf16 target packed for `kernel`, shaped so that its products and attention run there (heads of 64: the
+    amx kernel's attention takes multiples of 64, the others' of 32)."""
+    model = make_tiny_model(seed=12, vocab_size=V, dim=128, n_heads=2, n_kv_heads=1, intermediate_size=96)
     model = model.to(torch.bfloat16)
     with use_kernel(kernel):
         model.pack(kernels.kernel())
@@ -302,7 +303,7 @@ def test_a_draft_on_a_kernel_runs_its_layer_in_one_call_with_the_layer_by_layer_
     assert draft._stack is not None and draft._stack.kernel is target.kernel
     assert isinstance(draft._head.fused, kernels.QuantLinear) == (weights != "bf16")
 
-    states = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    states = torch.randn(1, 5, target.config.dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.inference_mode():
         one = draft.new_cache(16, torch.bfloat16, torch.device("cpu"))

@@ -230,7 +230,7 @@ def test_bad_requests_over_the_wire(server: str) -> None:
 )
 def test_a_body_that_never_ends_is_408(server: str, framing: str, sent: bytes) -> None:
     port = int(server.rsplit(":", 1)[1])
-    head = f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
+    head = f"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(head.encode() + sent)
         t0 = time.monotonic()
