@@ -41,6 +41,7 @@ from app.engine.model.transformer import (
     PackedLinear,
     Transformer,
     can_pack,
+    final_norm,
     layout_rows,
     rope_tables,
 )
@@ -222,10 +223,7 @@ class EagleDraft(nn.Module):
         return stack if stack is not None and all(c.kernel is stack.kernel for c in caches) else None
 
     def _final_norm(self, x: Tensor) -> Tensor:
-        kernel = self.__dict__["_kernel"]
-        if kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
-            return kernel.rms_norm(x, self.norm.weight, self.norm.eps)
-        return self.norm(x)
+        return final_norm(self.norm, self.__dict__["_kernel"], x)
 
     def forward(self, states: Tensor, next_tokens: Tensor, start_pos: int = 0, cache: KVCache | None = None) -> Tensor:
         if self._embed is None:

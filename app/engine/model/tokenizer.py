@@ -248,9 +248,12 @@ class Tokenizer:
         # encode_batch, not encode: the same ids, but it lets go of the GIL while it works, where encode holds
         # it throughout (0.5 s for a megabyte of prompt, during which no other thread, the worker stepping the
         # running generations included, runs a line of Python).
-        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._with_bos(self.backend.encode_batch([text], add_special_tokens=False)[0].ids, bos)
+
+    def _with_bos(self, ids: list[int], bos: bool) -> list[int]:
+        """`ids` with BOS first where the model's tokenizer adds it and `bos` asks for it, unless they begin with it."""
         if bos and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]
+            return [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -316,9 +319,7 @@ class Tokenizer:
         ids: list[int] = list(encoded[0])
         for (token, _), after in zip(marks, encoded[1:], strict=True):
             ids += [token, *after]
-        if bos and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return self._with_bos(ids, bos)
 
     def apply_chat_template(
         self,

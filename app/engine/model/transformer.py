@@ -593,6 +593,15 @@ def rope_tables(config: ModelConfig, n: int, dtype: torch.dtype, device: torch.d
     return emb.cos().to(dtype).to(device)[:, None], sin.to(dtype).to(device)[:, None]
 
 
+def final_norm(norm: nn.RMSNorm, kernel: Kernel | None, x: Tensor) -> Tensor:
+    """`norm` of hidden states x [..., dim]: the kernel's where the products run on one (the bits of every CPU:
+    torch's own sums its squares in an order that depends on the build's vector width, and 236 of 2.4 million bf16
+    values differ between its AVX2 and its plain one), else torch's."""
+    if kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
+        return kernel.rms_norm(x, norm.weight, norm.eps)
+    return norm(x)
+
+
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
@@ -1011,12 +1020,7 @@ class Transformer(nn.Module):
         return layout.split(self._final_norm(x)[0])
 
     def _final_norm(self, x: Tensor) -> Tensor:
-        """The final RMSNorm of hidden states x [..., dim]: the kernel's where the products run on one (the bits
-        of every CPU: torch's own sums its squares in an order that depends on the build's vector width, and 236 of
-        2.4 million bf16 values differ between its AVX2 and its plain one), else torch's."""
-        if self.kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
-            return self.kernel.rms_norm(x, self.norm.weight, self.norm.eps)
-        return self.norm(x)
+        return final_norm(self.norm, self.kernel, x)
 
     @staticmethod
     def _cache_mask(cache: KVCache, start: int, t: int, mask: Tensor | None) -> Tensor:
