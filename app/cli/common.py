@@ -6,13 +6,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from app.engine.defaults import SAMPLERS
-
-if TYPE_CHECKING:
-    pass
-
 
 # `specserve bench`'s default prompts: 13 of the project's own, one per Spec-Bench category, shipped in the
 # package so that the command runs from any checkout or install; Spec-Bench files come in with --input.

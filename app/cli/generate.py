@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from app.cli.common import (
     CliError,
@@ -13,9 +12,6 @@ from app.cli.common import (
     positive_int,
     sampling_kwargs,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> None:

@@ -6,16 +6,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from app.cli.common import (
     BENCH_PROMPTS,
     CliError,
     positive_int,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -5,14 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from app.cli.common import (
     human_size,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

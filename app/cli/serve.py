@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from app.cli.common import (
     FLAG_ALIASES,
     CliError,
     serve_flags,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> None:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from app.cli.common import (
     CliError,
     positive_int,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
