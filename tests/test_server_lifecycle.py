@@ -72,7 +72,7 @@ def test_worker_faults_over_the_wire(tmp_path: Path, target_path: Path) -> None:
         assert time.monotonic() - t0 < 20
         assert failed.status_code == 424, failed.text
         assert failed.json() == {
-            "error": "generation failed: RuntimeError: injected step fault",
+            "error": "generation failed: the step this request shared with others failed (RuntimeError); retry it",
             "error_type": "generation",
         }
         assert not trigger.exists(), "the fault was raised inside the worker's step"
@@ -83,7 +83,7 @@ def test_worker_faults_over_the_wire(tmp_path: Path, target_path: Path) -> None:
             events = [json.loads(e) for e in stream.result(timeout=60)]
         assert "token" in events[0]
         assert events[-1] == {
-            "error": "generation failed: RuntimeError: injected step fault",
+            "error": "generation failed: the step this request shared with others failed (RuntimeError); retry it",
             "error_type": "generation",
         }
         # The worker went on: the server is healthy, serves the next request, and its gauges came back to 0.

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.anyio
 
 MODEL = "smol"  # the model_name label of every series
 PROMPTS = ["The capital of France is", "Water boils at", "1, 2, 3, 4, 5,"]
+# What a request hears when a part of its step it shared with others failed: the exception's type only.
+SHARED_FAILURE = "generation failed: the step this request shared with others failed ({}); retry it"
 
 
 async def _collect(ticket: Ticket) -> tuple[str, list[int], float]:
@@ -271,7 +273,8 @@ async def test_a_failed_step_fails_its_requests_and_the_worker_goes_on(api_engin
             with pytest.raises(RequestFailed) as failed:
                 await _collect(ticket)
             assert failed.value.kind == "generation"
-            assert failed.value.message == "generation failed: RuntimeError: injected fault"
+            # Every request of the step hears the type, not the text (which may quote another request).
+            assert failed.value.message == SHARED_FAILURE.format("RuntimeError")
         assert time.monotonic() - t0 < 30, "failed at once, not at the timeout"
         assert raised_in == ["specserve-worker"]
         text, _, _ = await _collect(s.submit(ids, GenerationParams(max_new_tokens=4, num_draft_tokens=4), None, 60))
@@ -310,6 +313,40 @@ async def test_a_failed_delivery_fails_that_request_alone(api_engine, monkeypatc
     assert isinstance(outcomes[0], RequestFailed)
     assert outcomes[0].message == "generation failed: ValueError: injected metrics fault"
     assert outcomes[1][:2] == alone[:2]
+
+
+async def test_a_failed_shared_forward_tells_no_request_another_ones_text(monkeypatch, caplog) -> None:
+    """The batched target forward fails with an exception quoting one request's prompt: every request in it ends
+    with the exception's type alone (none of them is known to have caused it); the log has the text."""
+    engine = _chunking_engine()
+    if engine is None:
+        pytest.skip("no CPU kernel here: no batched forward")
+    real = engine.target.hidden_batch
+    raised: list[int] = []
+
+    def hidden_batch(sequences):
+        if len(sequences) > 1 and not raised:
+            raised.append(len(sequences))
+            raise ValueError("no room for the rows of 't7 t7 t7 the secret of request A'")
+        return real(sequences)
+
+    monkeypatch.setattr(engine.target, "hidden_batch", hidden_batch)
+    s = Scheduler(engine, max_running=4, max_waiting=4)
+    params = GenerationParams(max_new_tokens=4, num_draft_tokens=0)
+    # Submitted before the worker starts: both in its first step, prefilled in one forward.
+    tickets = [s.submit(ids, params, "none", 60) for ids in ([7, 7, 7], [1, 2, 3])]
+    s.start()
+    try:
+        outcomes = await asyncio.gather(*(_collect(t) for t in tickets), return_exceptions=True)
+        after = await _collect(s.submit([1, 2, 3], params, "none", 60))
+    finally:
+        s.stop()
+    assert raised == [2]
+    for outcome in outcomes:
+        assert isinstance(outcome, RequestFailed) and outcome.kind == "generation", outcome
+        assert outcome.message == SHARED_FAILURE.format("ValueError")
+    assert "the secret of request A" in caplog.text
+    assert after[1]  # the worker went on
 
 
 async def test_a_dead_worker_fails_everything_at_once(api_engine, monkeypatch) -> None:

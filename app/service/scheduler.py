@@ -38,6 +38,7 @@ the system (glibc's ``malloc_trim``) after such a request ends, so that RSS fall
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import itertools
@@ -640,10 +641,9 @@ class Scheduler:
         log.error(
             "a step of %d requests failed; they end with an error and the worker goes on", len(live), exc_info=exc
         )
-        message = f"generation failed: {type(exc).__name__}: {exc}"
         for job in live:
             log.warning("request %d: ended by the failed step", job.id, extra=job.log_extra)
-            self._fail(job, "error", "generation", message)
+            self._fail(job, "error", "generation", _shared_failure(exc))
         for job in jobs:  # the ended ones' memory too
             self._release(job)
 
@@ -692,6 +692,9 @@ class Scheduler:
                 self.metrics.forward(1)
             if together:
                 self.metrics.forward(together)
+        # One exception ending several requests is a failure of what they shared (the batched forward, a batched
+        # draft): its text may quote any of them, so none hears it.
+        shared = collections.Counter(id(out) for out in outcomes if isinstance(out, Exception))
         running = []
         for job, first, out in zip(live, firsts, outcomes, strict=True):
             try:
@@ -699,7 +702,11 @@ class Scheduler:
             except Exception as exc:
                 trace = (type(exc), exc, exc.__traceback__)
                 log.error("request %d: generation failed", job.id, exc_info=trace, extra=job.log_extra)
-                self._fail(job, "error", "generation", f"generation failed: {type(exc).__name__}: {exc}")
+                if shared[id(exc)] > 1:
+                    message = _shared_failure(exc)
+                else:
+                    message = f"generation failed: {type(exc).__name__}: {exc}"
+                self._fail(job, "error", "generation", message)
                 goes_on = False
             if goes_on:
                 running.append(job)
@@ -810,6 +817,12 @@ class Scheduler:
         figures = PassFigures(job.passes, out.drafted, out.accepted, out.draft_seconds, out.verify_seconds)
         job.post(StepEvent(tokens, finished, prompt, figures))
         return finished is None
+
+
+def _shared_failure(exc: Exception) -> str:
+    """What each request of a step hears when the step's shared part failed: the exception's type, never its
+    text, which may quote another request's prompt or grammar (the log has it whole)."""
+    return f"generation failed: the step this request shared with others failed ({type(exc).__name__}); retry it"
 
 
 def largest_request_bytes(engine: Engine) -> int:
