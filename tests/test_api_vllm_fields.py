@@ -259,3 +259,33 @@ async def test_unknown_fields_inside_objects_are_refused_and_top_level_ones_logg
     used = [c["usage"]["completion_tokens"] for c in chunks]
     assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
     assert used == sorted(used) and used[-1] == 3 and chunks[-1]["choices"] == []
+
+
+async def test_an_unknown_field_name_cannot_forge_a_log_line(api_client, caplog: pytest.LogCaptureFixture) -> None:
+    """A field name is the client's text: one with a line break and a log line's prefix, ignored at the top level
+    or refused inside an object, is named quoted (its line break as \\n) and cut, in the log and in the answer."""
+    forged = "q\n2025-01-01 00:00:00,000 INFO app.api.native: key admin logged in"
+    long = "z" * 5000
+    async with api_client() as client:
+        with caplog.at_level(logging.INFO):
+            native = await client.post(
+                "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}, forged: 1}
+            )
+            chat = await client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2, forged: 1, long: 1})
+            nested = await client.post(
+                "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2, forged: 1}}
+            )
+            nested_long = await client.post("/v1/chat/completions", json={"messages": [{**HI[0], long: 1}]})
+    assert native.status_code == 200 and chat.status_code == 200
+    ignored = [r.getMessage() for r in caplog.records if "unknown and were ignored" in r.getMessage()]
+    assert len(ignored) == 2
+    for message in ignored:
+        assert "\n" not in message and repr(forged)[:20] in message, message
+    assert "'zzzz" in ignored[1] and "(5002 characters)" in ignored[1] and len(ignored[1]) < 300
+    assert not [r for r in caplog.records if "\n" in r.getMessage()]
+    assert nested.status_code == 422
+    error = nested.json()["error"]
+    assert "\n" not in error and f"parameters.{repr(forged)[:20]}" in error and "unknown field" in error, error
+    assert nested_long.status_code == 400
+    error = nested_long.json()["error"]["message"]
+    assert "messages.0.'zzzz" in error and "unknown field" in error and len(error) < 300, error

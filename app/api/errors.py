@@ -125,6 +125,18 @@ def shown(value: object, limit: int = 40) -> str:
     return f"{text[:limit]}... ({len(text)} characters)"
 
 
+# A field name a message or a log line shows as it is; any other (a client's key with a line break, quotes or a
+# megabyte of text) is quoted by `shown`, so that it cannot start a log line of its own or pass for our words.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def field_name(name: object) -> str:
+    """A request's field name (or a list index) as an error message or a log line names it: as it is when it is
+    a plain identifier, else quoted and cut (`shown`)."""
+    text = str(name)
+    return text if _PLAIN_NAME.fullmatch(text) else shown(text)
+
+
 def cut(message: str, limit: int = MAX_MESSAGE) -> str:
     """`message` cut to about `limit` characters, saying how long it was."""
     return message if len(message) <= limit else f"{message[:limit]}... ({len(message)} characters)"
@@ -149,7 +161,8 @@ def describe_validation_errors(errors: list[dict[str, Any]] | Any) -> str:
     by_field: dict[str, list[str]] = {}
     given_of: dict[str, str] = {}
     for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _TYPE_TAG.match(str(x))]
+        # A location holds the client's own keys (an unknown field, a logit_bias key): each as field_name shows it.
+        loc = [field_name(x) for x in err.get("loc", ()) if x != "body" and not _TYPE_TAG.match(str(x))]
         field = ".".join(loc)
         kind = err.get("type", "")
         if kind == "json_invalid":

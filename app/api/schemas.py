@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
+from app.api.errors import field_name
 from app.engine.decoding.grammar import MAX_SCHEMA_DEPTH, json_depth
 from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS
 
@@ -652,8 +653,8 @@ class GenerateRequest(BaseModel):
         return self.cache_salt if self.cache_salt is not None else self.parameters.cache_salt
 
     def ignored_fields(self) -> list[str]:
-        """The top-level fields no field names: ignored, and logged."""
-        return sorted(self.model_extra or {})
+        """The top-level fields no field names: ignored, and logged (each name as `field_name` shows it)."""
+        return [field_name(name) for name in sorted(self.model_extra or {})]
 
 
 _LOGPROB = "log-probability under the target's raw distribution (log-softmax of its logits, temperature 1)"
@@ -961,8 +962,9 @@ class _OpenAISampling(BaseModel):
         return options.include_usage, options.include_usage and options.continuous_usage_stats
 
     def ignored_fields(self) -> list[str]:
-        """The fields of the request that no model field names and that are not known to change nothing."""
-        return sorted(set(self.model_extra or {}) - OUTPUT_NEUTRAL_FIELDS)
+        """The fields of the request that no model field names and that are not known to change nothing (each
+        name as `field_name` shows it: they go into a log line)."""
+        return [field_name(name) for name in sorted(set(self.model_extra or {}) - OUTPUT_NEUTRAL_FIELDS)]
 
 
 class CompletionRequest(_OpenAISampling):
