@@ -107,10 +107,7 @@ def _invalid(message: str) -> APIError:
 async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepared:
     """Tokenize the prompt and check the request against every limit; raises APIError (4xx)."""
     info = runtime.info
-    try:  # a full server answers 429 before tokenizing or compiling anything
-        runtime.scheduler.check_room()
-    except Overloaded as exc:
-        raise APIError("overloaded", str(exc), {"Retry-After": str(exc.retry_after)}) from exc
+    check_room(runtime)  # a full server answers 429 before tokenizing or compiling anything
     if len(spec.stop) > settings.max_stop_sequences:
         raise _invalid(f"at most {settings.max_stop_sequences} stop strings are allowed, got {len(spec.stop)}")
     check_max_new_tokens(spec.max_new_tokens, spec.max_new_tokens_field, settings)
@@ -191,15 +188,23 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     return Prepared(ids, params, draft, k if draft != "none" else 0)
 
 
+def check_room(runtime: Runtime) -> None:
+    """Raise APIError 429 (with Retry-After) when the server could neither start nor queue any request now: the
+    cheap check that goes before a request's costly work (rendering, tokenizing, compiling its grammars)."""
+    try:
+        runtime.scheduler.check_room()
+    except Overloaded as exc:
+        raise APIError("overloaded", str(exc), {"Retry-After": str(exc.retry_after)}) from exc
+
+
 async def check_grammar(runtime: Runtime, grammar: Grammar) -> GrammarSpec:
     """The engine's spec of an output constraint, compiled once here (in the bounded pre-admission pool) so that
-    one the engine cannot compile or run is a 4xx naming its field before anything is queued."""
-    spec = GrammarSpec(grammar.kind, grammar.spec)
+    one the engine cannot compile or run is a 4xx naming its field before anything is queued; the spec carries
+    its compiled matcher to the worker, which starts the request from it without compiling again."""
     try:
-        await admission.run(runtime.grammars.check, spec)
+        return await admission.run(runtime.grammars.check, GrammarSpec(grammar.kind, grammar.spec))
     except GrammarError as exc:
         raise _invalid(f"{grammar.field}: {exc}") from exc
-    return spec
 
 
 def check_max_new_tokens(value: int | None, field: str, settings: Settings) -> None:

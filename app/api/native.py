@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
@@ -106,6 +107,14 @@ async def _generate(request: Request, body: GenerateRequest, runtime: Runtime, s
         outcome = await jobs.run_to_end(ticket, request)
     except jobs.ClientGone:
         return Response(status_code=499)
+    # Each prompt token named with decoder_input_details, each token's alternatives with top_n_tokens: for a long
+    # prompt, megabytes of JSON, built in a thread (anyio's, at most 40 at once), not on the event loop.
+    text = await anyio.to_thread.run_sync(_answer, body, runtime, prepared, outcome)
+    return Response(text, media_type="application/json")
+
+
+def _answer(body: GenerateRequest, runtime: Runtime, prepared: jobs.Prepared, outcome: jobs.Outcome) -> str:
+    """The JSON of a /generate answer."""
     tokens, finished = outcome.tokens, outcome.finished
     details = None
     if body.parameters.details:
@@ -127,10 +136,7 @@ async def _generate(request: Request, body: GenerateRequest, runtime: Runtime, s
             top_tokens=top,
             speculative=jobs.speculative_details(prepared, finished.stats),
         )
-    return Response(
-        GenerateResponse(generated_text=_full_text(body, finished), details=details).model_dump_json(),
-        media_type="application/json",
-    )
+    return GenerateResponse(generated_text=_full_text(body, finished), details=details).model_dump_json()
 
 
 async def _stream(request: Request, body: GenerateRequest, runtime: Runtime, settings: Settings) -> StreamingResponse:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -44,7 +45,7 @@ from app.api.schemas import (
     SpeculativeDetails,
     Usage,
 )
-from app.engine.model.tokenizer import TokenizerError
+from app.engine.model.tokenizer import Tokenizer, TokenizerError
 from app.service.runtime import Runtime
 from app.service.scheduler import Finished, RequestFailed, StepEvent, Ticket, TokenOut
 from app.service.settings import Settings
@@ -428,15 +429,11 @@ async def chat_completions(
     jobs.check_max_new_tokens(body.max_tokens, "max_tokens", settings)
     n = body.n or 1
     _check_choices(n, settings)
-    tokenizer = runtime.tokenizer
+    jobs.check_room(runtime)  # a full server answers 429 before rendering or compiling anything
     # Rendered and encoded as ids here, so that special tokens' strings in the client's text stay text
     # (Tokenizer.encode_chat); in the pre-admission pool, as a long prompt's tokenizing is.
     try:
-        if tokenizer.takes_tools:
-            messages, functions = tools.template_messages(body)
-            prompt = await admission.run(tokenizer.encode_chat, messages, True, functions)
-        else:
-            prompt = await admission.run(tokenizer.encode_chat, tools.render_messages(body), True)
+        prompt = await admission.run(_conversation, runtime.tokenizer, body)
     except TokenizerError as exc:
         raise APIError("validation", f"messages: {exc}") from exc
     for parameters in tools.parameter_grammars(body):
@@ -532,6 +529,15 @@ async def chat_completions(
     return await _answer(request, tickets, answer)
 
 
+def _conversation(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The prompt of a chat request: its messages, and its tools as the template takes them, rendered with the
+    chat template and encoded."""
+    if tokenizer.takes_tools:
+        messages, functions = tools.template_messages(body)
+        return tokenizer.encode_chat(messages, True, functions)
+    return tokenizer.encode_chat(tools.render_messages(body), True)
+
+
 async def _answer(
     request: Request, tickets: Sequence[jobs.Ticket], build: Callable[[list[jobs.Outcome]], BaseModel]
 ) -> Response:
@@ -541,7 +547,10 @@ async def _answer(
         outcomes = await jobs.run_all_to_end(tickets, request)
     except jobs.ClientGone:
         return Response(status_code=499)
-    return Response(build(outcomes).model_dump_json(), media_type="application/json")
+    # Every token's alternatives named and written out is megabytes of JSON for a long answer: built in a
+    # thread (anyio's, at most 40 at once), not on the event loop every stream shares.
+    text = await anyio.to_thread.run_sync(lambda: build(outcomes).model_dump_json())
+    return Response(text, media_type="application/json")
 
 
 def _chat_choice(

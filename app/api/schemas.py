@@ -761,6 +761,11 @@ Prompt = Annotated[
 
 # Most choices (prompts x n) of one request, whatever the server's limits; they also count against its places.
 MAX_CHOICES = 256
+# Most messages of a conversation and tools of a chat request: each is work before admission (every tool's
+# schema is compiled to check it, every message rendered), which a 1 MiB body could otherwise multiply by
+# thousands. Far above what agents send (OpenAI allows 128 tools).
+MAX_MESSAGES = 1024
+MAX_TOOLS = 128
 
 
 # Fields of OpenAI's and vLLM's requests that change nothing in the text: accepted and not used.
@@ -1093,7 +1098,9 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(_OpenAISampling):
     """An OpenAI chat completion request: the messages are rendered with the model's chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(
+        min_length=1, max_length=MAX_MESSAGES, description=f"the conversation, at most {MAX_MESSAGES} messages"
+    )
     max_tokens: _int(ge=1) | None = Field(None, description="most tokens to generate (deprecated name)")
     max_completion_tokens: _int(ge=1) | None = Field(None, description="most tokens to generate")
     logprobs: bool | None = Field(None, description="each generated token's log-probability in `logprobs.content`")
@@ -1101,7 +1108,10 @@ class ChatCompletionRequest(_OpenAISampling):
         None, description=f"0..{MAX_LOGPROBS}: with logprobs, this many most likely alternatives of each token"
     )
     tools: list[ToolDefinition] | None = Field(
-        None, description="functions the model may call: rendered into the prompt, calls answered in `tool_calls`"
+        None,
+        max_length=MAX_TOOLS,
+        description=f"at most {MAX_TOOLS} functions the model may call: rendered into the prompt, calls answered in "
+        "`tool_calls`",
     )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,
@@ -1426,7 +1436,12 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = Field(None, description="a served name, or none")
     prompt: str | None = Field(None, description="the text to tokenize, as a completion's prompt")
-    messages: list[ChatMessage] | None = Field(None, min_length=1, description="a conversation, as chat renders it")
+    messages: list[ChatMessage] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_MESSAGES,
+        description=f"a conversation (at most {MAX_MESSAGES} messages), as chat renders it",
+    )
     add_special_tokens: bool | None = Field(
         None,
         description="the tokenizer's own special tokens (BOS where the model adds it); default: true for a prompt, "

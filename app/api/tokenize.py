@@ -16,7 +16,7 @@ from app.api.deps import get_runtime
 from app.api.errors import APIError
 from app.api.openai import check_model
 from app.api.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo
-from app.engine.model.tokenizer import TokenizerError
+from app.engine.model.tokenizer import Tokenizer, TokenizerError
 from app.service.runtime import Runtime
 
 router = APIRouter(tags=["tokenizer (vLLM-compatible)"])
@@ -42,8 +42,14 @@ async def tokenize(body: TokenizeRequest, runtime: Runtime_) -> TokenizeResponse
         # A long prompt: in the bounded pool, as /v1/completions'. Without special tokens, no BOS but one the text
         # wrote.
         ids = await admission.run(tokenizer.encode, body.prompt, body.add_special_tokens is not False)
-    strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+    # A decode per token, as many as the prompt has: in the pool too, not on the event loop.
+    strs = await admission.run(_token_strs, tokenizer, ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=runtime.info.context_length, tokens=ids, token_strs=strs)
+
+
+def _token_strs(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text, special tokens shown."""
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
 
 def _bos(runtime: Runtime) -> str | None:

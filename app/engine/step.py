@@ -70,7 +70,7 @@ class GenerationParams:
     # logits.
     penalties: PenaltyParams = NO_PENALTIES
     # The output's grammar (app.engine.decoding.grammar): every chosen token is one it allows, drafts it refuses end
-    # acceptance, and its end ends the generation. Engine.start compiles it.
+    # acceptance, and its end ends the generation. Engine.start compiles it, or copies what Grammars.check compiled.
     grammar: GrammarSpec | None = None
     # With a grammar: a token it forces (the only one its mask allows, so the target's masked choice whatever
     # its logits) is proposed as it is, within a draft and after it, target-only too, without counting against

@@ -12,9 +12,8 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -31,8 +30,6 @@ MAX_SCHEMA_DEPTH = 100
 # Most strings of a choice and branches of a schema's anyOf or oneOf: llguidance's parser holds at most 2,000
 # live alternatives at a position, and compiling many more takes minutes (100,000 choices: 168 s, then a panic).
 MAX_ALTERNATIVES = 2000
-# Grammars checked before queueing whose matchers wait for the worker to start them (it then compiles nothing).
-_CHECKED_KEPT = 16
 # Tokens a grammar is walked through when it is checked (each time the shortest token it allows): llguidance's
 # parser refuses, at its first tokens, a position with more than 2,000 live alternatives (a choice of 2,500
 # strings, an anyOf of 3,000 objects, an object of 500 optional properties), which compiling does not find.
@@ -98,10 +95,14 @@ class GrammarSpec:
     """What a request constrains its output to, as plain text (the API layer knows nothing else).
 
     `kind`: "json_schema" (`spec`: the schema as JSON text), "json_object" (any JSON object; `spec` unused),
-    "regex" (`spec`: the pattern, matched whole) or "choice" (`spec`: a JSON array of the strings allowed)."""
+    "regex" (`spec`: the pattern, matched whole) or "choice" (`spec`: a JSON array of the strings allowed).
+
+    `compiled`: the matcher `Grammars.check` built, opaque to the caller; it goes with the request to the worker,
+    whose `Grammars.start` copies it instead of compiling the grammar again (None: `start` compiles it)."""
 
     kind: str
     spec: str = ""
+    compiled: Any = field(default=None, compare=False, repr=False)
 
 
 class Grammars:
@@ -115,7 +116,6 @@ class Grammars:
         self._lock = threading.Lock()
         self._lltok: Any = None
         self._shortest_first: np.ndarray | None = None  # token ids, shortest text first (the probe's order)
-        self._checked: OrderedDict[GrammarSpec, Any] = OrderedDict()  # matchers `check` made, for `start`
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
@@ -179,17 +179,16 @@ class Grammars:
             raise GrammarError(f"grammar kind must be one of {', '.join(KINDS)}, not {spec.kind!r}")
         return grammar
 
-    def check(self, spec: GrammarSpec) -> None:
-        """Raise GrammarError when `spec` cannot be compiled, or cannot run its first `PROBE_TOKENS` tokens.
+    def check(self, spec: GrammarSpec) -> GrammarSpec:
+        """`spec` with its compiled matcher (`GrammarSpec.compiled`); raise GrammarError when it cannot be
+        compiled, or cannot run its first `PROBE_TOKENS` tokens.
 
-        The matcher is kept for `start`, so that the worker, which runs every request's steps, does not compile
-        the grammar a second time (a large one takes a second)."""
+        The matcher travels with the request rather than in a cache here: the worker, which runs every request's
+        steps, then never compiles a grammar a second time (a large one takes a second), however many requests
+        wait between the check and their start."""
         matcher = self._matcher(self._text(spec))
         self._probe(matcher.deep_copy())
-        with self._lock:
-            self._checked[spec] = matcher
-            while len(self._checked) > _CHECKED_KEPT:
-                self._checked.popitem(last=False)
+        return replace(spec, compiled=matcher)
 
     def _matcher(self, grammar: str) -> Any:
         """A matcher of `grammar` (llguidance's text; its constructor checks it as `validate_grammar` would)."""
@@ -232,11 +231,9 @@ class Grammars:
             return self._shortest_first
 
     def start(self, spec: GrammarSpec, forcing: bool = True) -> GrammarState:
-        """A fresh state of `spec` for one request (`forcing`: see GrammarState); raises GrammarError."""
-        with self._lock:
-            matcher = self._checked.pop(spec, None)
-        if matcher is None:
-            matcher = self._matcher(self._text(spec))
+        """A fresh state of `spec` for one request (`forcing`: see GrammarState), from its compiled matcher when
+        `check` made one (each state a copy: the n choices of a request share one spec); raises GrammarError."""
+        matcher = spec.compiled.deep_copy() if spec.compiled is not None else self._matcher(self._text(spec))
         return GrammarState(matcher, self.vocab_size, forcing, self.tokenizer.eos_token_ids)
 
 
