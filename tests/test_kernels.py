@@ -463,6 +463,53 @@ def test_a_damaged_cached_library_is_rebuilt(tmp_path: Path) -> None:
         kernels.load.cache_clear()
 
 
+def _swap_in(path: Path, data: bytes, mode: int) -> None:
+    """Replace the file at `path` by one holding `data` with `mode` (moved over it: a loaded library's pages stay
+    whole)."""
+    other = path.with_name("swapped")
+    other.write_bytes(data)
+    os.chmod(other, mode)
+    os.replace(other, path)
+
+
+def test_a_cache_others_may_write_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A digest beside a library vouches for nothing against whoever wrote both: a library and a matching digest
+    put in a cache directory its group may write, or one of another user's, are never loaded (the kernel is built
+    into the process's private directory instead), nor one the group may write in a private directory (rebuilt)."""
+    kernels.load.cache_clear()
+    try:
+        first = kernels.load("generic", tmp_path)
+        assert first.path.parent == tmp_path and (tmp_path.stat().st_mode & 0o022) == 0
+        assert (first.path.stat().st_mode & 0o022) == 0 and (Path(f"{first.path}.sha256").stat().st_mode & 0o022) == 0
+        planted = b"not a library: dlopen of it would fail"
+
+        def plant(mode: int) -> None:
+            _swap_in(first.path, planted, mode)
+            _swap_in(Path(f"{first.path}.sha256"), build.digest(first.path).encode(), 0o644)
+
+        # A group-writable cache directory (a shared volume).
+        plant(0o755)
+        os.chmod(tmp_path, 0o775)
+        kernels.load.cache_clear()
+        shared = kernels.load("generic", tmp_path)
+        assert shared.path.parent == build.private_dir() and first.path.read_bytes() == planted
+        # Another user's directory and files (as this process sees them).
+        os.chmod(tmp_path, 0o755)
+        with monkeypatch.context() as m:
+            m.setattr(os, "getuid", lambda: first.path.stat().st_uid + 1)
+            kernels.load.cache_clear()
+            foreign = kernels.load("generic", tmp_path)
+        assert foreign.path.parent == build.private_dir() and first.path.read_bytes() == planted
+        # This user's directory, the library writable by others: rebuilt in place, no longer writable by them.
+        plant(0o777)
+        kernels.load.cache_clear()
+        rebuilt = kernels.load("generic", tmp_path)
+        assert rebuilt.path == first.path and first.path.read_bytes() != planted
+        assert (first.path.stat().st_mode & 0o022) == 0
+    finally:
+        kernels.load.cache_clear()
+
+
 def test_bench_times_a_target_step_on_every_kernel(target_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`specserve bench --kernels`: one real target step per kernel and row count, and what bounds it (timed on
     the best kernel, generic and torch: each kernel's timing is the same code over another library; the kernel

@@ -3,6 +3,14 @@
 A library is built at first use into the directory the caller gives (none: a private temporary directory,
 removed when the process exits), named by a key over its sources, flags, compiler, CPU and OpenMP runtime, and
 written beside a digest that is checked before it is loaded.
+
+Trust: loading a library runs its code in this process, and a digest beside it vouches for nothing against
+whoever can write both. So a cached library is loaded only from a directory that this user owns and that neither
+its group nor others may write, and only when the library and its digest are this user's and not writable by
+others either: then whoever could have put it there could run as this user already. A cache directory that fails
+the test (a shared volume writable by a group, another user's directory) is not used: the library is built into
+the private directory instead, with a warning. The digest only catches a library cut short (a crash, a full
+disk).
 """
 
 from __future__ import annotations
@@ -103,13 +111,38 @@ def library(spec: KernelSpec, cache_dir: Path | None) -> Path:
     sources = "".join((HERE / f).read_text() for f in (*HEADERS, f"{spec.source}.c"))
     key_text = f"{sources}{COMMON}{these}{version}{detect.cpu()}{torch_gomp()}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    path = (cache_dir or private_dir()) / f"{spec.name}_{key}.so"
+    directory = cache_dir
+    if cache_dir is not None:
+        cache_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        why = _writable_by_others(cache_dir)
+        if why is not None:
+            directory = None
+            log.warning(
+                "kernel cache %s %s: building the %s kernel into %s instead", cache_dir, why, spec.name, private_dir()
+            )
+    path = (directory or private_dir()) / f"{spec.name}_{key}.so"
     stamp = Path(f"{path}.sha256")
-    if not (path.exists() and stamp.exists() and stamp.read_text().strip() == digest(path)):
-        if path.exists():
+    if path.exists() and stamp.exists():
+        why = _writable_by_others(path) or _writable_by_others(stamp)
+        if why is not None:
+            log.warning("cached %s kernel %s %s; rebuilding", spec.name, path, why)
+        elif stamp.read_text().strip() == digest(path):
+            return path
+        else:
             log.warning("cached %s kernel %s does not match its digest; rebuilding", spec.name, path)
-        _build(spec, gcc, these, path)
+    _build(spec, gcc, these, path)
     return path
+
+
+def _writable_by_others(path: Path) -> str | None:
+    """Why someone other than this user may have written `path` (another user owns it, or its group or everyone
+    may write it), as a warning says it; None when only this user (and root, who may write anything) can have."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"belongs to uid {st.st_uid}, not this process's {os.getuid()}"
+    if st.st_mode & 0o022:
+        return f"is writable by its group or by others (mode {st.st_mode & 0o777:o})"
+    return None
 
 
 def _build(spec: KernelSpec, gcc: str, these: list[str], target: Path) -> None:
@@ -124,6 +157,9 @@ def _build(spec: KernelSpec, gcc: str, these: list[str], target: Path) -> None:
         if done.returncode != 0:
             raise KernelUnavailable(f"gcc failed to build the {spec.name} kernel: {done.stderr.strip()[:500]}")
         Path(f"{out}.sha256").write_text(digest(out))
+        # Whatever the umask: a library others may write would not be trusted (`_writable_by_others`).
+        os.chmod(out, 0o755)
+        os.chmod(f"{out}.sha256", 0o644)
         # Library first, digest second, each atomically: a reader sees a digest only beside its whole library.
         os.replace(out, target)
         os.replace(f"{out}.sha256", f"{target}.sha256")
