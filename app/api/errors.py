@@ -44,6 +44,9 @@ _KINDS: dict[str, tuple[int, int, str]] = {
     "unavailable": (503, 503, "server_error"),
     "queue_timeout": (503, 503, "server_error"),  # not started within queue_timeout; with Retry-After
     "timeout": (504, 504, "timeout"),
+    # a client that read nothing of its stream for send_timeout, or fell max_stream_backlog tokens behind: the
+    # last event of its stream, should it read again (its 200 headers went already)
+    "client_stalled": (408, 408, "timeout"),
 }
 
 

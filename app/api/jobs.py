@@ -304,36 +304,42 @@ async def merged_events(
     """The events of several generations as they come, each with the index of its ticket, until every one has
     finished; the first failure is raised (RequestFailed), and leaving early gives them all up.
 
+    Each ticket's next event is taken only once its last one was handled (sent): what a client has not read
+    waits in its ticket, whose scheduler bounds it (a client that does not keep up is cut off, `Scheduler`).
+
     With `keepalive` (> 0), ``(-1, None)`` whenever no event came for that many seconds, and once at the start
     while a ticket waits in the queue: the stream's cue to send a comment (`sse_comment`) that tells the client
     and every proxy between that the request is alive."""
-    queue: asyncio.Queue[tuple[int, StepEvent | RequestFailed]] = asyncio.Queue()
+    streams = [ticket.events() for ticket in tickets]
+    pending: dict[asyncio.Future[StepEvent], int] = {}
 
-    async def pump(index: int, ticket: Ticket) -> None:
-        try:
-            async for event in ticket.events():
-                queue.put_nowait((index, event))
-        except RequestFailed as exc:
-            queue.put_nowait((index, exc))
+    def pull(index: int) -> None:
+        pending[asyncio.ensure_future(anext(streams[index]))] = index
 
-    pumps = [asyncio.ensure_future(pump(i, ticket)) for i, ticket in enumerate(tickets)]
+    for index in range(len(streams)):
+        pull(index)
     try:
         if keepalive > 0 and any(ticket.state == "queued" for ticket in tickets):
             yield -1, None
-        running = len(tickets)
-        while running:
-            try:
-                index, item = await asyncio.wait_for(queue.get(), keepalive) if keepalive > 0 else await queue.get()
-            except asyncio.TimeoutError:
+        while pending:
+            done, _ = await asyncio.wait(
+                pending, timeout=keepalive if keepalive > 0 else None, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
                 yield -1, None
                 continue
-            if isinstance(item, RequestFailed):
-                raise item
-            yield index, item
-            running -= item.finished is not None
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                event = task.result()  # raises its request's RequestFailed
+                yield index, event
+                if event.finished is None:
+                    pull(index)
     finally:
-        for task in pumps:
-            task.cancel()
+        for task in pending:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: a second failure is not logged as never retrieved
         for ticket in tickets:
             ticket.cancel()
 

@@ -34,16 +34,19 @@ _RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # Token counts per request: 1, 2, 5 times each power of ten, past any context length this server loads.
 _LENGTH_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
-OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "timeout", "error")
+OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "client_stalled", "timeout", "error")
 FINISH_REASONS = ("eos", "stop", "length", "none")
 # Why a request was refused before it started (``specserve_requests_refused_total``): the queue was full (429), or
 # it waited in the queue past queue_timeout (503); both with Retry-After.
 REFUSALS = ("queue_full", "queue_timeout")
 # vLLM's finish reasons, for ``request_success``: an end of sequence is a stop there too; an admitted request
-# that ended without finishing (cancelled, timed out, failed) is an abort.
+# that ended without finishing (cancelled, its client stalled, timed out, failed) is an abort.
 FINISHED_REASONS = ("stop", "length", "abort")
 _FINISHED_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
-_ABORTED = ("cancelled", "timeout", "error")
+_ABORTED = ("cancelled", "client_stalled", "timeout", "error")
+# Why the server closed a connection itself (``specserve_connections_closed_total``): its client sent no whole
+# request head within header_read_timeout, or read nothing of an answer for send_timeout.
+CLOSES = ("header_timeout", "send_timeout")
 
 
 @dataclass(frozen=True)
@@ -290,10 +293,19 @@ class Metrics:
             [*labels, "key"],
             registry=r,
         )
+        self._closed = Counter(
+            p + "connections_closed",
+            "Connections the server closed on a slow client, by reason: header_timeout (no whole request head "
+            "within header_read_timeout) or send_timeout (nothing of an answer read for send_timeout).",
+            [*labels, "reason"],
+            registry=r,
+        )
         r.register(_MemoryCollector(m))
         # Every series exists from the start, so that rate() has a zero to begin from.
         for reason in REFUSALS:
             self._refused.labels(m, reason)
+        for reason in CLOSES:
+            self._closed.labels(m, reason)
         for outcome in OUTCOMES:
             for reason in FINISH_REASONS[:-1] if outcome == "success" else ("none",):
                 self._requests.labels(m, outcome, reason)
@@ -334,6 +346,10 @@ class Metrics:
     def request_refused(self, reason: str) -> None:
         """A request refused before it started (`reason`: one of REFUSALS), counted as outcome overloaded too."""
         self._refused.labels(self.model_name, reason).inc()
+
+    def connection_closed(self, reason: str) -> None:
+        """The server closed a slow client's connection (`reason`: one of CLOSES)."""
+        self._closed.labels(self.model_name, reason).inc()
 
     def request_started(self, queue_seconds: float, prompt_tokens: int) -> None:
         """The worker took the request off the queue."""

@@ -122,6 +122,8 @@ class Runtime:
             metrics,
             kv_budget=kv_budget(engine, settings),
             queue_timeout=settings.queue_timeout,
+            max_backlog=settings.max_stream_backlog,
+            stall_timeout=settings.send_timeout,
         )
         scheduler.start()
         return cls(scheduler, engine.tokenizer, info)

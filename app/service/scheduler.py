@@ -28,6 +28,12 @@ one. Every step's tokens go back to the event loop with ``call_soon_threadsafe``
 flag the worker reads before each step (its memory counts until the worker drops its generation); an
 exception in one generation ends that request alone.
 
+The worker never waits for a client: it posts and goes on. A client that stops reading would leave its tokens
+in that queue for as long as its generation runs, so a request whose consumer holds back more than
+``max_backlog`` tokens, or has not come back for the next event within ``stall_timeout`` seconds (its route
+stuck writing to a client that reads nothing), is cancelled as ``client_stalled``: its generation stops, its
+memory is freed, and what waited is dropped for one error saying why.
+
 A step that fails as a whole (the batch's shared planning or bookkeeping, the delivery of its tokens) ends
 that step's requests with a 424 and the worker goes on with the next; should the thread end anyway,
 `Scheduler.failure` says why, every request it held gets a 503 at once, and so does every later one. A
@@ -160,6 +166,11 @@ class _Job:
     overtaken: int = 0  # requests admitted past it while it waited
     gen: Generation | None = None
     last_delivery: float = 0.0
+    # The event loop's side: tokens posted and not yet taken from `queue`, and since when the consumer has held the
+    # event it took last without asking for the next (None: it is waiting for one).
+    backlog: int = 0
+    busy_since: float | None = None
+    stalled: bool = False  # cancelled as client_stalled: what the worker still posts is dropped
     started: float | None = None  # the worker started its generation
     first_token: float | None = None  # its first tokens were delivered
     generated: int = 0
@@ -170,11 +181,6 @@ class _Job:
     @property
     def log_extra(self) -> dict[str, str | None]:
         return {"request_id": self.request_id}
-
-    def post(self, item: StepEvent | RequestFailed) -> None:
-        # A closed loop raises RuntimeError: nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class Ticket:
@@ -224,15 +230,24 @@ class Ticket:
                     raise RequestFailed("timeout", _timeout_message(job)) from None
                 if isinstance(item, RequestFailed):
                     raise item
+                job.backlog -= len(item.tokens)
+                job.busy_since = time.monotonic()
                 yield item
+                # Back late (a write to a client that read nothing timed out): the request is its stalled client's.
+                late = self._scheduler._stall_reason(job)
+                job.busy_since = None
+                if late is not None:
+                    self._scheduler._stall(job, late)
                 if item.finished is not None:
                     return
         finally:
             self.cancel()
 
     def cancel(self) -> None:
-        """Give the request up: its place is free at once, its generation stops before its next step."""
-        self._scheduler._end(self._job, "cancelled")
+        """Give the request up: its place is free at once, its generation stops before its next step. Counted as
+        ``client_stalled`` when its consumer had held its last event past the stall timeout (a route that gave up
+        writing to a client that read nothing), else ``cancelled``."""
+        self._scheduler._give_up(self._job)
 
 
 def _timeout_message(job: _Job) -> str:
@@ -261,6 +276,9 @@ class Scheduler:
     its own timeout). `trim_after_tokens`: once a request whose prompt plus max_new_tokens reached this many
     tokens has ended, the worker returns the heap's free memory to the system (0: never). `threads`: what sets
     the CPU products' thread count around each step (default: a `ThreadGovernor` of torch's count).
+    `max_backlog`: the most tokens a request's events may hold that its consumer has not taken; `stall_timeout`:
+    the longest its consumer may hold one event before asking for the next while more wait (None: no bound);
+    past either the request is cancelled as ``client_stalled`` (module docstring).
     """
 
     def __init__(
@@ -275,11 +293,15 @@ class Scheduler:
         kv_budget: int | None = None,
         max_overtakes: int = MAX_OVERTAKES,
         queue_timeout: float | None = None,
+        max_backlog: int | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or max_overtakes < 0:
             raise ValueError("need max_running >= 1, max_waiting >= 0 and max_overtakes >= 0")
         if queue_timeout is not None and queue_timeout <= 0:
             raise ValueError("the queue timeout must be positive (None: none)")
+        if (max_backlog is not None and max_backlog < 1) or (stall_timeout is not None and stall_timeout <= 0):
+            raise ValueError("the backlog bound and the stall timeout must be positive (None: none)")
         if kv_budget is not None and kv_budget < 1:
             raise ValueError("the KV-cache budget must be positive")
         self.engine = engine
@@ -295,6 +317,8 @@ class Scheduler:
         self.metrics = metrics
         self.retry_after = retry_after  # the least Retry-After a refusal says
         self.queue_timeout = queue_timeout
+        self.max_backlog = max_backlog
+        self.stall_timeout = stall_timeout
         # When admitted requests ended (any outcome) in the last RATE_WINDOW seconds: the service rate.
         self._ended_at: deque[float] = deque()
         self.trim_after_tokens = trim_after_tokens
@@ -580,9 +604,59 @@ class Scheduler:
     def _fail(self, job: _Job, outcome: str, kind: str, message: str) -> bool:
         """End `job` as `outcome` and tell its client why, unless it had already ended (then False)."""
         if self._end(job, outcome):
-            job.post(RequestFailed(kind, message))
+            self._post(job, RequestFailed(kind, message))
             return True
         return False
+
+    def _post(self, job: _Job, item: StepEvent | RequestFailed) -> None:
+        """Hand `item` to `job`'s event loop; never waits (the worker serves everyone)."""
+        # A closed loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            job.loop.call_soon_threadsafe(self._arrived, job, item)
+
+    # --- slow clients, on the event loop ------------------------------------------------------------
+
+    def _arrived(self, job: _Job, item: StepEvent | RequestFailed) -> None:
+        """`item` reaches `job`'s queue; a client that fell too far behind is cut off (`_stall`)."""
+        if job.stalled:
+            return  # posted before the worker saw the request end: nobody will read it
+        job.queue.put_nowait(item)
+        if isinstance(item, StepEvent):
+            job.backlog += len(item.tokens)
+        reason = self._stall_reason(job)
+        if reason is not None:
+            self._stall(job, reason)
+
+    def _stall_reason(self, job: _Job) -> str | None:
+        """Why `job`'s client counts as stalled now, or None while it keeps up."""
+        if self.max_backlog is not None and job.backlog > self.max_backlog:
+            return f"{job.backlog} generated tokens were not sent yet, more than a stream may hold ({self.max_backlog})"
+        if self.stall_timeout is not None and job.busy_since is not None:
+            held = time.monotonic() - job.busy_since
+            if held >= self.stall_timeout:
+                return f"the client read nothing for {held:.1f} s (the send timeout is {self.stall_timeout:g} s)"
+        return None
+
+    def _stall(self, job: _Job, reason: str) -> None:
+        """Cancel `job`, whose client does not keep up: its generation stops and its memory is freed as a
+        disconnected client's; what waited for the client is dropped for one error saying why, which the client
+        reads should it come back (a stream ends with it)."""
+        if not self._end(job, "client_stalled"):
+            return  # it ended otherwise (finished, timed out) first
+        log.warning("request %d: cancelled, its client does not keep up: %s", job.id, reason, extra=job.log_extra)
+        job.stalled = True
+        while not job.queue.empty():
+            job.queue.get_nowait()
+        job.backlog = 0
+        job.queue.put_nowait(RequestFailed("client_stalled", f"the request was cancelled: {reason}"))
+
+    def _give_up(self, job: _Job) -> None:
+        """Its route gave `job` up (`Ticket.cancel`)."""
+        reason = self._stall_reason(job)
+        if reason is not None:
+            self._stall(job, reason)
+        else:
+            self._end(job, "cancelled")
 
     def _publish_load(self) -> None:
         if self.metrics is not None:
@@ -815,7 +889,7 @@ class Scheduler:
             self._end(job, "success", finished.finish_reason)
         prompt = tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None
         figures = PassFigures(job.passes, out.drafted, out.accepted, out.draft_seconds, out.verify_seconds)
-        job.post(StepEvent(tokens, finished, prompt, figures))
+        self._post(job, StepEvent(tokens, finished, prompt, figures))
         return finished is None
 
 

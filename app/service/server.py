@@ -28,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app import __version__
@@ -365,21 +366,121 @@ class _JSONErrorsH11(H11Protocol):
         self.transport.close()
 
 
-def serve(settings: Settings) -> bool:
-    """Serve the models `settings` name over HTTP until SIGTERM or SIGINT, then drain (`drain`) and stop.
+class _TimedFlow(FlowControl):
+    """uvicorn's flow control, whose wait for a client to read (the connection's buffers full) lasts at most
+    `timeout` seconds; then `stalled` is called."""
 
-    False when the server could not start (the port taken, say)."""
-    app = create_app(settings)
-    config = uvicorn.Config(
+    def __init__(self, transport: asyncio.Transport, timeout: float, stalled: Callable[[], None]) -> None:
+        super().__init__(transport)
+        self._timeout = timeout
+        self._stalled = stalled
+
+    async def drain(self) -> None:
+        try:
+            await asyncio.wait_for(super().drain(), self._timeout)
+        except TimeoutError:
+            self._stalled()
+
+
+class _SlowClientGuard(_JSONErrorsH11):
+    """The server's HTTP/1.1 protocol: closes a connection whose request head does not arrive within
+    `header_timeout` seconds of the connection's opening or of its first byte (uvicorn times out idle kept-alive
+    connections only, so a client sending its headers a byte at a time held a connection forever), and one
+    whose client reads nothing of an answer for `send_timeout` seconds. The latter is aborted (a graceful close
+    would wait for the client to read what is buffered): the app hears a disconnect, so a stream's generation
+    is cancelled as a departed client's. `serve` makes a subclass with the settings' values."""
+
+    header_timeout: float = 20.0
+    send_timeout: float = 30.0
+    metrics: Metrics | None = None
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.flow = _TimedFlow(transport, self.send_timeout, self._send_stalled)
+        self._expect_head()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._header_timer is None:
+            self._expect_head()  # the first byte of a kept-alive connection's next request
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE and self._header_timer is not None:
+            self._header_timer.cancel()  # the head is in
+            self._header_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def _expect_head(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout, self._head_late)
+
+    def _head_late(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.warning(
+                "closing a connection from %s: no whole request head within %g s (header_read_timeout)",
+                _peer(self.client),
+                self.header_timeout,
+            )
+            self._closed("header_timeout")
+            self.transport.close()
+
+    def _send_stalled(self) -> None:
+        if self.transport.is_closing():
+            return
+        log.warning(
+            "closing a connection to %s: it read nothing of its answer for %g s (send_timeout)",
+            _peer(self.client),
+            self.send_timeout,
+        )
+        self._closed("send_timeout")
+        if self.cycle is not None:
+            self.cycle.disconnected = True  # the answer's next writes return at once, as after any disconnect
+        self.transport.abort()
+
+    def _closed(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.connection_closed(reason)
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
+
+
+def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+    """uvicorn's configuration of `app` (made by `create_app(settings)`): its address, its timeouts for idle, slow
+    and stalled clients, and its connection limit."""
+    guard = type(
+        "SlowClientGuard",
+        (_SlowClientGuard,),
+        {
+            "header_timeout": settings.header_read_timeout,
+            "send_timeout": settings.send_timeout,
+            "metrics": app.state.metrics,
+        },
+    )
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_config=None,
         timeout_graceful_shutdown=_CLOSE_SECONDS,
         timeout_keep_alive=settings.keep_alive_timeout,
-        http=_JSONErrorsH11,
+        # uvicorn counts the connection asking among the open ones: one more lets max_connections be served.
+        limit_concurrency=settings.max_connections + 1,
+        http=guard,
     )
-    server = _DrainingServer(config, app, settings.shutdown_grace_period)
+
+
+def serve(settings: Settings) -> bool:
+    """Serve the models `settings` name over HTTP until SIGTERM or SIGINT, then drain (`drain`) and stop.
+
+    False when the server could not start (the port taken, say)."""
+    app = create_app(settings)
+    server = _DrainingServer(uvicorn_config(app, settings), app, settings.shutdown_grace_period)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the signal again after a forced exit
         server.run()
     return server.started

@@ -151,6 +151,32 @@ class Settings(BaseSettings):
         "timeout_keep_alive; longer than clients' pools keep idle connections, so that the server is not the one "
         "that closes a connection a client is reusing)",
     )
+    header_read_timeout: float = Field(
+        20.0,
+        gt=0,
+        description="seconds a connection has to send a request's headers, from its opening or from their first byte "
+        "(uvicorn has no such timeout: a client sending them a byte at a time held its connection forever); "
+        "slower is closed",
+    )
+    send_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a client may read nothing of its answer while the server has more to send (its "
+        "connection's buffers full); then the connection is closed and its request cancelled (outcome "
+        "client_stalled: the generation stops, its memory is freed)",
+    )
+    max_stream_backlog: int = Field(
+        1024,
+        ge=1,
+        description="tokens a stream may hold generated but not yet sent (its client reads slower than the "
+        "generation); past it the request is cancelled as client_stalled and the stream ends with that error",
+    )
+    max_connections: int = Field(
+        512,
+        ge=1,
+        description="open HTTP connections the server serves at once (uvicorn's limit_concurrency); a request on "
+        "one more is answered 503",
+    )
     max_input_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens (default: the model's context minus one)"
     )
