@@ -96,8 +96,9 @@ def load_script(name: str) -> ModuleType:
 def test_compose_services_and_profiles() -> None:
     assert set(SERVICES) == {"specserve", "prometheus", "grafana", "specserve-replica", "lb"}
     plain = {name for name, s in SERVICES.items() if not s.get("profiles")}
-    assert plain == {"specserve", "prometheus", "grafana"}  # what `docker compose up` starts
+    assert plain == {"specserve", "prometheus"}  # what `docker compose up` starts: nothing that needs a password
     assert SERVICES["specserve-replica"]["profiles"] == ["scaled"] == SERVICES["lb"]["profiles"]
+    assert SERVICES["grafana"]["profiles"] == ["dashboard"]
     assert SERVICES["specserve-replica"]["deploy"]["replicas"] >= 2
     for name, variable in (("prometheus", "PROMETHEUS_IMAGE"), ("grafana", "GRAFANA_IMAGE"), ("lb", "NGINX_IMAGE")):
         # A variable (a machine without Docker Hub names a local image), by default a pinned Docker Hub image.
@@ -133,7 +134,7 @@ def test_compose_environment_is_the_service_settings() -> None:
         # No model, draft or limit is chosen here: unset, the server's own defaults apply.
         for key in ("SPECSERVE_TARGET", "SPECSERVE_DRAFT", "SPECSERVE_API_KEY"):
             assert env[key] is None, key
-        assert interpolate(env["SPECSERVE_METRICS_PUBLIC"]) == "true"  # Prometheus scrapes without a key
+        assert env["SPECSERVE_METRICS_PUBLIC"] is None  # unset: /metrics needs the key (Prometheus sends it)
     # The Dockerfile's defaults are settings too, and the server listens on every interface in the container.
     env = dockerfile_env()
     assert {k for k in env if k.startswith("SPECSERVE_")} <= SPECSERVE_VARIABLES
@@ -277,12 +278,83 @@ def _promtool() -> str:
     return promtool
 
 
-def test_promtool_checks_the_prometheus_config() -> None:
-    check = subprocess.run(
-        [_promtool(), "check", "config", str(DOCKER / "prometheus" / "prometheus.yml")], capture_output=True, text=True
-    )
+def _promtool_check(config: dict, tmp_path: Path) -> None:
+    """`promtool check config` accepts `config`, each job's credentials file made an (empty) file of the test's:
+    promtool checks that it exists, and the real one is in the container (or the pod)."""
+    for job in config["scrape_configs"]:
+        if "authorization" in job:
+            job["authorization"]["credentials_file"] = str(tmp_path / f"{job['job_name']}-key")
+            Path(job["authorization"]["credentials_file"]).write_text("")
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    check = subprocess.run([_promtool(), "check", "config", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS" in check.stdout
+
+
+def test_promtool_checks_the_prometheus_config(tmp_path: Path) -> None:
+    file = DOCKER / "prometheus" / "prometheus.yml"
+    check = subprocess.run([_promtool(), "check", "config", "--syntax-only", str(file)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    _promtool_check(yaml.safe_load(file.read_text()), tmp_path)
+
+
+def _entrypoint(service: str, replace: dict[str, str]) -> list[str]:
+    """A compose service's entry point as its container runs it (compose turns `$$` into `$`), with the paths of
+    its image in `replace` replaced by the test's."""
+    argv = [part.replace("$$", "$") for part in SERVICES[service]["entrypoint"]]
+    for old, new in replace.items():
+        argv = [part.replace(old, new) for part in argv]
+    assert argv[:2] == ["/bin/sh", "-c"]  # both Prometheus images (and Grafana's) have a shell there
+    return argv
+
+
+def test_prometheus_sends_the_api_key_compose_gives_it(tmp_path: Path) -> None:
+    """/metrics needs the key once the servers have one: compose passes SPECSERVE_API_KEY on to Prometheus, whose
+    entry point (run here with a stand-in prometheus, the data volume a directory of the test's) writes it, to be
+    read by Prometheus' user alone, where the specserve job takes its bearer token, then runs prometheus with
+    compose's flags; without a key the file is empty (a keyless server reads no header)."""
+    [job] = [j for j in PROMETHEUS["scrape_configs"] if j["job_name"] == "specserve"]
+    assert job["authorization"]["type"] == "Bearer"
+    key_file = Path(job["authorization"]["credentials_file"])
+    service = SERVICES["prometheus"]
+    assert "SPECSERVE_API_KEY" in service["environment"] and service["environment"]["SPECSERVE_API_KEY"] is None
+    # The data volume: what Prometheus' user may write in prom/prometheus and in the Debian stand-in.
+    assert ("prometheus-data", str(key_file.parent)) in mounts("prometheus")
+    data, bin_dir = tmp_path / "data", tmp_path / "bin"
+    data.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "prometheus").write_text('#!/bin/sh\nprintf "%s\\n" "$@" >"$ARGS_FILE"\n')
+    (bin_dir / "prometheus").chmod(0o755)
+    argv = _entrypoint("prometheus", {f"{key_file.parent}/": f"{data}/"})
+    for key in ("a-key-0123456789", None):
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "ARGS_FILE": str(tmp_path / "args")}
+        if key is not None:
+            env["SPECSERVE_API_KEY"] = key
+        done = subprocess.run([*argv, *service["command"]], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        written = data / key_file.name
+        assert written.read_text() == (key or "") and (written.stat().st_mode & 0o777) == 0o600
+        assert (tmp_path / "args").read_text().split("\n")[:-1] == service["command"]
+    # Published on this host alone whatever BIND_ADDRESS says: it answers anyone with every series it scraped.
+    [port] = service["ports"]
+    assert port.startswith("${PROMETHEUS_BIND_ADDRESS:-127.0.0.1}:"), port
+
+
+def test_metrics_need_the_key_in_compose_and_k8s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither compose nor the k8s Deployment serves /metrics without the key: the setting is left to the
+    server's default, under which /metrics is no open path of a keyed server."""
+    from app.service.server import open_paths
+
+    for name in list(os.environ):
+        if name.startswith("SPECSERVE_"):
+            monkeypatch.delenv(name)
+    for name in SPECSERVE_SERVICES:
+        assert SERVICES[name]["environment"]["SPECSERVE_METRICS_PUBLIC"] is None, name
+    [container] = k8s_objects()["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert "SPECSERVE_METRICS_PUBLIC" not in {e["name"] for e in container["env"]}
+    monkeypatch.setenv("SPECSERVE_API_KEY", "a-key-0123456789")
+    assert "/metrics" not in open_paths(Settings()) and "/health" in open_paths(Settings())
 
 
 # --- Grafana ---------------------------------------------------------------------------------------------
@@ -299,15 +371,36 @@ def test_grafana_provisioning_points_at_the_dashboard() -> None:
     [provider] = yaml.safe_load((provisioning / "dashboards" / "specserve.yml").read_text())["providers"]
     dashboards_dir = grafana["./docker/grafana/dashboards"]
     assert provider["options"]["path"] == dashboards_dir
-    # The dashboard is the home page, for anyone, without a login.
+    # The dashboard is the home page (after the login: test_grafana_needs_its_own_password).
     env = SERVICES["grafana"]["environment"]
     assert env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{dashboards_dir}/{DASHBOARD_FILE.name}"
-    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     # Every panel and query uses the provisioned data source.
     uids = {p["datasource"]["uid"] for p in DASHBOARD["panels"]}
     uids |= {t["datasource"]["uid"] for p in DASHBOARD["panels"] for t in p["targets"]}
     uids |= {v["datasource"]["uid"] for v in DASHBOARD["templating"]["list"]}
     assert uids == {datasource["uid"]}
+
+
+def test_grafana_needs_its_own_password(tmp_path: Path) -> None:
+    """No admin/admin, no anonymous viewer (who may query Prometheus through it): Grafana's entry point (run here
+    with a stand-in for its image's /run.sh) refuses to start without GRAFANA_ADMIN_PASSWORD or with "admin",
+    and starts Grafana with its arguments given one."""
+    service = SERVICES["grafana"]
+    env = service["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:-\}", env["GF_SECURITY_ADMIN_PASSWORD"])
+    assert interpolate(env["GF_SECURITY_ADMIN_PASSWORD"]) == ""  # nothing set: empty, refused below
+    run = tmp_path / "run.sh"
+    run.write_text('#!/bin/sh\necho "grafana started: $*"\n')
+    run.chmod(0o755)
+    argv = _entrypoint("grafana", {"/run.sh": str(run)})
+    for password, starts in (("", False), ("admin", False), ("a-password-of-its-own", True)):
+        env = {"PATH": "/usr/bin:/bin", "GF_SECURITY_ADMIN_PASSWORD": password}
+        done = subprocess.run([*argv, "cfg:x"], env=env, capture_output=True, text=True, timeout=30)
+        if starts:
+            assert done.returncode == 0 and done.stdout == "grafana started: cfg:x\n", done
+        else:
+            assert done.returncode != 0 and "set GRAFANA_ADMIN_PASSWORD" in done.stderr and not done.stdout, done
 
 
 def test_dashboard_has_the_promised_panels() -> None:
@@ -449,7 +542,7 @@ def k8s_objects() -> dict[str, dict]:
 def test_kustomization_lists_every_manifest() -> None:
     kustomization = yaml.safe_load((DOCKER / "k8s" / "kustomization.yaml").read_text())
     manifests = {p.name for p in (DOCKER / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
-    assert set(kustomization["resources"]) == manifests - {"prometheus-adapter-values.yaml"}
+    assert set(kustomization["resources"]) == manifests - {"prometheus-adapter-values.yaml", "prometheus-values.yaml"}
     assert set(k8s_objects()) == {"Deployment", "Service", "HorizontalPodAutoscaler"}
 
 
@@ -471,8 +564,8 @@ def test_k8s_deployment_and_service() -> None:
     assert pod_security["runAsNonRoot"] and pod_security["runAsUser"] != 0
     cache = dockerfile_env()["SPECSERVE_CACHE"]
     assert cache in {m["mountPath"] for m in container["volumeMounts"]}
-    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/port"] == str(ports["http"])
+    # No job by annotation (it would scrape without the key): prometheus-values.yaml's finds the pods.
+    assert "annotations" not in deployment["spec"]["template"]["metadata"]
 
 
 def test_the_deployments_fail_closed_without_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -503,6 +596,50 @@ def test_the_deployments_fail_closed_without_a_key(monkeypatch: pytest.MonkeyPat
     [key] = [e for e in container["env"] if e["name"] == "SPECSERVE_API_KEY"]
     assert not key["valueFrom"]["secretKeyRef"].get("optional", False)
     assert "SPECSERVE_ALLOW_UNAUTHENTICATED" not in {e["name"] for e in container["env"]}
+
+
+def _k8s_prometheus_job() -> tuple[dict, dict]:
+    """(the specserve job, the chart's values) of prometheus-values.yaml."""
+    values = yaml.safe_load((DOCKER / "k8s" / "prometheus-values.yaml").read_text())
+    [job] = yaml.safe_load(values["extraScrapeConfigs"])
+    return job, values
+
+
+def test_k8s_prometheus_job_sends_the_key_of_the_secret() -> None:
+    """The Prometheus chart's job for specserve: its bearer token is the file the secret `specserve` mounts as,
+    the key the Deployment reads; it keeps the Deployment's pods at their port, and labels each series with what
+    the adapter's rule selects on."""
+    job, values = _k8s_prometheus_job()
+    deployment = k8s_objects()["Deployment"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    [key] = [e for e in container["env"] if e["name"] == "SPECSERVE_API_KEY"]
+    secret = key["valueFrom"]["secretKeyRef"]
+    [mount] = values["server"]["extraSecretMounts"]
+    assert mount["secretName"] == secret["name"] and mount["readOnly"]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": f"{mount['mountPath']}/{secret['key']}"}
+    assert job["metrics_path"] == "/metrics" and job["kubernetes_sd_configs"] == [{"role": "pod"}]
+    [keep] = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+    label = deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+    [port] = container["ports"]
+    assert keep["source_labels"] == [
+        "__meta_kubernetes_pod_label_app_kubernetes_io_name",
+        "__meta_kubernetes_pod_container_port_name",
+    ]
+    assert keep["regex"] == f"{label};{port['name']}"
+    made = {r["target_label"]: r["source_labels"] for r in job["relabel_configs"] if "target_label" in r}
+    assert made == {"namespace": ["__meta_kubernetes_namespace"], "pod": ["__meta_kubernetes_pod_name"]}
+    adapter = yaml.safe_load((DOCKER / "k8s" / "prometheus-adapter-values.yaml").read_text())
+    [rule] = adapter["rules"]["custom"]
+    assert set(rule["resources"]["overrides"]) <= set(made)
+
+
+def test_promtool_checks_the_k8s_prometheus_job(tmp_path: Path) -> None:
+    """The job as the chart's Prometheus loads it, but for its pod discovery (Debian's promtool, CI's, is built
+    without Kubernetes discovery): a static target instead."""
+    job, _ = _k8s_prometheus_job()
+    del job["kubernetes_sd_configs"]
+    job["static_configs"] = [{"targets": ["localhost:8000"]}]
+    _promtool_check({"scrape_configs": [job]}, tmp_path)
 
 
 def test_shutdown_grace_fits_in_what_the_orchestrators_give() -> None:

@@ -1,12 +1,13 @@
 """The real Prometheus, on our scrape configuration, reads a real specserve's acceptance rate.
 
 `prometheus` (Debian package prometheus, which .ci/run installs) runs on 127.0.0.1 with
-docker/prometheus/prometheus.yml, its target rewritten from the compose service to the test's server and its
-interval shortened to 1 s. After a few generations that the n-gram draft partly predicts, the dashboard's
-acceptance-rate query, asked of Prometheus, equals accepted / drafted read from /metrics directly, and every
-other query of the dashboard returns data. vLLM's example dashboard (its queries: tests/data/
-vllm_dashboard_queries.json) reads this server too, once its prefix ``vllm:`` is ``specserve_``. Under CI a
-missing binary fails the test instead of skipping it.
+docker/prometheus/prometheus.yml, its target rewritten from the compose service to the test's server, its
+interval shortened to 1 s and its credentials file one of the test's. The server has an API key, so that its
+/metrics answers only Prometheus' bearer token from that file (as in compose). After a few generations that the
+n-gram draft partly predicts, the dashboard's acceptance-rate query, asked of Prometheus, equals accepted /
+drafted read from /metrics directly, and every other query of the dashboard returns data. vLLM's example
+dashboard (its queries: tests/data/vllm_dashboard_queries.json) reads this server too, once its prefix ``vllm:``
+is ``specserve_``. Under CI a missing binary fails the test instead of skipping it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from _server import free_port, metric, running_server
+from _server import free_port, running_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.engine.step import StepOutput
@@ -34,6 +35,8 @@ DASHBOARD = json.loads((ROOT / "docker" / "grafana" / "dashboards" / "specserve.
 VLLM_DASHBOARD = json.loads((ROOT / "tests" / "data" / "vllm_dashboard_queries.json").read_text())
 ACCEPTED = "specserve_spec_decode_num_accepted_tokens_total"
 DRAFTED = "specserve_spec_decode_num_draft_tokens_total"
+KEY = "prometheus-test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _prometheus() -> str:
@@ -45,12 +48,28 @@ def _prometheus() -> str:
     return binary
 
 
-def _scrape_config(target: str) -> dict:
-    """Our configuration, scraping `target` every second instead of the compose containers every 5 s."""
+def metric(url: str, name: str, **labels: str) -> float:
+    """The value of the one sample of the server's /metrics (read with the key) named `name` whose labels include
+    `labels`; 0 when there is none."""
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    found = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
+    assert len(found) <= 1, f"{name}{labels} matches {len(found)} samples"
+    return found[0] if found else 0.0
+
+
+def _scrape_config(target: str, key_file: Path) -> dict:
+    """Our configuration, scraping `target` every second instead of the compose containers every 5 s, with the
+    bearer token in `key_file` instead of the container's."""
     config = yaml.safe_load((ROOT / "docker" / "prometheus" / "prometheus.yml").read_text())
     config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
     [job] = [j for j in config["scrape_configs"] if j["job_name"] == "specserve"]
     del job["dns_sd_configs"]
+    job["authorization"]["credentials_file"] = str(key_file)
     job["static_configs"] = [{"targets": [target]}]
     config["scrape_configs"] = [job]
     return config
@@ -62,9 +81,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, target_path: Path) -> Iterat
     binary = _prometheus()
     tmp = tmp_path_factory.mktemp("prometheus")
     log = tmp / "specserve.log"
-    with running_server(log, "--dtype", "float32", "--log-format", "json", "--log-level", "info") as server:
+    env = {**os.environ, "SPECSERVE_API_KEY": KEY}
+    with running_server(log, "--dtype", "float32", "--log-format", "json", "--log-level", "info", env=env) as server:
+        key_file = tmp / "specserve-api-key"
+        key_file.write_text(KEY)
         config = tmp / "prometheus.yml"
-        config.write_text(yaml.safe_dump(_scrape_config(server.removeprefix("http://"))))
+        config.write_text(yaml.safe_dump(_scrape_config(server.removeprefix("http://"), key_file)))
         prom_url = f"http://127.0.0.1:{free_port()}"
         prom_log = tmp / "prometheus.log"
         command = [
@@ -124,6 +146,8 @@ def _dashboard_expr(expr: str) -> str:
 
 def test_prometheus_reads_the_acceptance_rate(stack: tuple[str, str, Path]) -> None:
     server, prom, log = stack
+    # /metrics needs the key: Prometheus scrapes with the one in its credentials file.
+    assert httpx.get(f"{server}/metrics").status_code == 401
     # A first scrape of the fresh server (counters at 0) before anything is generated.
     _wait_for(prom, 'up{job="specserve"}', 1.0, "the server up")
     _wait_for(prom, DRAFTED, 0.0, "the counters")
@@ -138,7 +162,7 @@ def test_prometheus_reads_the_acceptance_rate(stack: tuple[str, str, Path]) -> N
         ("/generate", {"inputs": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "parameters": {"max_new_tokens": 16}}),
     ]
     for i, (path, body) in enumerate(requests):
-        r = httpx.post(f"{server}{path}", json=body, headers={"X-Request-ID": f"prom-test-{i}"}, timeout=120)
+        r = httpx.post(f"{server}{path}", json=body, headers={**AUTH, "X-Request-ID": f"prom-test-{i}"}, timeout=120)
         assert r.status_code == 200, r.text
         assert r.headers["x-request-id"] == f"prom-test-{i}"
     accepted, drafted = metric(server, ACCEPTED), metric(server, DRAFTED)
@@ -189,17 +213,17 @@ def _vllm_expr(expr: str, model: str) -> str:
 
 def test_vllms_dashboard_reads_specserve(stack: tuple[str, str, Path]) -> None:
     server, prom, _ = stack
-    info = httpx.get(f"{server}/info").json()
+    info = httpx.get(f"{server}/info", headers=AUTH).json()
     model, k = info["served_model_name"], info["num_draft_tokens"]
     requests = [
         ("/generate", {"inputs": "a b c d a b c d a b c d a b", "parameters": {"max_new_tokens": 6}}),
         ("/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 5, "temperature": 0}),
     ]
     for path, body in requests:
-        assert httpx.post(f"{server}{path}", json=body, timeout=120).status_code == 200
+        assert httpx.post(f"{server}{path}", json=body, headers=AUTH, timeout=120).status_code == 200
     samples = [
         sample
-        for family in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)
+        for family in text_string_to_metric_families(httpx.get(f"{server}/metrics", headers=AUTH).text)
         for sample in family.samples
     ]
     assert samples and all(s.labels.get("model_name") == model for s in samples)
@@ -263,12 +287,14 @@ def test_acceptance_by_position_counts_the_positions_drafted() -> None:
     assert metrics.registry.get_sample_value("specserve_spec_decode_num_drafts_total", {"model_name": "m"}) == 3
 
 
-def test_docker_ci_checks_pass_on_a_real_stack(stack: tuple[str, str, Path]) -> None:
+def test_docker_ci_checks_pass_on_a_real_stack(stack: tuple[str, str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """docker/ci/checks.py (what `make docker-test` asks of the containers) holds for a server and Prometheus
-    run without Docker, so that a failure there is the containers', not the checks'."""
+    run without Docker, so that a failure there is the containers', not the checks'. (The stack's server has a
+    key, which the checks send as compose's SPECSERVE_API_KEY.)"""
     import importlib.util
 
     server, prom, _ = stack
+    monkeypatch.setenv("SPECSERVE_API_KEY", KEY)
     spec = importlib.util.spec_from_file_location("docker_ci_checks", ROOT / "docker" / "ci" / "checks.py")
     assert spec is not None and spec.loader is not None
     checks = importlib.util.module_from_spec(spec)

@@ -9,11 +9,14 @@ check holds and 1 with the reason otherwise:
                                 /metrics has them, and every query of the Grafana dashboard returns data
   spread LB N -- COMMAND...     requests through nginx reach every one of the N specserve containers, by
                                 nginx's access log (COMMAND prints it) against the addresses in Prometheus
+
+With SPECSERVE_API_KEY set (as compose passes it on to the servers), every request sends it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -39,7 +42,11 @@ class CheckFailed(Exception):
 
 def request(url: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> tuple[int, str]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    key = os.environ.get("SPECSERVE_API_KEY")
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **auth, **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=180) as response:
             return response.status, response.read().decode()
