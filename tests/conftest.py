@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from app import store
 from app.engine import kernels
+from app.engine.kernels import build as kernel_build
 from app.engine.model.loading import LoadedModel, load_model
 from app.engine.model.tokenizer import Tokenizer
 from app.engine.model.transformer import ModelConfig, Transformer
@@ -73,6 +74,15 @@ def target_f32(target_path: Path) -> LoadedModel:
 
 
 # --- CPU kernels -------------------------------------------------------------------------------------------
+
+# A kernel a test builds without naming a directory (kernels.load(name), a model packed inside a test) goes into the
+# model store's kernel cache, the one the engine's own builds use, instead of each process's private temporary one:
+# both xdist workers and the next run then find it built. A library's file name is a digest of its sources, flags,
+# compiler and CPU (build.library), so what is found there is this very build; without this every worker compiled
+# every kernel again at -O3. (The cache's trust checks still run on it.)
+_KERNEL_CACHE = store.cache_dir() / "kernels"
+_KERNEL_CACHE.mkdir(mode=0o755, parents=True, exist_ok=True)
+kernel_build.private_dir = lambda: _KERNEL_CACHE
 
 # Every kernel this CPU runs, best first, then torch's oneDNN/SDPA path: the exactness promises are tested on
 # each (an AMX machine runs them all; elsewhere the ones below its best).
