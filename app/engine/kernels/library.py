@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from app.engine.kernels import abi
-from app.engine.kernels.quantized import FORMATS, QuantizedWeight
+from app.engine.kernels.quantized import FORMATS, QuantizedWeight, row_bytes
 from app.engine.kernels.table import KernelSpec
 
 
@@ -42,14 +42,14 @@ class Kernel:
         """Each row of x [..., K] (bf16, K % 16 == 0) RMS-normalised with `weight` [K] and `eps`, as a product's
         fused norm computes it, plus `residual` (as x) where given: the norms a block runs outside its products
         (q/k heads, post-attention, post-MLP), with the bits the layer stack gives them."""
+        _check_rows(x)
         k = x.shape[-1]
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or k % 16 or weight.shape != (k,):
+        if weight.dtype != torch.bfloat16 or k % 16 or weight.shape != (k,):
             raise ValueError("rms_norm takes bf16 rows of a multiple of 16 and a bf16 weight of that size")
         x = x.contiguous()
         y = torch.empty_like(x)
         if residual is not None:
-            assert residual.shape == x.shape
-            residual = residual.contiguous()
+            residual = _residual(residual, x.shape)
         self._lib.sk_rms_norm(
             x.data_ptr(),
             y.data_ptr(),
@@ -93,12 +93,18 @@ class Kernel:
         _, n, h, d = q.shape
         kv = k.shape[2]
         for t in (q, k, v):
+            _check_rows(t)
+            if t.dim() != 4 or t.shape[1] != n or t.shape[3] != d:
+                raise ValueError(f"attention takes q [1, N, H, D], k and v [1, N, KV, D], not {list(t.shape)}")
             if t.stride(3) != 1 or (t.shape[2] > 1 and t.stride(2) != d):
                 raise ValueError("attention needs each row's heads side by side")
+        if v.shape[2] != kv or kv == 0 or h % kv:
+            raise ValueError(f"attention takes heads in groups: {h} query heads, {kv} and {v.shape[2]} kv heads")
         out = torch.empty(1, n, h * d, dtype=torch.bfloat16)
         size = 2  # bytes per element
         table = (abi.Part * len(parts))()
         for i, (offset, rows, k_cache, v_cache, start, *tree) in enumerate(parts):
+            _check_part(offset, rows, n, k_cache, v_cache, start, kv, d)
             parents = tree[0] if tree else None
             if parents is not None:
                 if not self.trees:
@@ -187,6 +193,35 @@ class LayerStack:
         self.inter = layers[0].down.in_features
         self.local = any(layer.local for layer in layers)
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        for i, layer in enumerate(layers):
+            self._check_shapes(i, layer)
+
+    def _check_shapes(self, i: int, layer: StackLayer) -> None:
+        # The C stack sizes every buffer from dim, inter and the heads: a product or norm of another size would
+        # be read or written past its end.
+        dim, inter, hd = self.dim, self.inter, self.head_dim
+        if self.heads <= 0 or self.kv_heads <= 0 or self.heads % self.kv_heads:
+            raise ValueError(f"a layer stack takes heads in groups, not {self.heads} over {self.kv_heads} kv heads")
+        products = {
+            "qkv": (layer.qkv, (self.heads + 2 * self.kv_heads) * hd, dim),
+            "o": (layer.o, dim, self.heads * hd),
+            "gate_up": (layer.gate_up, 2 * inter, dim),
+            "down": (layer.down, dim, inter),
+        }
+        for name, (product, n, k) in products.items():
+            if (product.out_features, product.in_features) != (n, k):
+                raise ValueError(
+                    f"layer {i}'s {name} product is [{product.out_features}, {product.in_features}]; "
+                    f"the stack's shape needs [{n}, {k}]"
+                )
+        for name, size in (("attn_norm", dim), ("ffn_norm", dim), ("post_attn_norm", dim), ("post_ffn_norm", dim)):
+            norm = getattr(layer, name)
+            if norm is not None and norm.shape != (size,):
+                raise ValueError(f"layer {i}'s {name} is {list(norm.shape)}, not [{size}]")
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(layer, name)
+            if norm is not None and norm.shape != (hd,):
+                raise ValueError(f"layer {i}'s {name} is {list(norm.shape)}, not [{hd}]")
 
     def _product(self, out: abi.Product, product: Product) -> None:
         if product.kernel is not self.kernel:
@@ -238,16 +273,39 @@ class LayerStack:
         capacity, head_dim] as `__call__`'s and `parents` None or int32 [rows] (a tree, as `hidden_batch`'s);
         cos, sin (and `local`): [T, 1, head_dim], each row's. Returns the new x [1, T, dim]: each row the bits
         the layer-by-layer batched forward gives."""
+        _check_rows(x)
+        total = sum(rows for _, _, _, rows, _ in sequences)
+        if x.shape != (1, total, self.dim):
+            raise ValueError(f"a layer stack takes x [1, {total}, {self.dim}] for these sequences, not {list(x.shape)}")
         x = x.contiguous().clone()
-        cos, sin = cos.contiguous(), sin.contiguous()
         if self.local and local is None:
             raise ValueError("this stack's local layers need the local RoPE tables")
+        tables = (cos, sin, *(local or ()))
+        for table in tables:
+            if table.dtype != torch.bfloat16 or table.numel() != total * self.head_dim:
+                raise ValueError(f"a layer stack's RoPE tables are bf16 [{total}, 1, {self.head_dim}]")
+        cos, sin = cos.contiguous(), sin.contiguous()
         cos_l, sin_l = (t.contiguous() for t in local) if local is not None else (cos, sin)
         seqs = (abi.Seq * len(sequences))()
         keep = []
         for seq, (k_cache, v_cache, start, rows, parents) in zip(seqs, sequences, strict=True):
             if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == 1):
                 raise ValueError("a layer stack runs on each sequence's own contiguous cache")
+            layers, _, kv, cap, hd = k_cache.shape
+            if (
+                k_cache.dtype != torch.bfloat16
+                or v_cache.shape != k_cache.shape
+                or v_cache.dtype != torch.bfloat16
+                or (layers, kv, hd) != (self.n_layers, self.kv_heads, self.head_dim)
+            ):
+                raise ValueError(
+                    f"a layer stack's caches are bf16 [{self.n_layers}, 1, {self.kv_heads}, capacity, "
+                    f"{self.head_dim}], not {list(k_cache.shape)}"
+                )
+            if start < 0 or rows < 0 or start + rows > cap:
+                raise ValueError(f"positions {start}..{start + rows - 1} past a cache of {cap}")
+            if parents is not None and parents.numel() != rows:
+                raise ValueError(f"a tree of {rows} rows has {rows} parents, not {parents.numel()}")
             seq.kc, seq.vc, seq.layer_stride = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0)
             seq.cap, seq.t, seq.start = k_cache.shape[3], rows, start
             if parents is not None:
@@ -276,6 +334,37 @@ class LayerStack:
         return x
 
 
+def _check_rows(x: Tensor) -> None:
+    # What every C function reads its rows as: bf16 on the CPU (a pointer it can follow).
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() == 0:
+        raise ValueError(
+            f"the kernels take bf16 rows on the CPU, not {str(x.dtype).removeprefix('torch.')} on {x.device}"
+        )
+
+
+def _residual(residual: Tensor, shape: torch.Size) -> Tensor:
+    """`residual` as the C side reads it: contiguous bf16 of the output's `shape` (it adds one per output)."""
+    if residual.shape != shape or residual.dtype != torch.bfloat16 or residual.device.type != "cpu":
+        raise ValueError(
+            f"a residual is bf16 {list(shape)} on the CPU, as the output; not "
+            f"{str(residual.dtype).removeprefix('torch.')} {list(residual.shape)} on {residual.device}"
+        )
+    return residual.contiguous()
+
+
+def _check_part(offset: int, rows: int, n: int, k_cache: Tensor, v_cache: Tensor, start: int, kv: int, d: int) -> None:
+    # One sequence of an attention call: its rows within the call's and its positions within its cache, whose
+    # keys and values the C side writes at start..start+rows-1 of every kv head.
+    if offset < 0 or rows < 0 or offset + rows > n:
+        raise ValueError(f"rows {offset}..{offset + rows - 1} of an attention call of {n}")
+    for cache in (k_cache, v_cache):
+        if cache.dtype != torch.bfloat16 or cache.dim() != 3 or cache.shape[0] != kv or cache.shape[2] != d:
+            raise ValueError(f"an attention cache is bf16 [{kv}, capacity, {d}], not {list(cache.shape)}")
+    cap = k_cache.shape[1]
+    if v_cache.shape[1] != cap or start < 0 or start + rows > cap:
+        raise ValueError(f"positions {start}..{start + rows - 1} past a cache of {cap}")
+
+
 def fits(weight: Tensor) -> bool:
     """Whether `weight` [N, K] can run on a kernel: bfloat16 on CPU, K a multiple of 32 (N is padded)."""
     on_cpu = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
@@ -294,7 +383,12 @@ class KernelLinear:
     """`x @ weight.T + bias` for bf16 x [..., K] on a kernel; the weight is laid out for it once."""
 
     def __init__(self, kernel: Kernel, weight: Tensor, bias: Tensor | None) -> None:
+        if not fits(weight):
+            raise ValueError(
+                f"a kernel's bf16 product takes a bf16 weight [N, K], K a multiple of 32; not {weight.shape}"
+            )
         n, k = weight.shape
+        _check_bias(bias, n)
         pad = -n % 64
         if pad:  # zero columns, cut off again in __call__
             weight = torch.cat([weight, weight.new_zeros(pad, k)])
@@ -325,13 +419,14 @@ class KernelLinear:
         with this weight and `eps` first; `swiglu`: x is [..., 2K] = [gate | up], multiplied as
         silu(gate) * up (`geglu`: with gelu's tanh form, common.h's sk_gelu_times); `residual` [..., N]: added
         to the result."""
-        x = x.contiguous()
         k = self.in_features
         rows, op, scratch = _fusion(x, k, norm, swiglu, geglu)
+        x = x.contiguous()
         y = torch.empty(*x.shape[:-1], self._padded, dtype=torch.bfloat16)
         if residual is not None:
-            assert self._padded == self.out_features and residual.shape == y.shape
-            residual = residual.contiguous()
+            if self._padded != self.out_features:
+                raise ValueError("a padded product takes no residual")
+            residual = _residual(residual, y.shape)
         if rows:
             self.kernel._lib.sk_linear(
                 self.weight.data_ptr(),
@@ -351,11 +446,25 @@ class KernelLinear:
         return y if self._padded == self.out_features else y[..., : self.out_features]
 
 
+def _check_bias(bias: Tensor | None, n: int) -> None:
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"a product of {n} outputs takes a bias [{n}], not {list(bias.shape)}")
+
+
 def _fusion(x: Tensor, k: int, norm: Tensor | None, swiglu: bool, geglu: bool) -> tuple[int, int, Tensor | None]:
     """What a product kernel fuses before its product, for x [..., K] (or [..., 2K] with swiglu or geglu): (rows,
     the op code the C side takes: 0 none, 1 RMS norm, 2 SwiGLU, 3 GeGLU, and the bf16 scratch [rows, K] the op
-    writes)."""
-    rows = x.numel() // (2 * k if swiglu or geglu else k)
+    writes). ValueError for an x, or a norm, of another width than the C side reads: it takes the row count and
+    K from here and reads and writes whole rows."""
+    _check_rows(x)
+    if (norm is not None) + swiglu + geglu > 1:
+        raise ValueError("a product fuses one of norm, swiglu and geglu")
+    width = 2 * k if swiglu or geglu else k
+    if x.shape[-1] != width:
+        raise ValueError(f"a product of {k} inputs takes rows of {width}, not {x.shape[-1]}")
+    if norm is not None and (norm.shape != (k,) or norm.dtype != torch.bfloat16):
+        raise ValueError(f"a product's fused norm is a bf16 weight [{k}], not {list(norm.shape)}")
+    rows = x.numel() // width
     op = 1 if norm is not None else 2 if swiglu else 3 if geglu else 0
     return rows, op, torch.empty(rows, k, dtype=torch.bfloat16) if op else None
 
@@ -372,10 +481,18 @@ class QuantLinear:
 
     def __init__(self, kernel: Kernel, weight: QuantizedWeight, bias: Tensor | None) -> None:
         self.kernel = kernel
+        self.out_features, self.in_features = weight.shape
+        for qtype, data in weight.segments:
+            # The C product reads K / QK blocks a row: a row of fewer bytes would be read past its end.
+            size = row_bytes(qtype, self.in_features)
+            if data.dim() != 2 or data.shape[1] != size:
+                raise ValueError(
+                    f"{qtype} rows of {self.in_features} inputs are [rows, {size}] bytes, not {list(data.shape)}"
+                )
+        _check_bias(bias, self.out_features)
         # Per segment: its GGML type name, its blocks as the kernel reads them, its row count.
         self.segments = [(qtype, _packed(kernel, qtype, data), data.shape[0]) for qtype, data in weight.segments]
         self.bias = None if bias is None else bias.float().contiguous()
-        self.out_features, self.in_features = weight.shape
 
     @property
     def formats(self) -> list[str]:
@@ -424,13 +541,12 @@ class QuantLinear:
         geglu: bool = False,
     ) -> Tensor:
         """x [..., K] -> [..., N]; `norm`, `eps`, `swiglu`, `residual` and `geglu` as `KernelLinear`."""
-        x = x.contiguous()
         k, n = self.in_features, self.out_features
         rows, op, scratch = _fusion(x, k, norm, swiglu, geglu)
+        x = x.contiguous()
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         if residual is not None:
-            assert residual.shape == y.shape
-            residual = residual.contiguous()
+            residual = _residual(residual, y.shape)
         norm_w = None if norm is None else norm.contiguous()
         first = 0
         for qtype, data, count in self.segments:
@@ -461,6 +577,10 @@ class QuantLinear:
 def _packed(kernel: Kernel, qtype: str, data: Tensor) -> Tensor:
     """uint8 [N, bytes per row] blocks of `qtype` as sk_qlinear takes them, in the x8 layout: [(N + 7) // 8 * 8,
     bytes per row], the last group zero-padded."""
+    if qtype not in FORMATS or data.dtype != torch.uint8 or data.dim() != 2:
+        raise ValueError(f"blocks to pack are uint8 [rows, bytes per row] of a format in {', '.join(FORMATS)}")
+    if data.shape[1] == 0 or data.shape[1] % FORMATS[qtype][2]:
+        raise ValueError(f"{qtype} rows are whole blocks of {FORMATS[qtype][2]} bytes, not {data.shape[1]}")
     data = data.contiguous()
     out = torch.empty((data.shape[0] + 7) // 8 * 8, data.shape[1], dtype=torch.uint8)
     kernel._lib.sk_q_pack(

@@ -29,7 +29,19 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 
 def computable(qtype: str, in_features: int) -> bool:
     """Whether a tensor of GGML type `qtype` with rows of `in_features` can stay quantized on the kernels."""
-    return qtype in FORMATS and in_features % FORMATS[qtype][1] == 0
+    return qtype in FORMATS and in_features > 0 and in_features % FORMATS[qtype][1] == 0
+
+
+def row_bytes(qtype: str, in_features: int) -> int:
+    """The bytes of one row of `in_features` inputs in format `qtype`; ValueError where the kernels cannot take
+    such rows (an unknown format, or inputs not a whole number of its blocks). The C products read a row's blocks
+    from the row's width, so a row of other bytes than this is read past its end."""
+    if qtype not in FORMATS:
+        raise ValueError(f"{qtype} is not a format the kernels compute on ({', '.join(FORMATS)})")
+    _, qk, size = FORMATS[qtype]
+    if in_features <= 0 or in_features % qk:
+        raise ValueError(f"{qtype} rows are whole blocks of {qk} inputs, not {in_features}")
+    return in_features // qk * size
 
 
 @dataclass
@@ -42,9 +54,12 @@ class QuantizedWeight:
 
     def __post_init__(self) -> None:
         for qtype, data in self.segments:
-            _, qk, size = FORMATS[qtype]
-            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != self.in_features // qk * size:
-                raise ValueError(f"{qtype} rows of {self.in_features} inputs are {self.in_features // qk * size} bytes")
+            size = row_bytes(qtype, self.in_features)
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != size:
+                raise ValueError(
+                    f"{qtype} rows of {self.in_features} inputs are uint8 [rows, {size}], "
+                    f"not {str(data.dtype).removeprefix('torch.')} {list(data.shape)}"
+                )
 
     @property
     def out_features(self) -> int:

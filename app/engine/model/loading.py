@@ -15,7 +15,7 @@ from app.engine.defaults import WEIGHTS
 from app.engine.kernels.quantized import QuantizedWeight
 from app.engine.model.tokenizer import Tokenizer
 from app.engine.model.transformer import ModelConfig, PackedLinear, Transformer, can_pack
-from app.engine.model.weights import WeightsError, read_checkpoint
+from app.engine.model.weights import WeightsError, check_shapes, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +159,12 @@ def load_model(
     ckpt = read_checkpoint(Path(path), max_seq_len, quantized=native)
     with torch.device("meta"):
         model = Transformer(ckpt.config)
+    # Every tensor against the parameter it becomes, before anything runs on it: the kernels read a quantized
+    # matrix by the sizes it carries, and torch's own refusal of a plain one would be a traceback.
+    check_shapes(ckpt, {name: tuple(t.shape) for name, t in model.state_dict().items()})
     state = {k: v.to(dt) for k, v in ckpt.state_dict.items() if isinstance(v, torch.Tensor)}
     quantized = {k: v for k, v in ckpt.state_dict.items() if isinstance(v, QuantizedWeight)}
-    missing, unexpected = model.load_state_dict(state, assign=True, strict=False)
-    if set(missing) != set(quantized) or unexpected:
-        raise RuntimeError(
-            f"state dict mismatch: missing {sorted(set(missing) - set(quantized))}, unexpected {unexpected}"
-        )
+    model.load_state_dict(state, assign=True, strict=False)  # the names and shapes are checked: `quantized` stay
     model.load_quantized(quantized, kernel)
     model = model.to(dev).eval().requires_grad_(False)
     model.pack(kernel)

@@ -848,6 +848,12 @@ class Transformer(nn.Module):
             path, _, leaf = name.rpartition(".")
             if leaf != "weight":
                 raise ValueError(f"{name}: only weights are kept quantized")
+            # The kernels read a quantized matrix by the sizes it carries: it must be the parameter it replaces.
+            if not isinstance(weight, QuantizedWeight):
+                raise ValueError(f"{name}: {type(weight).__name__} is not a QuantizedWeight")
+            want = tuple(self.get_parameter(name).shape)
+            if weight.shape != want:
+                raise ValueError(f"{name}: a quantized weight {list(weight.shape)} for a parameter {list(want)}")
             if path == "embed":
                 self.embed = QuantizedEmbedding(weight, self.dtype)  # type: ignore[assignment]
                 continue

@@ -9,6 +9,8 @@ blocks instead (`QuantizedWeight`), where the CPU kernels compute on that format
 from __future__ import annotations
 
 import json
+import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,13 +19,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from app.engine.kernels.quantized import QuantizedWeight, computable
+from app.engine.kernels.quantized import QuantizedWeight, computable, row_bytes
 from app.engine.model import architectures
 from app.engine.model.architectures.base import WeightsError
 from app.engine.model.gguf_file import GGUFError, GGUFFile, GGUFTensor
 from app.engine.model.transformer import ModelConfig
 
-__all__ = ["Checkpoint", "WeightsError", "held_weights", "read_checkpoint"]
+__all__ = ["Checkpoint", "WeightsError", "check_shapes", "held_weights", "read_checkpoint"]
 
 _GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q2_K", "Q3_K"}
 
@@ -55,6 +57,35 @@ def read_checkpoint(path: Path, max_seq_len: int | None = None, quantized: bool 
     raise WeightsError(f"{path} does not exist")
 
 
+def check_shapes(ckpt: Checkpoint, expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse (WeightsError, one line naming the file and the tensor) a checkpoint whose state dict is not
+    exactly `expected`'s names and shapes (the decoder's parameters for `ckpt.config`), or whose quantized rows
+    are not the bytes their format takes for their inputs. Torch checks the plain tensors it loads, but the C
+    kernels take a quantized weight's sizes as given: a wrong one would be read and written past its buffers."""
+    source = Path(ckpt.source).name
+    missing = [name for name in expected if name not in ckpt.state_dict]
+    unexpected = [name for name in ckpt.state_dict if name not in expected]
+    if missing or unexpected:
+        raise WeightsError(f"{source}: tensors missing {missing}, unexpected {unexpected}")
+    for name, weight in ckpt.state_dict.items():
+        want = tuple(expected[name])
+        if tuple(weight.shape) != want:
+            raise WeightsError(
+                f"{source}: tensor {name} has shape {list(weight.shape)}; the model's config expects {list(want)}"
+            )
+        if isinstance(weight, QuantizedWeight):
+            for qtype, data in weight.segments:
+                try:
+                    size = row_bytes(qtype, weight.in_features)
+                except ValueError as exc:
+                    raise WeightsError(f"{source}: tensor {name}: {exc}") from None
+                if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != size:
+                    raise WeightsError(
+                        f"{source}: tensor {name} has {qtype} rows of {list(data.shape)[1:]} bytes; "
+                        f"{weight.in_features} inputs take {size}"
+                    )
+
+
 def held_weights(path: Path, native: bool, dtype: torch.dtype = torch.bfloat16) -> tuple[str, int]:
     """What `load_model` holds for the checkpoint at `path`, from its header alone: (what the weights run as,
     as `LoadedModel.weights` names it, and about the bytes they take). `native`: a GGUF's quantized matrices
@@ -70,7 +101,7 @@ def held_weights(path: Path, native: bool, dtype: torch.dtype = torch.bfloat16) 
             with safe_open(str(shard), "np") as fh:
                 total += sum(int(np.prod(fh.get_slice(k).get_shape())) for k in fh.keys())  # noqa: SIM118 (not a dict)
         return name, total * size
-    reader = GGUFFile(path)
+    reader = _open_gguf(path)
     formats: dict[str, None] = {}
     total, plain, kept = 0, False, set()
     for t in reader.tensors:
@@ -102,6 +133,70 @@ def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
 
+def _checked(config: ModelConfig) -> ModelConfig:
+    # Every size the decoder allocates by, from the file's metadata: positive, or nothing can be checked against it.
+    sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "head_dim", "max_seq_len")
+    bad = [f"{name} {getattr(config, name)}" for name in sizes if getattr(config, name) <= 0]
+    if bad:
+        raise WeightsError(f"sizes must be positive, not {', '.join(bad)}")
+    return config
+
+
+def _open_gguf(path: Path) -> GGUFFile:
+    # A truncated or malformed file fails inside struct or numpy; it is the file's fault, said in one line.
+    try:
+        return GGUFFile(path)
+    except GGUFError as exc:
+        raise WeightsError(str(exc)) from None
+    except (ValueError, struct.error) as exc:
+        raise WeightsError(f"{path.name}: not a GGUF this loader can read ({exc})") from None
+
+
+def _gguf_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """The shapes (rows first, as torch has them) a tensor of llama.cpp's naming may have for `config` (the
+    file's own metadata), by its name within its layer; llama.cpp's loader checks each as strictly. Names not
+    here are checked once assembled (`check_shapes`)."""
+    c = config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return {
+        "token_embd.weight": ((c.vocab_size, c.dim),),
+        "output.weight": ((c.vocab_size, c.dim),),
+        "output_norm.weight": ((c.dim,),),
+        "attn_q.weight": ((q, c.dim),),
+        "attn_k.weight": ((kv, c.dim),),
+        "attn_v.weight": ((kv, c.dim),),
+        "attn_qkv.weight": ((q + 2 * kv, c.dim),),
+        "attn_q.bias": ((q,),),
+        "attn_k.bias": ((kv,),),
+        "attn_v.bias": ((kv,),),
+        "attn_output.weight": ((c.dim, q),),
+        "attn_q_norm.weight": ((c.head_dim,),),
+        "attn_k_norm.weight": ((c.head_dim,),),
+        "attn_norm.weight": ((c.dim,),),
+        "ffn_norm.weight": ((c.dim,),),
+        "post_attention_norm.weight": ((c.dim,),),
+        "post_ffw_norm.weight": ((c.dim,),),
+        "ffn_gate.weight": ((c.intermediate_size, c.dim),),
+        # Phi-3 stores gate and up as one ffn_up.
+        "ffn_up.weight": ((c.intermediate_size, c.dim), (2 * c.intermediate_size, c.dim)),
+        "ffn_down.weight": ((c.dim, c.intermediate_size),),
+    }
+
+
+def _layer(
+    path: Path, i: int, build: Callable[[Any, ModelConfig], dict[str, Any]], tensors: Any, config: ModelConfig
+) -> dict[str, Any]:
+    """Layer `i`'s tensors as an architecture's layer function `build` assembles them from `tensors`, with a
+    tensor that does not fit the others (a reshape or a join that torch or `QuantizedWeight` refuses) said as the
+    file's fault."""
+    try:
+        return build(tensors, config)
+    except WeightsError:
+        raise
+    except (ValueError, RuntimeError) as exc:
+        raise WeightsError(f"{path.name}: layer {i}'s tensors do not fit together: {exc}") from None
+
+
 class _GGUFMeta:
     """The metadata and tensor names of a GGUF, as an architecture module reads them (`base.Meta`)."""
 
@@ -131,10 +226,7 @@ class _Tensors:
 def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> Checkpoint:
     import gguf
 
-    try:
-        reader = GGUFFile(path)
-    except GGUFError as exc:
-        raise WeightsError(str(exc)) from None
+    reader = _open_gguf(path)
     arch = _field(reader, "general.architecture")
     entry = architectures.gguf(arch, path.name)
 
@@ -178,9 +270,11 @@ def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> 
         "architecture": entry.name,
     }
     try:
-        config = ModelConfig(**{**common, **entry.gguf_config(_GGUFMeta(reader, arch, tensors), common)})
-    except WeightsError as exc:
+        config = _checked(ModelConfig(**{**common, **entry.gguf_config(_GGUFMeta(reader, arch, tensors), common)}))
+    except ValueError as exc:  # WeightsError too
         raise WeightsError(f"{path.name}: {exc}") from None
+
+    shapes = _gguf_shapes(config)
 
     def load(name: str, matrix: bool = False) -> Tensor | QuantizedWeight:
         if name not in tensors:
@@ -189,6 +283,11 @@ def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> 
         qtype = t.tensor_type.name
         if qtype not in _GGUF_TYPES:
             raise WeightsError(f"{path.name}: tensor {name} has type {qtype}, which this loader cannot read")
+        shape = tuple(int(n) for n in reversed(t.shape))
+        allowed = shapes.get(name.split(".", 2)[2] if name.startswith("blk.") else name)
+        if allowed is not None and shape not in allowed:
+            want = " or ".join(str(list(a)) for a in allowed)
+            raise WeightsError(f"{path.name}: tensor {name} has shape {list(shape)}; the model's config expects {want}")
         if quantized and matrix and len(t.shape) == 2 and computable(qtype, int(t.shape[0])):
             # The file's blocks, copied out of the memory map: [rows, bytes per row].
             return QuantizedWeight([(qtype, torch.from_numpy(np.array(t.data, dtype=np.uint8)))], int(t.shape[0]))
@@ -203,7 +302,7 @@ def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> 
     if not config.tie_embeddings:
         sd["lm_head.weight"] = load("output.weight", matrix=True)
     for i in range(config.n_layers):
-        layer = entry.gguf_layer(_Tensors(load, tensors, f"blk.{i}."), config)
+        layer = _layer(path, i, entry.gguf_layer, _Tensors(load, tensors, f"blk.{i}."), config)
         sd.update({f"layers.{i}.{name}": w for name, w in layer.items()})
 
     tokenizer_meta = {
@@ -296,8 +395,8 @@ def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
     }
     assert entry.hf_config is not None and entry.hf_layer is not None  # every entry with model types has them
     try:
-        config = ModelConfig(**{**common, **entry.hf_config(c, common)})
-    except WeightsError as exc:
+        config = _checked(ModelConfig(**{**common, **entry.hf_config(c, common)}))
+    except ValueError as exc:  # WeightsError too
         raise WeightsError(f"{path}: {exc}") from None
     raw = {k: v.float() for k, v in _hf_tensors(path).items()}
     if entry.norm_offset:
@@ -310,7 +409,7 @@ def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
     if not config.tie_embeddings:
         sd["lm_head.weight"] = raw.get("lm_head.weight", raw["model.embed_tokens.weight"])
     for i in range(config.n_layers):
-        layer = entry.hf_layer(_HFLayer(raw, f"model.layers.{i}.", path), config)
+        layer = _layer(path, i, entry.hf_layer, _HFLayer(raw, f"model.layers.{i}.", path), config)
         sd.update({f"layers.{i}.{name}": w for name, w in layer.items()})  # type: ignore[misc]
     tokenizer_meta: dict[str, Any] = {"format": "hf", "path": str(path)}
     tok_cfg = path / "tokenizer_config.json"
