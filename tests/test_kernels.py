@@ -449,6 +449,26 @@ def test_build_engine_gives_the_engine_the_stores_cache_dir(
     assert seen == [tmp_path / "store", tmp_path / "mine"]
 
 
+def test_another_process_finds_the_cached_library(tmp_path: Path) -> None:
+    """A library built into a cache directory is the one a later process loads (the server's next start, the other
+    test worker), whatever that process's string hashing: its name is a digest of what built it, nothing else."""
+    kernels.load.cache_clear()
+    try:
+        built = kernels.load("generic", tmp_path).path
+    finally:
+        kernels.load.cache_clear()
+    code = "import sys, pathlib; from app.engine import kernels\n"
+    code += "print(kernels.load('generic', pathlib.Path(sys.argv[1])).path)"
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == str(built), seed
+    assert len(list(tmp_path.glob("generic_*.so"))) == 1
+
+
 def test_a_damaged_cached_library_is_rebuilt(tmp_path: Path) -> None:
     kernels.load.cache_clear()
     try:

@@ -109,7 +109,10 @@ def library(spec: KernelSpec, cache_dir: Path | None) -> Path:
     gcc, version = compiler()
     these = flags(spec, gcc)
     sources = "".join((HERE / f).read_text() for f in (*HEADERS, f"{spec.source}.c"))
-    key_text = f"{sources}{COMMON}{these}{version}{detect.cpu()}{torch_gomp()}"
+    model, cpu_flags = detect.cpu()
+    # The flags sorted: a frozenset's text follows string hashing, which differs from process to process, and with
+    # it the key, so that no process ever found another's build.
+    key_text = f"{sources}{COMMON}{these}{version}{model}{sorted(cpu_flags)}{torch_gomp()}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     directory = cache_dir
     if cache_dir is not None:
