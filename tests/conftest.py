@@ -324,7 +324,7 @@ def api_client(api_engine):
 
     import httpx
 
-    from app.service.server import create_app
+    from app.api.server import create_app
     from app.service.settings import Settings
 
     @contextlib.asynccontextmanager

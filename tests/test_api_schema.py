@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from app.service.server import create_app
+from app.api.server import create_app
 from app.service.settings import Settings
 from tests.conftest import TEST_HOSTS
 

@@ -17,11 +17,11 @@ import pytest
 
 from app import cli
 from app.api import security
+from app.api.server import create_app
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.ngram import NgramDrafter
 from app.engine.engine import Engine
 from app.service.logs import _JSONFormatter, _RequestIdFilter
-from app.service.server import create_app
 from app.service.settings import Settings
 from tests.conftest import FIXED_DRAFT
 

@@ -91,7 +91,7 @@ async def test_without_keys_unsalted_requests_share_unless_isolation_is_strict(
 ) -> None:
     """Sharing is the keyless default, and said at start-up; `isolation: strict` makes each unsalted request a
     tenant of its own (nothing reused, nothing kept for the next), while a salt still names a tenant."""
-    with caplog.at_level(logging.INFO, logger="app.service.server"):
+    with caplog.at_level(logging.INFO, logger="app.api.server"):
         async with api_client(suffix_engine) as c:
             await _probe(c)
             shared = await _probe(c)

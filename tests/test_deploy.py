@@ -344,7 +344,7 @@ def test_prometheus_sends_the_api_key_compose_gives_it(tmp_path: Path) -> None:
 def test_metrics_need_the_key_in_compose_and_k8s(monkeypatch: pytest.MonkeyPatch) -> None:
     """Neither compose nor the k8s Deployment serves /metrics without the key: the setting is left to the
     server's default, under which /metrics is no open path of a keyed server."""
-    from app.service.server import open_paths
+    from app.api.server import open_paths
 
     for name in list(os.environ):
         if name.startswith("SPECSERVE_"):

@@ -342,7 +342,7 @@ def curls(path: Path) -> list[Curl]:
 
 @cache
 def openapi() -> dict[str, Any]:
-    from app.service.server import create_app
+    from app.api.server import create_app
     from app.service.settings import Settings
 
     return create_app(Settings()).openapi()

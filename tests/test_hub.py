@@ -248,11 +248,11 @@ def test_a_safetensors_repo_becomes_an_hf_directory(
 
 def _served_target(monkeypatch: pytest.MonkeyPatch, *argv: str) -> str:
     """The target `specserve serve ARGV` would load (the server and the model's check stubbed out)."""
+    import app.api.server
     import app.service.logs
-    import app.service.server
 
     seen: list = []
-    monkeypatch.setattr(app.service.server, "serve", lambda settings: seen.append(settings) or True)
+    monkeypatch.setattr(app.api.server, "serve", lambda settings: seen.append(settings) or True)
     monkeypatch.setattr(app.service.logs, "configure_logging", lambda *args: None)
     monkeypatch.setattr(store, "resolve", lambda name: Path(name))
     assert cli.main(["serve", *argv]) == 0

@@ -77,9 +77,9 @@ def test_the_engine_import_map_has_no_circle() -> None:
 
 # Above the engine, app/ is cut by what each part is for, and a part may import only the parts listed here
 # (every import counts, those inside functions too: a lazy import couples the parts as much as any). The request
-# flows one way: the server (app.service.server, which assembles the app) -> the routes (app/api) -> the
-# scheduler, runtime, metrics and settings (the rest of app/service) -> the engine -> the model store, which
-# resolves a Hugging Face Hub id through app.hub (the bottom: huggingface_hub, nothing of app).
+# flows one way, and every arrow points down: the routes and the app that composes them (app/api, its server
+# module the composition root) -> the scheduler, runtime, metrics and settings (app/service) -> the engine -> the
+# model store, which resolves a Hugging Face Hub id through app.hub (the bottom: huggingface_hub, nothing of app).
 APP = ENGINE.parent
 ALLOWED = {
     "hub": set(),
@@ -88,17 +88,14 @@ ALLOWED = {
     "distill": {"engine", "store"},
     "service": {"engine", "store"},
     "api": {"service", "engine", "store"},
-    "server": {"api", "service", "engine", "store"},
     # The traffic workloads render tool calls as the chat route does (app.api.tools).
     "bench": {"api", "engine", "store"},
-    "cli": {"server", "api", "service", "bench", "distill", "engine", "store"},
+    "cli": {"api", "service", "bench", "distill", "engine", "store"},
 }
 
 
 def _part(module: str) -> str:
     parts = module.split(".")
-    if module == "app.service.server":
-        return "server"
     return parts[1] if len(parts) > 1 else "app"
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.api.server import create_app
 from app.bench.loadtest import (
     NO_PREFIX_CACHE,
     Result,
@@ -28,7 +29,6 @@ from app.bench.loadtest import (
     summarize_turns,
 )
 from app.bench.workloads import SHORT_PROMPTS, SYSTEM_PROMPT, long_document, long_prompt, user_turns
-from app.service.server import create_app
 from app.service.settings import Settings
 
 pytestmark = pytest.mark.anyio

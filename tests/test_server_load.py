@@ -2,7 +2,7 @@
 
 libgomp keeps a pool of helper threads for every thread that ran parallel code until that thread exits; a
 loader pool left alive made libgomp manage more threads than the CPUs and stop spinning between parallel
-regions, which slowed every decoding step of the worker by a third (see `app.service.server._in_own_thread`).
+regions, which slowed every decoding step of the worker by a third (see `app.api.server._in_own_thread`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from app.service.server import _in_own_thread
+from app.api.server import _in_own_thread
 
 
 def _threads() -> int:

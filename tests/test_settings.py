@@ -61,11 +61,11 @@ def test_every_setting_has_a_flag() -> None:
 
 
 def _parsed_settings(monkeypatch: pytest.MonkeyPatch, *argv: str) -> Settings:
+    import app.api.server
     import app.service.logs
-    import app.service.server
 
     seen: list[Settings] = []
-    monkeypatch.setattr(app.service.server, "serve", lambda settings: seen.append(settings) or True)
+    monkeypatch.setattr(app.api.server, "serve", lambda settings: seen.append(settings) or True)
     monkeypatch.setattr(app.service.logs, "configure_logging", lambda *args: None)
     assert cli.main(["serve", *argv]) == 0
     return seen[0]

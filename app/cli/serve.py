@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from app import store
+    from app.api.server import serve
     from app.service.logs import configure_logging
-    from app.service.server import serve
     from app.service.settings import Settings
 
     try:
