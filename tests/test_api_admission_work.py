@@ -14,7 +14,7 @@ import pytest
 
 from app.api import native, openai, tools
 from app.api.schemas import MAX_MESSAGES, MAX_TOOLS
-from app.service.scheduler import Overloaded
+from app.service.events import Overloaded
 
 pytestmark = pytest.mark.anyio
 

@@ -26,8 +26,9 @@ from fastapi import FastAPI
 from app.api.server import create_app, uvicorn_config
 from app.engine.engine import Engine
 from app.engine.step import GenerationParams
+from app.service.events import RequestFailed
 from app.service.metrics import Metrics
-from app.service.scheduler import RequestFailed, Scheduler
+from app.service.scheduler import Scheduler
 from app.service.settings import Settings
 from tests.conftest import _make_tiny_model, _word_tokenizer
 

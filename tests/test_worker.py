@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from app.engine import kernels
 from app.engine.step import GenerationParams
+from app.service.events import Overloaded, RequestFailed
 from app.service.metrics import Metrics
-from app.service.scheduler import Overloaded, RequestFailed, Scheduler, Ticket
+from app.service.scheduler import Scheduler, Ticket
 from tests.conftest import FIXED_DRAFT, KERNELS
 
 pytestmark = pytest.mark.anyio

@@ -38,8 +38,9 @@ from app.engine.decoding.grammar import GrammarError, GrammarSpec
 from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.decoding.penalties import PenaltyParams
 from app.engine.step import GenerationError, GenerationParams, GenerationStats, check_request
+from app.service.events import Finished, Overloaded, PassFigures, RequestFailed, StepEvent, TokenOut
 from app.service.runtime import Runtime
-from app.service.scheduler import Finished, Overloaded, PassFigures, RequestFailed, StepEvent, Ticket, TokenOut
+from app.service.scheduler import Ticket
 from app.service.settings import Settings
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from app.api.schemas import ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, Token, TopLogprob
 from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.model.tokenizer import Tokenizer
-from app.service.scheduler import TokenOut
+from app.service.events import TokenOut
 
 
 class TokenNames:

@@ -28,8 +28,8 @@ from app.api.schemas import (
     StreamResponse,
     Token,
 )
+from app.service.events import Finished, RequestFailed, TokenOut
 from app.service.runtime import Runtime
-from app.service.scheduler import Finished, RequestFailed, TokenOut
 from app.service.settings import Settings
 
 log = logging.getLogger(__name__)

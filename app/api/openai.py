@@ -46,8 +46,9 @@ from app.api.schemas import (
     Usage,
 )
 from app.engine.model.tokenizer import Tokenizer, TokenizerError
+from app.service.events import Finished, RequestFailed, StepEvent, TokenOut
 from app.service.runtime import Runtime
-from app.service.scheduler import Finished, RequestFailed, StepEvent, Ticket, TokenOut
+from app.service.scheduler import Ticket
 from app.service.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -1,24 +1,13 @@
 """The scheduler and its worker thread: the one place where generations run.
 
-Admission is by memory. A generation allocates its whole KV cache when it starts (the target's and its draft's,
-for its prompt plus max_new_tokens: `Engine.kv_bytes`), so a request is admitted (may start) while the bytes the
-admitted requests hold plus its own fit `kv_budget`, and fewer than ``max_running`` admitted ones have not ended
-(one that ended frees its place at once, its memory when the worker drops its generation). Every step
-batches all running requests in one forward and chunked prefill takes the shortest prompt first, so a short
-request admitted beside long ones gets its first token within a step or two. A request that does not fit
-waits in a queue of at most ``max_waiting``; `Scheduler.submit` refuses one with :class:`Overloaded` (429)
-only when it can neither start nor queue, and one that could never fit the budget alone at once with a
-``validation`` RequestFailed (4xx).
-
-The queue is FIFO with bounded overtaking. Whenever memory is freed (or a request arrives), the waiting
-requests are considered in arrival order: each that fits is admitted, and one that does not fit is passed
-over, so that a short request is not held behind a long one waiting for memory; a request passed over gains
-one overtake per request admitted past it. Once a waiting request has been overtaken `max_overtakes` times,
-nothing behind it is admitted until it is (the memory freed then goes to it first): no request waits behind
-more than `max_overtakes` later ones, however steady a stream of short requests, and it always fits once the
-requests ahead of it end (it fits the budget alone). The engine's prefix cache lives in what the admitted
-requests leave of the budget: the worker shrinks it before it starts new generations (cached blocks are memory
-admission takes back, as vLLM reuses free cached blocks).
+Admission is by memory (app.service.admission: the policy, under the scheduler's lock). Every step batches all
+running requests in one forward and chunked prefill takes the shortest prompt first, so a short request admitted
+beside long ones gets its first token within a step or two. A request that does not fit waits in a queue of at
+most ``max_waiting``; `Scheduler.submit` refuses one with :class:`Overloaded` (429) only when it can neither
+start nor queue, and one that could never fit the budget alone at once with a ``validation`` RequestFailed
+(4xx). The engine's prefix cache lives in what the admitted requests leave of the budget: the worker shrinks it
+before it starts new generations (cached blocks are memory admission takes back, as vLLM reuses free cached
+blocks). What the worker hands the routes (events, refusals) is in app.service.events.
 
 One worker thread owns the engine. Each turn it starts the admitted requests, then steps every running
 generation once: new ones prefill their prompts, and all the others draft and are verified together in one
@@ -55,92 +44,17 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from app.engine.decoding.logprobs import TokenLogprob
 from app.engine.engine import Engine
 from app.engine.generation import Generation
 from app.engine.memory import format_bytes
-from app.engine.step import GenerationError, GenerationParams, GenerationStats, StepOutput
+from app.engine.step import GenerationError, GenerationParams, StepOutput
 from app.engine.threads import ThreadGovernor
+from app.service.admission import MAX_OVERTAKES, Admission
+from app.service.events import Finished, Overloaded, PassFigures, RequestFailed, StepEvent, TokenOut
 from app.service.logs import current_request_id
 from app.service.metrics import Metrics, RequestRecord
 
 log = logging.getLogger(__name__)
-
-
-# How many later requests may be admitted past a waiting one before it blocks the queue (module docstring).
-MAX_OVERTAKES = 8
-# Retry-After is the requests ahead over the rate at which admitted requests ended in the last RATE_WINDOW
-# seconds, at most MAX_RETRY_AFTER.
-RATE_WINDOW = 60.0
-MAX_RETRY_AFTER = 600
-
-
-class Overloaded(Exception):
-    """The request can neither start nor wait (memory and the queue are full); the client should retry after
-    `retry_after` seconds."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class RequestFailed(Exception):
-    """A request that ended without a result; `kind` is ``validation``, ``generation``, ``timeout``,
-    ``unavailable`` or ``queue_timeout`` (not started within the queue deadline: the client should retry after
-    `retry_after` seconds)."""
-
-    def __init__(self, kind: str, message: str, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True)
-class TokenOut:
-    """One generated token and the part of the text it released (``""`` for a special token)."""
-
-    id: int
-    text: str
-    special: bool
-    logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
-    # What proposed it (app.engine.generation.SOURCES), and which of the request's target passes kept it (from 1).
-    source: str = "target"
-    target_pass: int = 0
-
-
-@dataclass(frozen=True)
-class Finished:
-    """How a generation ended."""
-
-    finish_reason: str  # "eos", "stop" or "length"
-    text: str
-    prompt_tokens: int
-    generated_tokens: int
-    stats: GenerationStats  # the engine's record of the request (no longer updated: it finished)
-    seed: int | None = None  # the seed sampling used (the request's, or a random one); None for greedy decoding
-
-
-@dataclass(frozen=True)
-class PassFigures:
-    """What one target pass of a request did: the playground's per-pass figures (provenance, docs/service.md)."""
-
-    target_pass: int  # from 1: the pass that ended the prefill is the first
-    drafted: int  # tokens the draft proposed for this pass to verify (0: none, as after the prefill)
-    accepted: int  # of them, those the target kept
-    draft_seconds: float
-    verify_seconds: float  # in a batch, the whole batch's forward
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """The tokens one step added; the last step of a request also carries `finished`."""
-
-    tokens: tuple[TokenOut, ...]
-    finished: Finished | None = None
-    # When asked, on the request's first event: one per prompt token (None for the first, which nothing predicts).
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-    figures: PassFigures | None = None  # the target pass this step was (None for events not made by a step)
 
 
 _ids = itertools.count(1)
@@ -270,7 +184,7 @@ class Scheduler:
 
     `max_running`: the most requests admitted at once; `kv_budget`: the bytes of KV cache they may hold together
     (default: what `max_running` requests of the model's full context hold, with the largest draft);
-    `max_waiting`: the most that wait for room; `max_overtakes`: see the module docstring.
+    `max_waiting`: the most that wait for room; `max_overtakes`: see app.service.admission.
     `queue_timeout`: seconds a request may wait in the queue; one not admitted by then is refused
     (RequestFailed ``queue_timeout``, with a Retry-After from the measured service rate; None: it waits until
     its own timeout). `trim_after_tokens`: once a request whose prompt plus max_new_tokens reached this many
@@ -307,30 +221,26 @@ class Scheduler:
         self.engine = engine
         # Tokens whose events say `special` (their text is left out unless asked for).
         self._special = engine.tokenizer.special_ids | engine.tokenizer.eos_token_ids
-        self.max_running = max_running
-        self.max_waiting = max_waiting
-        self.max_overtakes = max_overtakes
-        self.kv_budget = kv_budget if kv_budget is not None else max_running * largest_request_bytes(engine)
+        budget = kv_budget if kv_budget is not None else max_running * largest_request_bytes(engine)
+        self._admission: Admission[_Job] = Admission(
+            budget, max_running, max_waiting, max_overtakes, retry_after, queue_timeout
+        )
         # The least a request can hold (one token of prompt, one new, no draft): whether any request at all could
         # start now, before the next one's size is known (`check_room`).
         self._smallest = engine.kv_bytes(1, 1, "none")
         self.metrics = metrics
-        self.retry_after = retry_after  # the least Retry-After a refusal says
-        self.queue_timeout = queue_timeout
         self.max_backlog = max_backlog
         self.stall_timeout = stall_timeout
-        # When admitted requests ended (any outcome) in the last RATE_WINDOW seconds: the service rate.
-        self._ended_at: deque[float] = deque()
         self.trim_after_tokens = trim_after_tokens
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._waiting: deque[_Job] = deque()  # requests that did not fit yet, in arrival order
+        # The admission's own queue, the bytes each admitted request holds (until the worker drops its generation,
+        # or until it ends before the worker took it) and when admitted ones ended; read and changed under the lock.
+        self._waiting = self._admission.waiting
+        self._reserved = self._admission.reserved
+        self._ended_at = self._admission.ended_at
         self._admitted: deque[_Job] = deque()  # admitted, not yet taken by the worker to start
         self._running: list[_Job] = []  # only the worker thread changes it
-        # The bytes each admitted request holds (from admission until the worker drops its generation, or until it
-        # ends before the worker took it), and their sum: what admission weighs against `kv_budget`.
-        self._reserved: dict[_Job, int] = {}
-        self._held_bytes = 0
         # Every request holding a place (submitted, not ended), wherever it is: the worker moves a request from
         # `_admitted` to `_running` outside the lock, and `stop` must find it in between too.
         self._held: set[_Job] = set()
@@ -342,6 +252,36 @@ class Scheduler:
         self._trim_due = False  # a large request ended since the last trim
         # Fewer CPU threads while other processes hold the cores (app.engine.threads).
         self._threads = threads or ThreadGovernor()
+
+    @property
+    def kv_budget(self) -> int:
+        """The bytes of KV cache the admitted requests may hold together."""
+        return self._admission.kv_budget
+
+    @kv_budget.setter
+    def kv_budget(self, value: int) -> None:
+        self._admission.kv_budget = value
+
+    @property
+    def max_running(self) -> int:
+        return self._admission.max_running
+
+    @property
+    def max_waiting(self) -> int:
+        return self._admission.max_waiting
+
+    @property
+    def max_overtakes(self) -> int:
+        return self._admission.max_overtakes
+
+    @property
+    def retry_after(self) -> int:
+        """The least Retry-After a refusal says."""
+        return self._admission.retry_after
+
+    @property
+    def queue_timeout(self) -> float | None:
+        return self._admission.queue_timeout
 
     @property
     def holding(self) -> int:
@@ -361,7 +301,7 @@ class Scheduler:
     @property
     def kv_held(self) -> int:
         """Bytes of KV cache the admitted requests hold (or are about to allocate)."""
-        return self._held_bytes
+        return self._admission.held_bytes
 
     @property
     def failure(self) -> str | None:
@@ -404,7 +344,7 @@ class Scheduler:
         would refuse any: a request's work before admission (tokenizing, compiling its grammar) is then not done
         for nothing. `submit` checks again, with the request's own size."""
         with self._lock:
-            if len(self._waiting) >= self.max_waiting and not self._may_start(self._smallest):
+            if len(self._waiting) >= self.max_waiting and not self._admission.may_start(self._smallest):
                 raise self._overloaded()
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, draft: str | None, timeout: float) -> Ticket:
@@ -469,24 +409,14 @@ class Scheduler:
         retry = self._retry_after(len(self._waiting) + 1)
         return Overloaded(
             f"the server is at capacity ({len(self._reserved)} running of at most {self.max_running}, "
-            f"{format_bytes(self._held_bytes)} of its {format_bytes(self.kv_budget)} KV-cache budget held, "
+            f"{format_bytes(self._admission.held_bytes)} of its {format_bytes(self.kv_budget)} KV-cache budget held, "
             f"{len(self._waiting)} queued of {self.max_waiting}); retry after {retry} s",
             retry,
         )
 
     def _retry_after(self, ahead: int) -> int:
-        """Seconds until about `ahead` more requests could start: `ahead` over the rate at which admitted requests
-        ended in the last RATE_WINDOW seconds (the queue timeout, or the window, when fewer than two did); at
-        least `retry_after`, at most MAX_RETRY_AFTER. Under the lock."""
-        now = time.monotonic()
-        ended = self._ended_at
-        while ended and now - ended[0] > RATE_WINDOW:
-            ended.popleft()
-        if len(ended) >= 2:
-            seconds = ahead * max(now - ended[0], 1.0) / len(ended)
-        else:
-            seconds = self.queue_timeout or RATE_WINDOW
-        return max(self.retry_after, min(MAX_RETRY_AFTER, round(seconds)))
+        """Seconds until about `ahead` more requests could start (`Admission.retry_after_for`). Under the lock."""
+        return self._admission.retry_after_for(ahead, time.monotonic())
 
     def retry_after_now(self) -> int:
         """The Retry-After a request refused now would be told (`_retry_after` for one more than those queued)."""
@@ -513,53 +443,18 @@ class Scheduler:
 
     # --- admission, under the lock ------------------------------------------------------------------
 
-    def _fits(self, need: int) -> bool:
-        """Whether `need` more bytes fit the budget beside what the admitted requests hold: the one place admission
-        asks about memory (where a cache of its own, such as a prefix cache's pool, would give some back)."""
-        return self._held_bytes + need <= self.kv_budget
-
-    def _places_taken(self) -> int:
-        """Admitted requests that have not ended: what `max_running` bounds. One that ended keeps its memory
-        until the worker drops its generation, but not its place: its client may already have sent the next
-        request, which must not wait on the worker for a place that is free."""
-        return sum(1 for job in self._reserved if not job.ended)
-
-    def _may_start(self, need: int) -> bool:
-        """Whether a request of `need` bytes arriving now would be admitted at once."""
-        if self._places_taken() >= self.max_running:
-            return False
-        if any(job.overtaken >= self.max_overtakes for job in self._waiting):
-            return False
-        return self._fits(need)
-
     def _admit_waiting(self) -> None:
-        """Admit the waiting requests that may start, in arrival order with bounded overtaking (module docstring);
+        """Admit the waiting requests that may start (`Admission.admit_waiting`) and wake the worker for them;
         after every change that could let one start (an arrival, memory freed, a request leaving the queue)."""
         if self._stopping or self._failure is not None:
             return
-        passed: list[_Job] = []  # waiting requests the scan went past
-        blocked = False
-        for job in list(self._waiting):
-            if blocked or self._places_taken() >= self.max_running:
-                break
-            if self._fits(job.kv_bytes):
-                self._waiting.remove(job)
-                for earlier in passed:
-                    earlier.overtaken += 1
-                blocked = any(earlier.overtaken >= self.max_overtakes for earlier in passed)
-                job.admitted = True
-                self._reserved[job] = job.kv_bytes
-                self._held_bytes += job.kv_bytes
-                self._admitted.append(job)
-                self._wake.notify()
-            else:
-                passed.append(job)
-                blocked = job.overtaken >= self.max_overtakes
+        for job in self._admission.admit_waiting():
+            self._admitted.append(job)
+            self._wake.notify()
 
     def _unreserve(self, job: _Job) -> None:
         """`job`'s memory is free (its generation dropped, or never made): admit whom it makes room for."""
-        if job in self._reserved:
-            self._held_bytes -= self._reserved.pop(job)
+        if self._admission.release(job):
             self._admit_waiting()
 
     # --- shared by both threads ---------------------------------------------------------------------
@@ -665,7 +560,7 @@ class Scheduler:
     def _kv_cache_usage(self) -> float:
         """The bytes of KV cache the admitted requests hold over the budget (a generation allocates its whole
         cache when it starts)."""
-        return self._held_bytes / self.kv_budget
+        return self._admission.held_bytes / self.kv_budget
 
     # --- the worker thread --------------------------------------------------------------------------
 
@@ -685,7 +580,7 @@ class Scheduler:
                 # From here the worker owns their memory: it gives it back as it drops each one (`_release`).
                 admitted = list(self._admitted)
                 self._admitted.clear()
-                room = self.kv_budget - self._held_bytes
+                room = self.kv_budget - self._admission.held_bytes
             try:
                 # The prefix cache keeps what the admitted requests leave of the budget: its blocks are memory
                 # admission takes back, evicted here (the worker's thread owns them) before new caches are made.
@@ -732,7 +627,7 @@ class Scheduler:
             self._waiting.clear()
             self._admitted.clear()
             self._reserved.clear()
-            self._held_bytes = 0
+            self._admission.held_bytes = 0
             self._running = []
             with contextlib.suppress(Exception):  # the gauges read 0 before anyone hears
                 self._publish_load()
