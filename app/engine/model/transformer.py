@@ -209,6 +209,9 @@ def _rope_inv_freq(config: ModelConfig) -> Tensor:
 
 
 class _Attention(nn.Module):
+    """A layer's attention: its weights and its steps (projection, RoPE, attending over a cache), which
+    `DecoderBlock` calls between the products it fuses with its norms and residuals; no forward of its own."""
+
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads = config.n_heads
@@ -225,29 +228,6 @@ class _Attention(nn.Module):
         self.scale = config.attn_scale or None
         self.softcap = config.attn_softcap
         self.window = config.sliding_window if layer in config.sliding_layers else 0
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        layer: int,
-        cache: KVCache | None,
-        start_pos: int,
-        mask: Tensor | None,
-    ) -> Tensor:
-        q, k, v = self._project(self.wqkv(x), cos, sin)
-        return self.wo(self._attend(q, k, v, layer, cache, start_pos, mask))
-
-    def forward_parts(self, x: Tensor, layout: RowsLayout, layer: int) -> Tensor:
-        """Attention for several sequences whose rows lie one after another in `x` [1, N, dim].
-
-        The projections and RoPE run over all rows at once (products in chunks, see `_rows`); attention
-        runs per sequence, on its own cache, with the very ops `forward` uses, so each row comes out as it
-        would alone.
-        """
-        q, k, v = self._project(_rows(self.wqkv, x), layout.cos, layout.sin)
-        return _rows(self.wo, self._attend_parts(q, k, v, layout, layer))
 
     def _attend_parts(self, q: Tensor, k: Tensor, v: Tensor, layout: RowsLayout, layer: int) -> Tensor:
         kernel = layout.parts[0].cache.kernel
@@ -678,7 +658,11 @@ class DecoderBlock(nn.Module):
         return self._rest(self.attn._attend(q, k, v, layer, cache, start_pos, mask), x, kernel, False)
 
     def forward_parts(self, x: Tensor, layout: RowsLayout, layer: int) -> Tensor:
-        """The layer over several sequences' rows at once (see `_Attention.forward_parts`)."""
+        """The layer over several sequences' rows, one after another in `x` [1, N, dim] (see `layout_rows`).
+
+        The products and RoPE run over all rows at once (in chunks of `_MAX_ROWS` off a kernel, see `_rows`);
+        attention runs per sequence on its own cache, with the ops `forward` uses, so each row comes out as it
+        would alone."""
         kernel = self._kernel()  # a kernel's rows do not depend on the row count: no chunking
         q, k, v = self.attn._project(self._qkv(x, kernel is not None, True), *layout.tables(self.sliding), kernel)
         return self._rest(self.attn._attend_parts(q, k, v, layout, layer), x, kernel, True)

@@ -81,10 +81,6 @@ def cat(parts: list[Weight]) -> Weight:
     return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 
 
-def no_fields(meta: Any, common: dict[str, Any]) -> dict[str, Any]:
-    return {}
-
-
 def gguf_attention_mlp(t: Layer, config: ModelConfig, permuted: bool = False) -> dict[str, Weight]:
     """A Llama layer as llama.cpp's converter writes it: attn_q/k/v (rows permuted for interleaved RoPE where
     `permuted`), attn_output, attn_norm, ffn_norm, ffn_gate/up/down; the q/k/v biases where the config has them."""

@@ -1,5 +1,7 @@
-"""The Llama family: Llama 2/3, Mistral and SmolLM (one block: RMSNorm, GQA with RoPE, SwiGLU), the only block the
-C layer stack runs (`fused_stack`). llama.cpp permutes their q/k rows for its interleaved RoPE."""
+"""The Llama family: Llama 2/3, Mistral and SmolLM (a GGUF's `smollm`; SmolLM's HF checkpoints say `llama`). Their
+block is the plain one every other architecture adds to (RMSNorm, grouped-query attention with RoPE, SwiGLU; q/k/v
+biases where an HF config sets `attention_bias`), and the C layer stack runs it (`fused_stack`). llama.cpp permutes
+their q/k rows for its interleaved RoPE, which the GGUF layer undoes (`base.unpermute_rope`)."""
 
 from __future__ import annotations
 
