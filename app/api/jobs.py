@@ -19,16 +19,10 @@ from pydantic import BaseModel
 from app.api import admission
 from app.api.errors import APIError, error_body, shown
 from app.api.schemas import (
-    GREEDY,
-    NO_PENALTIES,
-    PLAIN,
-    Decoding,
     Grammar,
-    Penalties,
     Provenance,
     ProvenancePass,
     ProvenanceToken,
-    Sampling,
     SpeculativeDetails,
     SpeculativeParameters,
     closed_grammar,
@@ -36,7 +30,6 @@ from app.api.schemas import (
 from app.api.security import key_name
 from app.engine.decoding.grammar import GrammarError, GrammarSpec
 from app.engine.decoding.logprobs import TokenLogprob
-from app.engine.decoding.penalties import PenaltyParams
 from app.engine.step import GenerationError, GenerationParams, GenerationStats, check_request
 from app.service.events import Finished, Overloaded, PassFigures, RequestFailed, StepEvent, TokenOut
 from app.service.runtime import Runtime
@@ -50,21 +43,18 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What a request asks for, in terms both APIs share; `*_field` name the fields in error messages."""
+    """What a request asks for, in terms both APIs share: `params` is the engine's record as the request's schema
+    built it (`to_params`), the rest what needs the server to resolve (the prompt's tokens, the default length, the
+    draft, the tenant, the grammar's compilation); `*_field` name the fields in error messages."""
 
     prompt: str | Sequence[int]
-    max_new_tokens: int | None
-    stop: Sequence[str]
-    speculative: SpeculativeParameters | None
+    params: GenerationParams
+    max_new_tokens: int | None  # None: the default (`default_max_new_tokens`, else the server's), within the context
+    speculative: SpeculativeParameters | None  # its draft and length (the rest is in `params`)
     truncate: int | None = None
     prompt_field: str = "inputs"
     max_new_tokens_field: str = "max_new_tokens"
     default_max_new_tokens: int | None = None
-    sampling: Sampling = GREEDY  # temperature, top_k, top_p, seed as the engine takes them
-    decoding: Decoding = PLAIN  # vLLM's ignore_eos, min_tokens, stop_token_ids, ... (OpenAI routes)
-    penalties: Penalties = NO_PENALTIES  # repetition, presence, frequency
-    logprobs: int | None = None  # each generated token's log-probability with this many alternatives
-    prompt_logprobs: int | None = None  # each prompt token's, likewise
     grammar: Grammar | None = None  # what the output is constrained to (structured output)
     tenant: str | None = None  # of the prefix cache and the index of earlier answers (`tenant`)
     isolated: bool = False  # a tenant of its own: nothing read from earlier requests, nothing kept for later
@@ -109,11 +99,11 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     """Tokenize the prompt and check the request against every limit; raises APIError (4xx)."""
     info = runtime.info
     check_room(runtime)  # a full server answers 429 before tokenizing or compiling anything
-    if len(spec.stop) > settings.max_stop_sequences:
-        raise _invalid(f"at most {settings.max_stop_sequences} stop strings are allowed, got {len(spec.stop)}")
+    stop = spec.params.stop
+    if len(stop) > settings.max_stop_sequences:
+        raise _invalid(f"at most {settings.max_stop_sequences} stop strings are allowed, got {len(stop)}")
     check_max_new_tokens(spec.max_new_tokens, spec.max_new_tokens_field, settings)
     draft, k = _speculation(runtime, spec.speculative)
-    s = spec.sampling
     if isinstance(spec.prompt, str):
         if not spec.prompt:
             raise _invalid(f"{spec.prompt_field} must not be empty")
@@ -131,11 +121,6 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
     max_new = spec.max_new_tokens
     if max_new is None:
         max_new = min(spec.default_max_new_tokens or settings.default_max_new_tokens, settings.max_new_tokens, room)
-    pen = spec.penalties
-    try:
-        penalties = PenaltyParams(pen.repetition, pen.presence, pen.frequency, pen.count_prompt)
-    except ValueError as exc:
-        raise _invalid(str(exc)) from exc
     prediction: tuple[int, ...] = ()
     if spec.prediction:
         # The answer's text, not a prompt: no BOS in front of it.
@@ -149,30 +134,13 @@ async def prepare(runtime: Runtime, settings: Settings, spec: JobSpec) -> Prepar
                 f"({PREDICTION_TOKENS_PER_NEW_TOKEN} times {spec.max_new_tokens_field}, {max_new}): send less of it, "
                 f"or ask for more tokens"
             )
-    d = spec.decoding
-    params = GenerationParams(
+    params = replace(
+        spec.params,
         max_new_tokens=max_new,
-        stop=tuple(spec.stop),
         num_draft_tokens=k,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        seed=s.seed,
-        draft_schedule=spec.speculative.schedule if spec.speculative is not None else None,
-        draft_p_min=spec.speculative.p_min if spec.speculative is not None else None,
-        sampler=(spec.speculative.sampler if spec.speculative is not None else None) or "gumbel",
-        ignore_eos=d.ignore_eos,
-        min_tokens=d.min_tokens,
-        stop_token_ids=tuple(d.stop_token_ids),
-        include_stop_str_in_output=d.include_stop_str_in_output,
-        skip_special_tokens=d.skip_special_tokens,
-        logprobs=spec.logprobs,
-        prompt_logprobs=spec.prompt_logprobs,
-        penalties=penalties,
         cache_salt=spec.tenant,
         isolated=spec.isolated,
         prediction=prediction,
-        lookup_draft_tokens=spec.speculative.lookup_draft_tokens if spec.speculative is not None else None,
     )
     try:  # the engine's own checks, before anything is queued (the schemas already hold requests to most)
         names = {"prompt": spec.prompt_field, "max_new_tokens": spec.max_new_tokens_field}

@@ -67,22 +67,19 @@ async def _prepare(
         raise APIError("validation", "parameters.decoder_input_details: not supported when streaming (as TGI)")
     if not stream and p.provenance:
         raise APIError("validation", "parameters.provenance: only for streamed answers (/generate_stream)")
-    # Every token's log-probability where tokens are returned (as TGI gives them), the prompt's with
-    # decoder_input_details: the engine computes them only then.
-    shown = stream or p.details
+    try:
+        params = p.to_params(stream)
+    except ValueError as exc:  # what the schema let through and the engine's record refuses
+        raise APIError("validation", f"parameters: {exc}") from exc
     tenant, isolated = jobs.tenant(request, settings, body.salt())
     spec = jobs.JobSpec(
         prompt=body.inputs,
+        params=params,
         max_new_tokens=p.max_new_tokens,
-        stop=p.stop,
         speculative=p.speculative,
         truncate=p.truncate,
         prompt_field="inputs",
         max_new_tokens_field="parameters.max_new_tokens",
-        sampling=p.sampling(),
-        penalties=p.penalties(),
-        logprobs=(p.top_n_tokens or 0) if shown else None,
-        prompt_logprobs=0 if p.details and p.decoder_input_details and not stream else None,
         grammar=p.grammar.grammar() if p.grammar is not None else None,
         tenant=tenant,
         isolated=isolated,

@@ -37,15 +37,16 @@ from app.api.schemas import (
     CompletionRequest,
     CompletionResponse,
     CompletionTokensDetails,
+    Grammar,
     ModelCard,
     ModelList,
     OpenAIErrorResponse,
     PromptTokensDetails,
-    Sampling,
     SpeculativeDetails,
     Usage,
 )
 from app.engine.model.tokenizer import Tokenizer, TokenizerError
+from app.engine.step import GenerationParams
 from app.service.events import Finished, RequestFailed, StepEvent, TokenOut
 from app.service.runtime import Runtime
 from app.service.scheduler import Ticket
@@ -113,12 +114,42 @@ def _log_ignored(body: CompletionRequest | ChatCompletionRequest) -> None:
         log.warning("the request's fields %s are unknown and were ignored", ", ".join(ignored))
 
 
-def _sampling(body: CompletionRequest | ChatCompletionRequest, runtime: Runtime) -> Sampling:
-    """How the request samples: its temperature, or the server's default when it sends none."""
+def _params(body: CompletionRequest | ChatCompletionRequest, runtime: Runtime) -> GenerationParams:
+    """The engine's record of the request (its schema's `to_params`), at the server's default temperature when it
+    sends none."""
     try:
-        return body.sampling(runtime.info.default_temperature)
-    except ValueError as exc:
+        return body.to_params(runtime.info.default_temperature)
+    except ValueError as exc:  # n > 1 at temperature 0 (the server's default)
         raise APIError("validation", str(exc), param="n") from exc
+
+
+def _job(
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    settings: Settings,
+    params: GenerationParams,
+    prompt: str | Sequence[int],
+    prompt_field: str,
+    grammar: Grammar | None,
+) -> jobs.JobSpec:
+    """The job of both routes: `prompt` (one of a completion's prompts, or the rendered conversation) is named
+    `prompt_field` in messages; `grammar`: the output's constraint (a forced tool call's, or the request's)."""
+    tenant, isolated = jobs.tenant(request, settings, body.cache_salt)
+    max_new_tokens, max_new_tokens_field = body.max_new_tokens()
+    return jobs.JobSpec(
+        prompt=prompt,
+        params=params,
+        max_new_tokens=max_new_tokens,
+        speculative=body.speculative,
+        truncate=body.truncate_prompt_tokens,
+        prompt_field=prompt_field,
+        max_new_tokens_field=max_new_tokens_field,
+        default_max_new_tokens=body.default_max_tokens,
+        grammar=grammar,
+        tenant=tenant,
+        isolated=isolated,
+        prediction=body.prediction.text() if body.prediction is not None else None,
+    )
 
 
 def _usage(prompt_tokens: int, results: Sequence[Finished]) -> Usage:
@@ -141,12 +172,12 @@ def _usage(prompt_tokens: int, results: Sequence[Finished]) -> Usage:
     )
 
 
-def _seeds(sampling: Sampling, n: int) -> list[int | None]:
+def _seeds(params: GenerationParams, n: int) -> list[int | None]:
     """The seed of each of the n samples of a prompt: the request's seed (or a random one) + i; None when greedy.
     Sample i of every prompt gets the same seed, so that it is what that prompt alone with that seed gives."""
-    if sampling.temperature == 0:
+    if params.temperature == 0:
         return [None] * n
-    base = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+    base = params.seed if params.seed is not None else secrets.randbits(63)
     return [(base + i) & MAX_SEED for i in range(n)]
 
 
@@ -295,35 +326,16 @@ async def completions(request: Request, body: CompletionRequest, runtime: Runtim
     prompts: list[str | list[int]] = body.prompt  # type: ignore[assignment]  # a list, by its validator
     n = body.n or 1
     _check_choices(len(prompts) * n, settings)
-    sampling = _sampling(body, runtime)
+    params = _params(body, runtime)
     # echo with logprobs: the prompt's log-probabilities come first, with as many alternatives.
     echoed = body.logprobs if body.echo else None
-    wanted = [n for n in (echoed, body.prompt_logprobs) if n is not None]
-    tenant, isolated = jobs.tenant(request, settings, body.cache_salt)
+    grammar = body.grammar()
     prepared = []
     for i, prompt in enumerate(prompts):
-        spec = jobs.JobSpec(
-            prompt=prompt,
-            max_new_tokens=body.max_tokens,
-            stop=body.stop_strings(),
-            speculative=body.speculative,
-            prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]",
-            max_new_tokens_field="max_tokens",
-            default_max_new_tokens=16,
-            sampling=sampling,
-            decoding=body.decoding(),
-            penalties=body.penalties(),
-            truncate=body.truncate_prompt_tokens,
-            tenant=tenant,
-            isolated=isolated,
-            prediction=body.prediction.text() if body.prediction is not None else None,
-            # provenance reports each token's log-probability: the engine computes them only when asked
-            logprobs=body.logprobs if body.logprobs is not None or not body.provenance else 0,
-            prompt_logprobs=max(wanted) if wanted else None,
-            grammar=body.grammar(),
-        )
+        field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        spec = _job(request, body, settings, params, prompt, field, grammar)
         prepared.append(await jobs.prepare(runtime, settings, spec))
-    runs = [_seeded(p, seed) for p in prepared for seed in _seeds(sampling, n)]
+    runs = [_seeded(p, seed) for p in prepared for seed in _seeds(params, n)]
     tickets = _submit_all(runtime, settings, runs)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), runtime.info.served_model_name
     # echo: each choice starts with its prompt (token ids decoded).
@@ -439,30 +451,10 @@ async def chat_completions(
         raise APIError("validation", f"messages: {exc}") from exc
     for parameters in tools.parameter_grammars(body):
         await jobs.check_grammar(runtime, parameters)
-    sampling = _sampling(body, runtime)
-    tenant, isolated = jobs.tenant(request, settings, body.cache_salt)
-    spec = jobs.JobSpec(
-        prompt=prompt,
-        # max_tokens is the deprecated name: the new one wins when both are given.
-        max_new_tokens=body.max_completion_tokens or body.max_tokens,
-        stop=body.stop_strings(),
-        speculative=body.speculative,
-        prompt_field="messages",
-        max_new_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-        sampling=sampling,
-        decoding=body.decoding(),
-        penalties=body.penalties(),
-        truncate=body.truncate_prompt_tokens,
-        tenant=tenant,
-        isolated=isolated,
-        prediction=body.prediction.text() if body.prediction is not None else None,
-        # provenance reports each token's log-probability: the engine computes them only when asked
-        logprobs=(body.top_logprobs or 0) if body.logprobs else 0 if body.provenance else None,
-        prompt_logprobs=body.prompt_logprobs,
-        grammar=tools.grammar(body) or body.grammar(),
-    )
+    params = _params(body, runtime)
+    spec = _job(request, body, settings, params, prompt, "messages", tools.grammar(body) or body.grammar())
     prepared = await jobs.prepare(runtime, settings, spec)
-    runs = [_seeded(prepared, seed) for seed in _seeds(sampling, n)]
+    runs = [_seeded(prepared, seed) for seed in _seeds(params, n)]
     readers = [tools.ToolCallReader(body) for _ in runs]  # each choice's text read into content and tool calls
     tickets = _submit_all(runtime, settings, runs)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), runtime.info.served_model_name

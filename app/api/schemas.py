@@ -10,13 +10,16 @@ logged; inside any object they are refused, naming the field's path (`messages.0
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, NamedTuple
+from dataclasses import replace
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from app.api.errors import field_name
 from app.engine.decoding.grammar import MAX_SCHEMA_DEPTH, json_depth
+from app.engine.decoding.penalties import PenaltyParams
 from app.engine.defaults import MAX_DRAFT_TOKENS, MAX_LOGPROBS
+from app.engine.step import GenerationParams
 
 # Nested objects refuse a field they do not know (a 4xx naming its path): a field we do not read would be
 # dropped without a word. The top levels of the requests keep theirs to log them (see `ignored_fields`).
@@ -47,42 +50,6 @@ Temperature = Annotated[
     ),
 ]
 
-
-class Sampling(NamedTuple):
-    """How the engine decodes a request: temperature 0 is greedy, and then the rest is neutral."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0: no cut
-    top_p: float = 1.0
-    seed: int | None = None  # None: the engine draws one (reported back when sampling)
-
-
-GREEDY = Sampling()
-
-
-class Decoding(NamedTuple):
-    """vLLM's decoding fields of the OpenAI routes, as the engine takes them."""
-
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-
-PLAIN = Decoding()
-
-
-class Penalties(NamedTuple):
-    """Repetition, presence and frequency penalties as the engine takes them (neutral: none)."""
-
-    repetition: float = 1.0  # a seen token's logit divided by it (positive) or multiplied (negative)
-    presence: float = 0.0  # subtracted from a seen token's logit
-    frequency: float = 0.0  # subtracted per occurrence
-    count_prompt: bool = False  # presence and frequency count the prompt's tokens too (TGI), not only generated
-
-
-NO_PENALTIES = Penalties()
 
 RepetitionPenalty = Annotated[
     float,
@@ -502,6 +469,19 @@ class SpeculativeParameters(BaseModel):
         "depends on the draft and its lengths); greedy decoding ignores it",
     )
 
+    def params(self) -> dict[str, Any]:
+        """The fields of the engine's `GenerationParams` these set (the draft and its length are resolved against
+        the server's, `app.api.jobs`)."""
+        return {
+            "draft_schedule": self.schedule,
+            "draft_p_min": self.p_min,
+            "sampler": self.sampler or "gumbel",
+            "lookup_draft_tokens": self.lookup_draft_tokens,
+        }
+
+
+NO_SPECULATIVE = SpeculativeParameters()
+
 
 class SpeculativeDetails(BaseModel):
     """What speculation did for this request."""
@@ -605,9 +585,30 @@ class GenerateParameters(BaseModel):
             )
         return self
 
-    def sampling(self) -> Sampling:
+    def to_params(self, stream: bool) -> GenerationParams:
+        """The engine's record of these parameters; the route sets what needs the server (the prompt's length, the
+        draft's, the tenant). Every token's log-probability where tokens are returned (as TGI gives them: when
+        `stream`ing, or with `details`), the prompt's with decoder_input_details: the engine computes them only
+        then. Penalties in TGI's scope: frequency counts the prompt's tokens too."""
+        shown = stream or self.details
+        params = GenerationParams(
+            stop=tuple(self.stop),
+            penalties=PenaltyParams(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                0.0,
+                self.frequency_penalty or 0.0,
+                count_prompt=True,
+            ),
+            logprobs=(self.top_n_tokens or 0) if shown else None,
+            prompt_logprobs=0 if self.details and self.decoder_input_details and not stream else None,
+            **(self.speculative or NO_SPECULATIVE).params(),
+        )
+        return self._sampled(params)
+
+    def _sampled(self, params: GenerationParams) -> GenerationParams:
         """TGI's rule: `do_sample`, a temperature other than 1.0, `top_k`, or `top_p` below 1 asks for sampling
-        (at temperature 1.0 unless given); temperature 0 is greedy whatever else is given."""
+        (at temperature 1.0 unless given); temperature 0 is greedy whatever else is given (and then top_k, top_p
+        and the seed are neutral)."""
         t, top_p = self.temperature, self.top_p
         asked = (
             self.do_sample
@@ -616,15 +617,13 @@ class GenerateParameters(BaseModel):
             or (top_p is not None and top_p < 1.0)
         )
         if not asked or t == 0:
-            return GREEDY
-        return Sampling(1.0 if t is None else t, self.top_k or 0, 1.0 if top_p is None else top_p, self.seed)
-
-    def penalties(self) -> Penalties:
-        return Penalties(
-            1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            0.0,
-            self.frequency_penalty or 0.0,
-            count_prompt=True,
+            return params
+        return replace(
+            params,
+            temperature=1.0 if t is None else t,
+            top_k=self.top_k or 0,
+            top_p=1.0 if top_p is None else top_p,
+            seed=self.seed,
         )
 
 
@@ -796,6 +795,8 @@ class _OpenAISampling(BaseModel):
     route can log the ones it ignores, as vLLM does."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    # The most tokens when the request sends none (None: the server's default_max_new_tokens).
+    default_max_tokens: ClassVar[int | None] = None
 
     model: str | None = Field(
         None, description="a served name (GET /v1/models), else 404; may be left out; answers report the served model"
@@ -927,38 +928,44 @@ class _OpenAISampling(BaseModel):
             return Grammar("choice", json.dumps(self.guided_choice), "guided_choice")
         return None
 
-    def sampling(self, default_temperature: float) -> Sampling:
-        """Sampling at the request's temperature, or `default_temperature` (the server's) when it sends none;
-        greedy at 0 (top_p, top_k and seed then change nothing). `n` > 1 at temperature 0 is refused."""
+    def to_params(self, default_temperature: float) -> GenerationParams:
+        """The engine's record of this request (what both OpenAI routes share; each route's class adds its
+        log-probabilities); the route sets what needs the server (the prompt's length, the draft's, the tenant).
+        Sampling at the request's temperature, or `default_temperature` (the server's) when it sends none;
+        greedy at 0 (top_p, top_k and seed then change nothing). Penalties in vLLM's scopes: repetition over
+        prompt and generated tokens, presence and frequency over generated ones. Raises ValueError for `n` > 1
+        at temperature 0."""
         temperature = self.temperature if self.temperature is not None else default_temperature
         if (self.n or 1) > 1 and temperature == 0:
             raise ValueError(_GREEDY_N.format(n=self.n))
+        params = GenerationParams(
+            stop=tuple(self.stop_strings()),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            penalties=PenaltyParams(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                self.presence_penalty or 0.0,
+                self.frequency_penalty or 0.0,
+            ),
+            **(self.speculative or NO_SPECULATIVE).params(),
+        )
         if not temperature:
-            return GREEDY
-        seed = None if self.seed is None else self.seed & MAX_SEED  # a negative seed, as two's complement
-        return Sampling(temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p, seed)
+            return params
+        return replace(
+            params,
+            temperature=temperature,
+            top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=None if self.seed is None else self.seed & MAX_SEED,  # a negative seed, as two's complement
+        )
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    def penalties(self) -> Penalties:
-        """vLLM's scopes: repetition over prompt and generated tokens, presence and frequency over generated."""
-        return Penalties(
-            1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            self.presence_penalty or 0.0,
-            self.frequency_penalty or 0.0,
-        )
-
-    def decoding(self) -> Decoding:
-        return Decoding(
-            self.ignore_eos,
-            self.min_tokens,
-            tuple(self.stop_token_ids or ()),
-            self.include_stop_str_in_output,
-            self.skip_special_tokens,
-        )
 
     def usage_streamed(self) -> tuple[bool, bool]:
         """Whether a stream ends with a usage chunk, and whether every chunk carries the usage so far (vLLM's
@@ -995,6 +1002,8 @@ class CompletionRequest(_OpenAISampling):
         None, description="only n (every sample is returned): choosing the best of more samples is not supported"
     )
 
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's (or the server's limit, if lower)
+
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
@@ -1006,6 +1015,22 @@ class CompletionRequest(_OpenAISampling):
                 "choosing the best of more samples is not"
             )
         return self
+
+    def to_params(self, default_temperature: float) -> GenerationParams:
+        """As the shared fields', with this route's log-probabilities: each token's with `logprobs` alternatives
+        (0 with provenance alone, which reports each token's: the engine computes them only when asked); the
+        prompt's with the most alternatives that echo with logprobs (the prompt's first) and prompt_logprobs ask."""
+        echoed = self.logprobs if self.echo else None
+        wanted = [n for n in (echoed, self.prompt_logprobs) if n is not None]
+        return replace(
+            super().to_params(default_temperature),
+            logprobs=self.logprobs if self.logprobs is not None or not self.provenance else 0,
+            prompt_logprobs=max(wanted) if wanted else None,
+        )
+
+    def max_new_tokens(self) -> tuple[int | None, str]:
+        """The most tokens asked for (None: `default_max_tokens`) and the field that asked, for messages."""
+        return self.max_tokens, "max_tokens"
 
 
 class CalledFunction(BaseModel):
@@ -1162,6 +1187,20 @@ class ChatCompletionRequest(_OpenAISampling):
                     "own grammar; send one output constraint, not several"
                 )
         return self
+
+    def to_params(self, default_temperature: float) -> GenerationParams:
+        """As the shared fields', with this route's log-probabilities: each token's with `top_logprobs`
+        alternatives when `logprobs` (0 with provenance alone, which reports each token's: the engine computes
+        them only when asked), and the prompt's with prompt_logprobs."""
+        logprobs = (self.top_logprobs or 0) if self.logprobs else 0 if self.provenance else None
+        return replace(super().to_params(default_temperature), logprobs=logprobs, prompt_logprobs=self.prompt_logprobs)
+
+    def max_new_tokens(self) -> tuple[int | None, str]:
+        """The most tokens asked for (None: the server's default) and the field that asked, for messages:
+        max_tokens is the deprecated name, and the new one wins when both are given."""
+        if self.max_completion_tokens:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def tool_mode(self) -> str:
         """`none`, `auto`, `required` or `named` (`none` also without tools)."""
