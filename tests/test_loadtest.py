@@ -28,7 +28,7 @@ from app.bench.loadtest import (
     summarize_mixed,
     summarize_turns,
 )
-from app.bench.workloads import SHORT_PROMPTS, SYSTEM_PROMPT, long_document, long_prompt, user_turns
+from app.bench.workload_texts import SHORT_PROMPTS, SYSTEM_PROMPT, long_document, long_prompt, user_turns
 from app.service.settings import Settings
 
 pytestmark = pytest.mark.anyio
@@ -167,11 +167,14 @@ def test_conversations_are_seeded_distinct_per_user_and_about_300_tokens_a_turn_
 
 
 def test_the_workload_texts_are_the_projects_own_not_a_benchmarks():
-    """The texts are written in app/bench/workloads.py: it reads no file, and none of them is a Spec-Bench prompt."""
+    """The texts are written in app/bench/workload_texts.py (and the bench's episodes in app/bench/workloads.py):
+    neither reads a file, and none of the texts is a Spec-Bench prompt."""
+    import app.bench.workload_texts
     import app.bench.workloads
 
-    source = Path(app.bench.workloads.__file__).read_text()
-    assert "shared" not in source and "open(" not in source and "read_text" not in source
+    for module in (app.bench.workload_texts, app.bench.workloads):
+        source = Path(module.__file__).read_text()
+        assert "shared" not in source and "open(" not in source and "read_text" not in source
     bench = [json.loads(line) for line in Path("app/bench/prompts.jsonl").read_text().splitlines() if line]
     specbench = Path(__file__).resolve().parents[2] / "shared" / "bench" / "specbench-dev.jsonl"
     if specbench.is_file():

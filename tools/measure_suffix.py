@@ -15,7 +15,7 @@ import statistics
 import time
 
 from app import store
-from app.bench.workloads import SYSTEM_PROMPT, long_document
+from app.bench.workload_texts import SYSTEM_PROMPT, long_document
 from app.engine.drafting.suffix import SuffixDrafter
 from app.engine.drafting.suffix_index import TrafficIndex
 from app.engine.model.loading import load_model

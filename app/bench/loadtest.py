@@ -9,10 +9,11 @@ kind and 429s. Every response is checked: it must end with a final event (comple
 events' texts, and greedy responses must equal the text the same prompt got when sent alone (the pass at
 concurrency 1).
 
-Two more workloads (issue 31), their texts in app/bench/workloads.py: multi-turn conversations sharing a system prompt
-(`run_conversations`, TTFT per turn and the prompts' growth: `summarize_turns`), and short requests beside long
-prompts near the server's max input (`run_mixed`, the two apart: `summarize_mixed`). Every level also reports the
-prefix cache's hit rate from the server's /metrics counters (`prefix_cache_hit_rate`), n/a where it has none.
+Two more workloads (issue 31), their texts in app/bench/workload_texts.py: multi-turn conversations sharing a
+system prompt (`run_conversations`, TTFT per turn and the prompts' growth: `summarize_turns`), and short requests
+beside long prompts near the server's max input (`run_mixed`, the two apart: `summarize_mixed`). Every level also
+reports the prefix cache's hit rate from the server's /metrics counters (`prefix_cache_hit_rate`), n/a where it
+has none.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from app.bench.workloads import SYSTEM_PROMPT, user_turns
+from app.bench.workload_texts import SYSTEM_PROMPT, user_turns
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine

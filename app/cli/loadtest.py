@@ -332,7 +332,7 @@ def _loadtest_mixed(args: argparse.Namespace, model: str, headers: dict[str, str
     import httpx
 
     from app.bench import loadtest
-    from app.bench.workloads import SHORT_PROMPTS, long_prompt
+    from app.bench.workload_texts import SHORT_PROMPTS, long_prompt
 
     target = args.long_tokens
     if target is None:
