@@ -86,6 +86,44 @@ def test_a_chain_longer_than_the_cache_keeps_its_head(make_tiny_model):
     assert cache.blocks == 2 and cache.load(a, len(a), model.new_cache(70), None) == 32
 
 
+def test_a_tenant_filling_the_cache_evicts_its_own_blocks_never_another_s(make_tiny_model):
+    model = make_tiny_model(0)
+    size = _block_bytes(model)
+    cache = PrefixCache(4 * size, B)  # each tenant is owed 2 blocks (the default share, half)
+    b = list(range(1, 18))  # one block and a token
+    cache.store(b, _filled_cache(model, b), None, tenant="b")
+    firsts = []
+    for i in range(12):  # "a" writes 24 blocks, six times the whole cache
+        a = [20 + i] * 16 + [40 + i] * 16 + [7]
+        cache.store(a, _filled_cache(model, a), None, tenant="a")
+        firsts.append(a)
+    assert cache.bytes <= cache.limit and cache.blocks == 4
+    # b's block still serves b; a lost its own least recently used blocks instead.
+    assert cache.load(b, len(b), model.new_cache(40), None, tenant="b") == 16
+    assert cache.load(firsts[0], 33, model.new_cache(40), None, tenant="a") == 0
+    assert cache.load(firsts[-1], 33, model.new_cache(40), None, tenant="a") == 32
+
+
+def test_a_full_cache_evicts_from_the_tenant_holding_the_most(make_tiny_model):
+    model = make_tiny_model(0)
+    size = _block_bytes(model)
+    cache = PrefixCache(4 * size, B)
+
+    def store(tenant: str, token: int, blocks: int) -> list[int]:
+        ids = [token] * (16 * blocks) + [1]
+        cache.store(ids, _filled_cache(model, ids), None, tenant=tenant)
+        return ids
+
+    c = store("c", 3, 1)  # the least recently used block of all
+    a = store("a", 4, 2)
+    store("b", 5, 1)
+    d = store("d", 6, 1)  # within its share: the cache makes room from "a", which holds the most
+    assert cache.blocks == 4
+    assert cache.load(c, len(c), model.new_cache(40), None, tenant="c") == 16
+    assert cache.load(a, len(a), model.new_cache(40), None, tenant="a") == 16  # its leaf went
+    assert cache.load(d, len(d), model.new_cache(40), None, tenant="d") == 16
+
+
 def _run_batched(engine: Engine, jobs, stagger: bool = True) -> list[Generation]:
     """Run (prompt, params, draft) jobs in batched steps, each joining one step after the one before it."""
     gens: list[Generation] = []

@@ -90,6 +90,39 @@ def test_tenants_never_read_each_other_s_answers_and_share_one_budget():
     TrafficIndex(0).add("a", [1, 2, 3], 1)  # 0: nothing kept, nothing fails
 
 
+def test_a_tenant_filling_the_index_evicts_its_own_answers_never_another_s():
+    prompt = [50, 51, 52, 53]
+    one = TrafficIndex(1 << 20)
+    one.add("b", [*prompt, *range(100, 150)], len(prompt))
+    traffic = TrafficIndex(4 * one.bytes)  # about four answers; each tenant is owed two
+    traffic.add("b", [*prompt, *range(100, 150)], len(prompt))
+    for i in range(40):  # "a" writes ten times the whole budget
+        traffic.add("a", [*prompt, *range(1000 * (i + 1), 1000 * (i + 1) + 50)], len(prompt))
+    assert traffic.bytes <= traffic.max_bytes
+    found = traffic.match("b", [*prompt, 100, 101], 2)
+    assert found is not None and found.tokens == [102, 103]  # b's answer still drafts b's
+    assert traffic.match("a", [1000, 1001], 1) is None  # a's oldest went instead
+    assert traffic.match("a", [40000, 40001], 1) is not None
+
+
+def test_a_full_index_evicts_from_the_tenant_holding_the_most():
+    def answer(first: int) -> list[int]:
+        return [*range(first, first + 50)]
+
+    one = TrafficIndex(1 << 20)
+    one.add("c", answer(100), 0)
+    traffic = TrafficIndex(4 * one.bytes + 10)
+    traffic.add("c", answer(100), 0)  # the least recently used answer of all
+    traffic.add("a", answer(200), 0)
+    traffic.add("a", answer(300), 0)
+    traffic.add("b", answer(400), 0)
+    traffic.add("d", answer(500), 0)  # within its share: room is made from "a", which holds the most
+    assert traffic.sequences == 4
+    assert traffic.match("c", [100, 101], 1) is not None
+    assert traffic.match("a", [200, 201], 1) is None and traffic.match("a", [300, 301], 1) is not None
+    assert traffic.match("d", [500, 501], 1) is not None
+
+
 def test_match_lengths_are_calibrated_apart_from_a_prior_that_grows_with_them():
     assert [match_bucket(m) for m in (0, 1, 2, 3, 4, 5, 9, 17, 32, 40)] == [0, 2, 2, 4, 4, 8, 16, 32, 32, 32]
     assert lookup_kind("index", 12) == "lookup:index:16"

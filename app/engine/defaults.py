@@ -34,6 +34,9 @@ DEFAULT_PREFILL_STEP_SECONDS = 0.25
 # Automatic prefix caching (app.engine.prefix_cache): the most memory its blocks of keys and values may take
 # (0: off). 1 GiB holds about 45,000 positions of the 135M target in bfloat16.
 DEFAULT_PREFIX_CACHE_MB = 1024
+# The share of the prefix cache and of the index of earlier answers that each tenant is owed: a tenant that overflows
+# one while holding more than this pays with its own least recently used entries, never another tenant's.
+DEFAULT_TENANT_CACHE_SHARE = 0.5
 
 # How sampled tokens are drawn (GenerationParams.sampler): "gumbel", the default, gives target-only sampling's
 # tokens for a seed whatever the draft; "rejection" accepts a model draft more often. README, "Sampling".

@@ -23,6 +23,7 @@ from app.engine.defaults import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_STEP_SECONDS,
     DEFAULT_PREFIX_CACHE_MB,
+    DEFAULT_TENANT_CACHE_SHARE,
 )
 from app.engine.drafting.base import Drafter
 from app.engine.drafting.draft_length import SCHEDULES, StepCosts, VerifyCosts
@@ -72,7 +73,8 @@ class Engine:
     `prefix_cache_mb` (> 0): the keys and values of prompts and answers are kept, up to that much memory, and a
     prompt that starts like one of them prefills only the rest (`app.engine.prefix_cache`); only where rows are
     independent, where a reused block is bit for bit what a fresh prefill computes. `traffic`: the index of earlier
-    answers the drafters that look up read (app.engine.drafting.suffix_index), shown in `/info` and the metrics."""
+    answers the drafters that look up read (app.engine.drafting.suffix_index), shown in `/info` and the metrics.
+    `tenant_cache_share`: the share of the prefix cache each tenant is owed (`PrefixCache`)."""
 
     def __init__(
         self,
@@ -89,6 +91,7 @@ class Engine:
         tree_rows: int = 0,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         traffic: TrafficIndex | None = None,
+        tenant_cache_share: float = DEFAULT_TENANT_CACHE_SHARE,
     ) -> None:
         if default_draft != "none" and default_draft not in drafters:
             raise GenerationError(f"default draft {default_draft!r} is not loaded")
@@ -143,7 +146,7 @@ class Engine:
         self.traffic = traffic
         self.prefix_cache: PrefixCache | None = None
         if self.batching and prefix_cache_mb > 0:
-            self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))
+            self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20), tenant_share=tenant_cache_share)
 
     def drafter(self, name: str | None) -> Drafter | None:
         """The drafter called `name` (None: the default; "none": target-only decoding)."""

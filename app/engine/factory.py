@@ -15,6 +15,7 @@ from app.engine.defaults import (
     DEFAULT_PREFILL_STEP_SECONDS,
     DEFAULT_PREFIX_CACHE_MB,
     DEFAULT_SUFFIX_INDEX_MB,
+    DEFAULT_TENANT_CACHE_SHARE,
 )
 from app.engine.drafting.base import Drafter, DraftError
 from app.engine.drafting.eagle import EagleDrafter, EagleError, is_eagle_dir, load_draft
@@ -56,6 +57,7 @@ def build_engine(
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     suffix_index_mb: float = DEFAULT_SUFFIX_INDEX_MB,
     draft_weights: str = DEFAULT_DRAFT_WEIGHTS,
+    tenant_cache_share: float = DEFAULT_TENANT_CACHE_SHARE,
 ) -> tuple[Engine, LoadedModel]:
     """Load `target` (catalog name or path) and `draft` (catalog name, path, `default`, `ngram` or `none`).
 
@@ -67,7 +69,8 @@ def build_engine(
     builds (the CPU kernels): the engine itself knows nothing of the store. `weights`: how a GGUF's quantized
     matrices are held (`load_model`; a model draft follows the target). `suffix_index_mb`: the memory the index of
     earlier answers that the lookups draft from may hold (0: none kept). `draft_weights`: how a feature draft's
-    matrices run on the target's CPU kernel (`app.engine.defaults.DRAFT_WEIGHTS`).
+    matrices run on the target's CPU kernel (`app.engine.defaults.DRAFT_WEIGHTS`). `tenant_cache_share`: the share
+    of the prefix cache and of the index that each tenant is owed (`app.engine.prefix_cache`).
     """
     if suffix_index_mb < 0:
         raise DraftError("suffix_index_mb must be 0 or more")
@@ -77,7 +80,7 @@ def build_engine(
             raise DraftError(f"no catalog draft for {target!r} to build the hybrid on; name a draft instead")
         draft = "default"
     loaded = load_model(store.resolve(target), dtype, device, max_seq_len, cache_dir, weights)
-    traffic = TrafficIndex(int(suffix_index_mb * 2**20))
+    traffic = TrafficIndex(int(suffix_index_mb * 2**20), tenant_cache_share)
     drafters: dict[str, Drafter] = {}
     model: Drafter | None = None
     default = default_draft_name(target) if draft == "default" else draft
@@ -109,6 +112,7 @@ def build_engine(
         prefill_step_seconds=prefill_step_seconds,
         prefix_cache_mb=prefix_cache_mb,
         traffic=traffic,
+        tenant_cache_share=tenant_cache_share,
     )
     if drafters and draft_schedule == "adaptive":
         # The first requests then choose their draft lengths from this machine's costs (a fraction of a second).

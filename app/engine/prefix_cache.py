@@ -18,6 +18,12 @@ lookup touches its chain from the last block to the first, so a block is always 
 descendants and eviction takes leaves first (a parent evicted before its child would leave the child
 unreachable).
 
+Tenants share the memory, not the blocks, and each is owed a share of it (`tenant_share` of `limit`), so one
+tenant cannot evict everyone (a noisy neighbour): a tenant whose store overflows the cache while it holds more
+than its share pays with its own least recently used blocks, never another tenant's; otherwise the tenant holding
+the most loses its least recently used. A tenant alone may fill the whole cache (a single-user server loses
+nothing to the bound).
+
 Copies rather than shared pages: the kernels attend over one contiguous cache per request, and a copy of a
 block costs a memcpy (microseconds) against the forward that computed it (milliseconds).
 """
@@ -30,7 +36,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from app.engine.model.transformer import KVCache
+from app.engine.defaults import DEFAULT_TENANT_CACHE_SHARE
+from app.engine.model.cache import KVCache
 
 DEFAULT_BLOCK_TOKENS = 16
 
@@ -45,6 +52,7 @@ def _root(tenant: str | None) -> int | str:
 class _Block:
     # (the parent block's id, or for the first block its tenant's root: 0 for the shared one; this block's tokens)
     key: tuple[int | str, tuple[int, ...]]
+    tenant: str | None
     id: int
     k: Tensor  # [n_layers, n_kv_heads, block_tokens, head_dim]
     v: Tensor
@@ -57,18 +65,27 @@ class _Block:
 
 
 class PrefixCache:
-    """Blocks of keys and values by exact token prefix, least recently used evicted beyond `max_bytes`.
+    """Blocks of keys and values by exact token prefix, least recently used evicted beyond `max_bytes`, each
+    tenant owed `tenant_share` (0 < share <= 1) of the memory (the module's docstring).
 
     Not thread-safe: the worker thread alone calls it; `bytes` and `blocks` may be read from elsewhere (plain
     ints). What a request got from it is its `GenerationStats.cached_tokens`, which the metrics count."""
 
-    def __init__(self, max_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+    def __init__(
+        self, max_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, tenant_share: float = DEFAULT_TENANT_CACHE_SHARE
+    ) -> None:
         if block_tokens < 1 or max_bytes < 0:
             raise ValueError("need block_tokens >= 1 and max_bytes >= 0")
+        if not 0 < tenant_share <= 1:
+            raise ValueError("need 0 < tenant_share <= 1")
         self.max_bytes = max_bytes
         self.limit = max_bytes  # what the blocks may take now (`bound`)
         self.block_tokens = block_tokens
-        self._blocks: OrderedDict[tuple[int | str, tuple[int, ...]], _Block] = OrderedDict()  # least recent first
+        self.tenant_share = tenant_share
+        self._blocks: dict[tuple[int | str, tuple[int, ...]], _Block] = {}
+        # Per tenant, its blocks least recent first, and the bytes they hold.
+        self._lru: dict[str | None, OrderedDict[int, _Block]] = {}
+        self._held: dict[str | None, int] = {}
         self._by_id: dict[int, _Block] = {}
         self._next_id = 1
         self.bytes = 0
@@ -133,6 +150,7 @@ class PrefixCache:
             if block is None:
                 block = _Block(
                     key,
+                    tenant,
                     self._next_id,
                     cache.k[:, 0, :, lo : lo + b].clone(),
                     cache.v[:, 0, :, lo : lo + b].clone(),
@@ -141,16 +159,19 @@ class PrefixCache:
                 self._next_id += 1
                 self._blocks[key] = block
                 self._by_id[block.id] = block
+                self._lru.setdefault(tenant, OrderedDict())[block.id] = block
+                self._held[tenant] = self._held.get(tenant, 0) + block.nbytes
                 self.bytes += block.nbytes
                 if parent is not None:
                     parent.children += 1
             elif block.features is None and feats is not None:
                 block.features = feats
+                self._held[tenant] += feats.nbytes
                 self.bytes += feats.nbytes
             chain.append(block)
             parent = block
         self._touch(chain)
-        self._shrink(self.limit, keep=chain)
+        self._shrink(self.limit, keep=chain, writer=tenant)
 
     def bound(self, nbytes: int) -> None:
         """Hold at most `nbytes` (never more than `max_bytes`) from now on, evicting what is over (least recently
@@ -159,24 +180,44 @@ class PrefixCache:
         self._shrink(self.limit)
 
     def _touch(self, chain: list[_Block]) -> None:
-        # The last block first: each block ends up more recent than its descendants.
+        # The last block first: each block ends up more recent than its descendants (a chain is one tenant's).
         for block in reversed(chain):
-            self._blocks.move_to_end(block.key)
+            self._lru[block.tenant].move_to_end(block.id)
 
-    def _shrink(self, limit: int, keep: Sequence[_Block] = ()) -> None:
+    def _leaf(self, tenant: str | None, spared: set[int]) -> _Block | None:
+        """`tenant`'s least recently used block that no other block continues and that is not `spared`."""
+        return next((b for b in self._lru[tenant].values() if b.children == 0 and b.id not in spared), None)
+
+    def _shrink(self, limit: int, keep: Sequence[_Block] = (), writer: str | None = None) -> None:
         """Evict least recently used leaves until the blocks take at most `limit` bytes, sparing `keep` (the chain
-        just stored) unless nothing else is left."""
+        `writer` just stored) unless nothing else is left. A writer over its share evicts only its own blocks (that
+        chain's tail too); otherwise the tenant holding the most goes first."""
         spared = {block.id for block in keep}
         while self.bytes > limit and self._blocks:
-            victim = next((blk for blk in self._blocks.values() if blk.children == 0 and blk.id not in spared), None)
+            victim: _Block | None = None
+            if keep and self._held.get(writer, 0) > self.tenant_share * limit:
+                victim = self._leaf(writer, set())
+            else:
+                for tenant in sorted(self._held, key=self._held.__getitem__, reverse=True):
+                    victim = self._leaf(tenant, spared)
+                    if victim is not None:
+                        break
             if victim is None:
                 if not spared:
                     break
                 spared = set()  # the chain alone exceeds the limit: its tail goes too
                 continue
-            del self._blocks[victim.key]
-            del self._by_id[victim.id]
-            self.bytes -= victim.nbytes
-            parent = self._by_id.get(victim.key[0])
-            if parent is not None:
-                parent.children -= 1
+            self._evict(victim)
+
+    def _evict(self, victim: _Block) -> None:
+        del self._blocks[victim.key]
+        del self._by_id[victim.id]
+        lru = self._lru[victim.tenant]
+        del lru[victim.id]
+        self._held[victim.tenant] -= victim.nbytes
+        if not lru:
+            del self._lru[victim.tenant], self._held[victim.tenant]
+        self.bytes -= victim.nbytes
+        parent = self._by_id.get(victim.key[0])
+        if parent is not None:
+            parent.children -= 1

@@ -145,6 +145,7 @@ class Runtime:
             prefill_step_seconds=settings.prefill_step_seconds,
             prefix_cache_mb=settings.prefix_cache_mb,
             suffix_index_mb=settings.suffix_index_mb,
+            tenant_cache_share=settings.tenant_cache_share,
             weights=settings.weights,
             draft_weights=settings.draft_weights,
         )

@@ -25,6 +25,7 @@ from app.engine.defaults import (
     DEFAULT_PREFILL_STEP_SECONDS,
     DEFAULT_PREFIX_CACHE_MB,
     DEFAULT_SUFFIX_INDEX_MB,
+    DEFAULT_TENANT_CACHE_SHARE,
     DRAFT_WEIGHTS_HELP,
     MAX_DRAFT_TOKENS,
     WEIGHTS_HELP,
@@ -119,6 +120,14 @@ class Settings(BaseSettings):
         ge=0,
         description="memory (MiB) for the index of earlier answers that the lookups of the `suffix` and `hybrid` "
         "drafts read (per tenant: a request's cache_salt), least recently used answers evicted first; 0: none kept",
+    )
+    tenant_cache_share: float = Field(
+        DEFAULT_TENANT_CACHE_SHARE,
+        gt=0,
+        le=1,
+        description="the share of the prefix cache and of the index of earlier answers each tenant is owed: a "
+        "tenant that fills a cache while holding more pays with its own least recently used entries, never another "
+        "tenant's; a full cache otherwise evicts from the tenant holding the most; a tenant alone may fill it all",
     )
     max_queue_size: int = Field(
         16,

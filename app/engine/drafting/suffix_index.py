@@ -16,8 +16,8 @@ counts, which in Python objects cost several times more per token for no better 
 
 `SuffixIndex.bytes` counts what the lists, ints and dict entries hold (checked against tracemalloc in the tests);
 `TrafficIndex` keeps the server's answers within `max_bytes`, evicting whole answers least recently used first (a
-lookup that drafts from an answer makes it the most recent). Not thread-safe: the worker thread alone adds and
-looks up; gauges read plain ints.
+lookup that drafts from an answer makes it the most recent), each tenant owed a share of it. Not thread-safe: the
+worker thread alone adds and looks up; gauges read plain ints.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from app.engine.defaults import DEFAULT_TENANT_CACHE_SHARE
 
 # The anchor: tokens a match shares at least, the key of the table.
 ANCHOR = 2
@@ -183,16 +185,23 @@ class TrafficIndex:
     only, so one tenant's text never changes how fast another's comes (a cross-request index, like the prefix
     cache, is otherwise a timing side channel). Each answer is filed with the prompt's last `CONTEXT` tokens
     before it, so that a new answer's first tokens can match after the same chat-template tail. The least
-    recently used answers go first, across tenants. `lookups` and `hits` count what the metrics show."""
+    recently used answers go first; each tenant is owed `tenant_share` (0 < share <= 1) of `max_bytes`, so one
+    tenant cannot evict everyone: a tenant whose answer overflows the index while it holds more than its share
+    loses its own least recently used answers, never another tenant's; otherwise the tenant holding the most
+    loses its least recently used (a tenant alone may fill the whole index). `lookups` and `hits` count what the
+    metrics show."""
 
     CONTEXT = 8
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, tenant_share: float = DEFAULT_TENANT_CACHE_SHARE) -> None:
         if max_bytes < 0:
             raise ValueError("max_bytes must be 0 or more")
+        if not 0 < tenant_share <= 1:
+            raise ValueError("tenant_share must be above 0 and at most 1")
         self.max_bytes = max_bytes
+        self.tenant_share = tenant_share
         self._tenants: dict[str | None, SuffixIndex] = {}
-        self._order: OrderedDict[tuple[str | None, int], None] = OrderedDict()  # (tenant, sequence), least recent first
+        self._order: dict[str | None, OrderedDict[int, None]] = {}  # per tenant, its sequences least recent first
         self.lookups = 0
         self.hits = 0
 
@@ -202,7 +211,7 @@ class TrafficIndex:
 
     @property
     def sequences(self) -> int:
-        return len(self._order)
+        return sum(len(order) for order in self._order.values())
 
     @property
     def tokens(self) -> int:
@@ -214,8 +223,8 @@ class TrafficIndex:
         if len(token_ids) - prompt_len < 1 or index_bytes(len(answer)) > self.max_bytes:
             return  # nothing written, or more than the whole budget (which would evict every other answer)
         sid = self._tenants.setdefault(tenant, SuffixIndex()).add(answer)
-        self._order[(tenant, sid)] = None
-        self._evict()
+        self._order.setdefault(tenant, OrderedDict())[sid] = None
+        self._evict(tenant)
 
     def match(self, tenant: str | None, context: Sequence[int], k: int) -> Match | None:
         """What followed the best occurrence of the end of `context` in `tenant`'s answers."""
@@ -224,16 +233,20 @@ class TrafficIndex:
         found = index.match(context, k) if index is not None else None
         if found is not None:
             self.hits += 1
-            self._order.move_to_end((tenant, found.sequence))  # what drafts is what stays
+            self._order[tenant].move_to_end(found.sequence)  # what drafts is what stays
         return found
 
-    def _evict(self) -> None:
+    def _evict(self, writer: str | None) -> None:
         total = self.bytes
         while total > self.max_bytes and self._order:
-            (tenant, sid), _ = self._order.popitem(last=False)
-            index = self._tenants[tenant]
+            tenant = writer
+            held = self._tenants[writer].bytes if writer in self._tenants else 0
+            if held <= self.tenant_share * self.max_bytes:
+                tenant = max(self._tenants, key=lambda t: self._tenants[t].bytes)
+            index, order = self._tenants[tenant], self._order[tenant]
+            sid, _ = order.popitem(last=False)
             before = index.bytes
             index.remove(sid)
             total -= before - index.bytes
-            if not index.sequences:
-                del self._tenants[tenant]
+            if not order:
+                del self._tenants[tenant], self._order[tenant]
