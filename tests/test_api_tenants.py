@@ -21,6 +21,7 @@ from app.engine.drafting.suffix_index import TrafficIndex
 from app.engine.engine import Engine
 from app.service.settings import Settings
 from tests.conftest import FIXED_DRAFT
+from tools import digit_probe
 
 pytestmark = pytest.mark.anyio
 
@@ -41,6 +42,15 @@ def suffix_engine(packed_target) -> Engine:
     traffic = TrafficIndex(1 << 22)
     drafts = {"suffix": SuffixDrafter("suffix", traffic)}
     return Engine(packed.model, packed.tokenizer, drafts, "suffix", 4, traffic=traffic, **FIXED_DRAFT)
+
+
+def _tiny_suffix_engine(make_tiny_model, tokenizer) -> Engine:
+    """A tiny random target over bytes whose draft is the lookups alone, with an empty index: fast to probe 60
+    times, and a regex makes it write any answer (the victim's code, the probes' guesses)."""
+    traffic = TrafficIndex(1 << 20)
+    drafts = {"suffix": SuffixDrafter("suffix", traffic)}
+    model = make_tiny_model(0, vocab_size=tokenizer.vocab_size)
+    return Engine(model, tokenizer, drafts, "suffix", 4, traffic=traffic, **FIXED_DRAFT)
 
 
 def _auth(key: str) -> dict[str, str]:
@@ -196,3 +206,24 @@ async def test_info_tells_no_key_what_the_caches_hold(suffix_engine, api_client)
         await _probe(c)
         info = (await c.get("/info")).json()
     assert info["suffix_index_answers"] >= 1 and info["suffix_index_used_bytes"] > 0
+
+
+async def test_the_digit_probe_reads_a_code_within_a_tenant_and_nothing_across_tenants(
+    make_tiny_model, byte_tokenizer, api_client
+) -> None:
+    """Finding 1's probe (tools/digit_probe.py): 60 probes, one per digit of each position of another client's
+    6-digit code, each asking whether pass 2 drafted from the index after the guessed digit. Within one tenant (a
+    keyless server's unsalted requests, the shared default) it reads the code, which shows the probe works; with
+    two keys, and without keys under `isolation: strict`, none of the 60 probes is informative."""
+    tokenizer = byte_tokenizer()
+    async with api_client(_tiny_suffix_engine(make_tiny_model, tokenizer)) as c:
+        shared = await digit_probe.read_code(c, {}, {})
+    assert (shared.informative, shared.probes, shared.code) == (6, 60, digit_probe.CODE)
+
+    async with api_client(_tiny_suffix_engine(make_tiny_model, tokenizer), api_keys=KEYS) as c:
+        keyed = await digit_probe.read_code(c, _auth(KEY_A), _auth(KEY_B))
+    assert (keyed.informative, keyed.probes) == (0, 60), keyed.hits
+
+    async with api_client(_tiny_suffix_engine(make_tiny_model, tokenizer), isolation="strict") as c:
+        strict = await digit_probe.read_code(c, {}, {})
+    assert (strict.informative, strict.probes) == (0, 60), strict.hits
