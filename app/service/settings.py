@@ -30,6 +30,7 @@ from app.engine.defaults import (
     MAX_DRAFT_TOKENS,
     WEIGHTS_HELP,
 )
+from app.engine.drafting.registry import REGISTRY
 
 
 class Settings(BaseSettings):
@@ -44,8 +45,8 @@ class Settings(BaseSettings):
     draft: str = Field(
         "default",
         description="default draft: `default` (the hybrid of lookups and the catalog's draft; `suffix` for a target "
-        "without one), `none`, `ngram` (prompt lookup), `suffix` (lookups in the request, its prediction and earlier "
-        "answers), `hybrid`, or a draft model's catalog name or path",
+        f"without one), `none`, a built-in drafter ({', '.join(f'`{name}`' for name in REGISTRY)}: "
+        "app/engine/drafting/registry.py), or a draft model's catalog name or path",
     )
     num_draft_tokens: int = Field(
         DEFAULT_NUM_DRAFT_TOKENS,

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.schemas.common import integer, omitted_if_none
 from app.engine.defaults import MAX_DRAFT_TOKENS
+from app.engine.drafting.registry import REGISTRY
 
 PROVENANCE_HELP = (
     "our extension: add `provenance` to every streamed event, saying what proposed each token (the draft, prompt "
@@ -58,6 +59,16 @@ def provenance_field() -> Any:
     return omitted_if_none("with `provenance: true` only (our extension)")
 
 
+def draft_help() -> str:
+    """What `speculative.draft` may name: `default`, `none`, each built-in drafter the registry
+    (app.engine.drafting.registry) holds now, with its description, or the loaded model draft."""
+    builtin = ", ".join(
+        f"`{name}` ({'with a model draft only: ' if entry.needs_model else ''}{entry.description})"
+        for name, entry in REGISTRY.items()
+    )
+    return f"`default`, `none` (target only), {builtin}, or the name of the loaded model draft"
+
+
 class SpeculativeParameters(BaseModel):
     """How to speculate for this request (our extension of both APIs)."""
 
@@ -68,9 +79,10 @@ class SpeculativeParameters(BaseModel):
     )
     draft: str | None = Field(
         None,
-        description="`default`, `none` (target only), `ngram` (prompt lookup), `suffix` (lookups in the request's own "
-        "text, its `prediction` and the tenant's earlier answers), `hybrid` (those lookups and the loaded model "
-        "draft, the default where there is one) or the name of the loaded draft",
+        description=draft_help(),
+        # Written again whenever a JSON schema is built (the app's OpenAPI document): a drafter registered after
+        # this import is listed too. What a request may name is the engine's (jobs: /info's available_drafts).
+        json_schema_extra=lambda schema: schema.update(description=draft_help()),
     )
     schedule: Literal["adaptive", "heuristic", "fixed"] | None = Field(
         None,
