@@ -4,6 +4,7 @@ traffic workloads, structured output, kernel steps, verification rows, synthetic
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -144,6 +145,23 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
         default="q8_0",
         help="the synthetic target's GGUF: q8_0, or q4_k_m (Q4_K with Q6_K where llama.cpp's Q4_K_M puts it)",
     )
+    parser.add_argument(
+        "--against",
+        choices=["llama-server"],
+        default=None,
+        help="only compare servers over HTTP: our `specserve serve` (target-only, then each --draft) beside "
+        "llama.cpp's llama-server (built once from source into the model store's cache; plain, --spec-type "
+        "ngram-simple and ngram-mod) on the target's GGUF, each its own process, the same prompts through the "
+        "OpenAI chat route, greedy, streamed: tokens/s, time to first token, latency, answers equal to our "
+        "target-only (against.json, against.md)",
+    )
+    parser.add_argument(
+        "--clients",
+        type=positive_int,
+        action="append",
+        default=None,
+        help="with --against: concurrent clients (repeatable: one level each; default 1)",
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     add_sampling_arguments(parser, samplers=True)
@@ -153,6 +171,10 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
 def run(args: argparse.Namespace) -> int:
     import json
 
+    if args.against:
+        return _bench_against(args)
+    if args.clients:
+        raise CliError("--clients is for --against")
     import torch
 
     from app.bench.specbench import Config, markdown, per_prompt_medians, plots, read_prompts, run_bench, summarize
@@ -362,6 +384,120 @@ def _bench_workloads(
     data = {"meta": meta, "summary": summary, "runs": [r.__dict__ for r in runs]}
     _write_tables(Path(args.out), "workloads", data, workloads_markdown(summary))
     return 0
+
+
+# Flags --against does not take, each with its value when not given.
+_NOT_AGAINST = {
+    "workload": None,
+    "episodes": None,
+    "schedule": None,
+    "p_min": None,
+    "tree_rows": None,
+    "llama_cpp": None,
+    "kernels": False,
+    "rows": False,
+    "structured": False,
+    "synthetic": None,
+    "temperature": 0.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "seed": None,
+    "sampler": None,
+}
+
+
+def _bench_against(args: argparse.Namespace) -> int:
+    """`specserve bench --against llama-server`: our server and llama-server over HTTP, the same GGUF and prompts
+    (app.bench.against); against.json and against.md."""
+    import json
+    import os
+
+    from app import store
+    from app.bench import against, llamaserver
+    from app.bench.specbench import read_prompts
+    from app.engine.factory import DEFAULT_TARGET
+
+    given = [k for k, unset in _NOT_AGAINST.items() if getattr(args, k) != unset]
+    if given:
+        flags = ", ".join(
+            "--" + {"schedule": "draft-schedule", "p_min": "draft-p-min"}.get(k, k).replace("_", "-") for k in given
+        )
+        raise CliError(f"--against compares greedy answers over HTTP: leave out {flags}")
+    target = args.target or DEFAULT_TARGET
+    gguf = store.resolve(target)
+    if not gguf.is_file() or gguf.suffix != ".gguf":
+        raise CliError(f"--against runs llama-server on the target's GGUF; {gguf} is not one")
+    path = Path(args.input)
+    if not path.is_file():
+        raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
+    prompts = [p.text for p in read_prompts(path, args.per_category, args.limit)]
+    threads = args.threads or len(os.sched_getaffinity(0))
+    max_tokens = args.max_new_tokens or 128
+    say = functools.partial(print, file=sys.stderr)
+    try:
+        exe = llamaserver.ensure_built(store.cache_dir(), jobs=len(os.sched_getaffinity(0)), say=say)
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from exc
+    drafts = list(dict.fromkeys(["none", *(args.draft or ["default", "ngram"])]))
+    contenders = ours(target, drafts, args, threads)
+    contenders += [
+        against.Contender(
+            "llama-server" + ("" if mode == "plain" else f"/{mode}"),
+            functools.partial(_llama_server, exe, gguf, threads, mode),
+        )
+        for mode in llamaserver.SPEC_MODES
+    ]
+    out = Path(args.out)
+    levels = args.clients or [1]
+    try:
+        records = against.run_comparison(contenders, prompts, max_tokens, levels, out / "logs", say=say)
+    except (RuntimeError, OSError) as exc:
+        raise CliError(str(exc)) from exc
+    reference, anchor = contenders[0].name, "llama-server"
+    rows = against.summarize(records, reference, anchor)
+    meta = {
+        "target": str(gguf),
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "threads": threads,
+        "clients": sorted(set(levels)),
+        "llama_server": str(exe),
+        "llama_server_commands": {c.name: c.command(0, 1) for c in contenders if c.name.startswith("llama-server")},
+        "decoding": "greedy, streamed chat, one user message per prompt",
+    }
+    print(json.dumps(meta))
+    answers = [
+        {**{k: v for k, v in r.items() if k != "answers"}, "answers": [a.__dict__ for a in r["answers"]]}
+        for r in records
+    ]
+    _write_tables(
+        out, "against", {"meta": meta, "rows": rows, "runs": answers}, against.markdown(rows, anchor, reference)
+    )
+    return 0
+
+
+def ours(target: str, drafts: list[str], args: argparse.Namespace, threads: int) -> list[Any]:
+    """Our server's configurations for --against: `specserve serve` with each draft (deduplicated, in order), the
+    serve flags bench shares passed on, `threads` threads (OMP_NUM_THREADS, which torch and the kernels read)."""
+    import os
+
+    from app.bench.against import Contender
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    settings = {f: getattr(args, f) for f in ("num_draft_tokens", "dtype", "weights", "draft_weights")}
+    flags = [x for f, v in settings.items() if v is not None for x in ("--" + f.replace("_", "-"), str(v))]
+
+    def command(draft: str, port: int, clients: int) -> list[str]:
+        serve = [sys.executable, "-m", "app.cli", "serve", "--target", target, "--draft", draft]
+        return [*serve, "--host", "127.0.0.1", "--port", str(port), *flags]
+
+    return [Contender(f"specserve/{d}", functools.partial(command, d), env) for d in dict.fromkeys(drafts)]
+
+
+def _llama_server(exe: Path, gguf: Path, threads: int, mode: str, port: int, clients: int) -> list[str]:
+    from app.bench.llamaserver import server_command
+
+    return server_command(exe, gguf, port, threads, clients, mode)
 
 
 def _bench_rows(args: argparse.Namespace, target: str) -> int:
