@@ -142,7 +142,9 @@ def _unpack_sdist(home: Path, version: str, say: Callable[[str], None]) -> None:
         if done.returncode != 0 or not archives:
             raise RuntimeError(f"pip could not download the llama-cpp-python {version} sdist: {done.stderr[-500:]}")
         with tarfile.open(archives[0]) as archive:
-            archive.extractall(tmp, filter="data")
+            # The data filter (no links out, no devices) where this Python has it (3.10.12, 3.11.4 and later).
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            archive.extractall(tmp, **safe)
         (unpacked,) = (p for p in Path(tmp).iterdir() if p.is_dir())
         unpacked.rename(home / "source")
 
