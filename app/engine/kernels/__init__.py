@@ -17,9 +17,9 @@ directory; none given: a private temporary directory, removed when the process e
 picks one: ``auto`` (default: the best this CPU runs and gcc builds), a kernel's name (an error where it cannot
 run), or ``torch`` (oneDNN and SDPA; rows are not independent there, see `Engine`).
 
-Modules: `table` (the records), `detect` (the CPU's flags), `build` (gcc and the build cache), `abi` (the C
-functions' ctypes signatures), `library` (a loaded kernel and its products), `quantized` (GGUF blocks); this
-one selects.
+Modules: `table` (the records), `detect` (the CPU's architecture and flags), `build` (gcc and the build cache),
+`abi` (the C functions' ctypes signatures), `library` (a loaded kernel and its products), `quantized` (GGUF
+blocks); this one selects.
 """
 
 from __future__ import annotations

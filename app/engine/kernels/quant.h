@@ -166,8 +166,12 @@ static inline void sk_quantize_row_ref(const uint16_t *x, const sk_qrows *rows, 
         float amax = 0.0f, chunk[8];
         for (int b = 0; b < per; b++) {
             chunk[b] = 0.0f;
-            for (int i = 32 * (a + b); i < 32 * (a + b + 1); i++)
-                chunk[b] = fmaxf(chunk[b], fabsf(sk_bf16_to_f32(x[i])));
+            /* A comparison, not fmaxf (the same value: |x| is never -0 and a NaN is passed over either way): gcc 12's
+               aarch64 vectoriser fails on fmaxf's reduction at -O3 (an internal compiler error). */
+            for (int i = 32 * (a + b); i < 32 * (a + b + 1); i++) {
+                const float v = fabsf(sk_bf16_to_f32(x[i]));
+                chunk[b] = v > chunk[b] ? v : chunk[b];
+            }
             amax = fmaxf(amax, chunk[b]);
         }
         const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;

@@ -9,21 +9,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+# A kernel's architecture, as detect.arch names this machine's; `any`: plain C.
+Arch = Literal["x86_64", "aarch64", "any"]
+
 
 @dataclass(frozen=True)
 class KernelSpec:
     """One kernel: how it is built, what CPU runs it, and what it supports.
 
-    `source`: the C file (without .c) it compiles; a VNNI build compiles its family's (dot4.h picks the
-    instruction from the flags). `needs`: the /proc/cpuinfo flags it runs on (empty: any CPU gcc targets, not
-    only x86). `flags`: gcc's flags beyond the common ones; `march_native`: `-march=native` too where gcc takes
-    it. `exact`: it computes the reference's bits (the fixed chains of common.h and quant.h), not merely values
-    near them. `trees`: its attention takes tree parts (a parent per row). `head_multiple`: the head sizes its
-    attention takes are multiples of this (at most 256). `layout` and `block`: how a bf16 weight is laid out for
-    its products, `block` columns at a time (`stream`: [N/block, K, block/2, 2], common.h; `tiles`: [N/16, K/2,
-    16, 2], AMX's). `dot`: its library exports sk_dot_kind (its integer products take dot4.h's 4-byte dot
-    products). `auto_native`: `--weights auto` keeps a GGUF's quantized blocks native on it. `stand_in`: a
-    test-only build, loadable but never selected or listed among the kernels.
+    `source`: the C file (without .c) it compiles; a VNNI build compiles its family's (dot4.h picks the instruction
+    from the flags). `arch`: the architecture whose instructions it uses (`any`: plain C, any CPU gcc targets).
+    `needs`: the /proc/cpuinfo flags it runs on, as its architecture names them (x86's "flags", aarch64's
+    "Features": asimddp, i8mm, sve, ...; empty: any CPU of its architecture). `flags`: gcc's flags beyond the common
+    ones; `march_native`: `-march=native` too where gcc takes it. `exact`: it computes the reference's bits (the
+    fixed chains of common.h and quant.h), not merely values near them. `trees`: its attention takes tree parts (a
+    parent per row). `head_multiple`: the head sizes its attention takes are multiples of this (at most 256).
+    `layout` and `block`: how a bf16 weight is laid out for its products, `block` columns at a time (`stream`:
+    [N/block, K, block/2, 2], common.h; `tiles`: [N/16, K/2, 16, 2], AMX's). `dot`: its library exports sk_dot_kind
+    (its integer products take dot4.h's 4-byte dot products). `auto_native`: `--weights auto` keeps a GGUF's
+    quantized blocks native on it. `stand_in`: a test-only build, loadable but never selected or listed among the
+    kernels.
     """
 
     name: str
@@ -38,6 +43,7 @@ class KernelSpec:
     block: int
     dot: bool
     auto_native: bool
+    arch: Arch
     stand_in: bool = False
 
 
@@ -80,6 +86,7 @@ _ALL = (
         block=32,
         dot=True,
         auto_native=True,
+        arch="x86_64",
     ),
     KernelSpec(
         "amx",
@@ -94,6 +101,7 @@ _ALL = (
         block=16,
         dot=True,
         auto_native=False,
+        arch="x86_64",
     ),
     KernelSpec(
         "avx512vnni",
@@ -108,6 +116,7 @@ _ALL = (
         block=32,
         dot=True,
         auto_native=True,
+        arch="x86_64",
     ),
     KernelSpec(
         "avx512",
@@ -122,6 +131,7 @@ _ALL = (
         block=32,
         dot=True,
         auto_native=True,
+        arch="x86_64",
     ),
     KernelSpec(
         "avxvnni",
@@ -136,6 +146,7 @@ _ALL = (
         block=16,
         dot=True,
         auto_native=True,
+        arch="x86_64",
     ),
     KernelSpec(
         "avx2",
@@ -150,6 +161,7 @@ _ALL = (
         block=16,
         dot=True,
         auto_native=True,
+        arch="x86_64",
     ),
     KernelSpec(
         "generic",
@@ -164,6 +176,7 @@ _ALL = (
         block=16,
         dot=False,  # plain C: no integer dot products
         auto_native=False,
+        arch="any",
     ),
     # The avx2 source with dot4.h's exact plain-integer stand-in for VPDPBUSD, so that the code the VNNI kernels
     # run is checked bit for bit on a CPU without VNNI.
@@ -180,6 +193,7 @@ _ALL = (
         block=16,
         dot=True,
         auto_native=False,
+        arch="x86_64",
         stand_in=True,
     ),
     # The avx512vnni source with quant_amx.h's plain-C stand-in for the AMX-INT8 tile instructions: amxint8's
@@ -197,6 +211,7 @@ _ALL = (
         block=32,
         dot=True,
         auto_native=False,
+        arch="x86_64",
         stand_in=True,
     ),
 )
