@@ -23,9 +23,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from app import store
 from app.engine import kernels
 from app.engine.kernels import build as kernel_build
+from app.engine.model.config import ModelConfig
 from app.engine.model.loading import LoadedModel, load_model
 from app.engine.model.tokenizer import Tokenizer
-from app.engine.model.transformer import ModelConfig, Transformer
+from app.engine.model.transformer import Transformer
 
 # transformers must never reach for a hub: everything it loads here is a local file.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

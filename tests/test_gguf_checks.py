@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from app.engine import kernels
 from app.engine.kernels.quantized import QuantizedWeight, quantize
+from app.engine.model.config import ModelConfig
 from app.engine.model.loading import load_model
-from app.engine.model.transformer import ModelConfig, Transformer
+from app.engine.model.transformer import Transformer
 from app.engine.model.weights import Checkpoint, WeightsError, check_shapes, read_checkpoint
 from tests.test_weights import G_DIM, G_FFN, VOCAB, _gguf_source_model, _save_hf, _write_gguf
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from app.engine import kernels
 from app.engine.kernels import build, detect
 from app.engine.kernels.quantized import FORMATS
-from app.engine.model.transformer import PackedLinear, Transformer
+from app.engine.model.packing import PackedLinear
+from app.engine.model.transformer import Transformer
 from tests.conftest import KERNEL_ENDS, assert_same_on_thread_counts, use_kernel
 
 HERE = kernels.available()

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from app.engine import kernels
-from app.engine.model import transformer as model_module
-from app.engine.model.transformer import KVCache, ModelConfig, PackedLinear
+from app.engine.model import packing
+from app.engine.model.cache import KVCache
+from app.engine.model.config import ModelConfig
+from app.engine.model.packing import PackedLinear
 from tests.conftest import use_kernel
 
 PROMPTS = [
@@ -211,7 +213,7 @@ def test_weights_counts_onednn_packed_weights_without_touching_their_storage(mak
     model = make_tiny_model(seed=0, tie_embeddings=True).to(torch.bfloat16)
     cfg = model.config
     unpacked = sum(p.numel() for p in model.parameters()) * 2  # bf16 bytes; the tied head is the embedding
-    monkeypatch.setattr(model_module, "_onednn_packs", lambda: True)
+    monkeypatch.setattr(packing, "_onednn_packs", lambda: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda weight: weight.to_mkldnn())
     with use_kernel("torch"):
         assert model.pack(kernels.kernel())

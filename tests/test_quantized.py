@@ -403,7 +403,7 @@ def test_embedding_rows_kept_between_lookups_are_the_tables() -> None:
     """A quantized embedding keeps the rows of its few-token lookups (a decoding step's): each lookup, one token or a
     few, repeated or not, gives the rows a whole-table lookup gives, bit for bit; a caller writing into what it got
     changes no later lookup; at capacity the oldest rows go; an id out of range is refused."""
-    from app.engine.model.transformer import QuantizedEmbedding
+    from app.engine.model.packing import QuantizedEmbedding
 
     weight = random_weight("Q8_0", 40, 64, seed=3)
     embed = QuantizedEmbedding(weight, torch.bfloat16)

@@ -21,7 +21,7 @@ from app.engine.drafting.hybrid import HybridDrafter
 from app.engine.drafting.tree import Candidates, DraftTree, accept, build_tree, compact, row_value, walk
 from app.engine.engine import Engine
 from app.engine.generation import Generation
-from app.engine.model.transformer import tree_depths
+from app.engine.model.cache import tree_depths
 from app.engine.step import GenerationParams
 from tests.conftest import FIXED_DRAFT
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from app.engine import kernels
-from app.engine.model.transformer import PackedLinear, Transformer
+from app.engine.model.packing import PackedLinear
+from app.engine.model.transformer import Transformer
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from app.engine.model.cache import KVCache
 from app.engine.model.loading import LoadedModel
-from app.engine.model.transformer import KVCache
 
 
 @dataclass

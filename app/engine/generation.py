@@ -24,8 +24,9 @@ from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.draft_length import DraftLength, StepCosts, is_lookup, named_lookup
 from app.engine.drafting.tree import TreeShape, compact, row_value
 from app.engine.drafting.tree import accept as accept_tree
+from app.engine.model.cache import KVCache
 from app.engine.model.tokenizer import Tokenizer
-from app.engine.model.transformer import KVCache, Transformer
+from app.engine.model.transformer import Transformer
 from app.engine.step import (
     GenerationError,
     GenerationParams,

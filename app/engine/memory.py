@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from app.engine.model.transformer import ModelConfig
+from app.engine.model.config import ModelConfig
 
 # The share of the memory available at start-up that the KV caches may take by default. The rest is headroom
 # for what admission does not count: a long prefill's activations (an 8k-token prompt peaks about 1.1 GB above
@@ -26,7 +26,7 @@ _NO_LIMIT = 1 << 60
 
 def kv_cache_bytes(config: ModelConfig, capacity: int, dtype: torch.dtype) -> int:
     """Bytes of a KV cache of `capacity` positions for a model of `config` in `dtype` (keys and values of every
-    layer, as `app.engine.model.transformer.KVCache` allocates them, one sequence)."""
+    layer, as `app.engine.model.cache.KVCache` allocates them, one sequence)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return 2 * config.n_layers * config.n_kv_heads * capacity * config.head_dim * itemsize
 

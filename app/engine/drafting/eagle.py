@@ -33,18 +33,11 @@ from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tre
 from app.engine.kernels import Kernel, LayerStack, StackLayer, attention_fits
 from app.engine.kernels.quantized import FORMATS, QuantizedWeight, quantize
 from app.engine.memory import kv_cache_bytes
+from app.engine.model.cache import KVCache, layout_rows
+from app.engine.model.config import ModelConfig
 from app.engine.model.loading import LoadedModel
-from app.engine.model.transformer import (
-    DecoderBlock,
-    KVCache,
-    ModelConfig,
-    PackedLinear,
-    Transformer,
-    can_pack,
-    final_norm,
-    layout_rows,
-    rope_tables,
-)
+from app.engine.model.packing import PackedLinear, can_pack
+from app.engine.model.transformer import DecoderBlock, Transformer, final_norm, rope_tables
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

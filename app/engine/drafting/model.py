@@ -12,8 +12,8 @@ from app.engine.defaults import MAX_DRAFT_TOKENS
 from app.engine.drafting.base import Drafter, DraftError, DraftSession
 from app.engine.drafting.loop import NetworkSession
 from app.engine.memory import kv_cache_bytes
+from app.engine.model.cache import KVCache
 from app.engine.model.loading import LoadedModel
-from app.engine.model.transformer import KVCache
 
 
 class _ModelDraftSession(NetworkSession):

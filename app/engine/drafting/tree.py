@@ -27,7 +27,7 @@ from torch import Tensor
 
 from app.engine.decoding.sampling import GumbelNoise, SamplingParams, argmax, gumbel_choice
 from app.engine.drafting.draft_length import StepCosts
-from app.engine.model.transformer import KVCache, tree_depths
+from app.engine.model.cache import KVCache, tree_depths
 
 
 @dataclass

@@ -13,8 +13,10 @@ import torch
 from app.engine import kernels
 from app.engine.defaults import WEIGHTS
 from app.engine.kernels.quantized import QuantizedWeight
+from app.engine.model.config import ModelConfig
+from app.engine.model.packing import PackedLinear, can_pack
 from app.engine.model.tokenizer import Tokenizer
-from app.engine.model.transformer import ModelConfig, PackedLinear, Transformer, can_pack
+from app.engine.model.transformer import Transformer
 from app.engine.model.weights import WeightsError, check_shapes, read_checkpoint
 
 log = logging.getLogger(__name__)

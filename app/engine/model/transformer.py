@@ -1,4 +1,4 @@
-"""A lean decoder in plain PyTorch, with a static KV cache indexed by position.
+"""A lean decoder in plain PyTorch over a static KV cache indexed by position (`app.engine.model.cache`).
 
 One pre-norm block, its steps switched by `ModelConfig`'s fields: grouped-query attention, RoPE with the
 model's theta (and Llama 3.1 frequency scaling), RMSNorm, optional q/k/v bias, tied or untied embeddings (the
@@ -13,12 +13,9 @@ loaders convert other layouts.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,162 +24,11 @@ from torch import Tensor, nn
 from app.engine import kernels
 from app.engine.kernels import Kernel
 from app.engine.kernels.quantized import QuantizedWeight
+from app.engine.model.cache import KVCache, RowsLayout, layout_rows
+from app.engine.model.config import ModelConfig
+from app.engine.model.packing import PackedLinear, QuantizedEmbedding, can_pack
 
 log = logging.getLogger(__name__)
-ACTIVATIONS = ("silu", "gelu_tanh")
-# What a block may do beyond Llama's and still run in the C layer stack (layers.h's sk_layer_t; the embeddings'
-# scale and the logits' soft-capping lie outside the layers).
-STACK_FEATURES = frozenset(
-    {
-        "q/k norms",
-        "post-attention and post-MLP norms",
-        "GeGLU",
-        "scaled embeddings",
-        "final logit soft-capping",
-        "sliding-window layers",
-        "a local RoPE base",
-    }
-)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape and numerics of one decoder; everything the forward needs, nothing about files."""
-
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    intermediate_size: int
-    head_dim: int = 0  # 0: dim // n_heads
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    qkv_bias: bool = False
-    max_seq_len: int = 4096
-    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    # What a block does beyond Llama's (the defaults are Llama's; an architecture's module sets the rest).
-    architecture: str = "llama"
-    qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE (Qwen3, Gemma 3)
-    sandwich_norms: bool = False  # a norm on the attention's and on the MLP's output too, before the residual add
-    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
-    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(dim), rounded to the activations' dtype)
-    attn_scale: float = 0.0  # scores times this; 0: 1 / sqrt(head_dim)
-    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax; 0: none (Gemma 2)
-    final_softcap: float = 0.0  # the same on the logits (Gemma 2)
-    sliding_window: int = 0  # the layers in `sliding_layers` attend their last `sliding_window` positions only
-    sliding_layers: tuple[int, ...] = ()
-    rope_local_theta: float = 0.0  # the sliding layers' RoPE base, without scaling (Gemma 3); 0: rope_theta
-    # Whether the C layer stack (one kernel call for every layer) may run this model: an architecture opts in,
-    # and only a block whose every feature the stack runs can (STACK_FEATURES; not a query scale nor soft-capped
-    # attention).
-    fused_stack: bool = False
-
-    def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
-        object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
-        if self.fused_stack and self.beyond_stack():
-            raise ValueError(f"the C layer stack does not run {', '.join(self.beyond_stack())}")
-
-    def block_features(self) -> list[str]:
-        """What this block does that a plain Llama block does not (empty for the Llama family)."""
-        features = {
-            "q/k norms": self.qk_norm,
-            "post-attention and post-MLP norms": self.sandwich_norms,
-            "GeGLU": self.activation == "gelu_tanh",
-            "scaled embeddings": self.embed_scale != 1.0,
-            "a query scale": self.attn_scale != 0.0,
-            "attention soft-capping": self.attn_softcap != 0.0,
-            "final logit soft-capping": self.final_softcap != 0.0,
-            "sliding-window layers": bool(self.sliding_window and self.sliding_layers),
-            "a local RoPE base": self.rope_local_theta != 0.0,
-        }
-        return [name for name, on in features.items() if on]
-
-    def beyond_stack(self) -> list[str]:
-        """The block's features the C layer stack does not run (`STACK_FEATURES`); empty where it may run it."""
-        return [f for f in self.block_features() if f not in STACK_FEATURES]
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        d["sliding_layers"] = list(self.sliding_layers)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        d = dict(d)
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
-        return cls(**d)
-
-
-class KVCache:
-    """Preallocated keys and values for every layer, indexed by absolute position.
-
-    `k` and `v` have shape [n_layers, batch, n_kv_heads, capacity, head_dim]. Only positions below
-    `length` are valid; rolling back rejected tokens is `truncate(n)`, an O(1) change of `length`.
-    """
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        capacity: int,
-        batch: int = 1,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        kernel: Kernel | None = None,
-    ) -> None:
-        shape = (config.n_layers, batch, config.n_kv_heads, capacity, config.head_dim)
-        # Sliding-window layers: a row attends its last `window` positions, on a kernel through a view of the cache
-        # that starts later (`_window_parts`); the storage's tail leaves room for the last layer's view.
-        self.window = config.sliding_window if config.sliding_layers else 0
-        tail = capacity * config.head_dim if self.window else 0
-        numel = math.prod(shape)
-        self.k = torch.zeros(numel + tail, dtype=dtype, device=device)[:numel].view(shape)
-        self.v = torch.zeros(numel + tail, dtype=dtype, device=device)[:numel].view(shape)
-        # Each layer's first sequence as views made once: a batched forward's attention takes them per layer
-        # and sequence every step.
-        self.layers = [(self.k[i, 0], self.v[i, 0]) for i in range(config.n_layers)]
-        self.capacity = capacity
-        self.length = 0
-        # Attention over this cache runs on a CPU kernel (`Kernel.attention`), whose rows depend on nothing but
-        # themselves: no causal mask to build, no padding or fixed span needed for bit-exact results.
-        # `kernel`: the one the model's products were packed for (see `Transformer.pack`), None for SDPA.
-        # Soft-capped scores are not in the kernel's attention.
-        fits = batch == 1 and kernels.attention_fits(kernel, config.head_dim, dtype, torch.device(device))
-        self.kernel = kernel if fits and not config.attn_softcap else None
-        # Attend over the whole capacity (masked) instead of the valid length: every forward then reduces over
-        # the same number of keys, so a token's attention does not depend on how many tokens were fed with it.
-        # (Softmax and attention kernels vectorise over the key axis, and a different length changes the order
-        # of additions.) Set by callers that need bit-identical results across step shapes.
-        self.fixed_span = False
-
-    def needs_mask(self, t: int) -> bool:
-        """Whether a forward of `t` rows over this cache needs an explicit causal mask: not on a kernel's
-        attention (causal by itself); elsewhere for several rows, or for any with a fixed span."""
-        return self.kernel is None and (t > 1 or self.fixed_span)
-
-    def check_span(self, start: int, end: int) -> None:
-        """Raise ValueError unless positions start..end-1 can be written next (no gap, within capacity)."""
-        if start > self.length:
-            raise ValueError(f"start_pos {start} leaves a gap after cache length {self.length}")
-        if end > self.capacity:
-            raise ValueError(f"position {end - 1} is beyond the cache capacity {self.capacity}")
-
-    def truncate(self, length: int) -> None:
-        """Forget every position at or after `length` (rollback after a rejection)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
-        self.length = length
 
 
 def _rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -206,6 +52,29 @@ def _rope_inv_freq(config: ModelConfig) -> Tensor:
         mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     return inv_freq.float()
+
+
+def rope_tables(config: ModelConfig, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """RoPE tables [n, 1, head_dim] for positions 0..n-1 (rotate-half layout): cos, and sin with its first
+    half negated, so that rotating x [..., T, heads, head_dim] is `x * cos + x.roll(head_dim // 2, -1) * sin`
+    (one roll instead of splitting, negating and joining halves; the same bits, as negation is exact)."""
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), _rope_inv_freq(config))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    return emb.cos().to(dtype).to(device)[:, None], sin.to(dtype).to(device)[:, None]
+
+
+def final_norm(norm: nn.RMSNorm, kernel: Kernel | None, x: Tensor) -> Tensor:
+    """`norm` of hidden states x [..., dim]: the kernel's where the products run on one (the bits of every CPU:
+    torch's own sums its squares in an order that depends on the build's vector width, and 236 of 2.4 million bf16
+    values differ between its AVX2 and its plain one), else torch's."""
+    if kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
+        return kernel.rms_norm(x, norm.weight, norm.eps)
+    return norm(x)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class _Attention(nn.Module):
@@ -386,240 +255,6 @@ def _rows(linear: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     if n <= _MAX_ROWS:
         return linear(x)
     return torch.cat([linear(x[:, i : i + _MAX_ROWS]) for i in range(0, n, _MAX_ROWS)], dim=1)
-
-
-@dataclass(frozen=True)
-class SequenceRows:
-    """One sequence's rows in a batched forward (see `layout_rows`)."""
-
-    offset: int  # first row in the batch
-    rows: int
-    start_pos: int
-    cache: KVCache
-    mask: Tensor | None
-    parents: Tensor | None = None  # int32 [rows]: the rows are a tree (see `layout_rows`)
-    positions: Tensor | None = None  # long [rows]: a tree's rows' positions, where a mask carries the tree
-
-
-@dataclass(frozen=True)
-class RowsLayout:
-    """Several sequences' rows, one after another, for a batched forward: each sequence's place, cache and
-    mask, and the RoPE tables of every row ([N, 1, head_dim], see `rope_tables`; `local`: the sliding layers'
-    own, where their RoPE base differs)."""
-
-    parts: list[SequenceRows]
-    cos: Tensor
-    sin: Tensor
-    local: tuple[Tensor, Tensor] | None = None
-
-    def tables(self, local: bool) -> tuple[Tensor, Tensor]:
-        """The RoPE tables of a layer (`local`: a sliding one)."""
-        return self.local if local and self.local is not None else (self.cos, self.sin)
-
-    def advance(self) -> None:
-        """After the forward: each cache now holds its sequence's rows."""
-        for p in self.parts:
-            p.cache.length = p.start_pos + p.rows
-
-    def split(self, x: Tensor) -> list[Tensor]:
-        """Rows [N, ...] of the whole batch -> one [T_i, ...] tensor per sequence."""
-        return [x[p.offset : p.offset + p.rows] for p in self.parts]
-
-
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Each row's depth (its number of ancestors) in a tree of rows given by their parents (-1 for row 0, the
-    root; every other row's parent an earlier row). Raises ValueError for anything else."""
-    if not parents or parents[0] != -1:
-        raise ValueError("a tree's row 0 is its root (parent -1)")
-    depths = [0]
-    for r in range(1, len(parents)):
-        if not 0 <= parents[r] < r:
-            raise ValueError(f"row {r}'s parent {parents[r]} is not an earlier row")
-        depths.append(depths[parents[r]] + 1)
-    return depths
-
-
-def layout_rows(
-    sequences: Sequence[tuple[int, int, KVCache] | tuple[int, int, KVCache, Tensor | None]],
-    rope: Callable[[int, int], tuple[Tensor, Tensor]],
-    rope_local: Callable[[int, int], tuple[Tensor, Tensor]] | None = None,
-) -> RowsLayout:
-    """Lay sequences of (rows T_i, start_pos_i, cache_i[, parents_i]) one after another for a batched forward,
-    with the RoPE tables of their positions (`rope(start, end)` gives a sequence's) and each one's causal mask
-    over its own cache. `parents_i` (int32 [T_i], see `tree_depths`): the rows are a tree (speculative tree
-    verification): row r sits at position start_i + its depth and sees the keys before start_i, its ancestors'
-    and its own (the kernel's attention reads them in that order; elsewhere an explicit mask). `rope_local`: the
-    sliding layers' tables, where their RoPE base differs."""
-    parts: list[SequenceRows] = []
-    tables: list[tuple[Tensor, Tensor]] = []
-    local: list[tuple[Tensor, Tensor]] = []
-    offset = 0
-    for t, start, cache, *tree in sequences:
-        parents = tree[0] if tree else None
-        end = start + t
-        cache.check_span(start, end)
-        positions = None
-        if parents is None:
-            tables.append(rope(start, end))
-            if rope_local is not None:
-                local.append(rope_local(start, end))
-            mask = Transformer._cache_mask(cache, start, t, None) if cache.needs_mask(t) else None
-        else:
-            listed = parents.tolist()
-            depths = tree_depths(listed)
-            if len(depths) != t:
-                raise ValueError(f"{len(depths)} parents for {t} rows")
-            cos, sin = rope(start, start + max(depths) + 1)
-            at = torch.tensor(depths, device=cos.device)
-            tables.append((cos[at], sin[at]))
-            if rope_local is not None:
-                cos_l, sin_l = rope_local(start, start + max(depths) + 1)
-                local.append((cos_l[at], sin_l[at]))
-            mask = None
-            # A tree past a sliding window: the window and the tree in one mask (the kernel's parts take either).
-            windowed = cache.window and start + t > cache.window
-            if cache.kernel is None or not cache.kernel.trees or windowed:
-                positions = start + at
-                seen = torch.ones(t, start + t, dtype=torch.bool, device=cache.k.device)
-                tail = seen[:, start:]
-                tail.fill_(False)
-                for r in range(t):
-                    a = r
-                    while a >= 0:
-                        tail[r, a] = True
-                        a = listed[a]
-                mask = Transformer._cache_mask(cache, start, t, seen)
-                parents = None
-        parts.append(SequenceRows(offset, t, start, cache, mask, parents, positions))
-        offset += t
-    both = (torch.cat([c for c, _ in local]), torch.cat([s for _, s in local])) if local else None
-    return RowsLayout(parts, torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables]), both)
-
-
-class PackedLinear(nn.Module):
-    """A bfloat16 linear layer whose weight was laid out once, at load, for the CPU kernel that runs it.
-
-    On a CPU kernel (`kernel`, the one the model is packed for), the product runs on it (`KernelLinear`):
-    weights streamed once per call for all rows, and a row's result never depends on how many rows a call has.
-    Without one (`SPECSERVE_KERNEL=torch`, or no compiler) oneDNN runs it on a weight reordered once: unpacked, oneDNN
-    reorders a bf16 weight on every call, which costs more than the product itself for the few rows of a
-    decoding step (bit-identical to F.linear).
-    """
-
-    def __init__(
-        self, weight: Tensor | QuantizedWeight | kernels.QuantLinear, bias: Tensor | None, kernel: Kernel | None
-    ) -> None:
-        super().__init__()
-        self.quantized: kernels.QuantLinear | None = None  # the product on GGUF blocks, which holds them
-        self.packed = None
-        self.weight: Tensor | None = None
-        self.bias = bias
-        self.fused: kernels.KernelLinear | kernels.QuantLinear | None
-        if isinstance(weight, kernels.QuantLinear):  # blocks packed before (a tied head packed again)
-            if weight.kernel is kernel:
-                self.fused = self.quantized = weight
-                return
-            weight = weight.blocks()
-        if isinstance(weight, QuantizedWeight):
-            # GGUF blocks: only a kernel computes on them.
-            if kernel is None:
-                raise ValueError("quantized weights need a CPU kernel (SPECSERVE_KERNEL is torch, or none builds)")
-            self.fused = self.quantized = kernel.qlinear(weight, bias)
-            return
-        # On a kernel, with what can ride along with the product (norm before, residual after; DecoderBlock).
-        self.fused = kernel.linear(weight, bias) if kernel is not None and kernels.fits(weight) else None
-        self.weight: Tensor | None = None
-        if self.fused is None:
-            if _onednn_packs():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-            else:
-                self.weight = weight
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.fused is not None:
-            return self.fused(x)
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def can_pack(dtype: torch.dtype, device: torch.device, kernel: Kernel | None) -> bool:
-    """Whether `Transformer.pack(kernel)` does anything for this dtype and device: bfloat16 on a CPU, with a
-    kernel or where oneDNN can reorder bf16 weights."""
-    if dtype != torch.bfloat16 or device.type != "cpu":
-        return False
-    return kernel is not None or _onednn_packs()
-
-
-@functools.cache
-def _onednn_packs() -> bool:
-    # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU raises).
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
-    except RuntimeError:
-        return False
-    return True
-
-
-def rope_tables(config: ModelConfig, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """RoPE tables [n, 1, head_dim] for positions 0..n-1 (rotate-half layout): cos, and sin with its first
-    half negated, so that rotating x [..., T, heads, head_dim] is `x * cos + x.roll(head_dim // 2, -1) * sin`
-    (one roll instead of splitting, negating and joining halves; the same bits, as negation is exact)."""
-    freqs = torch.outer(torch.arange(n, dtype=torch.float32), _rope_inv_freq(config))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-    return emb.cos().to(dtype).to(device)[:, None], sin.to(dtype).to(device)[:, None]
-
-
-def final_norm(norm: nn.RMSNorm, kernel: Kernel | None, x: Tensor) -> Tensor:
-    """`norm` of hidden states x [..., dim]: the kernel's where the products run on one (the bits of every CPU:
-    torch's own sums its squares in an order that depends on the build's vector width, and 236 of 2.4 million bf16
-    values differ between its AVX2 and its plain one), else torch's."""
-    if kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
-        return kernel.rms_norm(x, norm.weight, norm.eps)
-    return norm(x)
-
-
-def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
-class QuantizedEmbedding(nn.Module):
-    """An embedding table kept as GGUF blocks: a lookup dequantizes the rows it needs, exactly, into `dtype`
-    (the values a dequantized table in that dtype holds).
-
-    The rows of the last tokens looked up one or a few at a time (a decoding step's) are kept, up to
-    `_ROW_CACHE_BYTES`, the oldest dropped first: a lookup through torch's dozen small operations costs a
-    decoding step of the default target about 4 % (each runs cold, after the step's weights went through the
-    caches), and a text uses few distinct tokens."""
-
-    _ROW_CACHE_BYTES = 8 << 20
-    _FEW = 16  # lookups of at most this many ids go through the kept rows
-
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
-        super().__init__()
-        # The blocks as the file stores them; or, once the head tied to them is packed for a kernel, that
-        # head's product, which holds the only copy (`Transformer.pack`).
-        self.quantized: QuantizedWeight | kernels.QuantLinear = weight
-        self.dtype = dtype
-        self._rows: dict[int, Tensor] = {}
-        self._most = max(1, self._ROW_CACHE_BYTES // (weight.in_features * torch.finfo(dtype).bits // 8))
-
-    def forward(self, ids: Tensor) -> Tensor:
-        if ids.numel() > self._FEW:
-            return self.quantized.rows(ids).to(self.dtype)
-        keys = ids.reshape(-1).tolist()
-        missing = [key for key in dict.fromkeys(keys) if key not in self._rows]
-        if missing:
-            found = self.quantized.rows(torch.tensor(missing, dtype=torch.long)).to(self.dtype)
-            for key, row in zip(missing, found, strict=True):
-                if len(self._rows) >= self._most:
-                    del self._rows[next(iter(self._rows))]
-                self._rows[key] = row.clone()  # its own storage: a view would keep the whole lookup alive
-        # A new tensor: the caller may write into what it gets, never into a kept row.
-        return torch.stack([self._rows[key] for key in keys]).reshape(*ids.shape, -1)
 
 
 class DecoderBlock(nn.Module):
@@ -959,7 +594,7 @@ class Transformer(nn.Module):
         cos, sin = self._rope(start_pos, end)
         local = self._rope_local(start_pos, end) if self.config.rope_local_theta else (cos, sin)
         if cache is not None and (mask is not None or cache.needs_mask(t)):
-            mask = self._cache_mask(cache, start_pos, t, mask)
+            mask = cache.attention_mask(start_pos, t, mask)
         x = self._embed(input_ids)
         stack = self._stack_for([cache]) if mask is None and cache is not None else None
         if stack is not None:
@@ -1011,21 +646,6 @@ class Transformer(nn.Module):
 
     def _final_norm(self, x: Tensor) -> Tensor:
         return final_norm(self.norm, self.kernel, x)
-
-    @staticmethod
-    def _cache_mask(cache: KVCache, start: int, t: int, mask: Tensor | None) -> Tensor:
-        # Built once per forward, not per layer: [T, span], query i (position start+i) sees keys <= start+i.
-        # Additive (0 or -inf, in the cache's dtype): attention converts a boolean mask on every call.
-        span = cache.capacity if cache.fixed_span else start + t
-        device = cache.k.device
-        if mask is not None:  # the caller's mask over 0..start+T-1 replaces the causal one
-            allowed = torch.zeros(*mask.shape[:-1], span, dtype=torch.bool, device=device)
-            allowed[..., : mask.shape[-1]] = mask
-            # A per-sequence mask [B, T, S] broadcasts over the heads.
-            allowed = allowed[:, None] if allowed.dim() == 3 else allowed
-        else:
-            allowed = torch.arange(span, device=device)[None, :] <= (start + torch.arange(t, device=device))[:, None]
-        return torch.zeros(allowed.shape, dtype=cache.k.dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Project hidden states [..., dim] to vocabulary logits [..., vocab].

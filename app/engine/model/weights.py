@@ -22,8 +22,8 @@ from torch import Tensor
 from app.engine.kernels.quantized import QuantizedWeight, computable, row_bytes
 from app.engine.model import architectures
 from app.engine.model.architectures.base import WeightsError
+from app.engine.model.config import ModelConfig
 from app.engine.model.gguf_file import GGUFError, GGUFFile, GGUFTensor
-from app.engine.model.transformer import ModelConfig
 
 __all__ = ["Checkpoint", "WeightsError", "check_shapes", "held_weights", "read_checkpoint"]
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from app.engine.kernels.quantized import QuantizedWeight
-from app.engine.model.transformer import ModelConfig
+from app.engine.model.config import ModelConfig
 
 Weight = Tensor | QuantizedWeight
 

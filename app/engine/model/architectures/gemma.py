@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 from app.engine.model.architectures.base import Architecture, Layer, Meta, Weight, cat
-from app.engine.model.transformer import ModelConfig
+from app.engine.model.config import ModelConfig
 
 # Where llama.cpp takes query_pre_attn_scalar = dim / heads: the 27B models, by their layer count.
 _27B_LAYERS = {"gemma2": 46, "gemma3": 62}

@@ -15,7 +15,7 @@ from app.engine.model.architectures.base import (
     gguf_attention_mlp,
     hf_attention_mlp,
 )
-from app.engine.model.transformer import ModelConfig
+from app.engine.model.config import ModelConfig
 
 
 def _fields(meta: Meta, common: dict[str, Any]) -> dict[str, Any]:

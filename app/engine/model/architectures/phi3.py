@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.engine.model.architectures.base import Architecture, Layer, Meta, Weight, WeightsError, cat
-from app.engine.model.transformer import ModelConfig
+from app.engine.model.config import ModelConfig
 
 
 def _fields(meta: Meta, common: dict[str, Any]) -> dict[str, Any]:
