@@ -1,8 +1,11 @@
-"""Every architecture besides Llama against transformers as the oracle, on tiny random-weight GGUFs written the way
-llama.cpp's converter lays each one out (app.bench.synthetic.write_tiny_gguf), which transformers' GGUF loader reads
-too: float32 logits, greedy tokens, the bfloat16 kernels, rows' independence, the tokenizer and the chat template;
-the HF-directory path from the same weights; refusals. The real Gemma 3 270M file (an optional catalog target the
-user fetches; skipped where it is not fetched) last, marked slow.
+"""Every registered architecture against transformers as the oracle (a test fails where one has no tiny model).
+
+Besides the Llama family, on tiny random-weight GGUFs written the way llama.cpp's converter lays each one out
+(app.bench.synthetic.write_tiny_gguf), which transformers' GGUF loader reads too: float32 logits, greedy tokens, the
+bfloat16 kernels, rows' independence, the tokenizer and the chat template; the HF-directory path from the same
+weights; refusals. The Llama family (llama, mistral, qwen2, smollm): transformers' own class from a tiny config,
+written as an HF directory (smollm, which only a GGUF names, as a GGUF), float32 logits and greedy tokens. The real
+Gemma 3 270M file (an optional catalog target the user fetches; skipped where it is not fetched) last, marked slow.
 
 Bounds: float32 logits within 1e-4 of transformers' (measured: 3e-5 at logits of 30-70); bfloat16 on a kernel within
 5% of the largest logit (measured 1-4%: activations rounded to bfloat16 in every layer), the argmax equal wherever
@@ -21,6 +24,7 @@ import torch
 from app import store
 from app.bench.synthetic import TINY, write_tiny_gguf
 from app.engine import kernels
+from app.engine.model.architectures import REGISTRY
 from app.engine.model.loading import load_model
 from app.engine.model.tokenizer import Tokenizer
 from app.engine.model.weights import WeightsError, read_checkpoint
@@ -273,6 +277,80 @@ def test_a_draft_with_another_tokenizer_is_refused_saying_what_differs(files):
     message = str(exc.value)
     assert "does not share the target's vocabulary" in message and "tokens;" in message and "\n" not in message
     ModelDrafter("self", gemma, gemma)  # the same tokenizer is accepted
+
+
+# --- the architectures without a tiny GGUF above: transformers' own class, its weights written as a checkpoint ----
+
+# The Llama-block architectures: transformers' class built from a tiny config with random weights, saved as an HF
+# directory; `smollm`, which only a GGUF names (its HF checkpoints say `llama`), as a GGUF of a Llama's weights laid
+# out as llama.cpp's converter lays out the Llama family's (q/k rows permuted), transformers' Llama the oracle.
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
+GGUF_AS_LLAMA = ("smollm",)
+OTHERS = [*HF_CLASSES, *GGUF_AS_LLAMA]
+
+
+def test_every_registered_architecture_has_a_tiny_model_test():
+    # An architecture added to REGISTRY fails here until it has a tiny model of its own above (TINY) or here.
+    assert sorted(REGISTRY) == sorted([*TINY, *OTHERS])
+
+
+def _tiny_transformers_model(arch: str, seed: int):
+    """transformers' model of `arch` with random weights: a tiny config of its own class (HF_CLASSES), or for a
+    GGUF-only name the Llama of the shape `tests.test_weights._write_gguf` writes."""
+    import transformers
+
+    from tests.test_weights import VOCAB, _gguf_source_model, _randomize
+
+    if arch not in HF_CLASSES:
+        return _gguf_source_model("llama", tied=False, seed=seed)
+    config_class, model_class, extra = HF_CLASSES[arch]
+    config = getattr(transformers, config_class)(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
+    return _randomize(getattr(transformers, model_class)(config), seed)
+
+
+@pytest.mark.parametrize("arch", OTHERS)
+def test_the_other_architectures_equal_transformers_float32(arch, tmp_path, word_tokenizer):
+    from gguf import GGMLQuantizationType
+
+    from tests.test_weights import VOCAB, _save_hf, _write_gguf
+
+    hf = _tiny_transformers_model(arch, seed=OTHERS.index(arch))
+    if arch in HF_CLASSES:
+        ours = load_model(_save_hf(hf, tmp_path, word_tokenizer), "float32")
+    else:
+        path = tmp_path / f"{arch}.gguf"
+        written = _write_gguf(path, arch, hf.state_dict(), GGMLQuantizationType.F32, tied=False)
+        assert all(torch.equal(written[name], t) for name, t in hf.state_dict().items() if name in written)
+        ours = load_model(path, "float32")
+    assert ours.config.architecture == arch
+    assert ours.config.qkv_bias == (arch == "qwen2")
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        theirs = hf(ids).logits
+        mine = ours.model(ids)
+        cached = ours.model(ids, 0, ours.model.new_cache(32))
+    assert (mine - theirs).abs().max() < F32_BOUND * theirs.abs().max()
+    assert (cached - theirs).abs().max() < F32_BOUND * theirs.abs().max()
+    prompt = ids[0, :9].tolist()
+    with torch.inference_mode():
+        assert _greedy(ours.model, prompt, 12) == _hf_greedy(hf, prompt, 12)[0]
 
 
 # --- the real Gemma 3 270M (Q4_K_M), an optional target: fetched once into the store's cache -------------------

@@ -344,7 +344,7 @@ def _write_gguf(
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     expected: dict[str, torch.Tensor] = {}
-    permute = arch == "llama"
+    permute = arch in ("llama", "smollm")  # the Llama family, whose q/k rows llama.cpp permutes
 
     def put(gguf_name: str, hf_name: str, n_head: int | None = None) -> None:
         t = hf_sd[hf_name].float().numpy()
