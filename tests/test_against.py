@@ -30,6 +30,7 @@ parser.add_argument("--differ", default=None)
 parser.add_argument("--no-usage", action="store_true")
 parser.add_argument("--fail-with", type=int, default=0)
 parser.add_argument("--error-event", action="store_true")
+parser.add_argument("--die-mid-answer", action="store_true")
 args, _ = parser.parse_known_args()
 print("argv", json.dumps(sys.argv[1:]), flush=True)
 
@@ -56,6 +57,13 @@ class Handler(BaseHTTPRequestHandler):
             words = ["other"] + words[1:]
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
+        if args.die_mid_answer:  # promises more than it sends, then the process is gone
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n')
+            self.wfile.flush()
+            import os
+            os._exit(1)
         self.end_headers()
         events = [{"choices": [{"delta": {"role": "assistant"}}]}]
         events += [{"choices": [{"delta": {"content": (" " if i else "") + w}}]} for i, w in enumerate(words)]
@@ -167,8 +175,13 @@ def test_chat_streams_an_answer_and_counts_its_tokens(stand_in: Path, tmp_path: 
         assert against.chat(client, url, "one two three", 64).tokens == 3  # one per content chunk without usage
 
 
-def test_chat_refuses_an_error_status_and_an_error_event(stand_in: Path, tmp_path: Path) -> None:
-    for extra, message in ((("--fail-with", "400"), "answered 400"), (("--error-event",), "sent an error")):
+def test_chat_refuses_an_error_status_an_error_event_and_a_broken_stream(stand_in: Path, tmp_path: Path) -> None:
+    failures = (
+        (("--fail-with", "400"), "answered 400"),
+        (("--error-event",), "sent an error"),
+        (("--die-mid-answer",), "RemoteProtocolError"),
+    )
+    for extra, message in failures:
         port = against.free_port()
         command = _command(stand_in, *extra)(port, 1)
         with against.serving(command, port, tmp_path / "c.log", None, 30) as url, pytest.raises(RuntimeError) as err:

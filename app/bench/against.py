@@ -55,7 +55,14 @@ class Contender:
 def chat(client: httpx.Client, base_url: str, prompt: str, max_tokens: int) -> Answer:
     """`prompt` as one user message to `base_url`'s /v1/chat/completions, greedy (temperature 0), streamed with
     the usage asked for, through `client` (made beforehand: making one costs more than a short answer); raises
-    RuntimeError on an error status or an error event."""
+    RuntimeError on an error status, an error event or a broken connection (a server that died mid-answer)."""
+    try:
+        return _chat(client, base_url, prompt, max_tokens)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"{base_url}: {type(exc).__name__}: {exc}") from exc
+
+
+def _chat(client: httpx.Client, base_url: str, prompt: str, max_tokens: int) -> Answer:
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
