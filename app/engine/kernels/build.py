@@ -35,6 +35,7 @@ COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # What every kernel's source includes (part of the build key).
 HEADERS = (
     "common.h",
+    "attention.h",
     "quant.h",
     "quant_avx2.h",
     "quant_avx512.h",

@@ -1,5 +1,6 @@
 /* The portable kernel: plain C that any gcc target compiles (ARM64 included), and the definition the SIMD
    kernels are tested against bit for bit (see common.h for the arithmetic). */
+#include "attention.h"
 #include "common.h"
 #include "quant.h"
 
@@ -46,7 +47,7 @@ void sk_linear(const uint16_t *w, const uint16_t *x, uint16_t *y, const float *b
     free(xf);
 }
 
-/* The attention steps (common.h's sk_attention_kernel), a row at a time. */
+/* The attention steps (attention.h's sk_attention_kernel), a row at a time. */
 static void keys(int H, const float *const *qs, const int *n, const uint16_t *kc, int d, float scale, float *const *s,
                  int n0, const int32_t *tail, int j0, int j1) {
     for (int r = 0; r < H; r++) {

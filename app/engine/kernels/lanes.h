@@ -7,6 +7,8 @@
 #ifndef SPECSERVE_KERNEL_LANES_H
 #define SPECSERVE_KERNEL_LANES_H
 
+#include "attention.h"
+
 #if SK_LANES == 16
 typedef __m512 sk_vec;
 #define sk_vzero _mm512_setzero_ps
