@@ -274,7 +274,7 @@ def test_bench_against_drives_both_servers_from_the_command(
     monkeypatch.setattr("app.cli.bench.ours", ours)
     out = tmp_path / "out"
     argv = ["--against", "llama-server", "--target", str(gguf), "--input", str(prompts), "--draft", "none"]
-    assert main(["bench", *argv, "--threads", "3", "-n", "8", "--out", str(out)]) == 0
+    assert main(["bench", *argv, "--threads", "3", "-n", "8", "--clients", "2", "--out", str(out)]) == 0
     data = json.loads((out / "against.json").read_text())
     names = [r["server"] for r in data["rows"]]
     assert names == [
@@ -284,14 +284,19 @@ def test_bench_against_drives_both_servers_from_the_command(
         "llama-server/ngram-mod",
     ]
     assert all(r["equal"] == 3 for r in data["rows"])
-    assert data["meta"]["llama_server_commands"]["llama-server/ngram-mod"][-7] == "ngram-mod"
+    recorded = data["meta"]["llama_server_commands"]["2"]["llama-server/ngram-mod"]
+    assert (
+        recorded[recorded.index("--spec-type") + 1] == "ngram-mod" and recorded[recorded.index("--port") + 1] == "PORT"
+    )
+    assert recorded[recorded.index("-np") + 1] == "2" and recorded[0] == str(exe)
     # llama-server got the target, the threads and the mode.
     argv_seen = json.loads(
-        (out / "logs" / "llama-server-ngram-simple-1.log").read_text().split("argv ", 1)[1].splitlines()[0]
+        (out / "logs" / "llama-server-ngram-simple-2.log").read_text().split("argv ", 1)[1].splitlines()[0]
     )
     assert argv_seen[argv_seen.index("-m") + 1] == str(gguf) and argv_seen[argv_seen.index("-t") + 1] == "3"
     assert argv_seen[argv_seen.index("--spec-type") + 1] == "ngram-simple"
-    assert "| llama-server/ngram-mod | 1 |" in (out / "against.md").read_text()
+    assert argv_seen[argv_seen.index("-np") + 1] == "2"
+    assert "| llama-server/ngram-mod | 2 |" in (out / "against.md").read_text()
 
 
 def test_our_server_is_started_as_serve_with_the_shared_flags() -> None:

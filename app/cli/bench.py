@@ -462,7 +462,11 @@ def _bench_against(args: argparse.Namespace) -> int:
         "threads": threads,
         "clients": sorted(set(levels)),
         "llama_server": str(exe),
-        "llama_server_commands": {c.name: c.command(0, 1) for c in contenders if c.name.startswith("llama-server")},
+        # By number of clients (-np and -c follow it); each run's port was a free one.
+        "llama_server_commands": {
+            str(n): {c.name: _with_port(c.command(0, n), "PORT") for c in contenders if c.name.startswith("llama")}
+            for n in sorted(set(levels))
+        },
         "decoding": "greedy, streamed chat, one user message per prompt",
     }
     print(json.dumps(meta))
@@ -492,6 +496,12 @@ def ours(target: str, drafts: list[str], args: argparse.Namespace, threads: int)
         return [*serve, "--host", "127.0.0.1", "--port", str(port), *flags]
 
     return [Contender(f"specserve/{d}", functools.partial(command, d), env) for d in dict.fromkeys(drafts)]
+
+
+def _with_port(command: list[str], port: str) -> list[str]:
+    """`command` with the value of its --port replaced by `port`."""
+    at = command.index("--port") + 1
+    return [*command[:at], port, *command[at + 1 :]]
 
 
 def _llama_server(exe: Path, gguf: Path, threads: int, mode: str, port: int, clients: int) -> list[str]:
