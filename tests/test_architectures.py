@@ -286,7 +286,8 @@ def test_a_draft_with_another_tokenizer_is_refused_saying_what_differs(files):
 # out as llama.cpp's converter lays out the Llama family's (q/k rows permuted), transformers' Llama the oracle.
 HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # Mistral 7B v0.1's kind of config: every layer slides, its window shorter than the 24 ids compared below.
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
 }
 GGUF_AS_LLAMA = ("smollm",)
@@ -351,6 +352,30 @@ def test_the_other_architectures_equal_transformers_float32(arch, tmp_path, word
     prompt = ids[0, :9].tolist()
     with torch.inference_mode():
         assert _greedy(ours.model, prompt, 12) == _hf_greedy(hf, prompt, 12)[0]
+
+
+@pytest.mark.parametrize(("extra", "unread"), [({"attention_bias": True}, "o_proj.bias"), ({"mlp_bias": True}, "mlp")])
+def test_an_hf_tensor_the_decoder_would_leave_out_is_refused(extra, unread, tmp_path, word_tokenizer):
+    """A Llama whose config gives the attention's output (`attention_bias` biases o_proj too) or the MLP biases: the
+    decoder has none there, so loading it would give wrong logits; it is refused naming the tensor."""
+    import transformers
+
+    from tests.test_weights import VOCAB, _randomize, _save_hf
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    path = _save_hf(_randomize(transformers.LlamaForCausalLM(config), 0), tmp_path, word_tokenizer)
+    with pytest.raises(WeightsError, match=rf"does not compute with: .*{unread}"):
+        load_model(path, "float32")
 
 
 # --- the real Gemma 3 270M (Q4_K_M), an optional target: fetched once into the store's cache -------------------

@@ -358,6 +358,29 @@ class _HFLayer:
         return self._prefix + name in self._raw
 
 
+class _ReadTensors(dict):
+    """A checkpoint's tensors by name, remembering which were read (`read`)."""
+
+    def __init__(self, tensors: dict[str, Tensor]) -> None:
+        super().__init__(tensors)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> Tensor:
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if name in self:
+            self.read.add(name)
+        return super().get(name, default)
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    """Tensors an HF checkpoint may hold that carry nothing the decoder lacks: RoPE's frequencies (computed here), a
+    tied head's copy of the embedding."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_embeddings)
+
+
 def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
@@ -402,6 +425,7 @@ def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
     if entry.norm_offset:
         # Stored as w for a norm that multiplies by offset + w (Gemma): the block multiplies by the sum.
         raw = {k: v + entry.norm_offset if k.rsplit(".", 2)[-2].endswith("norm") else v for k, v in raw.items()}
+    raw = _ReadTensors(raw)
     sd: dict[str, Tensor] = {
         "embed.weight": raw["model.embed_tokens.weight"],
         "norm.weight": raw["model.norm.weight"],
@@ -411,6 +435,12 @@ def _read_hf(path: Path, max_seq_len: int | None) -> Checkpoint:
     for i in range(config.n_layers):
         layer = _layer(path, i, entry.hf_layer, _HFLayer(raw, f"model.layers.{i}.", path), config)
         sd.update({f"layers.{i}.{name}": w for name, w in layer.items()})  # type: ignore[misc]
+    # A tensor the decoder never reads is a computation it leaves out (an o_proj bias where `attention_bias` also
+    # gives one, MLP biases): the logits would be silently wrong, so the checkpoint is refused.
+    unread = sorted(name for name in raw if name not in raw.read and not _ignorable(name, config))
+    if unread:
+        shown = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
+        raise WeightsError(f"{path}: tensors this {entry.name} decoder does not compute with: {shown}")
     tokenizer_meta: dict[str, Any] = {"format": "hf", "path": str(path)}
     tok_cfg = path / "tokenizer_config.json"
     if tok_cfg.exists():
