@@ -25,7 +25,7 @@ DESCRIPTION = "a lookup only this test registers"
 @pytest.fixture
 def registered() -> Iterator[None]:
     """A drafter registered as a new drafter module would register itself, removed afterwards."""
-    register(DrafterEntry(NAME, "lookup", DESCRIPTION, lambda ctx: NgramDrafter()))
+    register(DrafterEntry(NAME, DESCRIPTION, lambda ctx: NgramDrafter()))
     try:
         yield
     finally:

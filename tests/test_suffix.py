@@ -164,9 +164,9 @@ def test_drafters_are_registered_entries():
     assert {"ngram", "suffix", "hybrid"} <= set(REGISTRY)
     assert set(builtin(DraftContext(None, None))) == {n for n, e in REGISTRY.items() if not e.needs_model}
     with pytest.raises(ValueError, match="taken"):
-        register(DrafterEntry("ngram", "lookup", "again", lambda ctx: REGISTRY["ngram"].build(ctx)))
+        register(DrafterEntry("ngram", "again", lambda ctx: REGISTRY["ngram"].build(ctx)))
     with pytest.raises(ValueError, match="taken"):
-        register(DrafterEntry("none", "lookup", "reserved", lambda ctx: REGISTRY["ngram"].build(ctx)))
+        register(DrafterEntry("none", "reserved", lambda ctx: REGISTRY["ngram"].build(ctx)))
 
 
 def _engine(tiny_target, tok, drafters: dict[str, Drafter], default: str, traffic: TrafficIndex | None) -> Engine:

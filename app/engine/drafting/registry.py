@@ -29,15 +29,13 @@ class DraftContext:
 
 @dataclass(frozen=True)
 class DrafterEntry:
-    """A built-in drafter: `kind` is `lookup` (drafts from text already written, costs microseconds) or `hybrid`
-    (lookups and a model draft); `settings` the engine settings it reads; `build` makes it."""
+    """A built-in drafter: its `description` (the API's schema shows it); `build` makes it;
+    `needs_model`: it drafts with the loaded model draft too, so exists only beside one."""
 
     name: str
-    kind: str
     description: str
     build: Callable[[DraftContext], Drafter]
     needs_model: bool = False
-    settings: tuple[str, ...] = ()
 
 
 REGISTRY: dict[str, DrafterEntry] = {}
@@ -58,7 +56,6 @@ def _hybrid(ctx: DraftContext) -> Drafter:
 register(
     DrafterEntry(
         "ngram",
-        "lookup",
         "prompt lookup alone: what followed the latest earlier occurrence of the last 1-3 tokens in the request",
         lambda ctx: NgramDrafter(),
     )
@@ -66,21 +63,17 @@ register(
 register(
     DrafterEntry(
         "suffix",
-        "lookup",
         "lookups in the request's own text, its `prediction` and the tenant's earlier answers, each priced by its "
         "match length (no model draft)",
         lambda ctx: SuffixDrafter("suffix", ctx.traffic),
-        settings=("suffix_index_mb", "lookup_draft_tokens"),
     )
 )
 register(
     DrafterEntry(
         "hybrid",
-        "hybrid",
         "the suffix draft's lookups where they are worth most, the loaded model draft elsewhere (the default)",
         _hybrid,
         needs_model=True,
-        settings=("suffix_index_mb", "lookup_draft_tokens"),
     )
 )
 
