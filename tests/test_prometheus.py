@@ -261,6 +261,13 @@ def test_vllms_dashboard_reads_specserve(stack: tuple[str, str, Path]) -> None:
 
     # Grafana's model_name variable finds the served name; every query of the dashboard returns data.
     _wait_for(prom, 'sum(specserve_request_success_total{finished_reason=~"stop|length"})', ended, "the requests")
+    # rate() over a window needs two samples of a series: where Prometheus' first scrape came after every request
+    # had ended (a quick run), the latency rates had one and answered nothing until the next scrape.
+    samples = "min(count_over_time(specserve_e2e_request_latency_seconds_count[1m]))"
+    deadline = time.monotonic() + 15
+    while (_value(prom, samples) or 0) < 2:
+        assert time.monotonic() < deadline, "Prometheus scraped the server fewer than twice"
+        time.sleep(0.2)
     variable = VLLM_DASHBOARD["variables"]["model_name"]
     assert variable == 'label_values({__name__=~"vllm:.*"},model_name)'
     found = httpx.get(f"{prom}/api/v1/label/model_name/values", params={"match[]": '{__name__=~"specserve_.*"}'})
