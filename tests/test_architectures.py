@@ -299,9 +299,9 @@ def test_every_registered_architecture_has_a_tiny_model_test():
     assert sorted(REGISTRY) == sorted([*TINY, *OTHERS])
 
 
-def _tiny_transformers_model(arch: str, seed: int):
-    """transformers' model of `arch` with random weights: a tiny config of its own class (HF_CLASSES), or for a
-    GGUF-only name the Llama of the shape `tests.test_weights._write_gguf` writes."""
+def _tiny_transformers_model(arch: str, seed: int, **overrides):
+    """transformers' model of `arch` with random weights: a tiny config of its own class (HF_CLASSES, `overrides`
+    on top), or for a GGUF-only name the Llama of the shape `tests.test_weights._write_gguf` writes."""
     import transformers
 
     from tests.test_weights import VOCAB, _gguf_source_model, _randomize
@@ -321,7 +321,7 @@ def _tiny_transformers_model(arch: str, seed: int):
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
-        **extra,
+        **{**extra, **overrides},
     )
     return _randomize(getattr(transformers, model_class)(config), seed)
 
@@ -358,22 +358,9 @@ def test_the_other_architectures_equal_transformers_float32(arch, tmp_path, word
 def test_an_hf_tensor_the_decoder_would_leave_out_is_refused(extra, unread, tmp_path, word_tokenizer):
     """A Llama whose config gives the attention's output (`attention_bias` biases o_proj too) or the MLP biases: the
     decoder has none there, so loading it would give wrong logits; it is refused naming the tensor."""
-    import transformers
+    from tests.test_weights import _save_hf
 
-    from tests.test_weights import VOCAB, _randomize, _save_hf
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        **extra,
-    )
-    path = _save_hf(_randomize(transformers.LlamaForCausalLM(config), 0), tmp_path, word_tokenizer)
+    path = _save_hf(_tiny_transformers_model("llama", 0, **extra), tmp_path, word_tokenizer)
     with pytest.raises(WeightsError, match=rf"does not compute with: .*{unread}"):
         load_model(path, "float32")
 
