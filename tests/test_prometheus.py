@@ -132,9 +132,10 @@ def _value(prom: str, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def _wait_for(prom: str, expr: str, want: float, what: str) -> None:
+def _wait_for(prom: str, expr: str, want: float, what: str, at_least: bool = False) -> None:
+    """Until `expr`'s value is `want` (`at_least`: >= want), 15 s at most."""
     deadline = time.monotonic() + 15
-    while _value(prom, expr) != want:
+    while not ((_value(prom, expr) or 0) >= want if at_least else _value(prom, expr) == want):
         assert time.monotonic() < deadline, f"Prometheus did not see {what}: {_value(prom, expr)} != {want}"
         time.sleep(0.2)
 
@@ -264,10 +265,7 @@ def test_vllms_dashboard_reads_specserve(stack: tuple[str, str, Path]) -> None:
     # rate() over a window needs two samples of a series: where Prometheus' first scrape came after every request
     # had ended (a quick run), the latency rates had one and answered nothing until the next scrape.
     samples = "min(count_over_time(specserve_e2e_request_latency_seconds_count[1m]))"
-    deadline = time.monotonic() + 15
-    while (_value(prom, samples) or 0) < 2:
-        assert time.monotonic() < deadline, "Prometheus scraped the server fewer than twice"
-        time.sleep(0.2)
+    _wait_for(prom, samples, 2, "two scrapes of the server", at_least=True)
     variable = VLLM_DASHBOARD["variables"]["model_name"]
     assert variable == 'label_values({__name__=~"vllm:.*"},model_name)'
     found = httpx.get(f"{prom}/api/v1/label/model_name/values", params={"match[]": '{__name__=~"specserve_.*"}'})
