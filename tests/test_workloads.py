@@ -98,6 +98,42 @@ def test_agent_feeds_back_each_call_result(tiny) -> None:
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_agent_and_chat_feed_back_the_messages_a_server_sent() -> None:
+    """Over HTTP (`specserve loadtest`) an answer is the assistant message the server streamed: its first call
+    to one of the tools (arguments a JSON object) is the history's call, with the harness's id, not the server's
+    random one, so a turn's prompt is the same in every run; a message whose calls are not valid, and whose text
+    holds none either, gets the plan's call; chat feeds back the message's content."""
+    episode = workloads.episodes("agent")[1]
+    arguments = {"path": "app/api/tools.py", "start": 3}
+
+    def sent(*calls: dict) -> dict:
+        return {"role": "assistant", "content": "Looking.", "tool_calls": [dict(c, type="function") for c in calls]}
+
+    unknown = {"id": "call_a", "function": {"name": "rm_rf", "arguments": "{}"}}
+    good = {"id": "call_random", "function": {"name": "read_file", "arguments": json.dumps(arguments)}}
+    broken = {"id": "call_b", "function": {"name": "read_file", "arguments": '{"path": '}}
+    messages = episode.messages([sent(unknown, good), sent(broken), {"role": "assistant", "content": None}])
+    first, result = messages[2], messages[3]
+    assert first["content"] == "Looking." and first["tool_calls"][0]["function"]["name"] == "read_file"
+    assert json.loads(first["tool_calls"][0]["function"]["arguments"]) == arguments
+    assert first["tool_calls"][0]["id"] != "call_random" and len(first["tool_calls"]) == 1
+    assert result == {
+        "role": "tool",
+        "tool_call_id": first["tool_calls"][0]["id"],
+        "content": workloads.tool_result("read_file", arguments),
+    }
+    again = episode.messages([sent(dict(good, id="call_other")), sent(broken), {"content": None}])
+    assert again == messages  # another id from the server: the same prompt
+    # The broken call and the empty message: the plan's second and third calls, their text dropped.
+    assert [m["tool_calls"][0]["function"]["name"] for m in messages[4::2]] == ["search_docs", "read_file"]
+    assert messages[4]["content"] is None
+    # A server that does not parse calls sends the block as text: read as the bench reads the model's text.
+    block = '<tool_call>\n{"name": "list_files", "arguments": {"path": "app"}}\n</tool_call>'
+    assert episode.messages([{"content": block}])[2]["tool_calls"][0]["function"]["name"] == "list_files"
+    chat = workloads.episodes("chat")[0]
+    assert chat.messages([{"role": "assistant", "content": "first"}]) == chat.messages(["first"])
+
+
 def test_prompts_fit_with_the_longest_answers(tiny) -> None:
     """Every turn of every episode under the limit in SmolLM2's tokens, each earlier answer as long as the
     episode allows (the agent's: text without a call, which the plan's call replaces, or a call after text)."""

@@ -15,6 +15,9 @@ sent one after another, each built from the answers to the earlier ones:
 
 Every prompt stays under about 1,500 tokens of SmolLM2's tokenizer with answers of the episode's
 `max_new_tokens` (the longest history included).
+
+An answer fed back is the model's text (the bench, in process) or the assistant message a server sent over HTTP
+(`specserve loadtest`: its `content` and `tool_calls`), so both send the same episodes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from typing import Any
 
 from app.bench.workload_texts import VERBS, sentence, user_turns
 
+# An answer to a turn: the model's text, or the assistant message a server sent (`content`, `tool_calls`).
+Answer = str | dict[str, Any]
+
+
+def answer_text(answer: Answer) -> str:
+    """The text of `answer` (a message's `content`, none: empty)."""
+    return answer if isinstance(answer, str) else str(answer.get("content") or "")
+
 
 @dataclass
 class Episode:
@@ -39,11 +50,11 @@ class Episode:
     index: int
     turns: int
     max_new_tokens: int
-    build: Callable[[Sequence[str]], list[dict[str, Any]]] = field(repr=False, compare=False)
+    build: Callable[[Sequence[Answer]], list[dict[str, Any]]] = field(repr=False, compare=False)
     tools: list[dict[str, Any]] | None = None
     prediction: str | None = None
 
-    def messages(self, answers: Sequence[str]) -> list[dict[str, Any]]:
+    def messages(self, answers: Sequence[Answer]) -> list[dict[str, Any]]:
         """The chat messages of turn `len(answers)`, built from the model's answers to the turns before it."""
         if len(answers) >= self.turns:
             raise ValueError(f"{self.workload} episode {self.index} has {self.turns} turns, not {len(answers) + 1}")
@@ -157,20 +168,33 @@ _AGENT_TASKS: list[tuple[str, list[_Call]]] = [
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-def _parse_call(answer: str) -> tuple[str, str, dict[str, Any]] | None:
-    """(the text before the call, the tool's name, its arguments) of an answer's first `<tool_call>` block
-    that names one of `AGENT_TOOLS` with object arguments, as the server's `auto` parser reads it; else None."""
-    match = _TOOL_CALL.search(answer)
+def _parse_call(answer: Answer) -> tuple[str, str, dict[str, Any]] | None:
+    """(the text beside the call, the tool's name, its arguments) of an answer's first call that names one of
+    `AGENT_TOOLS` with object arguments: a server's first such `tool_calls` entry, else the text's first
+    `<tool_call>` block, as the server's `auto` parser reads it; else None."""
+    names = {t["function"]["name"] for t in AGENT_TOOLS}
+    if isinstance(answer, dict):
+        for sent in answer.get("tool_calls") or []:
+            function = sent.get("function") if isinstance(sent, dict) else None
+            if not isinstance(function, dict):
+                continue
+            try:
+                arguments = json.loads(function.get("arguments") or "")
+            except (json.JSONDecodeError, TypeError):
+                continue
+            if function.get("name") in names and isinstance(arguments, dict):
+                return answer_text(answer).strip(), function["name"], arguments
+    text = answer_text(answer)
+    match = _TOOL_CALL.search(text)
     if match is None:
         return None
     try:
         call = json.loads(match.group(1))
     except json.JSONDecodeError:
         return None
-    names = {t["function"]["name"] for t in AGENT_TOOLS}
     if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
         return None
-    return answer[: match.start()].strip(), call["name"], call["arguments"]
+    return text[: match.start()].strip(), call["name"], call["arguments"]
 
 
 def tool_result(name: str, arguments: dict[str, Any], seed: int = 0) -> str:
@@ -218,7 +242,7 @@ def _agent(seed: int) -> list[Episode]:
     for index, (task, plan) in enumerate(_AGENT_TASKS):
 
         def build(
-            answers: Sequence[str], index: int = index, task: str = task, plan: list[_Call] = plan
+            answers: Sequence[Answer], index: int = index, task: str = task, plan: list[_Call] = plan
         ) -> list[dict[str, Any]]:
             messages: list[dict[str, Any]] = [
                 {"role": "system", "content": AGENT_SYSTEM},
@@ -229,6 +253,8 @@ def _agent(seed: int) -> list[Episode]:
                 # An answer without a call the server would read is replaced by the plan's call (its text
                 # dropped, as a fixed-plan harness does), which also bounds the history's growth per turn.
                 content, name, arguments = parsed if parsed is not None else (None, *plan[turn])
+                # The harness's own id, not a server's (random) one: a template that renders ids then gets the
+                # same prompt in every run, so that answers can be compared with the same turn's alone.
                 call_id = f"call_{index:012x}{turn:012x}"
                 call = {"name": name, "arguments": json.dumps(arguments)}
                 messages.append(
@@ -257,10 +283,10 @@ def _chat(seed: int) -> list[Episode]:
     for index in range(3):
         texts = user_turns(index, 5, seed)
 
-        def build(answers: Sequence[str], texts: list[str] = texts) -> list[dict[str, Any]]:
+        def build(answers: Sequence[Answer], texts: list[str] = texts) -> list[dict[str, Any]]:
             messages: list[dict[str, Any]] = [{"role": "system", "content": CHAT_SYSTEM}]
             for text, answer in zip(texts, answers, strict=False):
-                messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+                messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer_text(answer)}]
             return [*messages, {"role": "user", "content": texts[len(answers)]}]
 
         episodes.append(Episode("chat", index, len(texts), 128, build))
