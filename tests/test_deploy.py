@@ -11,12 +11,19 @@ real Prometheus on it.
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -501,18 +508,323 @@ def test_dashboard_queries_read_only_exported_metrics(exported: set[str]) -> Non
 # --- nginx (the scaled profile) ----------------------------------------------------------------------------
 
 
-def test_nginx_spreads_requests_over_the_replicas_it_looks_up_again() -> None:
-    # A variable in proxy_pass: nginx resolves the alias at request time, again once the answer is 5 s old,
-    # on any release. No upstream block: its `server ... resolve` needs nginx >= 1.27.3 (Debian has 1.22).
-    assert not re.search(r"^\s*upstream\s", NGINX, re.M)
-    [(variable, host, port)] = re.findall(r"^\s*set\s+\$(\w+)\s+([\w.-]+):(\d+);", NGINX, re.M)
+def nginx_directives(directive: str, text: str = NGINX) -> list[str]:
+    """The arguments of every `directive` in an nginx configuration, in order."""
+    return [m.strip() for m in re.findall(rf"^\s*{directive}\s+([^;]*);", text, re.M)]
+
+
+def test_nginx_routes_each_tenant_to_one_replica_of_those_lb_sh_finds() -> None:
+    # One upstream, its servers written by lb.sh (one per address of the alias: nginx hashes a server line's
+    # name, so the alias itself would be round robin among its addresses), hashed by the tenant's key.
+    assert nginx_directives("proxy_pass") == ["http://specserve"]
+    upstream = NGINX[NGINX.index("upstream specserve {") :]
+    upstream = upstream[: upstream.index("}")]
+    assert nginx_directives("include", upstream) == ["specserve-pool.conf"]
+    lb = SERVICES["lb"]
+    assert lb["entrypoint"] == ["/bin/sh", "/etc/nginx/lb.sh"]
+    assert ("./docker/nginx/lb.sh", "/etc/nginx/lb.sh") in mounts("lb")
+    assert interpolate(lb["environment"]["LB_BALANCE"]) == "affinity"
+    script = (DOCKER / "nginx" / "lb.sh").read_text()
+    pool = re.search(r"^POOL=\$\{LB_POOL:-(\S+)\}$", script, re.M)
+    port = re.search(r"^PORT=\$\{LB_POOL_PORT:-(\d+)\}$", script, re.M)
     aliases = {a for s in SPECSERVE_SERVICES for a in SERVICES[s]["networks"]["default"]["aliases"]}
-    assert host in aliases  # every specserve container, not one service
-    assert int(port) == int(dockerfile_env()["SPECSERVE_PORT"])
-    assert re.findall(r"^\s*proxy_pass\s+(\S+);", NGINX, re.M) == [f"http://${variable}"]
-    assert re.search(r"^\s*resolver\s+127\.0\.0\.11\s+valid=5s\b", NGINX, re.M)  # Docker's DNS
+    assert pool and pool.group(1) in aliases  # every specserve container, not one service
+    assert port and int(port.group(1)) == int(dockerfile_env()["SPECSERVE_PORT"])
+    assert "hash $specserve_affinity consistent;" in script
+    # The key: the API key, then the client's affinity header or else the body's cache_salt and prompt.
+    key = re.search(r"map \$http_x_specserve_affinity \$specserve_affinity \{(.*?)\}", NGINX, re.S)
+    assert key is not None
+    body_key, header_key = re.findall(r'^\s*(?:""|default)\s+"([^"]*)";', key.group(1), re.M)
+    assert body_key.split("|") == [
+        "$http_authorization",
+        "$specserve_salt",
+        "$specserve_prompt_head",
+        "$specserve_first_user",
+    ]
+    assert header_key.split("|") == ["$http_authorization", "$http_x_specserve_affinity"]
+    # $request_body is set only for a body held in memory: the buffer holds any body nginx accepts.
+    assert nginx_directives("client_body_buffer_size") == nginx_directives("client_max_body_size")
     assert re.search(r"^\s*proxy_buffering off;", NGINX, re.M)  # server-sent events token by token
     assert "proxy_set_header X-Request-ID" in NGINX
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    assert "X-Specserve-Affinity" in deploy and "LB_BALANCE=round-robin" in deploy
+
+
+def test_nginx_fails_over_fast_and_spills_full_replicas() -> None:
+    [next_upstream] = nginx_directives("proxy_next_upstream")
+    assert set(next_upstream.split()) == {"error", "timeout", "http_429", "http_503", "non_idempotent"}
+    [connect] = nginx_directives("proxy_connect_timeout")
+    assert connect.endswith("s") and int(connect[:-1]) <= 2  # a gone replica's address may not refuse
+    # No failure takes a server out: with every replica full nginx would answer 502 instead of their 429s.
+    script = (DOCKER / "nginx" / "lb.sh").read_text()
+    assert re.findall(r'echo "server \$address:\$PORT ([^;"]*);"', script) == ["max_fails=0"]
+
+
+def _nginx() -> str:
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if nginx is None:
+        if os.environ.get("CI"):
+            pytest.fail("nginx is missing in CI (Debian package nginx)")
+        pytest.skip("nginx not installed (apt-get install nginx)")
+    return nginx
+
+
+class _Replica:
+    """A stand-in specserve on (host, port): answers every POST with its name, as the body."""
+
+    def __init__(self, name: str, host: str, port: int) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = name.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def kill(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Balancer:
+    """docker/nginx/lb.sh running the real nginx on our nginx.conf (its port and file paths the test's) over
+    stand-in replicas A and B (C runs too, outside the pool unless a stand-in getent adds it), one per loopback
+    address, all on one port."""
+
+    def __init__(self, tmp_path: Path, balance: str = "affinity", getent: str | None = None) -> None:
+        nginx = _nginx()
+        self.replicas: dict[str, _Replica] = {}
+        for _ in range(20):  # a port free on both addresses
+            probe = socket.socket()
+            probe.bind(("127.0.0.2", 0))
+            port = probe.getsockname()[1]
+            probe.close()
+            try:
+                self.replicas = {name: _Replica(name, f"127.0.0.{i + 2}", port) for i, name in enumerate("ABC")}
+                break
+            except OSError:
+                for replica in self.replicas.values():
+                    replica.kill()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+        conf = NGINX
+        for old, new in (
+            ("listen 8080;", f"listen 127.0.0.1:{self.url.rsplit(':', 1)[1]};"),
+            ("worker_processes auto;", f"worker_processes 2;\npid {tmp_path}/nginx.pid;"),
+            ("http {", "http {\n" + "".join(f"{t}_temp_path {tmp_path}/{t};\n" for t in _NGINX_TEMP)),
+        ):
+            assert conf.count(old) == 1, old
+            conf = conf.replace(old, new)
+        (tmp_path / "nginx.conf").write_text(conf)
+        self.servers = tmp_path / "specserve-pool.conf"
+        env = {
+            **os.environ,
+            "LB_POOL": "127.0.0.2 127.0.0.3",
+            "LB_POOL_PORT": str(port),
+            "LB_BALANCE": balance,
+            "LB_RESOLVE_SECONDS": "0.2",
+            "NGINX_CONF": str(tmp_path / "nginx.conf"),
+            "PATH": f"{Path(nginx).parent}:{os.environ.get('PATH', '')}",
+        }
+        if getent is not None:  # a stand-in getent, first on PATH, answers the look-ups
+            (tmp_path / "bin").mkdir()
+            (tmp_path / "bin" / "getent").write_text(f"#!/bin/sh\n{getent}\n")
+            (tmp_path / "bin" / "getent").chmod(0o755)
+            env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+            env["LB_POOL"] = "specserve-pool"
+        self.log = tmp_path / "access.log"
+        self.process = subprocess.Popen(
+            ["sh", str(DOCKER / "nginx" / "lb.sh"), "-e", "stderr"],
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        _wait_for(lambda: self._healthy(), 10, "nginx answering")
+
+    def _healthy(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"nginx exited: {self.process.stderr.read()}")  # type: ignore[union-attr]
+        try:
+            with urllib.request.urlopen(f"{self.url}/lb-health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def ask(self, body: dict, headers: dict[str, str] | None = None, path: str = "/generate") -> str:
+        """The replica that answered a POST (within 5 s, failover included)."""
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.read().decode()
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, signal.SIGQUIT)  # nginx's graceful stop; lb.sh's loop ends with it
+        self.process.wait(10)
+        for replica in self.replicas.values():
+            replica.kill()
+
+
+_NGINX_TEMP = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {seconds} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def balancer(tmp_path: Path) -> Iterator[_Balancer]:
+    lb = _Balancer(tmp_path)
+    yield lb
+    lb.stop()
+
+
+def _chat(salt: str | None, turn: int, user: str = "Tell me about the sea.") -> dict:
+    """A chat's turn as the OpenAI SDK sends it: messages first, the conversation growing, max_tokens changing."""
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 20}, {"role": "user", "content": user}]
+    for t in range(turn):
+        messages += [{"role": "assistant", "content": f"answer {t}"}, {"role": "user", "content": f"and {t}?"}]
+    body = {"messages": messages, "model": "specserve", "max_tokens": 16 + turn, "stream": turn % 2 == 0}
+    return body | ({"cache_salt": salt} if salt else {})
+
+
+def test_nginx_keeps_a_tenant_on_one_replica_and_spreads_tenants(balancer: _Balancer) -> None:
+    """The real nginx on our configuration: each tenant's 20 requests on one replica, whatever else changes
+    between them (the conversation's growth, max_tokens, the route), and the tenants over both replicas."""
+    salted = {
+        i: {balancer.ask(_chat(f"tenant-{i:02d}-0123456789", t), path="/v1/chat/completions") for t in range(20)}
+        for i in range(12)
+    }
+    assert all(len(where) == 1 for where in salted.values()), salted
+    assert {r for where in salted.values() for r in where} == {"A", "B"}
+    # Unsalted, under one API key: conversations (their first user message) spread, each on one replica.
+    key = {"Authorization": "Bearer one-key-for-everyone"}
+    chats = {
+        i: {balancer.ask(_chat(None, t, f"conversation {i}"), key, "/v1/chat/completions") for t in range(20)}
+        for i in range(12)
+    }
+    assert all(len(where) == 1 for where in chats.values()), chats
+    assert {r for where in chats.values() for r in where} == {"A", "B"}
+    # The native API, the salt in parameters, a conversation's inputs growing; a client's own key (a session id)
+    # in X-Specserve-Affinity, whatever its prompts.
+    native = {
+        i: {
+            balancer.ask(
+                {
+                    "inputs": "System: you are a helpful assistant; answer briefly and well.\nUser: hi" + " more" * t,
+                    "parameters": {"cache_salt": f"native-{i:02d}-0123456789"},
+                }
+            )
+            for t in range(20)
+        }
+        for i in range(12)
+    }
+    assert all(len(where) == 1 for where in native.values()), native
+    sessions = {
+        i: {balancer.ask({"inputs": f"turn {t}"}, {"X-Specserve-Affinity": f"session-{i}"}) for t in range(20)}
+        for i in range(12)
+    }
+    assert all(len(where) == 1 for where in sessions.values()), sessions
+    assert {r for where in sessions.values() for r in where} == {"A", "B"}
+
+
+def test_nginx_round_robin_spreads_one_tenant(tmp_path: Path) -> None:
+    """LB_BALANCE=round-robin (the comparison of docs/deploy.md): one tenant's requests on both replicas."""
+    lb = _Balancer(tmp_path, "round-robin")
+    try:
+        assert {lb.ask(_chat("tenant-00-0123456789", 0), path="/v1/chat/completions") for _ in range(8)} == {"A", "B"}
+    finally:
+        lb.stop()
+
+
+def test_nginx_serves_a_killed_replicas_tenants_from_another(balancer: _Balancer) -> None:
+    """A replica killed: the next request of each of its tenants is answered by the other replica (within the
+    5 s each request is given), and the other replica's tenants stay where they were."""
+    owner = {i: balancer.ask(_chat(f"tenant-{i:02d}-0123456789", 0), path="/v1/chat/completions") for i in range(12)}
+    assert set(owner.values()) == {"A", "B"}
+    balancer.replicas["B"].kill()
+    after = {i: balancer.ask(_chat(f"tenant-{i:02d}-0123456789", 1), path="/v1/chat/completions") for i in range(12)}
+    assert after == dict.fromkeys(owner, "A")
+
+
+def test_lb_sh_follows_the_pool_and_moves_only_the_changed_share(tmp_path: Path) -> None:
+    """lb.sh looks the alias up again (here a stand-in getent, as glibc's ahostsv4 prints) and reloads nginx when
+    the addresses change: a replica that joins gets tenants, and each tenant it does not get stays where it was."""
+    answer = tmp_path / "pool.txt"
+    answer.write_text("127.0.0.3       STREAM specserve-pool\n127.0.0.3       DGRAM\n127.0.0.2       STREAM\n")
+    lb = _Balancer(tmp_path, getent=f'[ "$1" = ahostsv4 ] && [ "$2" = specserve-pool ] && cat {answer}')
+    try:
+        assert "127.0.0.4" not in lb.servers.read_text()
+
+        def where() -> dict[int, str]:
+            return {i: lb.ask({"inputs": "x", "cache_salt": f"tenant-{i:02d}-0123456789"}) for i in range(24)}
+
+        before = where()
+        assert set(before.values()) == {"A", "B"}
+        answer.write_text(answer.read_text() + "127.0.0.4       STREAM\n")
+        _wait_for(lambda: "127.0.0.4" in lb.servers.read_text(), 10, "lb.sh rewriting the servers")
+        # The reload's new workers answer once the old ones have stopped taking connections: two rounds alike.
+        rounds = [where()]
+
+        def settled() -> bool:
+            rounds.append(where())
+            return "C" in rounds[-1].values() and rounds[-1] == rounds[-2]
+
+        _wait_for(settled, 10, "nginx reloaded")
+        after = rounds[-1]
+        assert all(after[i] in (before[i], "C") for i in before), (before, after)
+    finally:
+        lb.stop()
+
+
+def test_lb_sh_reads_busybox_nslookup_where_getent_has_no_ahostsv4(tmp_path: Path) -> None:
+    """Alpine's nginx image: musl's getent has no ahostsv4, busybox's nslookup answers (its server's address
+    first, which is not the pool's); lb.sh writes a server per answer and hands nginx its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, script in {
+        "getent": "exit 1",
+        "nslookup": "printf 'Server:\\t\\t127.0.0.11\\nAddress:\\t127.0.0.11:53\\n\\nNon-authoritative answer:\\n"
+        "Name:\\tspecserve-pool\\nAddress: 172.18.0.5\\nName:\\tspecserve-pool\\nAddress: 172.18.0.3\\n'",
+        "nginx": f'echo "$@" >{tmp_path}/nginx-args',
+    }.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{script}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NGINX_CONF": str(tmp_path / "nginx.conf")}
+    subprocess.run(["sh", str(DOCKER / "nginx" / "lb.sh"), "-e", "stderr"], env=env, check=True, timeout=10)
+    servers = (tmp_path / "specserve-pool.conf").read_text()
+    assert re.findall(r"^server (\S+) ", servers, re.M) == ["172.18.0.3:8000", "172.18.0.5:8000"]
+    assert "hash $specserve_affinity consistent;" in servers
+    assert (tmp_path / "nginx-args").read_text().split() == [
+        "-c",
+        str(tmp_path / "nginx.conf"),
+        "-e",
+        "stderr",
+        "-g",
+        "daemon",
+        "off;",
+    ]
+    bad = subprocess.run(
+        ["sh", str(DOCKER / "nginx" / "lb.sh")], env={**env, "LB_BALANCE": "random"}, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "LB_BALANCE must be" in bad.stderr
 
 
 def test_nginx_bounds_slow_clients_and_connections_per_client() -> None:
