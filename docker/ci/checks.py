@@ -9,6 +9,13 @@ check holds and 1 with the reason otherwise:
                                 /metrics has them, and every query of the Grafana dashboard returns data
   spread LB N -- COMMAND...     requests through nginx reach every one of the N specserve containers, by
                                 nginx's access log (COMMAND prints it) against the addresses in Prometheus
+  affinity LB FILE -- COMMAND...
+                                each tenant's (cache_salt) requests through nginx reach one container and the
+                                tenants several (nginx's log); a chat's second turn finds its first in that
+                                container's prefix cache; FILE gets "TENANT ADDRESS" lines
+  failover LB ADDRESS FILE -- COMMAND...
+                                the tenants FILE puts on ADDRESS (a container just killed) are each answered,
+                                within 5 s, by another container
 
 With SPECSERVE_API_KEY set (as compose passes it on to the servers), every request sends it.
 """
@@ -196,7 +203,11 @@ def check_spread(lb: str, prom: str, replicas: int, logs: Sequence[str]) -> None
     sent = 0
     while reached != addresses and sent < 60:
         for _ in range(8):
-            body = {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}
+            # A tenant each (nginx keeps one tenant's requests on one container).
+            body = {
+                "inputs": "Hi",
+                "parameters": {"max_new_tokens": 2, "cache_salt": f"ci-spread-{sent:04d}-0123456789"},
+            }
             post_ok(f"{lb}/generate", body, headers={"X-Request-ID": f"ci-spread-{sent}"})
             sent += 1
         log = subprocess.run(list(logs), capture_output=True, text=True, check=True).stdout
@@ -207,6 +218,83 @@ def check_spread(lb: str, prom: str, replicas: int, logs: Sequence[str]) -> None
     if reached != addresses:
         raise CheckFailed(f"{sent} requests through nginx reached {sorted(reached)} of {sorted(addresses)}")
     print(f"spread: {sent} requests through nginx reached all {replicas} containers")
+
+
+TENANTS = [f"ci-affinity-tenant-{i:02d}-0123456789" for i in range(12)]
+# A system prompt of several prefix-cache blocks (16 tokens each), so that a second turn has whole blocks to find.
+SYSTEM = "You are a careful assistant for the specserve project. " * 6
+
+
+def upstreams(logs: Sequence[str], prefix: str) -> dict[str, str]:
+    """request id -> the container address that answered it 200, from nginx's log, for ids starting `prefix` (a
+    request nginx passed on has every address it tried, the last one answering: `upstream=A, B`)."""
+    log = subprocess.run(list(logs), capture_output=True, text=True, check=True).stdout
+    found = re.findall(rf"upstream=([^=]+) upstream_status=([^=]+) request_id=({re.escape(prefix)}\S+)", log)
+    return {
+        rid: address.split(",")[-1].strip() for address, status, rid in found if status.split(",")[-1].strip() == "200"
+    }
+
+
+def ask_tenant(lb: str, tenant: str, rid: str) -> None:
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2, "cache_salt": tenant}}
+    post_ok(f"{lb}/generate", body, headers={"X-Request-ID": rid})
+
+
+def check_affinity(lb: str, out: str, logs: Sequence[str]) -> None:
+    for round_ in range(4):
+        for i, tenant in enumerate(TENANTS):
+            ask_tenant(lb, tenant, f"ci-affinity-{i:02d}-{round_}")
+    answered = upstreams(logs, "ci-affinity-")
+    where: dict[str, set[str]] = {}
+    for rid, address in answered.items():
+        where.setdefault(TENANTS[int(rid.split("-")[2])], set()).add(address)
+    if len(answered) != 4 * len(TENANTS):
+        raise CheckFailed(f"nginx's log shows {len(answered)} of {4 * len(TENANTS)} requests answered")
+    split = {t: sorted(a) for t, a in where.items() if len(a) != 1}
+    if split:
+        raise CheckFailed(f"tenants split over containers: {split}")
+    used = {a for addresses in where.values() for a in addresses}
+    if len(used) < 2:
+        raise CheckFailed(f"all {len(TENANTS)} tenants on one container ({used})")
+    # The second turn of a conversation reaches the container that cached the first.
+    tenant = TENANTS[0]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
+    first = post_ok(f"{lb}/v1/chat/completions", {"messages": messages, "max_tokens": 8, "cache_salt": tenant})
+    messages += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And another one?"},
+    ]
+    second = post_ok(f"{lb}/v1/chat/completions", {"messages": messages, "max_tokens": 8, "cache_salt": tenant})
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if not cached:
+        raise CheckFailed(f"the second turn found nothing of the first in the prefix cache: {second['usage']}")
+    Path(out).write_text("".join(f"{t} {next(iter(a))}\n" for t, a in where.items()))
+    print(
+        f"affinity: {len(TENANTS)} tenants x 4 requests, each tenant on one container, {len(used)} containers used;"
+        f" a chat's second turn found {cached} of {second['usage']['prompt_tokens']} prompt tokens cached"
+    )
+
+
+def check_failover(lb: str, killed: str, mapping: str, logs: Sequence[str]) -> None:
+    """Each tenant of the killed container: its next request answered 200 by another one, within 5 s."""
+    tenants = [t for t, a in (line.split() for line in Path(mapping).read_text().splitlines()) if a == killed]
+    if not tenants:
+        raise CheckFailed(f"no tenant was on {killed}")
+    took = []
+    for tenant in tenants:
+        started = time.monotonic()
+        ask_tenant(lb, tenant, f"ci-failover-{TENANTS.index(tenant):02d}")
+        took.append(time.monotonic() - started)
+    answered = upstreams(logs, "ci-failover-")
+    moved = {rid: address for rid, address in answered.items() if address != killed}
+    if len(moved) != len(tenants):
+        raise CheckFailed(f"of {len(tenants)} tenants of {killed}, {len(moved)} were answered elsewhere: {answered}")
+    if max(took) > 5:
+        raise CheckFailed(f"failover took {max(took):.1f} s (at most 5 s): {[round(t, 1) for t in took]}")
+    print(
+        f"failover: {len(tenants)} tenants of the killed {killed} answered by {sorted(set(moved.values()))}, "
+        f"each within {max(took):.1f} s"
+    )
 
 
 def main(argv: Sequence[str]) -> int:
@@ -222,6 +310,10 @@ def main(argv: Sequence[str]) -> int:
             check_prometheus(args[0], args[1])
         elif command == "spread":
             check_spread(args[0], args[1], int(args[2]), rest)
+        elif command == "affinity":
+            check_affinity(args[0], args[1], rest)
+        elif command == "failover":
+            check_failover(args[0], args[1], args[2], rest)
         else:
             raise CheckFailed(f"no check {command!r}")
     except CheckFailed as exc:

@@ -14,7 +14,9 @@
 #     privileges): health, a generation, a chat, /metrics, uid 10001, a restart from the model volume.
 #  5. compose: specserve + Prometheus; Prometheus reads the acceptance counters /metrics has, and every query
 #     of the Grafana dashboard returns data.
-#  6. compose --profile scaled: 3 replicas more behind nginx; requests through nginx reach all 4 containers.
+#  6. compose --profile scaled: 3 replicas more behind nginx; requests through nginx reach all 4 containers;
+#     each tenant's requests reach one container, and a second turn finds the first in its prefix cache; a
+#     killed replica's tenants are answered by another within 5 s.
 #  7. `docker-compose stop specserve` while a 400-token generation runs: it finishes, the server exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -254,6 +256,24 @@ step "compose --profile scaled up: 3 replicas and nginx"
 compose up -d --no-build specserve-replica lb
 python3 docker/ci/checks.py spread "http://127.0.0.1:$LB_PORT" "http://127.0.0.1:$PROMETHEUS_PORT" 4 \
   -- docker-compose --project-name "$PROJECT" --env-file "$WORK/empty.env" --profile scaled logs --no-color lb
+
+step "tenant affinity through nginx; a killed replica's tenants served by another"
+lb_log=(docker-compose --project-name "$PROJECT" --env-file "$WORK/empty.env" --profile scaled logs --no-color lb)
+python3 docker/ci/checks.py affinity "http://127.0.0.1:$LB_PORT" "$WORK/tenants" -- "${lb_log[@]}"
+victim=
+for id in $(compose ps -q specserve-replica); do # a replica (step 7 stops specserve) that holds tenants
+  address=$($DOCKER inspect --format '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$id"):8000
+  if grep -q " $address\$" "$WORK/tenants"; then
+    victim=$id
+    break
+  fi
+done
+if [ -z "$victim" ]; then
+  echo "no replica holds a tenant: $(cat "$WORK/tenants")" >&2
+  exit 1
+fi
+$DOCKER kill "$victim" >/dev/null
+python3 docker/ci/checks.py failover "http://127.0.0.1:$LB_PORT" "$address" "$WORK/tenants" -- "${lb_log[@]}"
 
 # --- 7. Drain on stop ------------------------------------------------------------------------------------
 step "compose stop specserve during a 400-token generation"
