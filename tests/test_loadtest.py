@@ -5,7 +5,9 @@ hit rate read from /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -71,10 +73,12 @@ async def test_in_process_requests_give_the_texts_served_over_http(api_engine):
     """The in-process baseline runs the very requests the chat clients send: same template, same texts."""
     served, _ = await _level(api_engine, 1, 3, "chat")
     direct, wall = run_in_process(api_engine, PROMPTS, 3, 8, "ngram", chat=True)
-    assert [r.text for r in direct] == [r.text for r in served]
-    row = summarize_level(direct, wall, {r.prompt_index: r.text for r in served}, greedy=True)
+    assert [r.text for r in direct] == [r.text for r in served] and wall > 0
+    # Walls of 1 s and 2 s, not the measured one: rates rounded to 0.01 tok/s on a slow (busy) machine would not
+    # halve exactly.
+    row = summarize_level(direct, 1.0, {r.prompt_index: r.text for r in served}, greedy=True)
     assert row["completed"] == 3 and row["differs_from_alone"] == 0 and row["tokens_per_second"] > 0
-    http = {**summarize_level(served, 2 * wall, None, True), "speculative": "ngram", "clients": 1}
+    http = {**summarize_level(served, 2.0, None, True), "speculative": "ngram", "clients": 1}
     table = markdown([{**row, "speculative": "ngram", "via": "in-process", "clients": 1}, http])
     # HTTP took twice the in-process wall time for the same tokens: half the rate.
     assert "| ngram | in-process | 1 | 3/3 |" in table and "nan" not in table
@@ -386,3 +390,272 @@ def test_loadtest_mixed_sizes_the_long_prompts_from_info_and_reports_them_apart(
     capsys.readouterr()  # the run's table
     assert cli.main(["loadtest", "--workload", "multiturn", "--api", "tgi"]) == 1
     assert "needs --api chat" in capsys.readouterr().err
+
+
+# --- the traffic workloads (issue 70, item 2) ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def batching_engine(packed_target):
+    """The target packed for a CPU kernel, with the n-gram draft: batched decoding and a prefix cache, as served."""
+    from app.engine import kernels
+    from app.engine.drafting.ngram import NgramDrafter
+    from app.engine.engine import Engine
+    from tests.conftest import FIXED_DRAFT
+
+    packed = packed_target(kernels.available()[0])
+    engine = Engine(packed.model, packed.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4, **FIXED_DRAFT)
+    assert engine.prefix_cache is not None
+    return engine
+
+
+class _Recording(httpx.AsyncBaseTransport):
+    """A transport that keeps every request body it passes on."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner, self.bodies = inner, []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.bodies.append(json.loads(await request.aread()))
+        return await self.inner.handle_async_request(request)
+
+
+async def test_traffic_episodes_answer_as_alone_each_client_its_own_tenant(batching_engine):
+    """Two clients each run an agent and a chat episode at once (different orders) on a batching server with a
+    prefix cache: every turn's messages are built from the answers the server streamed (the agent's tools sent,
+    its calls answered by their results), every answer equals its turn alone, and each client's requests carry its
+    own salt. On the server's side the salts keep the tenants apart: the first turn of every episode finds nothing
+    cached although the alone pass sent the very same prompt, while later turns find their own history; without
+    salts one client's first turn reads what the other left."""
+    import dataclasses
+
+    from app.bench import loadtest, workloads
+
+    episodes = [
+        dataclasses.replace(workloads.episodes("agent")[0], turns=3),
+        dataclasses.replace(workloads.episodes("chat")[1], turns=2),
+    ]
+    options = {"model": "smollm2-135m-instruct", "speculative": {"draft": "ngram"}}
+    app = create_app(Settings(), batching_engine)
+    async with app.router.lifespan_context(app):
+        transport = _Recording(httpx.ASGITransport(app=app))
+
+        async def level(clients: int, salts: list[str] | None):
+            transport.bodies.clear()
+            args = ("http://localhost", episodes, clients, 2, options, 120, salts, None, transport, 8)
+            results, wall = await loadtest.run_episodes(*args)
+            assert all(r.ok for r in results) and len(results) == 5 * clients, [r.error for r in results]
+            return results, wall, list(transport.bodies)
+
+        alone, _, _ = await level(1, ["loadtest-test-alone-client-0"])
+        salts = ["loadtest-test-level2-client-0", "loadtest-test-level2-client-1"]
+        results, wall, bodies = await level(2, salts)
+        unsalted, _, unsalted_bodies = await level(2, None)
+    reference = loadtest.episode_reference(alone)
+    summary = loadtest.summarize_episodes(results, episodes, reference)
+    assert (summary["same"], summary["compared"], summary["diverged"]) == (10, 10, 0)
+    assert summary["completed_episodes"] == summary["episodes"] == 4
+    assert set(summary["per_workload"]) == {"agent", "chat"}
+    assert summary["per_workload"]["agent"]["same"] == summary["per_workload"]["agent"]["compared"] == 6
+    # Each client started with another episode, so the two ran side by side.
+    assert {r.workload for r in results if r.turn == 0 and r.user == 0} == {"agent", "chat"}
+    assert results[0].workload != results[1].workload
+    assert {b["cache_salt"] for b in bodies} == set(salts) and all("cache_salt" not in b for b in unsalted_bodies)
+    assert all(b["speculative"] == {"draft": "ngram"} and b["stream"] and b["temperature"] == 0 for b in bodies)
+    agent = [b for b in bodies if b.get("tools")]
+    assert len(agent) == 6 and all(b["tools"] == workloads.AGENT_TOOLS for b in agent)
+    last = max(agent, key=lambda b: len(b["messages"]))["messages"]
+    assert [m["role"] for m in last[2:]] == ["assistant", "tool", "assistant", "tool"]
+    call = last[-2]["tool_calls"][0]["function"]
+    assert last[-1]["content"] == workloads.tool_result(call["name"], json.loads(call["arguments"]))
+    chat = max((b for b in bodies if not b.get("tools")), key=lambda b: len(b["messages"]))["messages"]
+    first_answers = {r.text for r in results if r.workload == "chat" and r.turn == 0}
+    assert chat[2]["role"] == "assistant" and chat[2]["content"] in first_answers
+    # The server's side: cached prompt tokens as its usage reports them.
+    assert all(r.cached_tokens == 0 for r in results if r.turn == 0)
+    assert all(r.cached_tokens and r.cached_tokens > 0 for r in results if r.turn > 0)
+    assert any(r.cached_tokens for r in unsalted if r.turn == 0)
+    row = {"speculative": "ngram", "clients": 2, **summarize_level(results, wall, None, True), "traffic": summary}
+    table = loadtest.markdown_traffic([row], ["cache_salt: its own"])
+    assert "| ngram | 2 | 4/4 | 10/10 |" in table and "| 10/10 |" in table
+    assert "| ngram | 2 | agent | 6/6 |" in table and table.endswith("- cache_salt: its own")
+
+
+@contextlib.contextmanager
+def _serving(app) -> Iterator[str]:
+    """uvicorn serving `app` on a free port of 127.0.0.1 in a thread; yields its base URL."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def test_loadtest_traffic_against_our_server_salts_every_level(batching_engine, tmp_path, capsys):
+    """`specserve loadtest --workload rag` against our server: the episodes alone first, then each level, every
+    answer equal to its alone, the draft sent, and no level finds a prompt in the server's cache although the
+    alone pass sent every one of them (unsalted, they share one tenant: the test above)."""
+    from app import cli
+
+    app = create_app(Settings(allowed_hosts="127.0.0.1"), batching_engine)
+    argv = ["loadtest", "--workload", "rag", "--clients", "1,2", "--episodes", "1", "-n", "4", "--draft", "ngram"]
+    with _serving(app) as url:
+        assert cli.main([*argv, "--url", url, "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "loadtest.json").read_text())
+    assert [r["clients"] for r in rows] == [1, 2] and all(r["server"] == "specserve" for r in rows)
+    assert all(r["speculative"] == "ngram" and r["completed"] == r["requests"] for r in rows)
+    assert all(r["traffic"]["same"] == r["traffic"]["compared"] == r["requests"] for r in rows)
+    assert all(r["cache_salt"] == "per level and client" for r in rows)
+    assert all(r["traffic"]["cached_prompt_share"] == 0.0 for r in rows)
+    notes = (tmp_path / "loadtest.md").read_text()
+    assert "server: specserve" in notes and "cache_salt: its own for each level and client" in notes
+    assert "alone: 4 episodes" in capsys.readouterr().out
+
+
+class _ToyServer:
+    """An OpenAI-compatible toy on 127.0.0.1 that refuses `cache_salt` (as OpenAI's own API refuses a field it does
+    not know) and has no /info: it streams a tool call to requests with tools, else a text naming how many messages
+    it got; every body it receives is kept. `ours`: it answers /info as specserve does, takes `cache_salt`, and
+    numbers its texts, so that no answer under load equals its alone."""
+
+    def __init__(self, ours: bool = False) -> None:
+        import http.server
+        import threading
+
+        bodies = self.bodies = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _json(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/models":
+                    self._json(200, {"data": [{"id": "toy"}]})
+                elif self.path == "/info" and ours:
+                    self._json(200, {"model_id": "toy", "available_drafts": ["none"]})
+                else:
+                    self._json(404, {"error": "not found"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                bodies.append(body)
+                if "cache_salt" in body and not ours:
+                    message = "Unrecognized request argument supplied: cache_salt"
+                    return self._json(400, {"error": {"message": message, "type": "invalid_request_error"}})
+                if body.get("tools"):
+                    head = {"index": 0, "id": f"call_{len(bodies)}", "type": "function"}
+                    deltas = [
+                        {"tool_calls": [{**head, "function": {"name": "list_files", "arguments": ""}}]},
+                        {"tool_calls": [{"index": 0, "function": {"arguments": '{"path": '}}]},
+                        {"tool_calls": [{"index": 0, "function": {"arguments": '"docs"}'}}]},
+                    ]
+                else:
+                    seen = f"{len(body['messages'])} messages" + (f", request {len(bodies)}" if ours else "")
+                    deltas = [{"content": "seen "}, {"content": seen}]
+                chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+                chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+                chunks.append({"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": len(deltas)}})
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for chunk in chunks:
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_loadtest_traffic_against_a_server_that_refuses_cache_salt(tmp_path, capsys):
+    """Another server (no /info of ours): a refused cache_salt stops the run with the way out (--no-salt); with it,
+    every workload runs mixed, neither salt nor `speculative` is sent (nor --draft taken), the agent's tools and the
+    toy's own calls go back with their results, and the report says the salts were not sent and that answers are
+    compared with the server's own alone as agreement."""
+    from app import cli
+    from app.bench import workloads
+
+    toy = _ToyServer()
+    try:
+        argv = ["loadtest", "--url", toy.url, "--workload", "traffic", "--clients", "1,2", "--episodes", "2"]
+        assert cli.main([*argv, "--out", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert "refused the cache_salt field" in err and "rerun with --no-salt" in err
+        assert toy.bodies[0]["cache_salt"].startswith("loadtest-")
+        assert cli.main([*argv, "--draft", "none", "--out", str(tmp_path)]) == 1
+        assert "--draft chooses ours only" in capsys.readouterr().err
+        toy.bodies.clear()
+        assert cli.main([*argv, "--no-salt", "--out", str(tmp_path)]) == 0
+    finally:
+        toy.close()
+    assert toy.bodies and all("cache_salt" not in b and "speculative" not in b for b in toy.bodies)
+    agent = [b for b in toy.bodies if b.get("tools")]
+    assert agent and all(b["tools"] == workloads.AGENT_TOOLS for b in agent)
+    later = max(agent, key=lambda b: len(b["messages"]))["messages"]
+    assert later[-2]["tool_calls"][0]["function"] == {"name": "list_files", "arguments": '{"path": "docs"}'}
+    assert later[-1] == {
+        "role": "tool",
+        "tool_call_id": later[-2]["tool_calls"][0]["id"],
+        "content": workloads.tool_result("list_files", {"path": "docs"}),
+    }
+    rows = json.loads((tmp_path / "loadtest.json").read_text())
+    assert [r["clients"] for r in rows] == [1, 2] and all(r["server"] == "other" for r in rows)
+    assert all(r["cache_salt"] == "not sent" and r["speculative"] == "(not sent)" for r in rows)
+    # Two episodes a client, the first two of the mixed list for one client: an agent loop and a conversation.
+    assert set(rows[0]["traffic"]["per_workload"]) == {"agent", "chat"}
+    assert all(r["traffic"]["same"] == r["traffic"]["compared"] > 0 for r in rows)
+    table = (tmp_path / "loadtest.md").read_text()
+    assert "cache_salt NOT sent (--no-salt)" in table and "server: not specserve" in table
+    assert "| (not sent) | 2 | 4/4 |" in table
+
+
+def test_loadtest_traffic_fails_where_our_answers_under_load_differ_from_alone(tmp_path, capsys):
+    """Against our server (its /info) an answer that differs from its turn alone is a failure (exit status 1, said),
+    after the report is written; the draft goes in `speculative` (default and none unless --draft says), salted."""
+    from app import cli
+
+    toy = _ToyServer(ours=True)
+    try:
+        argv = ["loadtest", "--url", toy.url, "--workload", "chat", "--clients", "2", "--episodes", "1"]
+        assert cli.main([*argv, "--out", str(tmp_path)]) == 1
+    finally:
+        toy.close()
+    assert "error: 4 of our server's answers under load differ from the same turn alone" in capsys.readouterr().err
+    drafts = [b["speculative"]["draft"] for b in toy.bodies]
+    assert set(drafts) == {"default", "none"} and all(b["cache_salt"].startswith("loadtest-") for b in toy.bodies)
+    rows = json.loads((tmp_path / "loadtest.json").read_text())
+    # Each level's first turns differ; the turns after them had other prompts than alone: not compared.
+    assert [(r["speculative"], r["traffic"]["same"], r["traffic"]["compared"]) for r in rows] == [
+        ("default", 0, 2),
+        ("none", 0, 2),
+    ]
+    assert all(r["traffic"]["diverged"] == 8 for r in rows)
+    assert "| default | 2 | 2/2 | 10/10 |" in (tmp_path / "loadtest.md").read_text()

@@ -36,6 +36,7 @@ import httpx
 from app.bench.workload_texts import SYSTEM_PROMPT, user_turns
 
 if TYPE_CHECKING:
+    from app.bench.workloads import Episode
     from app.engine.engine import Engine
 
 
@@ -51,9 +52,15 @@ class Result:
     end: float = 0.0
     speculative: dict[str, Any] | None = None
     prompt_tokens: int | None = None  # the usage field's, where the server sends one
-    user: int | None = None  # multiturn: the conversation
-    turn: int | None = None  # multiturn: 1 for the first turn
+    user: int | None = None  # multiturn: the conversation; traffic workloads: the client
+    turn: int | None = None  # multiturn: 1 for the first turn; traffic workloads: 0 for the first
     kind: str | None = None  # mixed: "long" or "short"
+    tool_calls: list[dict[str, Any]] | None = None  # chat: the calls the answer streamed, merged by index
+    cached_tokens: int | None = None  # the usage field's prompt_tokens_details.cached_tokens, where sent
+    detail: str | None = None  # an error status's body (its start)
+    workload: str | None = None  # traffic workloads: the episode's workload, index and prompt's digest
+    episode: int | None = None
+    prompt_digest: str | None = None
 
 
 def percentile(ordered: Sequence[float], q: float) -> float | None:
@@ -76,10 +83,12 @@ async def _one(
     options: dict[str, Any],
     headers: dict[str, str],
     api: str,
+    extra: dict[str, Any] | None = None,
 ) -> Result:
     """One streamed request. `api` "tgi": /generate_stream with the prompt as is; "chat":
     /v1/chat/completions with the prompt as the user message (the server applies the chat template), or a
-    list of messages as they are (a conversation)."""
+    list of messages as they are (a conversation), with `extra` fields in the body (tools, cache_salt); the
+    `speculative` field only where `options` has one."""
     if api == "tgi":
         assert isinstance(prompt, str), "a conversation needs the chat API"
         path = "/generate_stream"
@@ -93,17 +102,20 @@ async def _one(
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "speculative": options.get("speculative"),
+            **(extra or {}),
         }
+        if options.get("speculative") is not None:
+            body["speculative"] = options["speculative"]
     result = Result(index, ok=False, start=time.perf_counter())
     finished = False
     try:
         async with client.stream("POST", url + path, json=body, headers=headers) as resp:
             if resp.status_code != 200:
-                await resp.aread()
+                result.detail = (await resp.aread())[:500].decode(errors="replace")
                 result.error = "429" if resp.status_code == 429 else f"http_{resp.status_code}"
                 return result
             pieces: list[str] = []
+            calls: dict[int, dict[str, Any]] = {}
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -129,16 +141,23 @@ async def _one(
                     if event.get("usage"):
                         result.tokens = event["usage"]["completion_tokens"]
                         result.prompt_tokens = event["usage"].get("prompt_tokens")
-                    for choice in event.get("choices", []):
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
+                        details = event["usage"].get("prompt_tokens_details") or {}
+                        result.cached_tokens = details.get("cached_tokens")
+                    for choice in event.get("choices") or []:
+                        delta = choice.get("delta") or {}
+                        text = delta.get("content")
+                        if text or delta.get("tool_calls"):
                             result.token_times.append(time.perf_counter())
+                        if text:
                             pieces.append(text)
+                        for piece in delta.get("tool_calls") or []:
+                            _merge_call(calls, piece)
                         if choice.get("finish_reason"):
                             finished = True
                             result.speculative = event.get("speculative")
             if api == "chat":
                 result.text = "".join(pieces)
+                result.tool_calls = [calls[i] for i in sorted(calls)] or None
             result.ok = finished and "".join(pieces) == result.text
             if not result.ok:
                 result.error = "incomplete_stream" if not finished else "events_do_not_add_up"
@@ -147,6 +166,17 @@ async def _one(
     finally:
         result.end = time.perf_counter()
     return result
+
+
+def _merge_call(calls: dict[int, dict[str, Any]], piece: dict[str, Any]) -> None:
+    """One streamed tool-call delta into `calls` (by its index): the id, type and name as first sent, the
+    arguments' pieces appended."""
+    call = calls.setdefault(piece.get("index", 0), {"id": None, "type": "function", "function": {}})
+    call["id"] = call["id"] or piece.get("id")
+    function = piece.get("function") or {}
+    if function.get("name"):
+        call["function"]["name"] = call["function"].get("name", "") + function["name"]
+    call["function"]["arguments"] = call["function"].get("arguments", "") + (function.get("arguments") or "")
 
 
 def _client(time_limit: float, connections: int, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
@@ -298,6 +328,159 @@ async def run_mixed(
             shorts.append(await send(n, short_prompts[n], short_options, "short"))
         results = [*await asyncio.gather(*longs), *shorts]
     return results, time.perf_counter() - started
+
+
+def answer_message(result: Result) -> dict[str, Any]:
+    """A chat answer as the assistant message the server sent: its content and tool calls."""
+    return {"role": "assistant", "content": result.text or None, "tool_calls": result.tool_calls}
+
+
+def answer_key(result: Result) -> str:
+    """What two answers must share to be the same: the text, and each tool call's name and arguments (not its
+    id: a server draws those at random)."""
+    calls = [(c["function"].get("name"), c["function"].get("arguments")) for c in result.tool_calls or []]
+    return result.text + ("\n" + json.dumps(calls) if calls else "")
+
+
+def client_order(episodes: int, clients: int, client: int, count: int) -> list[int]:
+    """The episodes (indices into a list of `episodes`) that client `client` of `clients` runs, in order: `count`
+    of them (at most `episodes`, so a client never runs one twice) from its own start, the starts spread evenly
+    over the list, so that at any moment the clients run different episodes."""
+    start = client * episodes // clients
+    return [(start + j) % episodes for j in range(min(count, episodes))]
+
+
+async def run_episodes(
+    url: str,
+    episodes: Sequence[Episode],
+    clients: int,
+    per_client: int,
+    parameters: dict[str, Any],
+    time_limit: float,
+    salts: Sequence[str] | None,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    max_new_tokens: int | None = None,
+) -> tuple[list[Result], float]:
+    """The traffic workloads over the chat API: `clients` concurrent clients, each running `per_client` episodes
+    (`client_order`) one after another, each episode's turns in order, every turn's messages built from that
+    episode's earlier answers as the server sent them (content and tool calls; `Episode.messages`), with the
+    episode's `tools`. Client c's requests carry `cache_salt` `salts[c]` (None: no salt sent), so it is a tenant of
+    its own. `parameters`: `model` and, for our server, `speculative`; `max_new_tokens`: every turn's (None: the
+    episode's own). An episode stops at its first failed turn and a client starts no turn after `time_limit`
+    seconds. Returns the results (`user` the client, `workload`, `episode`, `turn` from 0, `prompt_digest`) and the
+    wall time."""
+    if salts is not None and len(salts) < clients:
+        raise ValueError(f"{clients} clients need {clients} salts, not {len(salts)}")
+    headers = auth_headers(api_key)
+    results: list[Result] = []
+    started = time.perf_counter()
+    async with _client(time_limit, clients + 2, transport) as client:
+
+        async def run_client(c: int) -> None:
+            for n in client_order(len(episodes), clients, c, per_client):
+                episode = episodes[n]
+                options = {**parameters, "max_new_tokens": max_new_tokens or episode.max_new_tokens}
+                extra: dict[str, Any] = {"tools": episode.tools} if episode.tools else {}
+                if salts is not None:
+                    extra["cache_salt"] = salts[c]
+                answers: list[dict[str, Any]] = []
+                for turn in range(episode.turns):
+                    if time.perf_counter() - started >= time_limit:
+                        return
+                    messages = episode.messages(answers)
+                    result = await _one(client, url, n, messages, options, headers, "chat", extra)
+                    result.user, result.turn, result.workload, result.episode = c, turn, episode.workload, episode.index
+                    result.prompt_digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+                    results.append(result)
+                    if not result.ok:
+                        break
+                    answers.append(answer_message(result))
+
+        await asyncio.gather(*(run_client(c) for c in range(clients)))
+    return results, time.perf_counter() - started
+
+
+# An episode's turn: (workload, episode index, turn).
+TurnKey = tuple[str, int, int]
+
+
+def _turn_key(result: Result) -> TurnKey:
+    return (result.workload or "", result.episode or 0, result.turn or 0)
+
+
+def episode_reference(results: list[Result]) -> dict[TurnKey, tuple[str, str]]:
+    """Each turn's prompt digest and answer (`answer_key`) in `results` (the episodes run alone): what the same
+    turn must give under load."""
+    return {_turn_key(r): (r.prompt_digest or "", answer_key(r)) for r in results if r.ok}
+
+
+def same_as_alone(results: list[Result], reference: dict[TurnKey, tuple[str, str]] | None) -> dict[str, Any]:
+    """How many answers equal their turn's alone, among those whose prompt was that turn's alone (a turn after an
+    answer that differed has another prompt: `diverged`, not compared); None figures without a reference."""
+    if reference is None:
+        return {"compared": None, "same": None, "diverged": None}
+    compared = same = diverged = 0
+    for r in results:
+        alone = reference.get(_turn_key(r))
+        if not r.ok or alone is None:
+            continue
+        if alone[0] != r.prompt_digest:
+            diverged += 1
+            continue
+        compared += 1
+        same += alone[1] == answer_key(r)
+    return {"compared": compared, "same": same, "diverged": diverged}
+
+
+def _cached_share(results: list[Result]) -> float | None:
+    """The share of prompt tokens the server reports it served from its cache (None: it reports none)."""
+    ok = [r for r in results if r.ok and r.cached_tokens is not None and r.prompt_tokens]
+    prompts = sum(r.prompt_tokens or 0 for r in ok)
+    return round(sum(r.cached_tokens or 0 for r in ok) / prompts, 4) if prompts else None
+
+
+def summarize_episodes(
+    results: list[Result], episodes: Sequence[Episode], reference: dict[TurnKey, tuple[str, str]] | None
+) -> dict[str, Any]:
+    """A traffic level's figures beyond `summarize_level`'s: episodes completed (every turn of one of `episodes`
+    answered), the answers' agreement with their
+    turn's alone (`same_as_alone`), the share of prompt tokens served from the server's cache, and per workload:
+    requests, tokens, tokens/s of a request while it ran (tokens over the requests' own seconds), TTFT and ITL
+    p50/p95 (ms), errors, agreement."""
+    runs: dict[tuple[int, str, int], list[Result]] = {}
+    for r in results:
+        runs.setdefault((r.user or 0, r.workload or "", r.episode or 0), []).append(r)
+    turns = {(e.workload, e.index): e.turns for e in episodes}
+    done = sum(
+        all(r.ok for r in run) and len(run) == turns.get((workload, index))
+        for (_, workload, index), run in runs.items()
+    )
+    per_workload = {}
+    for workload in dict.fromkeys(r.workload for r in results if r.workload):
+        group = [r for r in results if r.workload == workload]
+        ok = [r for r in group if r.ok]
+        seconds = sum(r.end - r.start for r in ok)
+        ttft = _percentiles([t * 1e3 for r in ok if (t := _ttft(r)) is not None])
+        itl = _percentiles([(b - a) * 1e3 for r in ok for a, b in itertools.pairwise(r.token_times)])
+        per_workload[workload] = {
+            "requests": len(group),
+            "completed": len(ok),
+            "tokens": sum(r.tokens for r in ok),
+            "tokens_per_second_per_request": round(sum(r.tokens for r in ok) / seconds, 2) if seconds > 0 else None,
+            "ttft_ms": {k: _round(ttft[k]) for k in ("p50", "p95")},
+            "itl_ms": {k: _round(itl[k]) for k in ("p50", "p95")},
+            "errors": dict(Counter(r.error for r in group if r.error)),
+            "cached_prompt_share": _cached_share(group),
+            **same_as_alone(group, reference),
+        }
+    return {
+        "episodes": len(runs),
+        "completed_episodes": done,
+        "cached_prompt_share": _cached_share(results),
+        **same_as_alone(results, reference),
+        "per_workload": per_workload,
+    }
 
 
 def run_in_process(
@@ -644,3 +827,52 @@ def markdown_mixed(rows: list[dict[str, Any]]) -> str:
             f"{prefix_cache_summary(r.get('prefix_cache'))} |"
         )
     return "\n".join(lines)
+
+
+def _agreement(figures: dict[str, Any]) -> str:
+    """`same/compared` (and how many turns diverged after an earlier difference), or "-" without a reference."""
+    if figures.get("compared") is None:
+        return "-"
+    text = f"{figures['same']}/{figures['compared']}"
+    return text + f" ({figures['diverged']} diverged)" if figures.get("diverged") else text
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def markdown_traffic(rows: list[dict[str, Any]], notes: Sequence[str] = ()) -> str:
+    """The traffic workloads' tables: one row per (speculation, clients), then one per workload within each, and
+    `notes` (the server, the salts) under them."""
+    lines = [
+        "| speculative | clients | episodes done | requests | tok/s | x one client | TTFT p50/p95 ms | "
+        "ITL p50/p95/p99 ms | errors | 429 | prompt cached | same as alone |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    detail = [
+        "",
+        "| speculative | clients | workload | requests | tokens | tok/s a request | TTFT p50/p95 ms | ITL p50/p95 ms | "
+        "errors | prompt cached | same as alone |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base: dict[str, float] = {}
+    for r in rows:
+        spec, rate, t = r["speculative"], r["tokens_per_second"], r["traffic"]
+        if r["clients"] == 1:
+            base[spec] = rate
+        scale = f"{rate / base[spec]:.2f}x" if base.get(spec) else "-"
+        lines.append(
+            f"| {spec} | {r['clients']} | {t['completed_episodes']}/{t['episodes']} | {r['completed']}/{r['requests']} "
+            f"| {rate:.1f} | {scale} | {_ms(r['ttft_ms'], 'p50', 'p95')} | {_ms(r['itl_ms'], 'p50', 'p95', 'p99')} | "
+            f"{sum(r['errors'].values()) - r['rejected_429']} | {r['rejected_429']} | "
+            f"{_share(t['cached_prompt_share'])} | {_agreement(t)} |"
+        )
+        for workload, w in t["per_workload"].items():
+            per_request = w["tokens_per_second_per_request"]
+            detail.append(
+                f"| {spec} | {r['clients']} | {workload} | {w['completed']}/{w['requests']} | {w['tokens']} | "
+                f"{'-' if per_request is None else f'{per_request:.1f}'} | {_ms(w['ttft_ms'], 'p50', 'p95')} | "
+                f"{_ms(w['itl_ms'], 'p50', 'p95')} | {sum(w['errors'].values())} | "
+                f"{_share(w['cached_prompt_share'])} | {_agreement(w)} |"
+            )
+    return "\n".join(lines + detail + ([""] + [f"- {n}" for n in notes] if notes else []))

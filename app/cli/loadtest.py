@@ -4,6 +4,8 @@ sends and measures; the drivers here walk the levels the flags ask for and print
 from __future__ import annotations
 
 import argparse
+import itertools
+import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,9 @@ from app.cli.common import (
     positive_int,
 )
 
+# The bench's traffic workloads (app.bench.workloads), and `traffic`: all of them mixed.
+TRAFFIC = ["agent", "chat", "code-edit", "extraction", "rag", "traffic"]
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -23,7 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "and report tokens/s, time to first token and inter-token latency (p50/p95/p99), errors by kind and 429s; "
         "every response is checked for completeness and against the text its prompt got alone. --workload "
         "multiturn adds TTFT per turn and the prompts' growth; --workload mixed reports short requests beside long "
-        "prompts apart. Every level reports the server's prefix-cache hit rate where its /metrics has one.",
+        "prompts apart. Every level reports the server's prefix-cache hit rate where its /metrics has one. --workload "
+        "agent, chat, code-edit, extraction, rag or traffic (all of them mixed) runs the bench's traffic episodes "
+        "against any OpenAI-compatible server.",
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument(
@@ -46,7 +53,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--draft", action="append", default=None, help="speculative.draft values (default: default, none)"
     )
-    parser.add_argument("--max-new-tokens", "-n", type=positive_int, default=128)
+    parser.add_argument(
+        "--max-new-tokens",
+        "-n",
+        type=positive_int,
+        default=None,
+        help="tokens per answer (default 128; traffic workloads: each episode's own, 40 to 448)",
+    )
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per level before clients stop")
     parser.add_argument("--api", choices=["chat", "tgi"], default="chat", help="chat: OpenAI chat API (chat template)")
     parser.add_argument("--api-key", default=None, help="bearer key, if the server requires one")
@@ -58,14 +71,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--workload",
-        choices=["prompts", "multiturn", "mixed", "chaos"],
+        choices=["prompts", "multiturn", "mixed", "chaos", *TRAFFIC],
         default="prompts",
         help="prompts: independent one-turn prompts from --input (closed loop, or --rates); multiturn: --clients "
         "users, each a conversation of --turns turns with a shared system prompt (chat API); mixed: --long-prompts "
         "prompts near the server's max input, and short requests sent one after another beside them; chaos: "
         "--clients (16) clients for --duration seconds sending greedy and seeded requests on all four routes, "
         "streamed and not, multi-turn chats, streams left mid-way, malformed bodies and long prompts, with /health "
-        "polled and RSS read meanwhile (app/bench/chaos.py)",
+        "polled and RSS read meanwhile (app/bench/chaos.py); agent, chat, code-edit, extraction, rag, traffic (all "
+        "of them mixed): --clients (1,8,16) clients, each running --episodes of the bench's episodes (agent loops "
+        "with tools, conversations, code edits, invoice extraction, questions on a document), every turn built from "
+        "the episode's earlier answers as the server sent them, each level and client its own cache_salt",
+    )
+    parser.add_argument(
+        "--episodes",
+        type=positive_int,
+        default=None,
+        help="traffic workloads: episodes each client runs per level, none twice (default: every one of the "
+        "workload's once)",
+    )
+    parser.add_argument(
+        "--no-salt",
+        dest="salt",
+        action="store_false",
+        help="traffic workloads: send no cache_salt (for a server that refuses the field; the report says so)",
     )
     parser.add_argument("--duration", type=float, default=300.0, help="chaos: seconds of load (300)")
     parser.add_argument(
@@ -89,13 +118,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "no process_resident_memory_bytes (an older server)",
     )
     parser.add_argument("--turns", type=positive_int, default=10, help="multiturn: turns per conversation (10)")
-    parser.add_argument("--seed", type=int, default=0, help="multiturn and mixed: the texts' seed; --rates: arrivals")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="multiturn, mixed and traffic workloads: the texts' seed; --rates: arrivals"
+    )
     parser.add_argument(
         "--no-warmup",
         dest="warmup",
         action="store_false",
         help="prompts workload: skip sending each prompt once before the levels (the warm-up fills the server's "
-        "prefix cache, so that no level, the first one included, pays cold prefills that the others do not)",
+        "prefix cache, so that no level, the first one included, pays cold prefills that the others do not); "
+        "traffic workloads: skip running each episode alone first (then no answer is compared with its alone)",
     )
     parser.add_argument("--long-prompts", type=positive_int, default=4, help="mixed: long prompts sent at once (4)")
     parser.add_argument(
@@ -130,13 +162,20 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--rates needs at least one rate > 0")
     if args.workload != "prompts" and (args.rates is not None or args.in_process):
         raise CliError(f"--rates and --in-process are for --workload prompts, not {args.workload}")
-    if args.workload == "multiturn" and args.api != "chat":
-        raise CliError("--workload multiturn sends conversations: it needs --api chat")
+    if args.workload in ("multiturn", *TRAFFIC) and args.api != "chat":
+        raise CliError(f"--workload {args.workload} sends conversations: it needs --api chat")
+    if args.workload not in TRAFFIC:
+        if args.episodes is not None or not args.salt:
+            raise CliError("--episodes and --no-salt are for the traffic workloads (agent, ..., traffic)")
+        if args.max_new_tokens is None:
+            args.max_new_tokens = 128
     if args.workload == "chaos":
         return _loadtest_chaos(args)
     if args.workload == "mixed" and args.clients is not None:
         raise CliError("--workload mixed sends --long-prompts at once and --short-requests in turn: no --clients")
-    default_clients = {"prompts": "1" if rates else "1,2,4,8,16", "multiturn": "4", "mixed": "1"}[args.workload]
+    default_clients = {"prompts": "1" if rates else "1,2,4,8,16", "multiturn": "4", "mixed": "1"}.get(
+        args.workload, "1,8,16"
+    )
     clients = args.clients if args.clients is not None else default_clients
     try:
         levels = [int(x) for x in clients.split(",") if x.strip()]
@@ -155,6 +194,16 @@ def run(args: argparse.Namespace) -> int:
     elif args.workload == "mixed":
         rows = _loadtest_mixed(args, model, headers)
         table = loadtest.markdown_mixed(rows)
+    elif args.workload in TRAFFIC:
+        rows, notes = _loadtest_traffic(args, levels, model, headers)
+        status = _report(args.out, "loadtest", rows, loadtest.markdown_traffic(rows, notes))
+        differ = sum(r["traffic"]["compared"] - r["traffic"]["same"] for r in rows if r["traffic"]["compared"])
+        if differ and rows[0]["server"] == "specserve":
+            print(
+                f"error: {differ} of our server's answers under load differ from the same turn alone", file=sys.stderr
+            )
+            return 1
+        return status
     else:
         rows = _loadtest_prompts(args, levels, rates, model, headers)
         table = loadtest.markdown(rows)
@@ -376,6 +425,114 @@ def _loadtest_mixed(args: argparse.Namespace, model: str, headers: dict[str, str
         rows.append(row)
         print(json.dumps(row["mixed"]), flush=True)
     return rows
+
+
+def _is_specserve(url: str, headers: dict[str, str]) -> bool:
+    """Whether the server at `url` is ours: its /info lists the drafts a request may choose."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{url}/info", headers=headers, timeout=10)
+        info = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return False
+    return isinstance(info, dict) and "available_drafts" in info
+
+
+def _refused_salt(results: list[Any]) -> str | None:
+    """The error body of a request the server refused for its cache_salt field, None if none was."""
+    for r in results:
+        if r.error and r.error.startswith("http_4") and "cache_salt" in (r.detail or ""):
+            return r.detail
+    return None
+
+
+def _loadtest_traffic(
+    args: argparse.Namespace, levels: list[int], model: str, headers: dict[str, str]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The traffic workloads: every episode alone first (the answers every level's are compared with), then every
+    draft (ours) or the one configuration (another server) at every client count; the rows and the notes under
+    the table."""
+    import json
+    import secrets
+
+    from app.bench import loadtest, workloads
+
+    names = list(workloads.WORKLOADS) if args.workload == "traffic" else [args.workload]
+    # Round robin over the workloads, so that a client's run and the clients at any moment mix them.
+    lists = [workloads.episodes(name, args.seed) for name in names]
+    episodes = [e for group in itertools.zip_longest(*lists) for e in group if e is not None]
+    per_client = args.episodes or len(episodes)
+    if per_client > len(episodes):
+        raise CliError(f"--workload {args.workload} has {len(episodes)} episodes: --episodes at most that")
+    ours = _is_specserve(args.url, headers)
+    if not ours and args.draft:
+        raise CliError(f"{args.url} is not specserve (no drafts in its /info): --draft chooses ours only")
+    drafts: list[str | None] = list(args.draft or ["default", "none"]) if ours else [None]
+    # Salts are fresh every run, so that neither an earlier run nor an earlier level served a prompt from its cache.
+    run_id = secrets.token_hex(8)
+
+    def salts(tag: str, clients: int) -> list[str] | None:
+        return [f"loadtest-{run_id}-{tag}-client-{c}" for c in range(clients)] if args.salt else None
+
+    def measure(clients: int, count: int, draft: str | None, tag: str) -> tuple[list[Any], float, dict[str, Any]]:
+        options: dict[str, Any] = {"model": model}
+        if draft is not None:
+            options["speculative"] = {"draft": draft}
+        level = loadtest.run_episodes(
+            args.url,
+            episodes,
+            clients,
+            count,
+            options,
+            args.time_limit,
+            salts(tag, clients),
+            args.api_key,
+            max_new_tokens=args.max_new_tokens,
+        )
+        (results, wall), prefix = _measured(args, headers, level)
+        refusal = _refused_salt(results) if args.salt else None
+        if refusal is not None:
+            raise CliError(f"{args.url} refused the cache_salt field ({refusal[:200]}): rerun with --no-salt")
+        return results, wall, prefix
+
+    reference = None
+    if args.warmup:
+        results, _, _ = measure(1, len(episodes), drafts[0], "alone")
+        reference = loadtest.episode_reference(results)
+        print(f"alone: {len(episodes)} episodes, {len(results)} turns, one client, not reported", flush=True)
+    rows: list[dict[str, Any]] = []
+    for draft in drafts:
+        label = draft if draft is not None else "(not sent)"
+        for clients in levels:
+            results, wall, prefix = measure(clients, per_client, draft, f"{label}-{clients}")
+            row: dict[str, Any] = {"speculative": label, "via": "http", "workload": args.workload, "clients": clients}
+            row["server"] = "specserve" if ours else "other"
+            row["cache_salt"] = "per level and client" if args.salt else "not sent"
+            row.update(loadtest.summarize_level(results, wall, None, True))
+            row["traffic"] = loadtest.summarize_episodes(results, episodes, reference)
+            row["prefix_cache"] = prefix
+            rows.append(row)
+            t = row["traffic"]
+            print(
+                json.dumps({k: row[k] for k in ("speculative", "clients", "tokens_per_second", "ttft_ms", "itl_ms")})
+                + f" episodes {t['completed_episodes']}/{t['episodes']}, same as alone {t['same']}/{t['compared']}",
+                flush=True,
+            )
+    notes = [
+        f"workload {args.workload}: {len(episodes)} episodes ({', '.join(names)}), {per_client} a client a level, "
+        f"seed {args.seed}; tokens per answer: {args.max_new_tokens or 'each episode own'}",
+        "server: specserve (the speculative field sent: --draft); same as alone must be every answer"
+        if ours
+        else "server: not specserve: one configuration, no speculative field; same as alone is its agreement with "
+        "its own answers alone (batched numerics may differ), not a failure",
+        f"cache_salt: its own for each level and client (loadtest-{run_id}-...): no level and no client reads "
+        "another's prompts from the server's cache"
+        if args.salt
+        else "cache_salt NOT sent (--no-salt): a server that caches prompts may serve a level's repeated prompts "
+        "from what earlier levels and clients left",
+    ]
+    return rows, notes
 
 
 def _loadtest_chaos(args: argparse.Namespace) -> int:
