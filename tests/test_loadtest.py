@@ -532,9 +532,10 @@ class _ToyServer:
     """An OpenAI-compatible toy on 127.0.0.1 that refuses `cache_salt` (as OpenAI's own API refuses a field it does
     not know) and has no /info: it streams a tool call to requests with tools, else a text naming how many messages
     it got; every body it receives is kept. `ours`: it answers /info as specserve does, takes `cache_salt`, and
-    numbers its texts, so that no answer under load equals its alone."""
+    numbers its texts, so that no answer under load equals its alone. `cached`: it takes `cache_salt` and reports
+    that many prompt tokens cached on every request (as llama-server, which ignores the field)."""
 
-    def __init__(self, ours: bool = False) -> None:
+    def __init__(self, ours: bool = False, cached: int | None = None) -> None:
         import http.server
         import threading
 
@@ -563,7 +564,7 @@ class _ToyServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 bodies.append(body)
-                if "cache_salt" in body and not ours:
+                if "cache_salt" in body and not ours and cached is None:
                     message = "Unrecognized request argument supplied: cache_salt"
                     return self._json(400, {"error": {"message": message, "type": "invalid_request_error"}})
                 if body.get("tools"):
@@ -578,7 +579,10 @@ class _ToyServer:
                     deltas = [{"content": "seen "}, {"content": seen}]
                 chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
                 chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-                chunks.append({"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": len(deltas)}})
+                usage = {"prompt_tokens": 50, "completion_tokens": len(deltas)}
+                if cached is not None:
+                    usage["prompt_tokens_details"] = {"cached_tokens": cached}
+                chunks.append({"choices": [], "usage": usage})
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -659,3 +663,40 @@ def test_loadtest_traffic_fails_where_our_answers_under_load_differ_from_alone(t
     ]
     assert all(r["traffic"]["diverged"] == 8 for r in rows)
     assert "| default | 2 | 2/2 | 10/10 |" in (tmp_path / "loadtest.md").read_text()
+
+
+def test_loadtest_traffic_says_when_a_server_ignores_cache_salt(tmp_path, capsys):
+    """A server that takes cache_salt but still reports prompt tokens cached on a salt's first request ignores it
+    (llama-server does): the row and the notes say so instead of claiming that no level read another's prompts."""
+    from app import cli
+
+    toy = _ToyServer(cached=40)
+    try:
+        argv = ["loadtest", "--url", toy.url, "--workload", "rag", "--clients", "1,2", "--episodes", "1"]
+        assert cli.main([*argv, "--out", str(tmp_path)]) == 0
+    finally:
+        toy.close()
+    assert all(b["cache_salt"].startswith("loadtest-") for b in toy.bodies)
+    rows = json.loads((tmp_path / "loadtest.json").read_text())
+    assert [r["traffic"]["first_requests_cached"] for r in rows] == [1, 2]
+    assert all(r["cache_salt"] == "sent, ignored by the server" for r in rows)
+    table = (tmp_path / "loadtest.md").read_text()
+    assert "cache_salt sent but IGNORED by the server: 3 clients' first requests" in table
+    assert "its own for each level and client" not in table and "| 80.0% |" in table
+
+
+async def test_a_request_is_sent_again_once_where_the_kept_alive_connection_was_closed():
+    """A connection the server closed under a request that had not reached it (RemoteProtocolError before any
+    response): sent again, once, and counted; a second such failure is the request's error."""
+    failures = iter([True, False, True, True])
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if next(failures):
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return httpx.Response(200, content=_sse(["a", " b"], 12))
+
+    options = {"max_new_tokens": 4, "model": "m"}
+    transport = httpx.MockTransport(handler)
+    results, wall = await run_level("http://x", ["p"], 1, 2, options, 60, "chat", None, transport)
+    assert [(r.ok, r.resent, r.error) for r in results] == [(True, True, None), (False, True, "RemoteProtocolError")]
+    assert results[0].text == "a b" and summarize_level(results, wall, None, True)["resent"] == 2

@@ -58,6 +58,7 @@ class Result:
     tool_calls: list[dict[str, Any]] | None = None  # chat: the calls the answer streamed, merged by index
     cached_tokens: int | None = None  # the usage field's prompt_tokens_details.cached_tokens, where sent
     detail: str | None = None  # an error status's body (its start)
+    resent: bool = False  # sent again on a new connection: the kept-alive one was closed under it
     workload: str | None = None  # traffic workloads: the episode's workload, index and prompt's digest
     episode: int | None = None
     prompt_digest: str | None = None
@@ -107,65 +108,80 @@ async def _one(
         if options.get("speculative") is not None:
             body["speculative"] = options["speculative"]
     result = Result(index, ok=False, start=time.perf_counter())
-    finished = False
-    try:
-        async with client.stream("POST", url + path, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                result.detail = (await resp.aread())[:500].decode(errors="replace")
-                result.error = "429" if resp.status_code == 429 else f"http_{resp.status_code}"
-                return result
-            pieces: list[str] = []
-            calls: dict[int, dict[str, Any]] = {}
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    err = event["error"]
-                    result.error = (
-                        f"stream_error: {err.get('type') if isinstance(err, dict) else event.get('error_type')}"
-                    )
-                    return result
-                if api == "tgi":
-                    result.token_times.append(time.perf_counter())
-                    pieces.append(event["token"]["text"])
-                    if event.get("generated_text") is not None:
-                        finished = True
-                        result.text = event["generated_text"]
-                        result.speculative = (event.get("details") or {}).get("speculative")
-                        result.tokens = len(result.token_times)
-                else:
-                    if event.get("usage"):
-                        result.tokens = event["usage"]["completion_tokens"]
-                        result.prompt_tokens = event["usage"].get("prompt_tokens")
-                        details = event["usage"].get("prompt_tokens_details") or {}
-                        result.cached_tokens = details.get("cached_tokens")
-                    for choice in event.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        text = delta.get("content")
-                        if text or delta.get("tool_calls"):
-                            result.token_times.append(time.perf_counter())
-                        if text:
-                            pieces.append(text)
-                        for piece in delta.get("tool_calls") or []:
-                            _merge_call(calls, piece)
-                        if choice.get("finish_reason"):
-                            finished = True
-                            result.speculative = event.get("speculative")
-            if api == "chat":
-                result.text = "".join(pieces)
-                result.tool_calls = [calls[i] for i in sorted(calls)] or None
-            result.ok = finished and "".join(pieces) == result.text
-            if not result.ok:
-                result.error = "incomplete_stream" if not finished else "events_do_not_add_up"
-    except httpx.HTTPError as exc:
-        result.error = type(exc).__name__
-    finally:
-        result.end = time.perf_counter()
+    for attempt in range(2):
+        answered = False
+        try:
+            async with client.stream("POST", url + path, json=body, headers=headers) as resp:
+                answered = True
+                await _read(resp, api, result)
+            break
+        except httpx.RemoteProtocolError as exc:
+            # The server closed a kept-alive connection as the request went out on it (llama-server does, at
+            # times, after a streamed answer): nothing reached it, so it is sent again on a new connection, as
+            # HTTP clients (the openai SDK's among them) do; counted.
+            if answered or attempt:
+                result.error = type(exc).__name__
+                break
+            result.resent = True
+        except httpx.HTTPError as exc:
+            result.error = type(exc).__name__
+            break
+    result.end = time.perf_counter()
     return result
+
+
+async def _read(resp: httpx.Response, api: str, result: Result) -> None:
+    """A streamed response into `result`: its text, tokens and their times, usage, or what went wrong."""
+    finished = False
+    if resp.status_code != 200:
+        result.detail = (await resp.aread())[:500].decode(errors="replace")
+        result.error = "429" if resp.status_code == 429 else f"http_{resp.status_code}"
+        return
+    pieces: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            err = event["error"]
+            result.error = f"stream_error: {err.get('type') if isinstance(err, dict) else event.get('error_type')}"
+            return
+        if api == "tgi":
+            result.token_times.append(time.perf_counter())
+            pieces.append(event["token"]["text"])
+            if event.get("generated_text") is not None:
+                finished = True
+                result.text = event["generated_text"]
+                result.speculative = (event.get("details") or {}).get("speculative")
+                result.tokens = len(result.token_times)
+        else:
+            if event.get("usage"):
+                result.tokens = event["usage"]["completion_tokens"]
+                result.prompt_tokens = event["usage"].get("prompt_tokens")
+                details = event["usage"].get("prompt_tokens_details") or {}
+                result.cached_tokens = details.get("cached_tokens")
+            for choice in event.get("choices") or []:
+                delta = choice.get("delta") or {}
+                text = delta.get("content")
+                if text or delta.get("tool_calls"):
+                    result.token_times.append(time.perf_counter())
+                if text:
+                    pieces.append(text)
+                for piece in delta.get("tool_calls") or []:
+                    _merge_call(calls, piece)
+                if choice.get("finish_reason"):
+                    finished = True
+                    result.speculative = event.get("speculative")
+    if api == "chat":
+        result.text = "".join(pieces)
+        result.tool_calls = [calls[i] for i in sorted(calls)] or None
+    result.ok = finished and "".join(pieces) == result.text
+    if not result.ok:
+        result.error = "incomplete_stream" if not finished else "events_do_not_add_up"
 
 
 def _merge_call(calls: dict[int, dict[str, Any]], piece: dict[str, Any]) -> None:
@@ -444,13 +460,18 @@ def summarize_episodes(
     results: list[Result], episodes: Sequence[Episode], reference: dict[TurnKey, tuple[str, str]] | None
 ) -> dict[str, Any]:
     """A traffic level's figures beyond `summarize_level`'s: episodes completed (every turn of one of `episodes`
-    answered), the answers' agreement with their
+    answered), how many clients' first requests found prompt tokens cached (with salts: the server ignores them),
+    the answers' agreement with their
     turn's alone (`same_as_alone`), the share of prompt tokens served from the server's cache, and per workload:
     requests, tokens, tokens/s of a request while it ran (tokens over the requests' own seconds), TTFT and ITL
     p50/p95 (ms), errors, agreement."""
     runs: dict[tuple[int, str, int], list[Result]] = {}
     for r in results:
         runs.setdefault((r.user or 0, r.workload or "", r.episode or 0), []).append(r)
+    # Each client's first request is a salt's first: a server that honours salts has nothing cached for it.
+    firsts: dict[int | None, Result] = {}
+    for r in sorted(results, key=lambda r: r.start):
+        firsts.setdefault(r.user, r)
     turns = {(e.workload, e.index): e.turns for e in episodes}
     done = sum(
         all(r.ok for r in run) and len(run) == turns.get((workload, index))
@@ -478,6 +499,7 @@ def summarize_episodes(
         "episodes": len(runs),
         "completed_episodes": done,
         "cached_prompt_share": _cached_share(results),
+        "first_requests_cached": sum(1 for r in firsts.values() if r.cached_tokens),
         **same_as_alone(results, reference),
         "per_workload": per_workload,
     }
@@ -539,6 +561,7 @@ def summarize_level(
         "mean_request_seconds": round(statistics.fmean(r.end - r.start for r in ok), 3) if ok else None,
         "errors": dict(errors),
         "rejected_429": errors.get("429", 0),
+        "resent": sum(r.resent for r in results),
         "differs_from_alone": mismatched,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
     }
@@ -875,4 +898,7 @@ def markdown_traffic(rows: list[dict[str, Any]], notes: Sequence[str] = ()) -> s
                 f"{_ms(w['itl_ms'], 'p50', 'p95')} | {sum(w['errors'].values())} | "
                 f"{_share(w['cached_prompt_share'])} | {_agreement(w)} |"
             )
+    resent = sum(r.get("resent", 0) for r in rows)
+    if resent:
+        notes = [*notes, f"{resent} requests sent again on a new connection: the server had closed the kept-alive one"]
     return "\n".join(lines + detail + ([""] + [f"- {n}" for n in notes] if notes else []))

@@ -511,6 +511,8 @@ def _loadtest_traffic(
             row["cache_salt"] = "per level and client" if args.salt else "not sent"
             row.update(loadtest.summarize_level(results, wall, None, True))
             row["traffic"] = loadtest.summarize_episodes(results, episodes, reference)
+            if args.salt and row["traffic"]["first_requests_cached"]:
+                row["cache_salt"] = "sent, ignored by the server"
             row["prefix_cache"] = prefix
             rows.append(row)
             t = row["traffic"]
@@ -519,6 +521,7 @@ def _loadtest_traffic(
                 + f" episodes {t['completed_episodes']}/{t['episodes']}, same as alone {t['same']}/{t['compared']}",
                 flush=True,
             )
+    ignored = sum(r["traffic"]["first_requests_cached"] for r in rows) if args.salt else 0
     notes = [
         f"workload {args.workload}: {len(episodes)} episodes ({', '.join(names)}), {per_client} a client a level, "
         f"seed {args.seed}; tokens per answer: {args.max_new_tokens or 'each episode own'}",
@@ -526,7 +529,11 @@ def _loadtest_traffic(
         if ours
         else "server: not specserve: one configuration, no speculative field; same as alone is its agreement with "
         "its own answers alone (batched numerics may differ), not a failure",
-        f"cache_salt: its own for each level and client (loadtest-{run_id}-...): no level and no client reads "
+        f"cache_salt sent but IGNORED by the server: {ignored} clients' first requests (salts it had never seen) "
+        "found prompt tokens in its cache, so its cache serves the prompts earlier levels and clients sent (for cold "
+        "levels, restart it between them)"
+        if ignored
+        else f"cache_salt: its own for each level and client (loadtest-{run_id}-...): no level and no client reads "
         "another's prompts from the server's cache"
         if args.salt
         else "cache_salt NOT sent (--no-salt): a server that caches prompts may serve a level's repeated prompts "
