@@ -124,7 +124,8 @@ def _stream(
             yield event({"error": {"message": value}})
             break
         else:
-            yield event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+            finish = "length" if value >= max_tokens else "stop"
+            yield event({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
             if usage:
                 yield event({"choices": [], "usage": {"completion_tokens": value}})
             break
@@ -156,7 +157,8 @@ def pipeline_generate(model: str, threads: int, prompt_lookup: bool) -> Generate
             on_text(text)
             return ov_genai.StreamingStatus.RUNNING
 
-        result = pipe.generate(prompt, config, streamer)
+        # A list of one prompt gives DecodedResults, with the count; a bare string, only the text.
+        result = pipe.generate([prompt], config, streamer)
         return int(result.perf_metrics.get_num_generated_tokens())
 
     return generate
