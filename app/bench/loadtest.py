@@ -14,6 +14,10 @@ system prompt (`run_conversations`, TTFT per turn and the prompts' growth: `summ
 beside long prompts near the server's max input (`run_mixed`, the two apart: `summarize_mixed`). Every level also
 reports the prefix cache's hit rate from the server's /metrics counters (`prefix_cache_hit_rate`), n/a where it
 has none.
+
+The bench's traffic workloads (issue 70) over HTTP against any OpenAI-compatible server: `run_episodes` (each client
+its episodes, every turn built from the answers the server streamed, tools included, each client its cache_salt),
+`episode_reference` and `same_as_alone` (each answer against its turn alone), `summarize_episodes` (per workload).
 """
 
 from __future__ import annotations
