@@ -106,7 +106,8 @@ ALLOWED = {
     "store": {"hub"},
     "engine": {"store"},
     "distill": {"engine", "store"},
-    "service": {"engine", "store"},
+    # The worker's idle time trains each tenant's draft adapter as train-draft trains a draft (app.distill.online).
+    "service": {"distill", "engine", "store"},
     "api": {"service", "engine", "store"},
     # The traffic workloads render tool calls as the chat route does (app.api.tools).
     "bench": {"api", "engine", "store"},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import overload
 
@@ -144,6 +144,10 @@ class Engine:
         self.batcher = Batcher(target, self.prefill_chunk, self.prefill_step_seconds)
         # None where rows depend on the batch (a cached block would then differ in its last bits from a fresh one).
         self.traffic = traffic
+        # Told of each finished answer that is not isolated: (tenant, the target's states [>= len(ids) - 1, dim],
+        # the whole sequence, the prompt's length); the draft learner's traces (app.distill.online). The buffers
+        # are the request's: a listener copies what it keeps.
+        self.on_answer: Callable[[str | None, torch.Tensor, Sequence[int], int], None] | None = None
         self.prefix_cache: PrefixCache | None = None
         if self.batching and prefix_cache_mb > 0:
             self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20), tenant_share=tenant_cache_share)
@@ -209,18 +213,25 @@ class Engine:
             self.verify_width,
             costs,
             grammar=grammar,
-            on_finish=self._file if self.traffic is not None and self.traffic.max_bytes else None,
+            on_finish=self._file if self._files else None,
         )
         self._reuse(gen)
         return gen
 
+    @property
+    def _files(self) -> bool:
+        return (self.traffic is not None and self.traffic.max_bytes > 0) or self.on_answer is not None
+
     def _file(self, gen: Generation) -> None:
         """A finished answer goes into the index of earlier answers, for its tenant's later requests to draft from
-        (target-only answers too: what the server wrote, whichever draft the request chose)."""
-        assert self.traffic is not None
+        (target-only answers too: what the server wrote, whichever draft the request chose), and with the target's
+        states of its positions (where its draft read them) to `on_answer`."""
         if gen.params.isolated:
             return
-        self.traffic.add(gen.params.cache_salt, gen.ids, gen.prompt_len)
+        if self.traffic is not None and self.traffic.max_bytes:
+            self.traffic.add(gen.params.cache_salt, gen.ids, gen.prompt_len)
+        if self.on_answer is not None and gen.features is not None:
+            self.on_answer(gen.params.cache_salt, gen.features, gen.ids, gen.prompt_len)
 
     def _reuse(self, gen: Generation) -> None:
         """Load the cached blocks that continue `gen`'s prompt past what its cache holds."""

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the metrics load without torch
 
     from prometheus_client.core import Metric
 
+    from app.distill.online import DraftLearner
     from app.engine.drafting.suffix_index import TrafficIndex
     from app.engine.step import StepOutput
 
@@ -330,6 +331,10 @@ class Metrics:
         keeps; reading them needs no lock)."""
         self.registry.register(_IndexCollector(index, self.model_name))
 
+    def watch_learner(self, learner: DraftLearner) -> None:
+        """Export the draft learner's figures as they are at each scrape."""
+        self.registry.register(_LearnerCollector(learner, self.model_name))
+
     def request_ended(self, outcome: str, finish_reason: str | None = None) -> None:
         """Count a request that ended (rejected ones included) by `outcome` (see OUTCOMES)."""
         self._requests.labels(self.model_name, outcome, finish_reason or "none").inc()
@@ -484,3 +489,48 @@ class _IndexCollector:
             metric = family("specserve_" + name, doc, labels=labels)
             metric.add_metric([self._model], value)
             yield metric
+
+
+class _LearnerCollector:
+    """The draft learner (app.distill.online.DraftLearner), read at scrape time. Tenants are labelled by API key
+    name, `shared` or `salted` (a salt is a secret: never a label)."""
+
+    def __init__(self, learner: DraftLearner, model_name: str) -> None:
+        self._learner = learner
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        learner, model = self._learner, self._model
+        stats = learner.snapshot()
+        traces = GaugeMetricFamily(
+            "specserve_draft_learning_trace_bytes",
+            "Memory the answers the draft learns from hold.",
+            labels=["model_name"],
+        )
+        traces.add_metric([model], stats.trace_bytes)
+        yield traces
+        seconds = CounterMetricFamily(
+            "specserve_draft_learning_seconds", "Seconds the draft learner computed.", labels=["model_name"]
+        )
+        seconds.add_metric([model], stats.seconds)
+        yield seconds
+        updates = CounterMetricFamily(
+            "specserve_draft_learning_updates",
+            "Rounds of draft learning by outcome: kept (the new adapter agreed more often with the target on the "
+            "tenant's newest answers) or dropped.",
+            labels=["model_name", "tenant", "outcome"],
+        )
+        for outcome, counts in (("kept", stats.kept), ("dropped", stats.dropped)):
+            for tenant, n in counts.items():
+                updates.add_metric([model, tenant, outcome], n)
+        yield updates
+        agreement = GaugeMetricFamily(
+            "specserve_draft_learning_agreement",
+            "Top-1 agreement of the draft's first token with the target on a tenant's held-back answers, at the last "
+            "round: before (the adapter it had) and after (the one trained).",
+            labels=["model_name", "tenant", "when"],
+        )
+        for when, figures in (("before", stats.before), ("after", stats.after)):
+            for tenant, value in figures.items():
+                agreement.add_metric([model, tenant, when], value)
+        yield agreement

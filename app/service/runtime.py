@@ -10,6 +10,8 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app import __version__
 from app.engine.decoding.grammar import Grammars
@@ -19,6 +21,9 @@ from app.engine.model.tokenizer import Tokenizer
 from app.service.metrics import Metrics
 from app.service.scheduler import Scheduler, largest_request_bytes
 from app.service.settings import Settings
+
+if TYPE_CHECKING:
+    from app.distill.online import DraftLearner
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,7 @@ class Runtime:
     scheduler: Scheduler
     tokenizer: Tokenizer
     info: ModelInfo
+    learner: DraftLearner | None = None
 
     @property
     def grammars(self) -> Grammars:
@@ -110,11 +116,14 @@ class Runtime:
                 t for t in (settings.default_temperature, generation_temperature, 1.0) if t is not None
             ),
         )
+        learner = draft_learner(engine, settings)
         if metrics is not None:
             k = engine.num_draft_tokens if engine.drafters else 0
             metrics.engine_started(info.kernel, info.dtype, engine.batching, k)
             if engine.traffic is not None:
                 metrics.watch_index(engine.traffic)
+            if learner is not None:
+                metrics.watch_learner(learner)
         scheduler = Scheduler(
             engine,
             settings.max_concurrent_requests,
@@ -124,9 +133,12 @@ class Runtime:
             queue_timeout=settings.queue_timeout,
             max_backlog=settings.max_stream_backlog,
             stall_timeout=settings.send_timeout,
+            idle=learner,
         )
         scheduler.start()
-        return cls(scheduler, engine.tokenizer, info)
+        if learner is not None:
+            learner.start()
+        return cls(scheduler, engine.tokenizer, info, learner)
 
     @classmethod
     def load(cls, settings: Settings, metrics: Metrics | None) -> Runtime:
@@ -152,8 +164,33 @@ class Runtime:
         return cls.from_engine(engine, settings, metrics, generation_temperature(settings.target))
 
     def close(self) -> None:
-        """Stop the worker; requests still held fail with 503."""
+        """Stop the worker (requests still held fail with 503) and the draft learner."""
         self.scheduler.stop()
+        if self.learner is not None:
+            self.learner.stop()
+
+
+def draft_learner(engine: Engine, settings: Settings) -> DraftLearner | None:
+    """The draft learner `settings.draft_learning` asks for, wired into `engine` (its answers, its feature draft's
+    adapters); None when off. ValueError where there is no feature draft to learn."""
+    if settings.draft_learning != "on":
+        return None
+    from app.distill.online import DraftLearner, LearningConfig
+    from app.engine.drafting.eagle import EagleDrafter
+    from app.engine.drafting.hybrid import HybridDrafter
+
+    models = [d.model if isinstance(d, HybridDrafter) else d for d in engine.drafters.values()]
+    eagle = next((d for d in models if isinstance(d, EagleDrafter) and d.draft.source is not None), None)
+    if eagle is None:
+        raise ValueError("draft_learning on needs a feature draft (a draft made by `specserve train-draft`)")
+    assert eagle.draft.source is not None
+    directory = Path(settings.draft_learning_dir) if settings.draft_learning_dir else None
+    config = LearningConfig(memory_bytes=int(settings.draft_learning_mb * 2**20))
+    learner = DraftLearner(eagle.draft.source, engine.target, config, directory)
+    engine.on_answer = learner.observe
+    eagle.adapters = learner.adapter
+    log.info("draft learning on for %s (adapters %s)", eagle.name, f"kept in {directory}" if directory else "in memory")
+    return learner
 
 
 def kv_budget(engine: Engine, settings: Settings) -> int:

@@ -43,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from app.engine.engine import Engine
 from app.engine.generation import Generation
@@ -179,6 +180,16 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
+class IdleListener(Protocol):
+    """What wants to know when the worker has nothing to do (app.distill.online.DraftLearner)."""
+
+    def worker_idle(self) -> None:
+        """The worker waits for work (called with the scheduler's lock held: return at once)."""
+
+    def worker_busy(self) -> None:
+        """The worker has work again; return once the worker may step (nothing else computing)."""
+
+
 class Scheduler:
     """Admission, queueing and the worker thread that steps every generation.
 
@@ -192,7 +203,8 @@ class Scheduler:
     the CPU products' thread count around each step (default: a `ThreadGovernor` of torch's count).
     `max_backlog`: the most tokens a request's events may hold that its consumer has not taken; `stall_timeout`:
     the longest its consumer may hold one event before asking for the next while more wait (None: no bound);
-    past either the request is cancelled as ``client_stalled`` (module docstring).
+    past either the request is cancelled as ``client_stalled`` (module docstring). `idle`: told when the worker
+    starts waiting for work and when it has work again, before its next step (the draft learner trains between).
     """
 
     def __init__(
@@ -209,6 +221,7 @@ class Scheduler:
         queue_timeout: float | None = None,
         max_backlog: int | None = None,
         stall_timeout: float | None = None,
+        idle: IdleListener | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or max_overtakes < 0:
             raise ValueError("need max_running >= 1, max_waiting >= 0 and max_overtakes >= 0")
@@ -219,6 +232,7 @@ class Scheduler:
         if kv_budget is not None and kv_budget < 1:
             raise ValueError("the KV-cache budget must be positive")
         self.engine = engine
+        self._idle = idle
         # Tokens whose events say `special` (their text is left out unless asked for).
         self._special = engine.tokenizer.special_ids | engine.tokenizer.eos_token_ids
         budget = kv_budget if kv_budget is not None else max_running * largest_request_bytes(engine)
@@ -571,9 +585,13 @@ class Scheduler:
             self._died(exc)
 
     def _serve(self) -> None:
+        waited = False
         while True:
             with self._lock:
                 while not self._stopping and not self._admitted and not self._running:
+                    if self._idle is not None and not waited:
+                        self._idle.worker_idle()
+                    waited = True
                     self._wake.wait()
                 if self._stopping:
                     return
@@ -581,6 +599,10 @@ class Scheduler:
                 admitted = list(self._admitted)
                 self._admitted.clear()
                 room = self.kv_budget - self._admission.held_bytes
+            if waited and self._idle is not None:
+                # Outside the lock: this waits for a training step in flight, and submissions must not.
+                self._idle.worker_busy()
+            waited = False
             try:
                 # The prefix cache keeps what the admitted requests leave of the budget: its blocks are memory
                 # admission takes back, evicted here (the worker's thread owns them) before new caches are made.

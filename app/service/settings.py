@@ -122,6 +122,22 @@ class Settings(BaseSettings):
         description="memory (MiB) for the index of earlier answers that the lookups of the `suffix` and `hybrid` "
         "drafts read (per tenant: a request's cache_salt), least recently used answers evicted first; 0: none kept",
     )
+    draft_learning: Literal["off", "on"] = Field(
+        "off",
+        description="the feature draft learns from what it serves: each tenant's finished answers train a small "
+        "adapter of the draft while the worker is idle, kept only when it agrees with the target more often on the "
+        "tenant's newest answers (docs/service.md, Draft learning); answers never change, only their speed",
+    )
+    draft_learning_dir: str | None = Field(
+        None,
+        description="where the draft learning keeps tenants' adapters across restarts (none: in memory only)",
+    )
+    draft_learning_mb: float = Field(
+        64,
+        gt=0,
+        description="memory (MiB) for the answers the draft learning trains on, all tenants; the tenant holding "
+        "most gives its oldest up first",
+    )
     tenant_cache_share: float = Field(
         DEFAULT_TENANT_CACHE_SHARE,
         gt=0,

@@ -15,7 +15,7 @@ norm and the list of ids (a few MB).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from app.engine.defaults import DEFAULT_DRAFT_WEIGHTS, DRAFT_WEIGHTS, MAX_DRAFT_TOKENS
+from app.engine.drafting.adapter import Adapter, draft_fingerprint
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.loop import NetworkSession, run_drafts
 from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tree
@@ -102,7 +103,8 @@ class EagleDraft(nn.Module):
     """The draft network. `forward(states [B, T, dim], next_tokens [B, T], start_pos, cache)` returns its
     predicted next states [B, T, dim]; `draft_logits(states)` projects them onto the draft vocabulary
     [..., draft_vocab_size]. `attach(target)` must be called before either (it lends the embedding and
-    output layer)."""
+    output layer). Both take a tenant's `Adapter` (app.engine.drafting.adapter), which adds to the fusion
+    layer's output and to the logits. `fingerprint`: the digest of the weights file it was read from (`source`)."""
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
@@ -118,6 +120,8 @@ class EagleDraft(nn.Module):
         self._cos = self._sin = torch.empty(0)
         self.__dict__["_kernel"] = None  # the CPU kernel pack() laid the block out for (its caches attend on it)
         self.__dict__["_stack"] = None  # the decoder layer in one kernel call (pack)
+        self.fingerprint = ""
+        self.source: Path | None = None  # the directory it was read from
 
     def attach(self, target: Transformer, pack: bool = False, qtype: str | None = None) -> None:
         """Borrow `target`'s (frozen) embedding and the rows of its output layer for `vocab_ids`. `pack`: the rows
@@ -218,11 +222,21 @@ class EagleDraft(nn.Module):
     def _final_norm(self, x: Tensor) -> Tensor:
         return final_norm(self.norm, self.__dict__["_kernel"], x)
 
-    def forward(self, states: Tensor, next_tokens: Tensor, start_pos: int = 0, cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self,
+        states: Tensor,
+        next_tokens: Tensor,
+        start_pos: int = 0,
+        cache: KVCache | None = None,
+        adapter: Adapter | None = None,
+    ) -> Tensor:
         if self._embed is None:
             raise RuntimeError("attach(target) first")
         t = states.shape[1]
-        x = self.fc(torch.cat([self._embed(next_tokens).to(states.dtype), states], dim=-1))
+        inputs = torch.cat([self._embed(next_tokens).to(states.dtype), states], dim=-1)
+        x = self.fc(inputs)
+        if adapter is not None:
+            x = x + adapter.fusion(inputs).to(x.dtype)
         cos, sin = self._rope(start_pos, start_pos + t, x.dtype, x.device)
         stack = self._stack_for([cache]) if cache is not None and x.shape[0] == 1 else None
         if stack is not None:
@@ -238,9 +252,14 @@ class EagleDraft(nn.Module):
             cache.length = start_pos + t
         return self._final_norm(x)
 
-    def forward_batch(self, items: Sequence[tuple[Tensor, Tensor, int, KVCache]]) -> list[Tensor]:
+    def forward_batch(
+        self,
+        items: Sequence[tuple[Tensor, Tensor, int, KVCache]],
+        adapters: Sequence[Adapter | None] | None = None,
+    ) -> list[Tensor]:
         """`forward` for several sessions at once: (states [T_i, dim], next_tokens [T_i], start_pos_i,
-        cache_i) each; returns predicted states [T_i, dim] per session. The weights are read once for all."""
+        cache_i) each, and each one's adapter (None: none); returns predicted states [T_i, dim] per session.
+        The weights are read once for all."""
         if self._embed is None:
             raise RuntimeError("attach(target) first")
         states = torch.cat([s for s, _, _, _ in items])[None]
@@ -250,7 +269,16 @@ class EagleDraft(nn.Module):
             [(s.shape[0], start, cache) for s, _, start, cache in items],
             lambda a, b: self._rope(a, b, dtype, device),
         )
-        x = self.fc(torch.cat([self._embed(tokens).to(dtype), states], dim=-1))
+        inputs = torch.cat([self._embed(tokens).to(dtype), states], dim=-1)
+        x = self.fc(inputs)
+        if adapters is not None and any(a is not None for a in adapters):
+            x = x.clone()
+            lo = 0
+            for (s, _, _, _), adapter in zip(items, adapters, strict=True):
+                hi = lo + s.shape[0]
+                if adapter is not None:
+                    x[0, lo:hi] += adapter.fusion(inputs[0, lo:hi]).to(x.dtype)
+                lo = hi
         stack = self._stack_for([p.cache for p in layout.parts])
         if stack is not None and all(p.mask is None for p in layout.parts):
             seqs = [(p.cache.k, p.cache.v, p.start_pos, p.rows, None) for p in layout.parts]
@@ -260,10 +288,11 @@ class EagleDraft(nn.Module):
         layout.advance()
         return layout.split(self._final_norm(x)[0])
 
-    def draft_logits(self, states: Tensor) -> Tensor:
+    def draft_logits(self, states: Tensor, adapter: Adapter | None = None) -> Tensor:
         """Logits over the draft vocabulary [..., draft_vocab_size] for predicted states [..., dim]."""
         head = self.__dict__["_head"]
-        return head(states) if head is not None else F.linear(states, self._head_rows)
+        logits = head(states) if head is not None else F.linear(states, self._head_rows)
+        return logits if adapter is None else adapter.logits(logits)
 
 
 def _bytes_per_weight(qtype: str) -> float:
@@ -309,6 +338,8 @@ def read_draft(path: Path) -> EagleDraft:
         draft.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise EagleError(f"draft weights in {path} do not match its config: {exc}") from exc
+    draft.fingerprint = draft_fingerprint(path / WEIGHTS_FILE)
+    draft.source = path
     return draft
 
 
@@ -370,6 +401,22 @@ class _EagleSession(NetworkSession):
         self._input: tuple[Tensor, Tensor, int] | None = None
         self._guess = torch.empty(0)
         self._next_pos = 0
+        self._adapters = drafter.adapters
+        # The request's tenant's adapter (start), None: the shipped draft. Read at each forward, so that a newer
+        # adapter kept mid-request drafts its next tokens (the answer is the target's either way).
+        self.adapter: Adapter | None = None
+        self._tenant: str | None = None
+        self._learns = False
+
+    def start(self, prompt_len: int, tenant: str | None, prediction: Sequence[int], history: bool = True) -> None:
+        # Like the index of earlier answers, a tenant's adapter is learnt from its earlier requests: none for a
+        # request whose text must not depend on them (history False: the rejection sampler, an isolated request).
+        self._tenant, self._learns = tenant, history
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take the tenant's newest adapter (None where it has none, or the request may not read one)."""
+        self.adapter = self._adapters(self._tenant) if self._learns and self._adapters is not None else None
 
     def propose_candidates(self, token_ids: Sequence[int], shape: TreeShape) -> Candidates:
         """The chain `propose` gives (greedy with `params` None, or with Gumbel `noise`), with each token's
@@ -384,6 +431,7 @@ class _EagleSession(NetworkSession):
         return build_tree(token_ids[-1], found, (), shape.rows, min_value=shape.min_value)
 
     def begin(self, token_ids: Sequence[int], k: int) -> int:
+        self.refresh()
         first = self._catch_up(token_ids, k)
         if first is None:
             return 0
@@ -405,17 +453,20 @@ class _EagleSession(NetworkSession):
             s._next_pos = s._input[2] + s._input[0].shape[0]
         if not batched:
             (states, tokens, pos), s = inputs[0], eagles[0]
-            guess = draft(states[None], tokens[None], pos, s._cache)[0, -1:]  # [1, dim]
+            guess = draft(states[None], tokens[None], pos, s._cache, s.adapter)[0, -1:]  # [1, dim]
             s._guess = guess
             # A forced token needs no head (a draft-vocabulary product per step).
-            return [draft.draft_logits(guess[0]).float() if heads[0] else None]
+            return [draft.draft_logits(guess[0], s.adapter).float() if heads[0] else None]
         # Several sessions: each draft position one forward over all of them, its weights read once; the head
         # runs on every row (what `propose` gives each alone, up to the last bits of the products).
-        guesses = draft.forward_batch([(st, t, pos, s._cache) for (st, t, pos), s in zip(inputs, eagles, strict=True)])
+        adapters = [s.adapter for s in eagles]
+        guesses = draft.forward_batch(
+            [(st, t, pos, s._cache) for (st, t, pos), s in zip(inputs, eagles, strict=True)], adapters
+        )
         for s, g in zip(eagles, guesses, strict=True):
             s._guess = g[-1:]
         logits = draft.draft_logits(torch.cat([g[-1:] for g in guesses])).float()
-        return list(logits)
+        return [lg if a is None else a.logits(lg) for lg, a in zip(logits, adapters, strict=True)]
 
     def _catch_up(self, token_ids: Sequence[int], k: int) -> tuple[Tensor, Tensor, int] | None:
         """The first draft forward's input: (states [T, dim], tokens [T], start position), or None when
@@ -437,7 +488,13 @@ class _EagleSession(NetworkSession):
             # request beside it would wait for.
             end = self._true_len + _CATCH_UP
             feed = torch.tensor(token_ids[self._true_len + 1 : end + 1], dtype=torch.long, device=self.features.device)
-            self._draft(self.features[self._true_len : end][None], feed[None], self._true_len - self._base, self._cache)
+            self._draft(
+                self.features[self._true_len : end][None],
+                feed[None],
+                self._true_len - self._base,
+                self._cache,
+                self.adapter,
+            )
             self._true_len = end
             return None
         states = self.features[self._true_len : n - 1]
@@ -456,6 +513,8 @@ class EagleDrafter(Drafter):
         self.name = name
         self.draft = draft
         self.target = target.model
+        # A tenant's adapter, or None (app.distill.online.DraftLearner.adapter); None: no draft learning.
+        self.adapters: Callable[[str | None], Adapter | None] | None = None
 
     def session(self, capacity: int) -> _EagleSession:
         return _EagleSession(self, capacity)
