@@ -105,6 +105,7 @@ async def run(
     run_id: str,
     timeout: float,
     transport: httpx.AsyncBaseTransport | None = None,
+    model: str | None = None,
 ) -> list[Turn]:
     """Every conversation at once, each turn after the previous one's answer; a conversation stops at its first
     failed turn. Returns every turn's record."""
@@ -119,13 +120,12 @@ async def run(
                 messages.append({"role": "user", "content": text})
                 body = {
                     "messages": messages,
-                    "model": "specserve",
                     "max_tokens": max_tokens,
                     "temperature": 0,
                     "stream": True,
                     "stream_options": {"include_usage": True},
                     "cache_salt": _salt(run_id, label, user),
-                }
+                } | ({"model": model} if model else {})
                 result = await _turn(client, url, body, headers, user, turn)
                 results.append(result)
                 if not result.ok:
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each answer (default 64)")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    parser.add_argument("--model", default=None, help="the model field (default: none, the served model)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per request (default 300)")
     parser.add_argument("--out", type=Path, default=None, help="write the summary here as JSON")
     args = parser.parse_args(argv)
@@ -224,7 +225,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--users, --turns and --max-tokens must be at least 1")
     run_id = uuid.uuid4().hex[:12]
     results = asyncio.run(
-        run(args.url, args.label, args.users, args.turns, args.max_tokens, args.api_key, run_id, args.timeout)
+        run(
+            args.url,
+            args.label,
+            args.users,
+            args.turns,
+            args.max_tokens,
+            args.api_key,
+            run_id,
+            args.timeout,
+            model=args.model,
+        )
     )
     summary = summarize(results, args.label, args.users, args.turns)
     summary["run"] = run_id
