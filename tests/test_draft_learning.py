@@ -275,3 +275,24 @@ def test_the_server_wires_the_learner_in_and_shows_its_figures(target, tok, draf
     plain = Engine(target, tok, {}, "none", 4, prefill_chunk=0, prefill_step_seconds=0.0)
     with pytest.raises(ValueError, match="needs a feature draft"):
         draft_learner(plain, Settings(draft_learning="on"))
+
+
+def test_bench_learn_is_refused_without_a_traffic_workload(tmp_path, capsys):
+    from app.bench.learning import learning_markdown
+    from app.cli import main
+
+    assert main(["bench", "--learn", "5", "--out", str(tmp_path)]) == 1
+    assert "--learn is for the traffic workloads" in capsys.readouterr().err
+    row = {
+        "workload": "chat",
+        "served": 5,
+        "unseen_requests": 2,
+        "shipped": {"acceptance": 0.4, "tokens_per_pass": 1.5, "tokens_per_second": 100.0},
+        "learned": {"acceptance": 0.5, "tokens_per_pass": 1.75, "tokens_per_second": 110.0},
+        "speedup": 1.1,
+        "rounds": [{"kept": True}, {"kept": False}],
+        "mid_training_wait_ms": {"median": 3.0, "max": 9.5},
+        "differ_from_target_only": 0,
+    }
+    table = learning_markdown([row])
+    assert "| chat | 5 | 2 | 0.400 -> 0.500 | 1.50 -> 1.75 | 100.0 -> 110.0 | 1.10x | 1/2 | 3.0 / 9.5 | 0 |" in table

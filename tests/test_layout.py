@@ -109,8 +109,9 @@ ALLOWED = {
     # The worker's idle time trains each tenant's draft adapter as train-draft trains a draft (app.distill.online).
     "service": {"distill", "engine", "store"},
     "api": {"service", "engine", "store"},
-    # The traffic workloads render tool calls as the chat route does (app.api.tools).
-    "bench": {"api", "engine", "store"},
+    # The traffic workloads render tool calls as the chat route does (app.api.tools); `--learn` drives the draft
+    # learner (app.distill.online).
+    "bench": {"api", "distill", "engine", "store"},
     "cli": {"api", "service", "bench", "distill", "engine", "store"},
 }
 

@@ -61,6 +61,18 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
         "--episodes", type=positive_int, default=None, help="traffic workloads: only the first N episodes of each"
     )
     parser.add_argument(
+        "--learn",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="traffic workloads: the draft learning's gain (learning.json, learning.md): serve N requests of each "
+        "workload in one tenant, train its adapter, then compare the feature draft with and without it on the "
+        "workload's unseen episodes (docs/bench, Draft learning)",
+    )
+    parser.add_argument(
+        "--learn-rounds", type=positive_int, default=20, help="with --learn: training rounds after the N requests"
+    )
+    parser.add_argument(
         "--target", "--model", default=None, help="catalog name, path or Hub id (default: smollm2-135m-instruct)"
     )
     parser.add_argument(
@@ -189,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     workloads = workload_names(args)
+    if args.learn and not workloads:
+        raise CliError("--learn is for the traffic workloads (--workload agent, ..., all)")
     if args.max_new_tokens is None and not workloads:
         args.max_new_tokens = 128
     sampling = sampling_kwargs(args)
@@ -261,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
         llama_cpp = None
     # A conversation's turns extend each other: llama.cpp keeps its cache between them as ours keeps the tenant's.
     baselines = _llama_cpp_baselines(args, loaded.source, llama_cpp, threads, reuse_prefix=bool(workloads))
+    if args.learn:
+        return _bench_learning(args, engine, loaded, workloads, threads)
     if workloads:
         return _bench_workloads(args, engine, loaded, workloads, configs, baselines, threads)
     runs = run_bench(
@@ -391,9 +407,31 @@ def _bench_workloads(
     return 0
 
 
+def _bench_learning(
+    args: argparse.Namespace, engine: Engine, loaded: LoadedModel, names: list[str], threads: int
+) -> int:
+    """`specserve bench --workload NAME --learn N` (app.bench.learning); learning.json and learning.md."""
+    from app.bench.learning import learning_markdown, run_learning
+
+    rows = run_learning(engine, names, args.learn, args.learn_rounds, args.num_draft_tokens, args.episodes)
+    meta = {
+        "target": loaded.source,
+        "weights": loaded.weights,
+        "kernel": engine.kernel,
+        "threads": threads,
+        "requests_served": args.learn,
+        "rounds": args.learn_rounds,
+        "decoding": "greedy",
+        "compared": "the feature draft alone on each workload's unseen episodes (seed 0), shipped vs learnt",
+    }
+    _write_tables(Path(args.out), "learning", {"meta": meta, "rows": rows}, learning_markdown(rows))
+    return 0
+
+
 # Flags --against does not take, each with its value when not given.
 _NOT_AGAINST = {
     "workload": None,
+    "learn": None,
     "episodes": None,
     "schedule": None,
     "p_min": None,
