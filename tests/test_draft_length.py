@@ -14,6 +14,7 @@ from app.engine.drafting.draft_length import (
     batch_draft_lengths,
     context_class,
     expected_tokens,
+    prior,
 )
 
 
@@ -426,3 +427,31 @@ def test_a_large_batch_whose_rows_cost_a_token_each_neither_drafts_nor_probes():
             length.rest()
     assert lengths[0].probing() and lengths[0].could_pay(6)  # alone, it would have probed
     assert sum(batch_draft_lengths(lengths[:2], [100, 100], batch, 0)) > 0
+
+
+def test_each_tenant_starts_from_its_own_acceptance_and_shares_only_the_machines_costs(make_tiny_model, word_tokenizer):
+    """A tenant's acceptance says what its text is like; another tenant's requests must not start from it (their
+    draft lengths, in their responses, would say it), while the seconds of a draft step are the machine's."""
+    from app.engine.drafting.registry import DraftContext, builtin
+    from app.engine.engine import Engine
+    from app.engine.step import GenerationParams
+
+    target = make_tiny_model(seed=3, vocab_size=32)
+    drafters = builtin(DraftContext(None, None))
+    engine = Engine(target, word_tokenizer(32), drafters, "ngram", 4, prefill_chunk=0, prefill_step_seconds=0.0)
+    ids = [1, 2, 3, 4, 5, 6, 7] * 3
+
+    def start(salt, isolated=False):
+        return engine.start(ids, GenerationParams(max_new_tokens=16, cache_salt=salt, isolated=isolated), "ngram")
+
+    first = start("salt:a")
+    for _ in range(40):
+        first.draft_length.update(4, 4, "lookup")
+        first.draft_length.costs.observe_acceptance(4, 4, "lookup")
+        first.draft_length.costs.observe(4, 0.004, 5, 0.03)
+    assert start("salt:a").draft_length.costs is first.draft_length.costs  # a tenant's requests share theirs
+    assert start("salt:a").draft_length.estimate("lookup").p_first > 0.9
+    for other in (start("salt:b"), start(None), start(None, isolated=True)):
+        assert other.draft_length.costs is not first.draft_length.costs
+        assert other.draft_length.estimate("lookup").p_first == pytest.approx(prior("lookup"))
+        assert other.draft_length.costs.draft_step == pytest.approx(first.draft_length.costs.draft_step)

@@ -126,11 +126,16 @@ def run_learning(
             compared = 0
             for ep, _, ids, answers in _turns(episodes(name, 0, limit=unseen), engine, 10**9):
                 texts = []
-                for figures, adapters in ((shipped, None), (learned, learner.adapter)):
+                # Each its own tenant: the engine keeps the draft's acceptance per tenant, and the shipped
+                # weights' would otherwise be where the learnt adapter's requests start (and the reverse).
+                for figures, adapters, tenant in (
+                    (shipped, None, f"{_TENANT}/{name}/shipped"),
+                    (learned, learner.adapter, f"{_TENANT}/{name}"),
+                ):
                     eagle.adapters = adapters
                     params = GenerationParams(max_new_tokens=ep.max_new_tokens, num_draft_tokens=num_draft_tokens)
                     s0 = time.perf_counter()
-                    gen = engine.start(ids, _salted(params, f"{_TENANT}/{name}"), eagle.name)
+                    gen = engine.start(ids, _salted(params, tenant), eagle.name)
                     passes = 0
                     while not gen.finished:
                         out = engine.step_batch([gen]).outputs[0]

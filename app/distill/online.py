@@ -29,6 +29,7 @@ import random
 import secrets
 import threading
 import time
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ from app.engine.kernels.quantized import QuantizedWeight
 from app.engine.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
+# Training autocasts to bf16 where the CPU multiplies it, and the draft's norms then take bf16 inputs beside their
+# float32 weights: torch warns once per call site that it cannot use its fused kernel there, which is expected.
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
 
 ADAPTER_SUFFIX = ".adapter.safetensors"
 _SECRET_FILE = "tenant-key"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import overload
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 # Row counts `Engine.calibrate` also times where requests are batched: a batch's forwards.
 _BATCH_ROWS = (16, 32)
+# Tenants whose drafters' acceptance the engine remembers, the least recently used forgotten.
+_TENANT_COSTS = 4096
 
 
 class BatchStep(Sequence[StepOutput | Exception]):
@@ -127,11 +130,13 @@ class Engine:
         self.tree_rows = tree_rows
         # Compiles requests' output grammars (their library loads at the first one).
         self.grammars = Grammars(tokenizer, target.config.vocab_size)
-        # Measured step costs and acceptance per drafter, shared by its requests (adaptive draft length). The
-        # seconds of a verification per row count (and context class) are the target's: one for every drafter, which
-        # target-only requests fill too (their steps are 1-row verifications), and `calibrate` may seed.
+        # Measured step costs per drafter, and acceptance per drafter and tenant, shared by its requests (adaptive
+        # draft length; `StepCosts.fresh`). The seconds of a verification per row count (and context class) are the
+        # target's: one for every drafter, which target-only requests fill too (their steps are 1-row verifications),
+        # and `calibrate` may seed.
         self._verify_costs = VerifyCosts()
-        self._costs: dict[int, StepCosts] = {}
+        self._drafter_costs: dict[int, StepCosts] = {}
+        self._costs: OrderedDict[tuple[int, str | None], StepCosts] = OrderedDict()
         self._target_costs = StepCosts(self._verify_costs)
         # None: pad decoding forwards to 8 rows in half precision, where a 1-row forward's bits differ (see
         # Generation.plan; 2 rows would do on an AVX2 CPU, and measured no faster end to end), and not at all in
@@ -195,9 +200,7 @@ class Engine:
             draft_p_min=self.draft_p_min if params.draft_p_min is None else params.draft_p_min,
             tree_rows=self.tree_rows if params.tree_rows is None else params.tree_rows,
         )
-        costs = self._target_costs
-        if drafter is not None:
-            costs = self._costs.setdefault(id(drafter), StepCosts(self._verify_costs))
+        costs = self._target_costs if drafter is None else self._tenant_costs(drafter, params)
         grammar = None
         if params.grammar is not None:
             try:
@@ -217,6 +220,20 @@ class Engine:
         )
         self._reuse(gen)
         return gen
+
+    def _tenant_costs(self, drafter: Drafter, params: GenerationParams) -> StepCosts:
+        """The costs a request of `drafter` starts from: its tenant's (an isolated request's own)."""
+        wide = self._drafter_costs.setdefault(id(drafter), StepCosts(self._verify_costs))
+        if params.isolated:
+            return wide.fresh()
+        key = (id(drafter), params.cache_salt)
+        costs = self._costs.get(key)
+        if costs is None:
+            costs = self._costs[key] = wide.fresh()
+            while len(self._costs) > _TENANT_COSTS:
+                self._costs.popitem(last=False)
+        self._costs.move_to_end(key)
+        return costs
 
     @property
     def _files(self) -> bool:

@@ -245,6 +245,17 @@ class StepCosts:
         self.verify: VerifyCosts = VerifyCosts() if verify is None else verify
         # Drafter-wide acceptance, the starting point of each new request's estimate.
         self.acceptance: dict[str, Acceptance] = {kind: Acceptance() for kind in KINDS}
+        self._parent: StepCosts | None = None
+
+    def fresh(self) -> StepCosts:
+        """Costs for one tenant of this drafter: its seconds (the machine's: a draft step, the shared verification
+        table) and acceptance of its own, from the priors. A tenant's acceptance says what its text is like (how
+        often it repeats itself, how well the draft knows it), so it is never another tenant's starting point: a
+        drafter-wide figure would shape the draft lengths, and the speed, another tenant sees."""
+        child = StepCosts(self.verify)
+        child.draft_step = self.draft_step
+        child._parent = self
+        return child
 
     def kind(self, kind: str) -> Acceptance:
         """The drafter-wide acceptance of `kind`, created at its prior the first time."""
@@ -266,6 +277,8 @@ class StepCosts:
         when the verification was not this request's alone."""
         if draft_steps > 0:
             self.draft_step = _smooth(self.draft_step, draft_seconds / draft_steps)
+            if self._parent is not None:  # the machine's cost, every tenant's next starting point
+                self._parent.draft_step = _smooth(self._parent.draft_step, draft_seconds / draft_steps)
         if verify_seconds is not None:
             self.verify.observe(rows, verify_seconds, context)
 
