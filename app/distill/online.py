@@ -75,7 +75,7 @@ class LearningConfig:
     idle_seconds: float = 0.5
     min_answers: int = 8
     steps: int = 60
-    step_seconds: float = 0.015
+    step_seconds: float = 0.008
     lr: float = 3e-3
     held_out: float = 0.25
     min_gain: float = 0.005
@@ -335,13 +335,20 @@ class DraftLearner:
         before = after = 0.0
         positions = 0
         for batch in self._held_batches(held):
-            with _stepping(gate, self._lock) as ran:
-                if not ran:
-                    return None
-                s0 = time.perf_counter()
-                b, a, n = self._agreement(batch, current), self._agreement(batch, new), int(batch.weight.sum())
-                busy += time.perf_counter() - s0
-            before, after, positions = before + b * n, after + a * n, positions + n
+            # Each adapter's judging a step of its own: a step is what a request arriving mid-training waits for.
+            n, goal = int(batch.weight.sum()), None
+            for which in (current, new):
+                with _stepping(gate, self._lock) as ran:
+                    if not ran:
+                        return None
+                    s0 = time.perf_counter()
+                    agree, goal = self._agreement(batch, which, goal)
+                    busy += time.perf_counter() - s0
+                if which is current:
+                    before += agree * n
+                else:
+                    after += agree * n
+            positions += n
         if positions == 0:
             return None
         before, after = before / positions, after / positions
@@ -424,15 +431,17 @@ class DraftLearner:
         return total
 
     @torch.no_grad()
-    def _agreement(self, batch: Batch, adapter: Adapter | None) -> float:
-        """Top-1 agreement of the draft's first token with the target's choice, on the batch's answer positions."""
+    def _agreement(self, batch: Batch, adapter: Adapter | None, goal: Tensor | None = None) -> tuple[float, Tensor]:
+        """Top-1 agreement of the draft's first token with the target's choice on the batch's answer positions, and
+        the target's choices (long [B, T]; pass them back as `goal` to judge another adapter on the same batch)."""
         batch = batch.to(torch.device("cpu"), self._dtype)
         draft = self._draft
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
-            goal = draft.draft_logits(batch.goal).float().argmax(-1)
+            if goal is None:
+                goal = draft.draft_logits(batch.goal).float().argmax(-1)
             guess = draft.draft_logits(draft(batch.states, batch.next_tokens, adapter=adapter), adapter)
         w = batch.weight
-        return float(((guess.float().argmax(-1) == goal).float() * w).sum() / w.sum().clamp_min(1))
+        return float(((guess.float().argmax(-1) == goal).float() * w).sum() / w.sum().clamp_min(1)), goal
 
     # --- keeping and persistence ---------------------------------------------------------------------------
 
