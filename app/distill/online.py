@@ -29,7 +29,6 @@ import random
 import secrets
 import threading
 import time
-import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,9 +46,6 @@ from app.engine.kernels.quantized import QuantizedWeight
 from app.engine.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
-# Training autocasts to bf16 where the CPU multiplies it, and the draft's norms then take bf16 inputs beside their
-# float32 weights: torch warns once per call site that it cannot use its fused kernel there, which is expected.
-warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
 
 ADAPTER_SUFFIX = ".adapter.safetensors"
 _SECRET_FILE = "tenant-key"
@@ -177,9 +173,9 @@ class DraftLearner:
         self.config = config or LearningConfig()
         self.traces = TraceBuffer(self.config.memory_bytes)
         self.stats = LearnerStats()
-        self._draft = _training_draft(draft_dir, target)
-        self.fingerprint = self._draft.fingerprint
         self._dtype = compute_dtype("auto", torch.device("cpu"))
+        self._draft = _training_draft(draft_dir, target, self._dtype)
+        self.fingerprint = self._draft.fingerprint
         self._adapters: OrderedDict[str, Adapter] = OrderedDict()  # by tenant digest, most recently used last
         self._digests: OrderedDict[str | None, str] = OrderedDict()
         self._directory = directory
@@ -511,14 +507,15 @@ def _windows(windows: list[tuple[Sample, int, int]], width: int) -> Batch:
     return Batch(states, nxt, goal, weight)
 
 
-def _training_draft(draft_dir: Path, target: Transformer) -> EagleDraft:
-    """The draft in float32 as it was saved, frozen, its borrowed output rows as float rows (the served copy's are
-    quantized or packed, which autograd cannot pass through)."""
-    draft = read_draft(draft_dir).float().eval().requires_grad_(False)
+def _training_draft(draft_dir: Path, target: Transformer, dtype: torch.dtype) -> EagleDraft:
+    """The draft as it was saved, frozen, in `dtype` (what training computes in: its frozen weights are not cast
+    again at every product, which cost a step more than its arithmetic), its borrowed output rows as plain rows (the
+    served copy's are quantized or packed, which autograd cannot pass through)."""
+    draft = read_draft(draft_dir).to(dtype).eval().requires_grad_(False)
     draft.attach(target, pack=False)
     draft.__dict__["_head"] = None
     rows = target.head_rows(draft.vocab_ids)
-    draft._head_rows = (rows.dequantize() if isinstance(rows, QuantizedWeight) else rows).float()
+    draft._head_rows = (rows.dequantize() if isinstance(rows, QuantizedWeight) else rows).to(dtype)
     return draft
 
 
