@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from app.distill.corpus import Sample
-from app.distill.training import Batch, compute_dtype
+from app.distill.training import Batch, batch_of, compute_dtype
 from app.engine.drafting.adapter import DEFAULT_RANK, Adapter
 from app.engine.drafting.eagle import EagleDraft, read_draft
 from app.engine.kernels.quantized import QuantizedWeight
@@ -388,7 +388,7 @@ class DraftLearner:
             first = max(0, min(s.prompt_len - 2 - w // 2, last - w))
             a = self._rng.randint(first, last - w)
             windows.append((s, a, a + w))
-        return _windows(windows, width)
+        return batch_of(windows, width)
 
     def _held_batches(self, samples: list[Sample]) -> Iterator[Batch]:
         """The answers of `samples` in consecutive windows (each position judged once), a step's worth at a time."""
@@ -400,7 +400,7 @@ class DraftLearner:
                 windows.append((s, a, min(a + width, last)))
         rows = max(1, self._positions // width)
         for i in range(0, len(windows), rows):
-            yield _windows(windows[i : i + rows], width)
+            yield batch_of(windows[i : i + rows], width)
 
     def _resize(self, took: float) -> None:
         """Positions per step toward `step_seconds` (a step is what a request arriving mid-training waits for)."""
@@ -488,23 +488,6 @@ class _stepping:
     def __exit__(self, *exc: object) -> None:
         if self._held:
             self._lock.release()
-
-
-def _windows(windows: list[tuple[Sample, int, int]], width: int) -> Batch:
-    """A batch of one row per (sample, a, b): positions a..b-1 (states, the next tokens, the next states as goals),
-    padded to `width`; a position counts where the token two ahead is the answer's."""
-    dim = windows[0][0].features.shape[1]
-    states = torch.zeros(len(windows), width, dim, dtype=torch.bfloat16)
-    goal = torch.zeros(len(windows), width, dim, dtype=torch.bfloat16)
-    nxt = torch.zeros(len(windows), width, dtype=torch.long)
-    weight = torch.zeros(len(windows), width)
-    for r, (s, a, b) in enumerate(windows):
-        n = b - a
-        states[r, :n] = s.features[a:b]
-        goal[r, :n] = s.features[a + 1 : b + 1]
-        nxt[r, :n] = s.tokens[a + 1 : b + 1].long()
-        weight[r, :n] = (torch.arange(a, b) + 2 >= s.prompt_len).float()
-    return Batch(states, nxt, goal, weight)
 
 
 def _training_draft(draft_dir: Path, target: Transformer, dtype: torch.dtype) -> EagleDraft:

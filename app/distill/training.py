@@ -70,6 +70,23 @@ class Batch:
         return Batch(states, self.next_tokens.to(device), goal, self.weight.to(device))
 
 
+def batch_of(pieces: Sequence[tuple[Sample, int, int]], width: int) -> Batch:
+    """One row per (sample, a, b): positions a..b-1 of it (states, the next tokens, the next states as goals),
+    padded to `width`; position p counts where token p+2 belongs to the answer."""
+    dim = pieces[0][0].features.shape[1]
+    states = torch.zeros(len(pieces), width, dim, dtype=torch.bfloat16)
+    goal = torch.zeros(len(pieces), width, dim, dtype=torch.bfloat16)
+    nxt = torch.zeros(len(pieces), width, dtype=torch.long)
+    weight = torch.zeros(len(pieces), width)
+    for r, (s, a, b) in enumerate(pieces):
+        n = b - a
+        states[r, :n] = s.features[a:b]
+        goal[r, :n] = s.features[a + 1 : b + 1]
+        nxt[r, :n] = s.tokens[a + 1 : b + 1].long()
+        weight[r, :n] = (torch.arange(a, b) + 2 >= s.prompt_len).float()
+    return Batch(states, nxt, goal, weight)
+
+
 def make_batches(samples: Sequence[Sample], cfg: TrainConfig, rng: random.Random) -> list[Batch]:
     """One epoch of batches: sequences cut to seq_len, grouped by length, `tokens_per_batch` positions each."""
     pieces = []
@@ -89,20 +106,7 @@ def make_batches(samples: Sequence[Sample], cfg: TrainConfig, rng: random.Random
         rows = max(1, cfg.tokens_per_batch // max(t, 1))
         group = pieces[i : i + rows]
         t = max(end - start for _, start, end in group)
-        dim = group[0][0].features.shape[1]
-        states = torch.zeros(len(group), t, dim, dtype=torch.bfloat16)
-        goal = torch.zeros(len(group), t, dim, dtype=torch.bfloat16)
-        nxt = torch.zeros(len(group), t, dtype=torch.long)
-        weight = torch.zeros(len(group), t)
-        for r, (s, start, end) in enumerate(group):
-            m = end - start
-            states[r, :m] = s.features[start:end]
-            goal[r, :m] = s.features[start + 1 : end + 1]
-            nxt[r, :m] = s.tokens[start + 1 : end + 1].long()
-            # Position p predicts token p+2: count it when that token belongs to the answer.
-            pos = torch.arange(start, end)
-            weight[r, :m] = (pos + 2 >= s.prompt_len).float()
-        batches.append(Batch(states, nxt, goal, weight))
+        batches.append(batch_of(group, t))
         i += rows
     rng.shuffle(batches)
     return batches
