@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from app.distill.corpus import Sample
-from app.distill.training import Batch, batch_of, compute_dtype
+from app.distill.training import Batch, batch_of, compute_dtype, unrolled_loss
 from app.engine.drafting.adapter import DEFAULT_RANK, Adapter
 from app.engine.drafting.eagle import EagleDraft, read_draft
 from app.engine.kernels.quantized import QuantizedWeight
@@ -302,8 +301,7 @@ class DraftLearner:
         t0 = time.perf_counter()
         busy = 0.0
         current = self.adapter(tenant)
-        start = current.clone() if current is not None else self._fresh()
-        new = start.clone()
+        new = current.clone() if current is not None else self._fresh()
         for p in new.parameters():
             p.requires_grad_(True)
         opt = torch.optim.AdamW(new.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -408,23 +406,11 @@ class DraftLearner:
         self._positions = int(min(4096, max(_MIN_WINDOW, self._positions * scale)))
 
     def _loss(self, batch: Batch, adapter: Adapter) -> Tensor:
-        """The train-draft loss (app.distill.training) through the adapter: soft cross-entropy against the
-        target's distribution over the draft vocabulary, unrolled on the draft's own guesses."""
+        """train-draft's loss (app.distill.training.unrolled_loss) through the adapter, without the state regression:
+        the adapter is judged by the tokens it makes the draft choose."""
         batch = batch.to(torch.device("cpu"), self._dtype)
-        draft = self._draft
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
-            with torch.no_grad():
-                teacher = torch.softmax(draft.draft_logits(batch.goal).float(), -1)
-            fed, total = batch.states, None
-            w = batch.weight
-            for _ in range(max(1, self.config.unroll)):
-                guess = draft(fed, batch.next_tokens, adapter=adapter)
-                logp = F.log_softmax(draft.draft_logits(guess, adapter).float(), -1)
-                ce = (-(teacher * logp).sum(-1) * w).sum() / w.sum().clamp_min(1)
-                total = ce if total is None else total + ce
-                fed = torch.cat([batch.states[:, :1], guess[:, :-1].to(batch.states.dtype)], dim=1)
-        assert total is not None
-        return total
+            return unrolled_loss(self._draft, batch, self.config.unroll, 0.0, adapter)[0]
 
     @torch.no_grad()
     def _agreement(self, batch: Batch, adapter: Adapter | None, goal: Tensor | None = None) -> tuple[float, Tensor]:

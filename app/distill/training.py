@@ -24,6 +24,7 @@ from torch import Tensor
 
 from app.distill.corpus import Sample
 from app.engine import kernels
+from app.engine.drafting.adapter import Adapter
 from app.engine.drafting.eagle import EagleDraft
 from app.engine.model.transformer import Transformer
 
@@ -113,17 +114,37 @@ def make_batches(samples: Sequence[Sample], cfg: TrainConfig, rng: random.Random
 
 
 def _pass_loss(
-    draft: EagleDraft, states: Tensor, batch: Batch, teacher: Tensor, reg_weight: float
+    draft: EagleDraft, states: Tensor, batch: Batch, teacher: Tensor, reg_weight: float, adapter: Adapter | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    guess = draft(states, batch.next_tokens)
-    logp = F.log_softmax(draft.draft_logits(guess).float(), -1)
+    guess = draft(states, batch.next_tokens, adapter=adapter)
+    logp = F.log_softmax(draft.draft_logits(guess, adapter).float(), -1)
     w = batch.weight
     ce = -(teacher * logp).sum(-1)
     ce = (ce * w).sum() / w.sum().clamp_min(1)
+    agree = ((logp.argmax(-1) == teacher.argmax(-1)).float() * w).sum() / w.sum().clamp_min(1)
+    if not reg_weight:
+        return ce, agree, guess
     reg = F.smooth_l1_loss(guess.float(), batch.goal.float(), reduction="none").mean(-1)
     reg = (reg * w).sum() / w.sum().clamp_min(1)
-    agree = ((logp.argmax(-1) == teacher.argmax(-1)).float() * w).sum() / w.sum().clamp_min(1)
     return ce + reg_weight * reg, agree, guess
+
+
+def unrolled_loss(
+    draft: EagleDraft, batch: Batch, unroll: int, reg_weight: float, adapter: Adapter | None = None
+) -> tuple[Tensor, list[Tensor]]:
+    """The loss of one batch (module docstring), summed over `unroll` passes, and each pass's top-1 agreement with
+    the target; through `adapter` where given (the server's draft learning, app.distill.online). Call inside the
+    caller's autocast."""
+    with torch.no_grad():
+        teacher = torch.softmax(draft.draft_logits(batch.goal).float(), -1)
+    fed, parts, agrees = batch.states, [], []
+    for _ in range(max(1, unroll)):
+        part, agree, guess = _pass_loss(draft, fed, batch, teacher, reg_weight, adapter)
+        parts.append(part)
+        agrees.append(agree)
+        # The next pass: position p reads the state this pass guessed for it (position 0 has none).
+        fed = torch.cat([batch.states[:, :1], guess[:, :-1].to(batch.states.dtype)], dim=1)
+    return torch.stack(parts).sum(), agrees
 
 
 def train(
@@ -167,16 +188,7 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            with torch.no_grad():
-                teacher = torch.softmax(draft.draft_logits(batch.goal).float(), -1)
-            fed, parts, agrees = batch.states, [], []
-            for _ in range(max(1, cfg.unroll)):
-                part, agree, guess = _pass_loss(draft, fed, batch, teacher, cfg.regression_weight)
-                parts.append(part)
-                agrees.append(agree)
-                # The next pass: position p reads the state this pass guessed for it (position 0 has none).
-                fed = torch.cat([batch.states[:, :1], guess[:, :-1].to(batch.states.dtype)], dim=1)
-            loss = torch.stack(parts).sum()
+            loss, agrees = unrolled_loss(draft, batch, cfg.unroll, cfg.regression_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
