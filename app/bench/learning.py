@@ -22,10 +22,9 @@ from typing import Any
 
 from app.bench.traffic import render_chat
 from app.bench.workloads import Episode, episodes
-from app.distill.online import DraftLearner, LearningConfig
-from app.engine.drafting.eagle import EagleDrafter
-from app.engine.drafting.hybrid import HybridDrafter
+from app.distill.online import DraftLearner, LearningConfig, feature_drafter
 from app.engine.engine import Engine
+from app.engine.generation import Generation
 from app.engine.step import GenerationParams
 
 _TENANT = "bench-learn"
@@ -56,14 +55,6 @@ class Figures:
         }
 
 
-def _feature_draft(engine: Engine) -> EagleDrafter:
-    for drafter in engine.drafters.values():
-        model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
-        if isinstance(model, EagleDrafter) and model.draft.source is not None:
-            return model
-    raise ValueError("--learn needs a feature draft (the default target's catalog draft is one)")
-
-
 def _turns(eps: list[Episode], engine: Engine, limit: int) -> Iterator[tuple[Episode, int, list[int], list[str]]]:
     """(episode, turn, prompt ids, answers so far) of `eps` in order, at most `limit` turns; the caller appends each
     turn's answer to the list before asking for the next."""
@@ -91,8 +82,9 @@ def run_learning(
 ) -> list[dict[str, Any]]:
     """One row per workload (see the module docstring); `requests`: N, served before training; `rounds`: training
     rounds after them; `unseen`: the unseen episodes compared (default: every episode of seed 0)."""
-    eagle = _feature_draft(engine)
-    assert eagle.draft.source is not None
+    eagle = feature_drafter(engine)
+    if eagle is None or eagle.draft.source is None:
+        raise ValueError("--learn needs a feature draft (the default target's catalog draft is one)")
     rows = []
     for name in names:
         learner = DraftLearner(
@@ -103,12 +95,10 @@ def run_learning(
         t0 = time.perf_counter()
         served = 0
         for ep, _, ids, answers in _turns(_train_episodes(name, requests), engine, requests):
-            params = GenerationParams(max_new_tokens=ep.max_new_tokens, num_draft_tokens=num_draft_tokens)
-            gen = engine.start(ids, _salted(params, f"{_TENANT}/{name}"))
-            while not gen.finished:
-                out = engine.step_batch([gen]).outputs[0]
-                if isinstance(out, Exception):
-                    raise out
+            params = GenerationParams(
+                max_new_tokens=ep.max_new_tokens, num_draft_tokens=num_draft_tokens, cache_salt=f"{_TENANT}/{name}"
+            )
+            gen, _ = _complete(engine, ids, params)
             answers.append(tok.decode(gen.generated_ids))
             served += 1
         serve_s = time.perf_counter() - t0
@@ -133,19 +123,17 @@ def run_learning(
                     (learned, learner.adapter, f"{_TENANT}/{name}"),
                 ):
                     eagle.adapters = adapters
-                    params = GenerationParams(max_new_tokens=ep.max_new_tokens, num_draft_tokens=num_draft_tokens)
+                    params = GenerationParams(
+                        max_new_tokens=ep.max_new_tokens, num_draft_tokens=num_draft_tokens, cache_salt=tenant
+                    )
                     s0 = time.perf_counter()
-                    gen = engine.start(ids, _salted(params, tenant), eagle.name)
-                    passes = 0
-                    while not gen.finished:
-                        out = engine.step_batch([gen]).outputs[0]
-                        if isinstance(out, Exception):
-                            raise out
-                        passes += 1
+                    gen, passes = _complete(engine, ids, params, eagle.name)
                     s = gen.stats
                     figures.add(len(gen.generated_ids), time.perf_counter() - s0, s.drafted, s.accepted, passes)
                     texts.append(gen.generated_ids)
-                target_only = list(_target_only(engine, ids, ep.max_new_tokens))
+                target_only = _complete(engine, ids, GenerationParams(max_new_tokens=ep.max_new_tokens), "none")[
+                    0
+                ].generated_ids
                 differ += sum(t != target_only for t in texts)
                 answers.append(tok.decode(target_only))
                 compared += 1
@@ -182,17 +170,18 @@ def run_learning(
     return rows
 
 
-def _salted(params: GenerationParams, tenant: str) -> GenerationParams:
-    from dataclasses import replace
-
-    return replace(params, cache_salt=tenant)
-
-
-def _target_only(engine: Engine, ids: list[int], max_new_tokens: int) -> list[int]:
-    gen = engine.start(ids, GenerationParams(max_new_tokens=max_new_tokens), "none")
+def _complete(
+    engine: Engine, ids: list[int], params: GenerationParams, draft: str | None = None
+) -> tuple[Generation, int]:
+    """One request run to its end as the server steps it (its failure raised), and its target passes."""
+    gen = engine.start(ids, params, draft)
+    passes = 0
     while not gen.finished:
-        engine.step_batch([gen])
-    return gen.generated_ids
+        out = engine.step_batch([gen]).outputs[0]
+        if isinstance(out, Exception):
+            raise out
+        passes += 1
+    return gen, passes
 
 
 def _mid_training_waits(learner: DraftLearner, tenant: str, samples: int = 20) -> dict[str, float]:
@@ -222,7 +211,7 @@ def _mid_training_waits(learner: DraftLearner, tenant: str, samples: int = 20) -
             learner.worker_idle()
     finally:
         stop.set()
-        learner._stop.set()
+        learner.stop()  # ends the gate the round waits at
         thread.join(timeout=30)
     return {"median": statistics.median(waits), "max": max(waits)}
 

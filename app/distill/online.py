@@ -40,7 +40,9 @@ from torch import Tensor
 from app.distill.corpus import Sample
 from app.distill.training import Batch, batch_of, compute_dtype, unrolled_loss
 from app.engine.drafting.adapter import DEFAULT_RANK, Adapter
-from app.engine.drafting.eagle import EagleDraft, read_draft
+from app.engine.drafting.eagle import EagleDraft, EagleDrafter, read_draft
+from app.engine.drafting.hybrid import HybridDrafter
+from app.engine.engine import Engine
 from app.engine.kernels.quantized import QuantizedWeight
 from app.engine.model.transformer import Transformer
 
@@ -474,6 +476,16 @@ class _stepping:
     def __exit__(self, *exc: object) -> None:
         if self._held:
             self._lock.release()
+
+
+def feature_drafter(engine: Engine) -> EagleDrafter | None:
+    """The engine's feature draft that a learner can train (loaded from a directory): a drafter of its own, or the
+    model half of a hybrid; None where there is none."""
+    for drafter in engine.drafters.values():
+        model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
+        if isinstance(model, EagleDrafter) and model.draft.source is not None:
+            return model
+    return None
 
 
 def _training_draft(draft_dir: Path, target: Transformer, dtype: torch.dtype) -> EagleDraft:

@@ -175,15 +175,11 @@ def draft_learner(engine: Engine, settings: Settings) -> DraftLearner | None:
     adapters); None when off. ValueError where there is no feature draft to learn."""
     if settings.draft_learning != "on":
         return None
-    from app.distill.online import DraftLearner, LearningConfig
-    from app.engine.drafting.eagle import EagleDrafter
-    from app.engine.drafting.hybrid import HybridDrafter
+    from app.distill.online import DraftLearner, LearningConfig, feature_drafter
 
-    models = [d.model if isinstance(d, HybridDrafter) else d for d in engine.drafters.values()]
-    eagle = next((d for d in models if isinstance(d, EagleDrafter) and d.draft.source is not None), None)
-    if eagle is None:
+    eagle = feature_drafter(engine)
+    if eagle is None or eagle.draft.source is None:
         raise ValueError("draft_learning on needs a feature draft (a draft made by `specserve train-draft`)")
-    assert eagle.draft.source is not None
     directory = Path(settings.draft_learning_dir) if settings.draft_learning_dir else None
     config = LearningConfig(memory_bytes=int(settings.draft_learning_mb * 2**20))
     learner = DraftLearner(eagle.draft.source, engine.target, config, directory)
