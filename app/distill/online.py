@@ -39,8 +39,8 @@ from torch import Tensor
 
 from app.distill.corpus import Sample
 from app.distill.training import Batch, batch_of, compute_dtype, unrolled_loss
-from app.engine.drafting.adapter import DEFAULT_RANK, Adapter
-from app.engine.drafting.eagle import EagleDraft, EagleDrafter, read_draft
+from app.engine.drafting.adapter import DEFAULT_RANK, Adapter, draft_fingerprint
+from app.engine.drafting.eagle import WEIGHTS_FILE, EagleDraft, EagleDrafter, read_draft
 from app.engine.drafting.hybrid import HybridDrafter
 from app.engine.engine import Engine
 from app.engine.kernels.quantized import QuantizedWeight
@@ -176,7 +176,8 @@ class DraftLearner:
         self.stats = LearnerStats()
         self._dtype = compute_dtype("auto", torch.device("cpu"))
         self._draft = _training_draft(draft_dir, target, self._dtype)
-        self.fingerprint = self._draft.fingerprint
+        # Which draft an adapter belongs to: hashed here, where adapters are made and read, not at every draft's load.
+        self.fingerprint = draft_fingerprint(draft_dir / WEIGHTS_FILE)
         self._adapters: OrderedDict[str, Adapter] = OrderedDict()  # by tenant digest, most recently used last
         self._digests: OrderedDict[str | None, str] = OrderedDict()
         self._directory = directory

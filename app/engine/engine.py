@@ -216,7 +216,7 @@ class Engine:
             self.verify_width,
             costs,
             grammar=grammar,
-            on_finish=self._file if self._files else None,
+            on_finish=self._file,
         )
         self._reuse(gen)
         return gen
@@ -234,10 +234,6 @@ class Engine:
                 self._costs.popitem(last=False)
         self._costs.move_to_end(key)
         return costs
-
-    @property
-    def _files(self) -> bool:
-        return (self.traffic is not None and self.traffic.max_bytes > 0) or self.on_answer is not None
 
     def _file(self, gen: Generation) -> None:
         """A finished answer goes into the index of earlier answers, for its tenant's later requests to draft from

@@ -243,7 +243,8 @@ class StepCosts:
     def __init__(self, verify: VerifyCosts | None = None) -> None:
         self.draft_step: float | None = None
         self.verify: VerifyCosts = VerifyCosts() if verify is None else verify
-        # Drafter-wide acceptance, the starting point of each new request's estimate.
+        # The acceptance its requests showed (a drafter's, or one tenant's of it: `fresh`), the starting point of
+        # each new request's estimate.
         self.acceptance: dict[str, Acceptance] = {kind: Acceptance() for kind in KINDS}
         self._parent: StepCosts | None = None
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from app.engine.defaults import DEFAULT_DRAFT_WEIGHTS, DRAFT_WEIGHTS, MAX_DRAFT_TOKENS
-from app.engine.drafting.adapter import Adapter, draft_fingerprint
+from app.engine.drafting.adapter import Adapter
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.loop import NetworkSession, run_drafts
 from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tree
@@ -104,7 +104,7 @@ class EagleDraft(nn.Module):
     predicted next states [B, T, dim]; `draft_logits(states)` projects them onto the draft vocabulary
     [..., draft_vocab_size]. `attach(target)` must be called before either (it lends the embedding and
     output layer). Both take a tenant's `Adapter` (app.engine.drafting.adapter), which adds to the fusion
-    layer's output and to the logits. `fingerprint`: the digest of the weights file it was read from (`source`)."""
+    layer's output and to the logits. `source`: the directory it was read from, if any."""
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
@@ -120,7 +120,6 @@ class EagleDraft(nn.Module):
         self._cos = self._sin = torch.empty(0)
         self.__dict__["_kernel"] = None  # the CPU kernel pack() laid the block out for (its caches attend on it)
         self.__dict__["_stack"] = None  # the decoder layer in one kernel call (pack)
-        self.fingerprint = ""
         self.source: Path | None = None  # the directory it was read from
 
     def attach(self, target: Transformer, pack: bool = False, qtype: str | None = None) -> None:
@@ -338,7 +337,6 @@ def read_draft(path: Path) -> EagleDraft:
         draft.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise EagleError(f"draft weights in {path} do not match its config: {exc}") from exc
-    draft.fingerprint = draft_fingerprint(path / WEIGHTS_FILE)
     draft.source = path
     return draft
 
@@ -402,8 +400,8 @@ class _EagleSession(NetworkSession):
         self._guess = torch.empty(0)
         self._next_pos = 0
         self._adapters = drafter.adapters
-        # The request's tenant's adapter (start), None: the shipped draft. Read at each forward, so that a newer
-        # adapter kept mid-request drafts its next tokens (the answer is the target's either way).
+        # The request's tenant's adapter (start), None: the shipped draft. Taken again at each draft step (`begin`),
+        # so that a newer adapter kept mid-request drafts its next tokens (the answer is the target's either way).
         self.adapter: Adapter | None = None
         self._tenant: str | None = None
         self._learns = False
