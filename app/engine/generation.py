@@ -115,10 +115,12 @@ class Generation:
         # it pays to verify, decide the step (a tree takes the lookup's continuation in with the model's).
         self._lookup_first = schedule == "adaptive" and self._draft is not None and self._draft.looks_up
         self._lookup_first = self._lookup_first and not self._tree_rows
-        # The kind of the last step's draft (None: it drafted nothing). A draft step's seconds are measured only
-        # after a step that drafted the same kind: a model draft that did not run last step first catches up on
-        # the tokens since (the whole prompt, the first time), which is no cost of the tokens it drafts now.
-        self._last_kind: str | None = None
+        # Whether this request's drafter drafted before. Its first draft runs over the prompt's window, a cost of
+        # the request, not of the tokens drafted then; every later one is timed whole, catching up on the tokens
+        # since its last draft included: a hybrid that returns to its model draft after lookups or plain steps
+        # pays that catch-up (and the draft's weights read again from memory) each time, and a price without it
+        # drafted by a model that did not pay for itself (docs/architecture.md, Draft length).
+        self._drafted_before = False
         # The prompt's log-probabilities gathered chunk by chunk, sent with the first token (None: not asked).
         self._prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self._started = time.perf_counter()
@@ -462,11 +464,12 @@ class Generation:
 
     def _timed_draft_steps(self, plan: StepPlan, steps: int) -> int:
         """The draft steps whose seconds `plan.draft_seconds` measures: `steps`, or 0 where they measure no draft
-        step of this request's drafter: after a step that drafted another kind or nothing (see `_last_kind`), and
-        a hybrid's lookup (its microseconds would make the model draft look free)."""
-        warm = plan.kind == self._last_kind == self._length.kind
-        self._last_kind = plan.kind if plan.k > 0 else None
-        return steps if warm else 0
+        step of this request's drafter: its first draft (see `_drafted_before`), and a hybrid's lookup (its
+        microseconds would make the model draft look free)."""
+        own = plan.k > 0 and plan.kind == self._length.kind
+        timed = own and self._drafted_before
+        self._drafted_before = self._drafted_before or own
+        return steps if timed else 0
 
     def _propose(self, k: int, session: DraftSession | None = None) -> tuple[list[int], torch.Tensor | None]:
         """Up to `k` drafted tokens (and their q when sampling with a generator), from `session` (default: the
