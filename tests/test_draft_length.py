@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from app.engine.drafting.draft_length import (
@@ -213,6 +215,53 @@ def test_lookup_and_model_drafts_keep_their_own_acceptance():
     assert costs.acceptance["lookup"].p_first > 0.9 and costs.acceptance["model"].p_first < 0.1
     following = DraftLength("adaptive", 6, costs)
     assert following.estimate("lookup").p_first > 0.9 and following.estimate("model").p_first < 0.1
+
+
+def test_a_lookup_cut_short_by_its_rows_cost_probes_it_and_a_figure_too_high_is_measured_down():
+    """A row cost priced too high (a calibration during another process's burst) would keep a lookup short for
+    ever, its rows never verified again: every _PROBE_AFTER-th such step verifies all the lookup had; a probe that
+    finds the rows as priced doubles the wait, one that finds them cheaper brings it back."""
+    step = 0.010
+    true = {r: step * (1 + 0.05 * (r - 1)) for r in range(1, 18)}  # what rows cost (AMX-like)
+    stale = {r: step * (1 + 2.0 * (r - 1)) for r in range(1, 18)}  # what the table says
+    kind = "lookup:prompt:16"
+    policy = DraftLength("adaptive", 6, _costs(0.001, stale), max_lookup=16)
+    _set(policy, 0.95, 0.95, kind)
+    assert policy.next_k(100, kind, 16) == 0  # priced out
+    probes, ks = [], []
+    for i in range(40):
+        k = policy.next_k(100, kind, 16)
+        k = policy.cost_probe(k, 16, kind)
+        ks.append(k)
+        if k == 16:
+            probes.append(i)
+        seconds = true[k + 1]
+        policy.probed(k + 1, seconds)
+        policy.costs.observe(0, 0.0, k + 1, seconds)
+    # Probes found 17 rows far cheaper than priced: the schedule then verifies the long lookup on its own choice.
+    assert probes[0] == _PROBE_AFTER - 1 and ks[-1] == 16 and ks[-10:] == [16] * 10
+    # Rows that cost what the table says: each probe doubles the wait, up to _PROBE_MAX.
+    policy = DraftLength("adaptive", 6, _costs(0.001, stale), max_lookup=16)
+    _set(policy, 0.95, 0.95, kind)
+    probes = []
+    for i in range(400):
+        k = policy.cost_probe(policy.next_k(100, kind, 16), 16, kind)
+        if k:
+            probes.append(i)
+        policy.probed(k + 1, stale[k + 1])
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[:4] == [2 * _PROBE_AFTER, 4 * _PROBE_AFTER, 8 * _PROBE_AFTER, _PROBE_MAX] and set(gaps[3:]) == {
+        _PROBE_MAX
+    }
+    # No probe where the longer lookup is not expected to yield half a token more (a match that is rarely right),
+    # nor for a model draft (not free to propose), nor off the adaptive schedule.
+    rare = DraftLength("adaptive", 6, _costs(0.001, stale), max_lookup=16)
+    _set(rare, 0.1, 0.1, kind)
+    _set(rare, 0.9, 0.9)
+    fixed = DraftLength("fixed", 6, _costs(0.001, stale))
+    for _ in range(3 * _PROBE_AFTER):
+        assert rare.cost_probe(0, 16, kind) == 0 and rare.cost_probe(0, 6) == 0
+        assert fixed.cost_probe(0, 6, kind) == 0
 
 
 def test_verify_cost_interpolates_and_extrapolates_a_line():

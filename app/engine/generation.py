@@ -237,6 +237,8 @@ class Generation:
                 k, kind, found, lookups = self._choose_with_lookup(remaining - 1)
             else:
                 k = self._length.next_k(remaining - 1) if self._k else 0
+                if self._k and self._length.kind == "lookup":  # prompt lookup alone: its cost probes
+                    k = self._length.cost_probe(k, min(self._length.max_k, remaining - 1))
                 if k == 0 and self._k and remaining > 1:
                     self._length.idle()
         if self._tree_rows and k > 0 and drafted is None:
@@ -298,6 +300,8 @@ class Generation:
         options: list[tuple[float, int, str]] = []
         for kind, available in choices:
             k = self._length.next_k(limit, kind, available)
+            if available is not None and self._length.cost_probe(k, available, kind) > k:
+                return available, kind, found[kind][:available], found  # verify all it had: what do its rows cost
             if k:
                 options.append((self._length.rate(k, kind) or 0.0, k, kind))
             elif named_lookup(kind) is None:  # a named lookup kind learns without drafting: no probes
@@ -370,6 +374,7 @@ class Generation:
         # A draft that stopped for lack of confidence still ran one more step than it proposed. A batch's
         # times are the whole batch's: they say nothing of what drafting or verifying this request alone costs.
         steps = self._timed_draft_steps(plan, min(k, proposed + 1))
+        self._length.probed(real, verify_seconds if solo else None)
         if solo:
             self._length.costs.observe(steps, plan.draft_seconds, real, verify_seconds, start)
         drafted_by = "lookup" if is_lookup(plan.kind) else "draft"

@@ -25,6 +25,14 @@ probe that fails doubles that wait, up to `_PROBE_MAX` steps, so a draft that ne
 so many steps (under 3 % at 0.45 a row), and one accepted brings the first wait back. No probe where no length
 would pay even if every token were accepted: then the draft's cost keeps it out, which evidence of acceptance
 cannot change. Before a cost was measured it drafts `_START_K` tokens, not num_draft_tokens: that step measures.
+
+Costs need probes too. A row count's cost is measured only by verifications of that many rows, so a figure that
+came out high (a calibration or a step during another process's burst) would keep lookups short for the rest of
+the process, and their rows never measured again (a calibration whose 4-7 row figures were doubled left a server
+at a third of its tokens per pass on repeated prompts). So where a lookup had more tokens than the schedule
+verified and the longer draft is expected to yield at least half a token more, every `_PROBE_AFTER`-th such step
+verifies all it had (`cost_probe`); a probe that finds the cost about as priced doubles the wait (to `_PROBE_MAX`),
+one that finds it lower brings it back.
 """
 
 from __future__ import annotations
@@ -89,6 +97,10 @@ _ROW_PRIOR = 0.5
 _PROBE_AFTER = 8  # steps without a draft (though one was possible) before a one-token probe
 _PROBE_MAX = 64  # the longest wait between probes after failed ones
 _BATCH_MARGIN = 1.02  # what a batch's draft must gain, at least, over not drafting (batch_draft_lengths)
+# A cost probe (DraftLength.cost_probe) found its rows cheaper than priced when they took under this share of it.
+_COST_PROBE_FOUND = 0.85
+# What a cost probe's longer lookup must be expected to add, at least, in tokens per target pass.
+_COST_PROBE_GAIN = 0.5
 
 
 def _smooth(old: float | None, new: float) -> float:
@@ -324,6 +336,11 @@ class DraftLength:
         # Per kind: steps on which it could have drafted and drafted nothing, and how many before a probe.
         self._idle: dict[str, int] = {}
         self._wait: dict[str, int] = {}
+        # Per lookup kind: steps it had more tokens than were verified, how many before a cost probe; the kind
+        # whose cost probe this step is (None: none).
+        self._short: dict[str, int] = {}
+        self._short_wait: dict[str, int] = {}
+        self._cost_probe: str | None = None
 
     @staticmethod
     def _start(seen: Acceptance) -> Acceptance:
@@ -405,6 +422,33 @@ class DraftLength:
         if plain is None or any(t is None for t in seconds):
             return True
         return any((k + 1) / t > plain for k, t in enumerate(seconds, 1) if t is not None)
+
+    def cost_probe(self, k: int, most: int, kind: str | None = None) -> int:
+        """`k` (the schedule's choice for a lookup of `kind` that had `most` tokens), or `most` where this step
+        probes what verifying them costs (see the module's docstring); lookups only (free to propose)."""
+        kind = kind or self.kind
+        if self.schedule != "adaptive" or not is_lookup(kind) or k >= most:
+            return k
+        if self.expected(most, kind) < self.expected(k, kind) + _COST_PROBE_GAIN:
+            return k
+        short = self._short.get(kind, 0) + 1
+        if short < self._short_wait.get(kind, _PROBE_AFTER):
+            self._short[kind] = short
+            return k
+        self._short[kind] = 0
+        self._cost_probe = kind
+        return most
+
+    def probed(self, rows: int, seconds: float | None) -> None:
+        """After a step's verification of `rows` rows took `seconds` (None: not this request's alone), before the
+        costs observe it: a cost probe that found them cheaper than priced probes again soon, else later."""
+        kind, self._cost_probe = self._cost_probe, None
+        if kind is None or seconds is None:
+            return
+        priced = self.costs.verify_cost(rows, self.context)
+        wait = self._short_wait.get(kind, _PROBE_AFTER)
+        found = priced is not None and seconds < _COST_PROBE_FOUND * priced
+        self._short_wait[kind] = _PROBE_AFTER if found else min(2 * wait, _PROBE_MAX)
 
     def probing(self, kind: str | None = None) -> bool:
         """Whether the next draft of `kind` would be a probe: enough steps went without one."""
