@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from app.engine.drafting.draft_length import (
+    _COST_PROBE_MAX,
     _PROBE_AFTER,
     _PROBE_MAX,
     Acceptance,
@@ -220,7 +221,8 @@ def test_lookup_and_model_drafts_keep_their_own_acceptance():
 def test_a_lookup_cut_short_by_its_rows_cost_probes_it_and_a_figure_too_high_is_measured_down():
     """A row cost priced too high (a calibration during another process's burst) would keep a lookup short for
     ever, its rows never verified again: every _PROBE_AFTER-th such step verifies all the lookup had; a probe that
-    finds the rows as priced doubles the wait, one that finds them cheaper brings it back."""
+    finds the rows as priced doubles the wait, one that finds them cheaper brings it back. The wait is the
+    machine's: counted over all requests' steps."""
     step = 0.010
     true = {r: step * (1 + 0.05 * (r - 1)) for r in range(1, 18)}  # what rows cost (AMX-like)
     stale = {r: step * (1 + 2.0 * (r - 1)) for r in range(1, 18)}  # what the table says
@@ -239,20 +241,21 @@ def test_a_lookup_cut_short_by_its_rows_cost_probes_it_and_a_figure_too_high_is_
         policy.probed(k + 1, seconds)
         policy.costs.observe(0, 0.0, k + 1, seconds)
     # Probes found 17 rows far cheaper than priced: the schedule then verifies the long lookup on its own choice.
-    assert probes[0] == _PROBE_AFTER - 1 and ks[-1] == 16 and ks[-10:] == [16] * 10
-    # Rows that cost what the table says: each probe doubles the wait, up to _PROBE_MAX.
-    policy = DraftLength("adaptive", 6, _costs(0.001, stale), max_lookup=16)
-    _set(policy, 0.95, 0.95, kind)
+    assert probes[0] == _PROBE_AFTER - 1 and ks[-10:] == [16] * 10
+    # Rows that cost what the table says: each probe doubles the wait, up to _COST_PROBE_MAX, whichever request
+    # makes the steps (a new request every 10 steps, on the drafter's costs).
+    costs = _costs(0.001, stale)
     probes = []
-    for i in range(400):
+    for i in range(2100):
+        if i % 10 == 0:
+            policy = DraftLength("adaptive", 6, costs, max_lookup=16)
+            _set(policy, 0.95, 0.95, kind)
         k = policy.cost_probe(policy.next_k(100, kind, 16), 16, kind)
         if k:
             probes.append(i)
         policy.probed(k + 1, stale[k + 1])
     gaps = [b - a for a, b in itertools.pairwise(probes)]
-    assert gaps[:4] == [2 * _PROBE_AFTER, 4 * _PROBE_AFTER, 8 * _PROBE_AFTER, _PROBE_MAX] and set(gaps[3:]) == {
-        _PROBE_MAX
-    }
+    assert gaps[:6] == [2 * _PROBE_AFTER * 2**i for i in range(6)] and set(gaps[5:]) == {_COST_PROBE_MAX}
     # No probe where the longer lookup is not expected to yield half a token more (a match that is rarely right),
     # nor for a model draft (not free to propose), nor off the adaptive schedule.
     rare = DraftLength("adaptive", 6, _costs(0.001, stale), max_lookup=16)

@@ -31,8 +31,9 @@ came out high (a calibration or a step during another process's burst) would kee
 the process, and their rows never measured again (a calibration whose 4-7 row figures were doubled left a server
 at a third of its tokens per pass on repeated prompts). So where a lookup had more tokens than the schedule
 verified and the longer draft is expected to yield at least half a token more, every `_PROBE_AFTER`-th such step
-verifies all it had (`cost_probe`); a probe that finds the cost about as priced doubles the wait (to `_PROBE_MAX`),
-one that finds it lower brings it back.
+verifies all it had (`cost_probe`); a probe that finds the cost about as priced doubles the wait (to
+`_COST_PROBE_MAX`), one that finds it lower brings it back. The wait is the machine's, kept with the verification
+costs and counted over every request's steps: each request probing on its own would probe every short request.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ _PROBE_MAX = 64  # the longest wait between probes after failed ones
 _BATCH_MARGIN = 1.02  # what a batch's draft must gain, at least, over not drafting (batch_draft_lengths)
 # A cost probe (DraftLength.cost_probe) found its rows cheaper than priced when they took under this share of it.
 _COST_PROBE_FOUND = 0.85
+# The longest wait between cost probes, in steps of all requests on which a lookup was cut short: a probe verifies
+# up to 17 rows where a few would do, so once the figures hold, a few per thousand steps.
+_COST_PROBE_MAX = 512
 # What a cost probe's longer lookup must be expected to add, at least, in tokens per target pass.
 _COST_PROBE_GAIN = 0.5
 
@@ -188,6 +192,9 @@ class VerifyCosts:
 
     def __init__(self) -> None:
         self._tables: dict[int, dict[int, float]] = {}
+        # Cost probes (DraftLength.cost_probe): steps a lookup was cut short since the last, and how many to wait.
+        self.short_steps = 0
+        self.probe_wait = _PROBE_AFTER
 
     def __bool__(self) -> bool:
         return any(self._tables.values())
@@ -336,11 +343,7 @@ class DraftLength:
         # Per kind: steps on which it could have drafted and drafted nothing, and how many before a probe.
         self._idle: dict[str, int] = {}
         self._wait: dict[str, int] = {}
-        # Per lookup kind: steps it had more tokens than were verified, how many before a cost probe; the kind
-        # whose cost probe this step is (None: none).
-        self._short: dict[str, int] = {}
-        self._short_wait: dict[str, int] = {}
-        self._cost_probe: str | None = None
+        self._cost_probe = False  # whether this step's draft is a cost probe
 
     @staticmethod
     def _start(seen: Acceptance) -> Acceptance:
@@ -431,24 +434,24 @@ class DraftLength:
             return k
         if self.expected(most, kind) < self.expected(k, kind) + _COST_PROBE_GAIN:
             return k
-        short = self._short.get(kind, 0) + 1
-        if short < self._short_wait.get(kind, _PROBE_AFTER):
-            self._short[kind] = short
+        table = self.costs.verify
+        table.short_steps += 1
+        if table.short_steps < table.probe_wait:
             return k
-        self._short[kind] = 0
-        self._cost_probe = kind
+        table.short_steps = 0
+        self._cost_probe = True
         return most
 
     def probed(self, rows: int, seconds: float | None) -> None:
         """After a step's verification of `rows` rows took `seconds` (None: not this request's alone), before the
         costs observe it: a cost probe that found them cheaper than priced probes again soon, else later."""
-        kind, self._cost_probe = self._cost_probe, None
-        if kind is None or seconds is None:
+        probe, self._cost_probe = self._cost_probe, False
+        if not probe or seconds is None:
             return
         priced = self.costs.verify_cost(rows, self.context)
-        wait = self._short_wait.get(kind, _PROBE_AFTER)
+        table = self.costs.verify
         found = priced is not None and seconds < _COST_PROBE_FOUND * priced
-        self._short_wait[kind] = _PROBE_AFTER if found else min(2 * wait, _PROBE_MAX)
+        table.probe_wait = _PROBE_AFTER if found else min(2 * table.probe_wait, _COST_PROBE_MAX)
 
     def probing(self, kind: str | None = None) -> bool:
         """Whether the next draft of `kind` would be a probe: enough steps went without one."""
