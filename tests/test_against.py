@@ -248,6 +248,8 @@ def test_bench_against_flags() -> None:
         (["--against", "llama-server", "--temperature", "0.7"], "leave out --temperature"),
         (["--against", "llama-server", "--draft-schedule", "fixed"], "leave out --draft-schedule"),
         (["--against", "llama-server", "--llama-cpp", "gguf"], "leave out --llama-cpp"),
+        (["--against", "vllm", "--synthetic", "1.7b"], "--synthetic runs against llama-server only"),
+        (["--against", "llama-server", "--synthetic", "1.7b", "--target", "x.gguf"], "leave out --target"),
     ],
 )
 def test_bench_against_refuses_what_it_would_ignore(
@@ -300,6 +302,44 @@ def test_bench_against_drives_both_servers_from_the_command(
     assert argv_seen[argv_seen.index("--spec-type") + 1] == "ngram-simple"
     assert argv_seen[argv_seen.index("-np") + 1] == "2"
     assert "| llama-server/ngram-mod | 2 |" in (out / "against.md").read_text()
+
+
+def test_bench_against_a_synthetic_target_runs_our_target_only_beside_plain_llama_server(
+    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--synthetic 1.7b: the random-weight GGUF for both servers, our target-only and llama-server plain only (no
+    draft agrees with random weights), the meta saying what the target is."""
+    exe = tmp_path / "llama-server"
+    exe.write_text(f"#!{sys.executable} -IS\n" + STAND_IN)
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(llamaserver, "ensure_built", lambda cache, jobs, say: exe)
+    gguf = tmp_path / "synthetic-1.7b-q4_k_m.gguf"
+    gguf.write_bytes(b"GGUF")
+    made: list[tuple[str, str]] = []
+
+    def synthetic_target(shape: str, fmt: str) -> Path:
+        made.append((shape, fmt))
+        return gguf
+
+    monkeypatch.setattr("app.cli.bench._synthetic_target", synthetic_target)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"category": "c", "turns": [p]}) + "\n" for p in PROMPTS))
+    seen: list[list[str]] = []
+
+    def ours(target: str, drafts: list[str], args: object, threads: int) -> list[against.Contender]:
+        assert target == str(gguf)
+        seen.append(drafts)
+        return [against.Contender(f"specserve/{d}", _command(stand_in, "--draft", d)) for d in drafts]
+
+    monkeypatch.setattr("app.cli.bench.ours", ours)
+    out = tmp_path / "out"
+    argv = ["--against", "llama-server", "--synthetic", "1.7b", "--synthetic-format", "q4_k_m"]
+    assert main(["bench", *argv, "--input", str(prompts), "-n", "8", "--out", str(out)]) == 0
+    assert made == [("1.7b", "q4_k_m")] and seen == [["none"]]
+    data = json.loads((out / "against.json").read_text())
+    assert [r["server"] for r in data["rows"]] == ["specserve/none", "llama-server"]
+    assert data["meta"]["target"] == str(gguf)
+    assert any("synthetic 1.7b q4_k_m" in note for note in data["meta"]["notes"])
 
 
 def test_our_server_is_started_as_serve_with_the_shared_flags() -> None:

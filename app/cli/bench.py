@@ -151,7 +151,8 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
         help="time decoding on a random-weight target of that model's shape (1.7b: SmolLM2-1.7B's), written "
         "once into the model store's cache: target-only and each draft (default ngram), to max-new-tokens on "
         "4 prompts unless --limit/--per-category, llama.cpp beside where installed; speed only (random weights "
-        "show no acceptance); with --rows or --kernels, their timings on it",
+        "show no acceptance); with --rows or --kernels, their timings on it; with --against llama-server, our "
+        "target-only beside llama-server's over HTTP",
     )
     parser.add_argument(
         "--synthetic-format",
@@ -440,7 +441,6 @@ _NOT_AGAINST = {
     "kernels": False,
     "rows": False,
     "structured": False,
-    "synthetic": None,
     "temperature": 0.0,
     "top_k": 0,
     "top_p": 1.0,
@@ -468,6 +468,13 @@ def _bench_against(args: argparse.Namespace) -> int:
         )
         raise CliError(f"--against compares greedy answers over HTTP: leave out {flags}")
     target = args.target or DEFAULT_TARGET
+    if args.synthetic:
+        if args.target:
+            raise CliError("--synthetic makes its own target; leave out --target")
+        if args.against != "llama-server":
+            # vLLM and OpenVINO run a checkpoint converted from the GGUF's weights: not worth it for random ones.
+            raise CliError("--synthetic runs against llama-server only")
+        target = str(_synthetic_target(args.synthetic, args.synthetic_format))
     gguf = store.resolve(target)
     if not gguf.is_file() or gguf.suffix != ".gguf":
         raise CliError(f"--against runs the other server on the target's GGUF; {gguf} is not one")
@@ -478,9 +485,13 @@ def _bench_against(args: argparse.Namespace) -> int:
     threads = args.threads or len(os.sched_getaffinity(0))
     max_tokens = args.max_new_tokens or 128
     say = functools.partial(print, file=sys.stderr)
-    drafts = list(dict.fromkeys(["none", *(args.draft or ["default", "ngram"])]))
+    # A synthetic target's random weights agree with no draft: its rows are the targets' speed alone.
+    drafts = list(dict.fromkeys(["none", *(args.draft or ([] if args.synthetic else ["default", "ngram"]))]))
     contenders = ours(target, drafts, args, threads)
     theirs, notes = ANCHORS[args.against](store.cache_dir(), gguf, threads, say)
+    if args.synthetic:
+        theirs = theirs[:1]  # llama-server plain: its speculative modes look up random text
+        notes = [*notes, f"synthetic {args.synthetic} {args.synthetic_format}: random weights, speed only"]
     contenders += theirs
     out = Path(args.out)
     levels = args.clients or [1]
