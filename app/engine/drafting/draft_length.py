@@ -98,6 +98,11 @@ _ROW_PRIOR = 0.5
 _PROBE_AFTER = 8  # steps without a draft (though one was possible) before a one-token probe
 _PROBE_MAX = 64  # the longest wait between probes after failed ones
 _BATCH_MARGIN = 1.02  # what a batch's draft must gain, at least, over not drafting (batch_draft_lengths)
+# What a model draft's expected tokens per second must beat the alternatives by: a cost its own step does not show.
+# Its weights and cache displace the target's from the CPU's caches, so the steps after it run slower (plain steps
+# of requests whose hybrid drafted with its model took 4 % longer than those of the lookups alone, docs/bench), and
+# a model draft that only breaks even on its own step made the hybrid slower than its lookups.
+_MODEL_MARGIN = 1.08
 # A cost probe (DraftLength.cost_probe) found its rows cheaper than priced when they took under this share of it.
 _COST_PROBE_FOUND = 0.85
 # The longest wait between cost probes, in steps of all requests on which a lookup was cut short: a probe verifies
@@ -116,6 +121,16 @@ def _smooth(old: float | None, new: float) -> float:
     # One outlier (a page fault, another process's burst) moves the figure at most a fifth: a row count priced
     # far out of use would not be measured again for a long time.
     return old + (0.5 if new < old else 0.1) * (min(new, 3.0 * old) - old)
+
+
+def _mean(old: float | None, new: float) -> float:
+    """A running mean of a draft step's seconds. Not `_smooth`'s low envelope: a draft step's time varies for
+    reasons of its own (the catch-up on the tokens since the model last drafted: one row, or dozens after a run of
+    lookups), and a price at its fastest drafted where the average step did not pay. One outlier moves it at most
+    a fifth, as there."""
+    if old is None:
+        return new
+    return old + 0.1 * (min(new, 3.0 * old) - old)
 
 
 class Acceptance:
@@ -296,9 +311,9 @@ class StepCosts:
         """One step's measured times, its verification after `context` cached positions; `verify_seconds` None
         when the verification was not this request's alone."""
         if draft_steps > 0:
-            self.draft_step = _smooth(self.draft_step, draft_seconds / draft_steps)
+            self.draft_step = _mean(self.draft_step, draft_seconds / draft_steps)
             if self._parent is not None:  # the machine's cost, every tenant's next starting point
-                self._parent.draft_step = _smooth(self._parent.draft_step, draft_seconds / draft_steps)
+                self._parent.draft_step = _mean(self._parent.draft_step, draft_seconds / draft_steps)
         if verify_seconds is not None:
             self.verify.observe(rows, verify_seconds, context)
 
@@ -394,7 +409,9 @@ class DraftLength:
         """Expected tokens per second with a draft of `k` tokens of `kind` (k = 0: a plain target step); None
         while a cost it needs was not measured."""
         seconds = self.seconds(k, kind)
-        return None if seconds is None else self.expected(k, kind) / seconds
+        if seconds is None:
+            return None
+        return self.expected(k, kind) / seconds / (_MODEL_MARGIN if k and not is_lookup(kind or self.kind) else 1.0)
 
     def next_k(self, limit: int, kind: str | None = None, available: int | None = None) -> int:
         """How many tokens to draft now, at most `limit`. The adaptive schedule's choice, for drafts of `kind`,
@@ -408,13 +425,20 @@ class DraftLength:
         cap = min(most, limit, most if available is None else available)
         if cap <= 0:
             return 0
-        rates = [self.rate(k, kind) for k in range(cap + 1)]
-        if any(r is None for r in rates):
+        best = self._best(cap, kind)
+        if best < 0:
             return min(_START_K, cap)
-        best = max(range(cap + 1), key=lambda k: rates[k] or 0.0)  # the first best: the shorter on a tie
         if named_lookup(kind) is not None:
             return best  # no probes: the target's tokens show every step how far a lookup would have been accepted
         return 1 if best == 0 and self.probing(kind) and self.could_pay(cap, kind) else best
+
+    def _best(self, cap: int, kind: str) -> int:
+        """The k in 0..cap of the highest expected tokens per second (the shorter on a tie); -1 while a cost it
+        needs was not measured."""
+        rates = [self.rate(k, kind) for k in range(cap + 1)]
+        if any(r is None for r in rates):
+            return -1
+        return max(range(cap + 1), key=lambda k: rates[k] or 0.0)
 
     def could_pay(self, cap: int, kind: str | None = None) -> bool:
         """Whether a draft of `kind` of at most `cap` tokens would pay were every token accepted. If not, what
@@ -424,7 +448,8 @@ class DraftLength:
         seconds = [self.seconds(k, kind) for k in range(1, cap + 1)]
         if plain is None or any(t is None for t in seconds):
             return True
-        return any((k + 1) / t > plain for k, t in enumerate(seconds, 1) if t is not None)
+        margin = 1.0 if is_lookup(kind or self.kind) else _MODEL_MARGIN
+        return any((k + 1) / t / margin > plain for k, t in enumerate(seconds, 1) if t is not None)
 
     def cost_probe(self, k: int, most: int, kind: str | None = None) -> int:
         """`k` (the schedule's choice for a lookup of `kind` that had `most` tokens), or `most` where this step
@@ -481,17 +506,23 @@ class DraftLength:
     def update(self, drafted: int, accepted: int, kind: str | None = None) -> None:
         """After a step that asked for a draft: `drafted` tokens of `kind` verified, the first `accepted` kept."""
         kind = kind or self.kind
-        if self.probing(kind):
-            # A probe that failed (or found nothing to propose) makes the next one wait longer.
+        probe = self.probing(kind)
+        self._idle[kind] = 0
+        if drafted > 0:
+            self.estimate(kind).observe(drafted, accepted, _DECAY)
+            self.costs.observe_acceptance(drafted, accepted, kind)
+        if probe:
+            # A probe after which drafting still does not pay (it failed, found nothing to propose, or was accepted
+            # at a rate that still does not pay for the draft) makes the next one wait longer: a draft accepted
+            # half the time that its cost keeps out would otherwise probe every few steps, each a model step that
+            # does not pay.
             wait = self._wait.get(kind, _PROBE_AFTER)
-            self._wait[kind] = _PROBE_AFTER if accepted else min(2 * wait, _PROBE_MAX)
+            pays = accepted > 0 and self._best(self.max_k, kind) > 0
+            self._wait[kind] = _PROBE_AFTER if pays else min(2 * wait, _PROBE_MAX)
         else:
             self._wait[kind] = _PROBE_AFTER
-        self._idle[kind] = 0
         if drafted == 0:
             return
-        self.estimate(kind).observe(drafted, accepted, _DECAY)
-        self.costs.observe_acceptance(drafted, accepted, kind)
         if self.schedule == "heuristic":
             rejected = accepted < drafted
             self._k = min(self.max_k, self._k + 2) if not rejected else max(1, self._k - 1)
