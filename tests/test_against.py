@@ -298,14 +298,20 @@ def test_bench_against_refuses_what_it_would_ignore(
     assert message in capsys.readouterr().err
 
 
-def test_bench_against_drives_both_servers_from_the_command(
-    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # llama-server is the stand-in (an executable taking its flags); our server too, with its draft in its argv.
+def _stand_in_llama_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The stand-in server as the llama-server that --against builds (an executable taking its flags)."""
     exe = tmp_path / "llama-server"
     exe.write_text(f"#!{sys.executable} -IS\n" + STAND_IN)
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(llamaserver, "ensure_built", lambda cache, jobs, say: exe)
+    return exe
+
+
+def test_bench_against_drives_both_servers_from_the_command(
+    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # llama-server is the stand-in (an executable taking its flags); our server too, with its draft in its argv.
+    exe = _stand_in_llama_server(tmp_path, monkeypatch)
     gguf = tmp_path / "t.gguf"
     gguf.write_bytes(b"GGUF")
     prompts = tmp_path / "p.jsonl"
@@ -348,10 +354,7 @@ def test_bench_against_a_synthetic_target_runs_our_target_only_beside_plain_llam
 ) -> None:
     """--synthetic 1.7b: the random-weight GGUF for both servers, our target-only and llama-server plain only (no
     draft agrees with random weights), the meta saying what the target is."""
-    exe = tmp_path / "llama-server"
-    exe.write_text(f"#!{sys.executable} -IS\n" + STAND_IN)
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(llamaserver, "ensure_built", lambda cache, jobs, say: exe)
+    _stand_in_llama_server(tmp_path, monkeypatch)
     gguf = tmp_path / "synthetic-1.7b-q4_k_m.gguf"
     gguf.write_bytes(b"GGUF")
     made: list[tuple[str, str]] = []
