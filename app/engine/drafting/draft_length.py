@@ -98,10 +98,10 @@ _ROW_PRIOR = 0.5
 _PROBE_AFTER = 8  # steps without a draft (though one was possible) before a one-token probe
 _PROBE_MAX = 64  # the longest wait between probes after failed ones
 _BATCH_MARGIN = 1.02  # what a batch's draft must gain, at least, over not drafting (batch_draft_lengths)
-# What a model draft's expected tokens per second must beat the alternatives by: a cost its own step does not show.
-# Its weights and cache displace the target's from the CPU's caches, so the steps after it run slower (plain steps
-# of requests whose hybrid drafted with its model took 4 % longer than those of the lookups alone, docs/bench), and
-# a model draft that only breaks even on its own step made the hybrid slower than its lookups.
+# What a model draft's expected tokens per second must beat the alternatives by. Its price is an estimate from noisy
+# parts (an acceptance that moves step by step, a draft step whose catch-up varies), and in place the model steps
+# it priced as paying ran at 0.96-0.99 of a plain step's rate (docs/bench/amxint8/2026-12-07-hybrid-in-place.md):
+# a model draft that only breaks even on paper loses, where a lookup's is free to propose.
 _MODEL_MARGIN = 1.08
 # A cost probe (DraftLength.cost_probe) found its rows cheaper than priced when they took under this share of it.
 _COST_PROBE_FOUND = 0.85
