@@ -131,9 +131,8 @@ def run_learning(
                     s = gen.stats
                     figures.add(len(gen.generated_ids), time.perf_counter() - s0, s.drafted, s.accepted, passes)
                     texts.append(gen.generated_ids)
-                target_only = _complete(engine, ids, GenerationParams(max_new_tokens=ep.max_new_tokens), "none")[
-                    0
-                ].generated_ids
+                alone, _ = _complete(engine, ids, GenerationParams(max_new_tokens=ep.max_new_tokens), "none")
+                target_only = alone.generated_ids
                 differ += sum(t != target_only for t in texts)
                 answers.append(tok.decode(target_only))
                 compared += 1

@@ -110,27 +110,21 @@ _COST_PROBE_FOUND = 0.85
 _COST_PROBE_MAX = 512
 # What a cost probe's longer lookup must be expected to add, at least, in tokens per target pass.
 _COST_PROBE_GAIN = 0.5
+_DRAFT_DROP = 0.1  # a draft step's running figure follows drops as slowly as rises: a mean (see _smooth)
 
 
-def _smooth(old: float | None, new: float) -> float:
-    """A running time that follows a drop at once and a rise slowly: other work on the machine only ever
-    lengthens a measurement, and a shape's first forward can be slow, which left as it was would price that
-    row count out of use (and unused, it would never be measured again)."""
+def _smooth(old: float | None, new: float, drop: float = 0.5) -> float:
+    """A running time that follows a drop at once (weight `drop`) and a rise slowly: other work on the machine only
+    ever lengthens a measurement, and a shape's first forward can be slow, which left as it was would price that
+    row count out of use (and unused, it would never be measured again). `drop` 0.1, as a rise: a running mean,
+    for a draft step, whose time varies for reasons of its own (the catch-up on the tokens since the model last
+    drafted: one row, or dozens after a run of lookups), so that a price at its fastest does not draft where the
+    average step does not pay."""
     if old is None:
         return new
     # One outlier (a page fault, another process's burst) moves the figure at most a fifth: a row count priced
     # far out of use would not be measured again for a long time.
-    return old + (0.5 if new < old else 0.1) * (min(new, 3.0 * old) - old)
-
-
-def _mean(old: float | None, new: float) -> float:
-    """A running mean of a draft step's seconds. Not `_smooth`'s low envelope: a draft step's time varies for
-    reasons of its own (the catch-up on the tokens since the model last drafted: one row, or dozens after a run of
-    lookups), and a price at its fastest drafted where the average step did not pay. One outlier moves it at most
-    a fifth, as there."""
-    if old is None:
-        return new
-    return old + 0.1 * (min(new, 3.0 * old) - old)
+    return old + (drop if new < old else 0.1) * (min(new, 3.0 * old) - old)
 
 
 class Acceptance:
@@ -311,9 +305,9 @@ class StepCosts:
         """One step's measured times, its verification after `context` cached positions; `verify_seconds` None
         when the verification was not this request's alone."""
         if draft_steps > 0:
-            self.draft_step = _mean(self.draft_step, draft_seconds / draft_steps)
+            self.draft_step = _smooth(self.draft_step, draft_seconds / draft_steps, _DRAFT_DROP)
             if self._parent is not None:  # the machine's cost, every tenant's next starting point
-                self._parent.draft_step = _mean(self._parent.draft_step, draft_seconds / draft_steps)
+                self._parent.draft_step = _smooth(self._parent.draft_step, draft_seconds / draft_steps, _DRAFT_DROP)
         if verify_seconds is not None:
             self.verify.observe(rows, verify_seconds, context)
 
@@ -411,7 +405,11 @@ class DraftLength:
         seconds = self.seconds(k, kind)
         if seconds is None:
             return None
-        return self.expected(k, kind) / seconds / (_MODEL_MARGIN if k and not is_lookup(kind or self.kind) else 1.0)
+        return self.expected(k, kind) / seconds / (self._margin(kind) if k else 1.0)
+
+    def _margin(self, kind: str | None) -> float:
+        """What a draft of `kind` must beat a plain step by: `_MODEL_MARGIN` for a model's, nothing for a lookup's."""
+        return 1.0 if is_lookup(kind or self.kind) else _MODEL_MARGIN
 
     def next_k(self, limit: int, kind: str | None = None, available: int | None = None) -> int:
         """How many tokens to draft now, at most `limit`. The adaptive schedule's choice, for drafts of `kind`,
@@ -448,7 +446,7 @@ class DraftLength:
         seconds = [self.seconds(k, kind) for k in range(1, cap + 1)]
         if plain is None or any(t is None for t in seconds):
             return True
-        margin = 1.0 if is_lookup(kind or self.kind) else _MODEL_MARGIN
+        margin = self._margin(kind)
         return any((k + 1) / t / margin > plain for k, t in enumerate(seconds, 1) if t is not None)
 
     def cost_probe(self, k: int, most: int, kind: str | None = None) -> int:
