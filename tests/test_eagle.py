@@ -341,6 +341,56 @@ def test_a_draft_on_a_kernel_runs_its_layer_in_one_call_with_the_layer_by_layer_
     assert batched == alone
 
 
+@pytest.mark.parametrize("kernel", kernels.available())
+@pytest.mark.parametrize("weights", ["q8_0", "bf16"])
+def test_a_greedy_chain_in_one_kernel_call_proposes_what_the_token_by_token_loop_does(
+    make_tiny_model, tok, tmp_path, kernel, weights, monkeypatch
+):
+    """On every kernel this machine runs: a session's greedy drafts through `DraftChain` (one C call a draft)
+    equal the loop's token by token (forward, head, choice), across rollbacks, cut-offs that stop a chain early,
+    and target tokens outside the draft vocabulary; the next draft after each starts from the same state."""
+    model = make_tiny_model(seed=12, vocab_size=2 * V, dim=128, n_heads=2, n_kv_heads=1, intermediate_size=96)
+    model = model.to(torch.bfloat16)
+    with use_kernel(kernel):
+        model.pack(kernels.kernel())
+    float_draft = EagleDraft(EagleConfig.for_target(model.config, V, "tiny"))
+    float_draft.vocab_ids.copy_(torch.arange(V, 2 * V).flip(0))  # the prompt's tokens (below V) lie outside it
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in float_draft.parameters():
+            p.normal_(0, 0.3)
+    save_draft(float_draft, tmp_path / "d")
+    draft = load_draft(tmp_path / "d", model, weights)
+    assert draft._chain is not None
+    drafter = EagleDrafter("eagle", draft, LoadedModel(model, tok, "t", 0.0))
+    calls = []
+    real = kernels.DraftChain.__call__
+    monkeypatch.setattr(kernels.DraftChain, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+
+    def drafts(chained: bool) -> list:
+        chain = draft._chain
+        draft.__dict__["_chain"] = chain if chained else None
+        try:
+            ids = list(PROMPT)
+            features = _states(model, [*ids, *range(V, V + 40)])
+            session = drafter.session(capacity=96)
+            session.features[: len(features)] = features
+            out = []
+            for step, p_min in enumerate([0.0, 0.0, 0.05, 0.1, 0.2, 0.3, 0.0, 0.5, 0.05, 0.0]):
+                got = session.propose(ids, 5, p_min)
+                out.append((got, session._cache.length, session._next_pos))
+                ids = [*ids, *got[: step % 3], step % 7]  # accepted, then a target token outside the draft's
+            return out
+        finally:
+            draft.__dict__["_chain"] = chain
+
+    chained = drafts(True)
+    assert len(calls) == 10
+    assert chained == drafts(False)
+    lengths = {len(got) for got, _, _ in chained}
+    assert 5 in lengths and len(lengths) > 1, lengths  # full chains, and chains the cut-off stopped
+
+
 def test_a_draft_beside_a_target_without_a_kernel_keeps_its_dtype(target, tmp_path):
     save_draft(_draft(target, seed=1), tmp_path / "d")
     draft = load_draft(tmp_path / "d", target, "q8_0")

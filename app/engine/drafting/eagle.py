@@ -31,7 +31,7 @@ from app.engine.drafting.adapter import Adapter
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.loop import NetworkSession, run_drafts
 from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tree
-from app.engine.kernels import Kernel, LayerStack, StackLayer, attention_fits
+from app.engine.kernels import DraftChain, Kernel, LayerStack, StackLayer, attention_fits
 from app.engine.kernels.quantized import FORMATS, QuantizedWeight, quantize
 from app.engine.memory import kv_cache_bytes
 from app.engine.model.cache import KVCache, layout_rows
@@ -120,6 +120,10 @@ class EagleDraft(nn.Module):
         self._cos = self._sin = torch.empty(0)
         self.__dict__["_kernel"] = None  # the CPU kernel pack() laid the block out for (its caches attend on it)
         self.__dict__["_stack"] = None  # the decoder layer in one kernel call (pack)
+        self.__dict__["_chain"] = None  # a greedy chain of draft tokens in one kernel call (pack)
+        self._ids: list[int] | None = None  # vocab_ids as a list, and each id's index (chain)
+        self._index: dict[int, int] = {}
+        self._extra: dict[int, Tensor] = {}  # embedding rows of tokens outside the draft vocabulary (chain)
         self.source: Path | None = None  # the directory it was read from
 
     def attach(self, target: Transformer, pack: bool = False, qtype: str | None = None) -> None:
@@ -179,6 +183,21 @@ class EagleDraft(nn.Module):
             if isinstance(lin, nn.Linear):
                 setattr(owner, name, PackedLinear(lin.weight, lin.bias, kernel))
         self.__dict__["_stack"] = self._layer_stack(kernel)
+        self.__dict__["_chain"] = self._draft_chain()
+
+    def _draft_chain(self) -> DraftChain | None:
+        stack, head = self.__dict__["_stack"], self.__dict__["_head"]
+        if stack is None or head is None or not isinstance(self.fc, PackedLinear):
+            return None
+        if head.fused is None or self.fc.fused is None or head.fused.kernel is not stack.kernel:
+            return None
+        # The chain feeds back tokens it chose, so it holds their rows: the draft vocabulary's, as the lookup
+        # gives them (bf16 [V', dim]: 9.4 MB for the default draft), read without a call back into Python.
+        embed = torch.cat([self._embed(ids) for ids in self.vocab_ids.split(4096)]).to(torch.bfloat16)
+        try:
+            return DraftChain(stack, self.fc.fused, head.fused, self.norm.weight, embed, self.config.norm_eps)
+        except ValueError:  # a padded product, or a width the chain does not take: token by token
+            return None
 
     def _layer_stack(self, kernel: Kernel | None) -> LayerStack | None:
         # A draft token ran a dozen torch operations around its products (RoPE, the residuals, norms), each a
@@ -286,6 +305,40 @@ class EagleDraft(nn.Module):
             x = self.block.forward_parts(x, layout, 0)
         layout.advance()
         return layout.split(self._final_norm(x)[0])
+
+    def chain(
+        self, states: Tensor, tokens: Sequence[int], start: int, cache: KVCache, k: int, p_min: float
+    ) -> tuple[list[int], Tensor, int] | None:
+        """Up to `k` greedy tokens in one kernel call (`DraftChain`), without an adapter: what `forward` over
+        states [T, dim] and `tokens` (T) from `start`, then `draft_logits` and the greedy choice with the cut-off
+        `p_min`, each chosen token fed back with its guessed state, give. Returns (target token ids, the last
+        guessed state [1, dim], the position after the last forward), or None where the chain does not run (no
+        kernel, or a cache of another)."""
+        chain = self.__dict__["_chain"]
+        if chain is None or self._stack_for([cache]) is None:
+            return None
+        if self._ids is None:
+            self._ids = self.vocab_ids.tolist()
+            self._index = {token: i for i, token in enumerate(self._ids)}
+        rows = [self._row(chain, token) for token in tokens]
+        cos, sin = self._rope(0, start + len(tokens) + k, states.dtype, states.device)
+        found, guess, end = chain(states, [addr for addr, _ in rows], cache.k, cache.v, start, cos, sin, k, p_min)
+        cache.length = end
+        return [self._ids[i] for i in found], guess, end
+
+    def _row(self, chain: DraftChain, token: int) -> tuple[int, Tensor | None]:
+        # The address of `token`'s embedding row (and the tensor that holds it, where it is not the chain's): a
+        # token of the target's text may lie outside the draft vocabulary.
+        index = self._index.get(token)
+        if index is not None:
+            return chain.row(index), None
+        row = self._extra.pop(token, None)
+        if row is None:
+            row = self._embed(torch.tensor([token], dtype=torch.long))[0].to(torch.bfloat16).contiguous()
+            if len(self._extra) >= 1024:
+                del self._extra[next(iter(self._extra))]
+        self._extra[token] = row
+        return row.data_ptr(), row
 
     def draft_logits(self, states: Tensor, adapter: Adapter | None = None) -> Tensor:
         """Logits over the draft vocabulary [..., draft_vocab_size] for predicted states [..., dim]."""
@@ -438,6 +491,16 @@ class _EagleSession(NetworkSession):
 
     def feed(self, token: int) -> None:
         self._input = (self._guess, torch.tensor([token], dtype=torch.long, device=self.device), self._next_pos)
+
+    def chain(self, k: int, p_min: float) -> list[int] | None:
+        if self.adapter is not None or self._input is None:
+            return None
+        states, tokens, pos = self._input
+        got = self._draft.chain(states, tokens.tolist(), pos, self._cache, k, p_min)
+        if got is None:
+            return None
+        found, self._guess, self._next_pos = got
+        return found
 
     @classmethod
     def forward(cls, sessions: Sequence[NetworkSession], heads: Sequence[bool], batched: bool) -> list[Tensor | None]:

@@ -102,6 +102,13 @@ class NetworkSession(DraftSession):
         """`token` was proposed: the next forward reads it."""
         raise NotImplementedError
 
+    def chain(self, k: int, p_min: float) -> list[int] | None:
+        """Right after `begin`: the greedy draft of up to `k` tokens with the cut-off `p_min` in one go, as the
+        loop would propose it token by token without a grammar or penalties (None: the loop runs it). A draft
+        token's Python and torch operations, each run cold after the draft's weights went through the caches, cost
+        more than its arithmetic."""
+        return None
+
     def readable(self, token: int) -> bool:
         """Whether the draft can read `token` (a forced token outside its vocabulary ends its step)."""
         return True
@@ -138,6 +145,12 @@ def run_drafts(
     active = [i for i, limit in enumerate(limits) if limit > 0]
     keep_q = drawn(params, rng)
     batched = len(sessions) > 1
+    if not batched and found is None and active and (params is None or params.greedy):
+        s = sessions[0]
+        if s.grammar is None and s.penalty is None:
+            chained = s.chain(min(ks[0], limits[0]), p_mins[0])
+            if chained is not None:
+                return [(chained, None)]
     while active:
         forced = [sessions[i].grammar.forced(out[i]) if sessions[i].grammar is not None else None for i in active]
         heads = [f is None for f in forced]

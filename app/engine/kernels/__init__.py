@@ -37,7 +37,16 @@ from app.engine.kernels import build, detect
 from app.engine.kernels.abi import SIGNATURES
 from app.engine.kernels.build import KernelUnavailable
 from app.engine.kernels.detect import bf16_arithmetic
-from app.engine.kernels.library import Kernel, KernelLinear, LayerStack, QuantLinear, StackLayer, attention_fits, fits
+from app.engine.kernels.library import (
+    DraftChain,
+    Kernel,
+    KernelLinear,
+    LayerStack,
+    QuantLinear,
+    StackLayer,
+    attention_fits,
+    fits,
+)
 from app.engine.kernels.table import KERNELS, SPECS, STAND_INS, KernelSpec
 
 __all__ = [
@@ -46,6 +55,7 @@ __all__ = [
     "SIGNATURES",
     "SPECS",
     "STAND_INS",
+    "DraftChain",
     "Kernel",
     "KernelLinear",
     "KernelSpec",

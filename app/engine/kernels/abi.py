@@ -1,5 +1,5 @@
 """The C side of a kernel library as ctypes sees it: the exported functions' signatures and the structures they
-take (common.h's `part_t`, layers.h's `sk_product_t`, `sk_layer_t` and `sk_seq_t`)."""
+take (common.h's `part_t`, layers.h's `sk_product_t`, `sk_layer_t`, `sk_seq_t` and `sk_draft_t`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "sk_layers": (
         None,
         [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I],
+    ),
+    "sk_draft_chain": (
+        ctypes.c_int,
+        [_P, _P, _P, _I, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, _P, _I, ctypes.c_float, _I, _P, _P, _P],
     ),
     "sk_dot_kind": (ctypes.c_char_p, []),
 }
@@ -68,3 +72,12 @@ class Seq(ctypes.Structure):
     _fields_ = [("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
     _fields_ += [(name, ctypes.c_int64) for name in ("layer_stride", "cap", "t", "start")]
     _fields_ += [("parent", ctypes.c_void_p)]
+
+
+class Draft(ctypes.Structure):
+    """A feature draft for sk_draft_chain (layers.h's sk_draft_t)."""
+
+    _fields_ = [("fc", Product), ("head", Product), ("layer", Layer)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("norm", "embed")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("dim", "heads", "kv_heads", "head_dim", "inter", "vocab")]
+    _fields_ += [(name, ctypes.c_float) for name in ("eps", "scale")]

@@ -177,4 +177,68 @@ void sk_layers(const sk_layer_t *layers, int n_layers, uint16_t *x, const sk_seq
     free(buf);
 }
 
+/* A feature draft (app/engine/drafting/eagle.py): its fusion product over [embedding | state] rows, its one layer,
+   its final norm, its head over the draft vocabulary, and the draft vocabulary's embedding rows [vocab][dim]. */
+typedef struct {
+    sk_product_t fc, head;
+    sk_layer_t layer;
+    const uint16_t *norm, *embed;
+    int64_t dim, heads, kv_heads, head_dim, inter, vocab;
+    float eps, scale;
+} sk_draft_t;
+
+/* A feature draft's greedy chain in one call: what the Python path runs token after token (the fusion product,
+   sk_layers with the one layer, the final norm, the head, the greedy choice, the chosen token's row fed back with
+   the guessed state), each with this library's calls and their arguments, so every value has that path's bits. A
+   draft token otherwise runs about a dozen Python and torch operations around its four kernel calls, each of them
+   cold after the draft's weights went through the caches: together they cost more than the arithmetic.
+   The first forward reads t rows at cache positions start..start+t-1: states [t][dim] and embeds (t pointers to
+   embedding rows [dim]). Up to k tokens (draft vocabulary indices) go into tokens; the chain stops before a token
+   whose probability (softmax of the head's logits, summed in index order) is below p_min. cos, sin: RoPE tables from
+   position 0, [positions][d]. Writes the last guessed state [dim] into guess and the position after the last
+   forward into *next; returns the tokens' count. */
+int sk_draft_chain(const sk_draft_t *dr, const uint16_t *states, const uint16_t **embeds, int t, uint16_t *kc,
+                   uint16_t *vc, int64_t cap, int64_t start, const uint16_t *cos, const uint16_t *sin, int k,
+                   float p_min, int threads, int32_t *tokens, uint16_t *guess, int64_t *next) {
+    const int dim = (int)dr->dim, d = (int)dr->head_dim, vocab = (int)dr->vocab, rows = t > 1 ? t : 1;
+    uint16_t *in = malloc(sizeof(uint16_t) * ((size_t)rows * 3 * dim + dim + vocab));
+    uint16_t *x = in + (size_t)rows * 2 * dim, *g = x + (size_t)rows * dim, *logits = g + dim;
+    for (int r = 0; r < t; r++) {
+        memcpy(in + (size_t)r * 2 * dim, embeds[r], sizeof(uint16_t) * dim);
+        memcpy(in + (size_t)r * 2 * dim + dim, states + (size_t)r * dim, sizeof(uint16_t) * dim);
+    }
+    int n = 0, m = t;
+    int64_t pos = start;
+    while (m > 0) {
+        sk_product(&dr->fc, in, x, m, 2 * dim, threads, 0, NULL, 0.0f, NULL, NULL);
+        sk_seq_t seq = {kc, vc, 0, cap, m, pos, NULL};
+        const uint16_t *c = cos + (size_t)pos * d, *s = sin + (size_t)pos * d;
+        sk_layers(&dr->layer, 1, x, &seq, 1, dim, (int)dr->heads, (int)dr->kv_heads, d, (int)dr->inter, c, s, c, s,
+                  dr->eps, dr->scale, threads);
+        sk_rms_norm(x + (size_t)(m - 1) * dim, g, dr->norm, 1, dim, dr->eps, NULL);
+        pos += m;
+        sk_product(&dr->head, g, logits, 1, dim, threads, 0, NULL, 0.0f, NULL, NULL);
+        int best = 0;
+        float top = sk_bf16_to_f32(logits[0]);
+        for (int i = 1; i < vocab; i++) {
+            float v = sk_bf16_to_f32(logits[i]);
+            if (v > top) top = v, best = i;
+        }
+        if (p_min > 0.0f) {
+            float sum = 0.0f;
+            for (int i = 0; i < vocab; i++) sum += expf(sk_bf16_to_f32(logits[i]) - top);
+            if (1.0f / sum < p_min) break;
+        }
+        tokens[n++] = best;
+        if (n >= k) break;
+        memcpy(in, dr->embed + (size_t)best * dim, sizeof(uint16_t) * dim);
+        memcpy(in + dim, g, sizeof(uint16_t) * dim);
+        m = 1;
+    }
+    memcpy(guess, g, sizeof(uint16_t) * dim);
+    *next = pos;
+    free(in);
+    return n;
+}
+
 #endif

@@ -1,5 +1,6 @@
 """A loaded kernel library and what runs on it: bf16 products (`KernelLinear`), products on GGUF blocks
-(`QuantLinear`), cached attention (`Kernel.attention`) and a decoder's layers in one call (`LayerStack`)."""
+(`QuantLinear`), cached attention (`Kernel.attention`), a decoder's layers in one call (`LayerStack`) and a feature
+draft's greedy chain in one call (`DraftChain`)."""
 
 from __future__ import annotations
 
@@ -332,6 +333,90 @@ class LayerStack:
             torch.get_num_threads(),
         )
         return x
+
+
+class DraftChain:
+    """A feature draft's greedy chain in one kernel call (layers.h's sk_draft_chain): its fusion product `fc`, its
+    one-layer `stack`, its final `norm` weight [dim] (bf16), its `head` over the draft vocabulary and that
+    vocabulary's embedding rows `embed` [vocab, dim] (bf16), each product of the stack's kernel and unpadded; every
+    value the bits of the calls one by one (`EagleDraft.forward`, `draft_logits`, the greedy choice)."""
+
+    def __init__(self, stack: LayerStack, fc: Product, head: Product, norm: Tensor, embed: Tensor, eps: float) -> None:
+        if stack.n_layers != 1:
+            raise ValueError("a draft chain runs one layer")
+        dim, vocab = stack.dim, head.out_features
+        shapes = ((fc.out_features, fc.in_features), (head.in_features,), tuple(norm.shape), tuple(embed.shape))
+        if shapes != ((dim, 2 * dim), (dim,), (dim,), (vocab, dim)):
+            raise ValueError(f"a draft chain of width {dim} does not take products and tables shaped {shapes}")
+        if norm.dtype != torch.bfloat16 or embed.dtype != torch.bfloat16 or dim % 16:
+            raise ValueError("a draft chain's norm and embedding rows are bf16, its width a multiple of 16")
+        self.kernel = stack.kernel
+        self._keep = [stack, norm.contiguous(), embed.contiguous()]
+        self._draft = abi.Draft()
+        stack._product(self._draft.fc, fc)
+        stack._product(self._draft.head, head)
+        self._draft.layer = stack._table[0]
+        self._draft.norm, self._draft.embed = self._keep[1].data_ptr(), self._keep[2].data_ptr()
+        self._draft.dim, self._draft.heads, self._draft.kv_heads = dim, stack.heads, stack.kv_heads
+        self._draft.head_dim, self._draft.inter, self._draft.vocab = stack.head_dim, stack.inter, vocab
+        self._draft.eps, self._draft.scale = eps, 1.0 / math.sqrt(stack.head_dim)
+        self.dim, self.vocab = dim, vocab
+        self._row_bytes = dim * 2
+        self._embed_ptr = self._draft.embed
+
+    def row(self, index: int) -> int:
+        """The address of the draft vocabulary's `index`th embedding row."""
+        return self._embed_ptr + index * self._row_bytes
+
+    def __call__(
+        self,
+        states: Tensor,
+        embeds: Sequence[int],
+        k_cache: Tensor,
+        v_cache: Tensor,
+        start: int,
+        cos: Tensor,
+        sin: Tensor,
+        k: int,
+        p_min: float,
+    ) -> tuple[list[int], Tensor, int]:
+        """Up to `k` greedy tokens (draft vocabulary indices) after the first forward's T rows: states [T, dim]
+        (bf16, contiguous) and the addresses of their tokens' embedding rows (`embeds`, T), at cache positions
+        start..start+T-1; the chain stops before a token whose probability is below `p_min`. k_cache, v_cache:
+        the draft's [1, 1, kv_heads, capacity, head_dim] (bf16); cos, sin: `rope_tables`' [n, 1, head_dim], n past
+        every position the chain reaches (start + T + k - 1). Returns (tokens, the last guessed state [1, dim], the
+        position after the last forward)."""
+        t, cap = len(embeds), k_cache.shape[3]
+        if not (t >= 1 and k >= 1 and states.shape == (t, self.dim) and states.is_contiguous()):
+            raise ValueError(f"a draft chain takes states [{t}, {self.dim}] and at least one token")
+        # Each token but the last is fed back: at most T + k - 1 positions written.
+        if start < 0 or start + t + k - 1 > min(cap, cos.shape[0]):
+            raise ValueError(f"a chain from {start} of {t} + {k} rows runs past a cache or table of {cap}")
+        contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
+        if k_cache.shape[:3] != (1, 1, self._draft.kv_heads) or not contiguous:
+            raise ValueError("a draft chain runs on the draft's own contiguous one-layer cache")
+        tokens = (ctypes.c_int32 * k)()
+        guess = torch.empty(1, self.dim, dtype=torch.bfloat16)
+        end = ctypes.c_int64()
+        n = self.kernel._lib.sk_draft_chain(
+            ctypes.byref(self._draft),
+            states.data_ptr(),
+            (ctypes.c_void_p * t)(*embeds),
+            t,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            cap,
+            start,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k,
+            p_min,
+            torch.get_num_threads(),
+            tokens,
+            guess.data_ptr(),
+            ctypes.byref(end),
+        )
+        return tokens[:n], guess, end.value
 
 
 def _check_rows(x: Tensor) -> None:
