@@ -176,10 +176,12 @@ class Acceptance:
 
     def expected(self, k: int) -> float:
         """Tokens per target pass with a draft of `k` tokens: the accepted ones plus the target's own."""
-        if k <= 0:
-            return 1.0
+        return self.expected_upto(k)[-1] if k > 0 else 1.0
+
+    def expected_upto(self, cap: int) -> list[float]:
+        """`expected(k)` for k in 0..cap."""
         p, q = self.p_first, self.p_then
-        return 1.0 + p * (k if q >= 1.0 else (1.0 - q**k) / (1.0 - q))
+        return [1.0] + [1.0 + p * (k if q >= 1.0 else (1.0 - q**k) / (1.0 - q)) for k in range(1, cap + 1)]
 
 
 def context_class(context: int) -> int:
@@ -228,19 +230,27 @@ class VerifyCosts:
     def cost(self, rows: int, context: int = 0) -> float | None:
         """Seconds to verify `rows` rows after `context` cached positions: measured, or a line through what was
         measured in its class (borrowing as the class says); None while nothing was measured at all."""
+        costs = self.costs(rows, context, rows)
+        return None if costs is None else costs[0]
+
+    def costs(self, most: int, context: int = 0, least: int = 1) -> list[float] | None:
+        """`cost(rows, context)` for rows `least`..`most`, the table and its line found once."""
         own = context_class(context)
         table = self._tables.get(own) or self._nearest(own, 1)
         if table is None:
             return None
-        if rows in table:
-            return table[rows]
+        wanted = range(least, most + 1)
         if len(table) >= 2:
-            return _line(table, rows)
+            line = _Line(table)
+            return [table[r] if r in table else line(r) for r in wanted]
         [(x, t)] = table.items()
+        if all(r == x for r in wanted):
+            return [t for _ in wanted]
         sloped = self._nearest(own, 2)
         if sloped is None:  # one row count measured anywhere: a single figure says nothing of the slope
-            return t * (1.0 + _ROW_PRIOR * (rows - 1)) / (1.0 + _ROW_PRIOR * (x - 1))
-        return t * _line(sloped, rows) / _line(sloped, x)
+            return [t if r == x else t * (1.0 + _ROW_PRIOR * (r - 1)) / (1.0 + _ROW_PRIOR * (x - 1)) for r in wanted]
+        line = _Line(sloped)
+        return [t if r == x else t * line(r) / line(x) for r in wanted]
 
     def _nearest(self, own: int, least: int) -> dict[int, float] | None:
         """The table of the class nearest `own` (the longer context on a tie: a dearer guess drafts less) with at
@@ -251,16 +261,20 @@ class VerifyCosts:
         return self._tables[min(found, key=lambda c: (abs(c - own), -c))]
 
 
-def _line(table: dict[int, float], rows: int) -> float:
-    """Seconds for `rows` rows on the least-squares line through `table`'s (two or more) row counts, its slope
-    held at 0 or more."""
-    xs = sorted(table)
-    n = len(xs)
-    mx = sum(xs) / n
-    my = sum(table[x] for x in xs) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = max(0.0, sum((x - mx) * (table[x] - my) for x in xs) / sxx)
-    return max(1e-6, my + slope * (rows - mx))
+class _Line:
+    """The least-squares line through a table's (two or more) row counts, its slope held at 0 or more: seconds
+    for any row count."""
+
+    def __init__(self, table: dict[int, float]) -> None:
+        xs = sorted(table)
+        n = len(xs)
+        self.mx = sum(xs) / n
+        self.my = sum(table[x] for x in xs) / n
+        sxx = sum((x - self.mx) ** 2 for x in xs)
+        self.slope = max(0.0, sum((x - self.mx) * (table[x] - self.my) for x in xs) / sxx)
+
+    def __call__(self, rows: int) -> float:
+        return max(1e-6, self.my + self.slope * (rows - self.mx))
 
 
 class StepCosts:
@@ -433,10 +447,23 @@ class DraftLength:
     def _best(self, cap: int, kind: str) -> int:
         """The k in 0..cap of the highest expected tokens per second (the shorter on a tie); -1 while a cost it
         needs was not measured."""
-        rates = [self.rate(k, kind) for k in range(cap + 1)]
-        if any(r is None for r in rates):
+        rates = self._rates(cap, kind)
+        if rates is None:
             return -1
-        return max(range(cap + 1), key=lambda k: rates[k] or 0.0)
+        return max(range(cap + 1), key=lambda k: rates[k])
+
+    def _rates(self, cap: int, kind: str) -> list[float] | None:
+        """`rate(k, kind)` for k in 0..cap (cap >= 1), in one pass: a step's schedule prices every length of every
+        kind it could draft, and `rate`'s calls one by one cost a hybrid's step more Python time than a lookup's
+        whole choice. None where `rate` is None for some k."""
+        draft = 0.0 if is_lookup(kind) else self.costs.draft_step
+        if draft is None:
+            return None
+        costs = self.costs.verify.costs(cap + 1, self.context)
+        if costs is None:
+            return None
+        margin, expected = self._margin(kind), self.estimate(kind).expected_upto(cap)
+        return [expected[k] / max(k * draft + costs[k], 1e-9) / (margin if k else 1.0) for k in range(cap + 1)]
 
     def could_pay(self, cap: int, kind: str | None = None) -> bool:
         """Whether a draft of `kind` of at most `cap` tokens would pay were every token accepted. If not, what
