@@ -212,21 +212,28 @@ def test_batched_proposals_match_each_session_alone(target, tok):
     assert again[2] == []
 
 
-def test_a_long_prompt_is_caught_up_a_slice_per_step(target, tok, monkeypatch):
-    """After a long prompt the session catches up on at most _CATCH_UP positions per call, proposing nothing
-    until it has them all (no step runs the draft over the whole prompt), then proposes what a session that
-    caught up at once proposes."""
-    monkeypatch.setattr(eagle_module, "_CATCH_UP", 8)
-    drafter = _drafter(target, tok)
+def test_a_session_far_behind_restarts_its_context_at_the_window(target, tok, monkeypatch):
+    """A session behind by more than DRAFT_WINDOW positions (a long stretch without model drafts) runs the draft over
+    the last DRAFT_WINDOW only, its context restarted there: it proposes what a draft given only that stretch
+    proposes, and no forward takes more than the window's rows."""
+    monkeypatch.setattr(eagle_module, "DRAFT_WINDOW", 6)
+    drafter = _drafter(target, tok, seed=2)
+    rows = []
+    forward = EagleDraft.forward
+
+    def counted(self, states, *args):
+        if len(args) >= 3 and args[2] is not None:  # a session's forward (over its cache), not the reference's
+            rows.append(states.shape[1])
+        return forward(self, states, *args)
+
+    monkeypatch.setattr(EagleDraft, "forward", counted)
     ids = [(3 * i + 1) % V for i in range(30)]
-    sliced, whole = drafter.session(capacity=64), drafter.session(capacity=64)
-    sliced.features[: len(ids)] = whole.features[: len(ids)] = _states(target, ids)
-    calls = []
-    while not (got := sliced.propose(ids, 4)):
-        calls.append(got)
-    assert len(calls) == (len(ids) - 2) // 8  # 29 positions to catch up: three slices of 8, then 5 and the drafts
-    monkeypatch.setattr(eagle_module, "_CATCH_UP", 10_000)
-    assert got == whole.propose(ids, 4) == _reference_proposal(drafter.draft, target, ids, 4)
+    session = drafter.session(capacity=64)
+    session.features[: len(ids)] = _states(target, ids)
+    assert session.propose(ids[:6], 2) == _reference_proposal(drafter.draft, target, ids[:6], 2)  # within the window
+    got = session.propose(ids, 4)  # 23 positions behind
+    assert got == _reference_proposal(drafter.draft, target, ids, 4, len(ids) - 1 - 6)
+    assert max(rows) <= 6, rows
 
 
 def test_the_draft_reads_the_last_window_of_a_long_prompt(target, tok, monkeypatch):

@@ -418,15 +418,15 @@ def load_draft(path: Path, target: Transformer, weights: str = DEFAULT_DRAFT_WEI
     return draft
 
 
-# Most positions a session catches up on in one step (see _EagleSession._catch_up).
-_CATCH_UP = 512
-# The most prompt positions before the first draft that the draft runs over: a longer prompt's earlier positions
-# are left out of the draft's context (its one block's attention over its own cache), so that the first draft
-# after a long prompt does not first run the draft over all of it (a forward over every prompt position, in slices
-# during which nothing is drafted); the target's states the draft reads carry the rest of the prompt, and the
-# window measured no lower acceptance (docs/bench). RoPE scores depend on positions' differences only, so the
-# draft's positions start at 0 where its window starts.
-DRAFT_WINDOW = 256
+# The most positions the draft catches up on before it drafts: behind by more (a long prompt, or a long stretch of
+# lookups or plain steps), its context (its one block's attention over its own cache) restarts at the last
+# DRAFT_WINDOW positions, and the earlier ones are left out of it. Catching up on every position since cost a step
+# as much as several draft tokens (1.6 ms a call after more than 16 positions, against 0.38 ms after one), and such
+# steps were a third of a hybrid's model steps, mostly probes after long stretches without the model; the target's
+# states the draft reads carry what the window leaves out (agreement at depth 1 0.38 with every draft from a fresh
+# window of 32 against 0.39 with the whole context, docs/bench). RoPE scores depend on positions' differences only,
+# so the draft's positions start at 0 where its window starts.
+DRAFT_WINDOW = 32
 
 
 class _EagleSession(NetworkSession):
@@ -538,26 +538,11 @@ class _EagleSession(NetworkSession):
         # Position p reads (state p, token p+1), so the draft catches up on positions true_len..n-2.
         if k <= 0 or n < 2 or n + k > self._cache.capacity:
             return None
-        if self._true_len == 0 and n - 1 > DRAFT_WINDOW:
-            self._base = self._true_len = n - 1 - DRAFT_WINDOW  # nothing run yet: the window's start
+        if n - 1 - self._true_len > DRAFT_WINDOW:
+            self._base = self._true_len = n - 1 - DRAFT_WINDOW  # behind by more than the window: restart at its start
         # Re-feed at least the newest known position: its output is the first guess.
         self._true_len = max(self._base, min(self._true_len, n - 2))
         self._cache.truncate(self._true_len - self._base)
-        if n - 1 - self._true_len > _CATCH_UP:
-            # Behind by more than a slice (a long stretch without model drafts): catch up a slice per step and draft
-            # nothing meanwhile, so that no step runs the draft over thousands of positions at once, which every
-            # request beside it would wait for.
-            end = self._true_len + _CATCH_UP
-            feed = torch.tensor(token_ids[self._true_len + 1 : end + 1], dtype=torch.long, device=self.features.device)
-            self._draft(
-                self.features[self._true_len : end][None],
-                feed[None],
-                self._true_len - self._base,
-                self._cache,
-                self.adapter,
-            )
-            self._true_len = end
-            return None
         states = self.features[self._true_len : n - 1]
         tokens = torch.tensor(token_ids[self._true_len + 1 : n], dtype=torch.long, device=self.features.device)
         pos = self._true_len - self._base
