@@ -533,3 +533,21 @@ def test_each_tenant_starts_from_its_own_acceptance_and_shares_only_the_machines
         assert other.draft_length.costs is not first.draft_length.costs
         assert other.draft_length.estimate("lookup").p_first == pytest.approx(prior("lookup"))
         assert other.draft_length.costs.draft_step == pytest.approx(first.draft_length.costs.draft_step)
+
+
+def test_the_value_floor_is_a_verified_rows_price_as_a_share_of_a_plain_step():
+    """The adaptive schedule's value cut-off for a model draft: one more verified row's price over a plain step's at
+    the request's context (the borrowed line where that row count was not timed), capped; nothing while no cost was
+    measured, and nothing on the fixed and heuristic schedules, whose k is the user's."""
+    policy = DraftLength("adaptive", 8, _costs(0.001, {1: 0.004, 2: 0.0048, 8: 0.0090}))
+    assert policy.value_floor() == pytest.approx(0.2)
+    policy.context = 1000  # a class of its own, unmeasured: the nearest class's figures
+    assert policy.value_floor() == pytest.approx(0.2)
+    own = policy.costs.verify
+    own.seed({1: 0.010, 3: 0.013}, context=1000)  # 2 rows on the line through 1 and 3: 0.0115
+    assert policy.value_floor() == pytest.approx(0.15)
+    assert DraftLength("adaptive", 8, _costs(0.001, {1: 0.004, 2: 0.010})).value_floor() == 0.5
+    assert DraftLength("adaptive", 8, _costs(0.001, {1: 0.004, 2: 0.0039})).value_floor() == 0.0
+    assert DraftLength("adaptive", 8, StepCosts()).value_floor() == 0.0
+    for schedule in ("fixed", "heuristic"):
+        assert DraftLength(schedule, 8, _costs(0.001, {1: 0.004, 2: 0.0048})).value_floor() == 0.0

@@ -128,8 +128,31 @@ def test_generation_with_a_feature_draft_equals_target_greedy(target, tok, sched
     s = gen.stats
     assert s.drafted > 0 and s.schedule == schedule and s.p_min == p_min
     assert sum(s.draft_lengths) >= s.verify_passes and s.p_min_stops <= sum(s.draft_lengths)
-    if p_min == 0:
+    if p_min == 0 and schedule != "adaptive":  # the adaptive schedule's value cut-off may stop a draft too
         assert s.p_min_stops == 0 and sum(s.draft_lengths) == s.verify_passes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_greedy_adaptive_draft_is_cut_at_the_schedules_value_floor(target, tok, temperature, monkeypatch):
+    """Before each greedy draft the generation gives the model session the adaptive schedule's value floor (its
+    chains stop where their value falls below it); a sampled request's drafts take none. The answer stays the
+    target's."""
+    from app.engine.drafting import loop
+    from app.engine.drafting.draft_length import DraftLength
+
+    monkeypatch.setattr(DraftLength, "value_floor", lambda self: 0.37)
+    floors = []
+    real = loop.run_drafts
+    monkeypatch.setattr(loop, "run_drafts", lambda *a, **kw: floors.append(kw.get("value_mins")) or real(*a, **kw))
+    params = GenerationParams(
+        max_new_tokens=24, num_draft_tokens=4, ignore_eos=True, draft_schedule="adaptive", temperature=temperature
+    )
+    gen = Generation(target, tok, PROMPT, params, _drafter(target, tok, seed=3))
+    while not gen.finished:
+        gen.step()
+    assert floors and set(map(str, floors)) == {"[0.37]" if temperature == 0 else "None"}
+    if temperature == 0:
+        assert gen.generated_ids == greedy_decode(target, PROMPT, 24)
 
 
 def test_the_generation_hands_the_draft_the_target_states_of_every_verified_position(target, tok):
@@ -354,8 +377,9 @@ def test_a_greedy_chain_in_one_kernel_call_proposes_what_the_token_by_token_loop
     make_tiny_model, tok, tmp_path, kernel, weights, monkeypatch
 ):
     """On every kernel this machine runs: a session's greedy drafts through `DraftChain` (one C call a draft)
-    equal the loop's token by token (forward, head, choice), across rollbacks, cut-offs that stop a chain early,
-    and target tokens outside the draft vocabulary; the next draft after each starts from the same state."""
+    equal the loop's token by token (forward, head, choice), across rollbacks, cut-offs that stop a chain early
+    (`p_min` on a token's probability, `value_min` on the chain's), and target tokens outside the draft vocabulary;
+    the next draft after each starts from the same state."""
     model = make_tiny_model(seed=12, vocab_size=2 * V, dim=128, n_heads=2, n_kv_heads=1, intermediate_size=96)
     model = model.to(torch.bfloat16)
     with use_kernel(kernel):
@@ -383,7 +407,10 @@ def test_a_greedy_chain_in_one_kernel_call_proposes_what_the_token_by_token_loop
             session = drafter.session(capacity=96)
             session.features[: len(features)] = features
             out = []
-            for step, p_min in enumerate([0.0, 0.0, 0.05, 0.1, 0.2, 0.3, 0.0, 0.5, 0.05, 0.0]):
+            cuts = [(0.0, 0.0), (0.0, 0.0), (0.05, 0.0), (0.1, 0.0), (0.2, 0.0), (0.3, 0.0), (0.0, 0.5), (0.0, 0.02)]
+            cuts += [(0.05, 0.01), (0.0, 0.0)]
+            for step, (p_min, value_min) in enumerate(cuts):
+                session.value_min = value_min
                 got = session.propose(ids, 5, p_min)
                 out.append((got, session._cache.length, session._next_pos))
                 ids = [*ids, *got[: step % 3], step % 7]  # accepted, then a target token outside the draft's

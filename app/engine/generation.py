@@ -22,6 +22,7 @@ from app.engine.decoding.penalties import Penalty
 from app.engine.defaults import DEFAULT_LOOKUP_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from app.engine.drafting.base import Drafter, DraftSession
 from app.engine.drafting.draft_length import DraftLength, StepCosts, is_lookup, named_lookup
+from app.engine.drafting.loop import NetworkSession
 from app.engine.drafting.tree import TreeShape, compact, row_value
 from app.engine.drafting.tree import accept as accept_tree
 from app.engine.model.cache import KVCache
@@ -483,6 +484,9 @@ class Generation:
         if draft is None or k <= 0:
             return [], None
         params = self._choose.params
+        model = getattr(draft, "model", None) or draft  # a hybrid's model part, or the draft itself
+        if isinstance(model, NetworkSession):
+            model.value_min = self._length.value_floor() if params is None else 0.0
         if params is None:
             return draft.propose(self.ids, k, self._p_min), None
         return draft.propose_sampled(self.ids, k, params, self._choose.rng, self._p_min)

@@ -109,7 +109,7 @@ class GenerationStats:
     schedule: str = field(default="fixed", metadata={"setting": True})
     p_min: float = field(default=0.0, metadata={"setting": True})
     draft_lengths: list[int] = field(default_factory=list)  # [k]: steps that asked the draft for k tokens
-    p_min_stops: int = 0  # steps whose draft stopped early for lack of confidence
+    p_min_stops: int = 0  # steps whose draft stopped early for lack of confidence (p_min, or the value cut-off)
     # Steps whose verified draft came from each source: "model", or a lookup's ("prompt", "prediction", "index").
     draft_sources: dict[str, int] = field(default_factory=dict)
     # Tokens of the request's prediction that were drafted and kept, or drafted and rejected (OpenAI's usage).

@@ -103,6 +103,9 @@ _BATCH_MARGIN = 1.02  # what a batch's draft must gain, at least, over not draft
 # it priced as paying ran at 0.96-0.99 of a plain step's rate (docs/bench/amxint8/2026-12-07-hybrid-in-place.md):
 # a model draft that only breaks even on paper loses, where a lookup's is free to propose.
 _MODEL_MARGIN = 1.08
+# The highest value cut-off a model draft gets (DraftLength.value_floor): a row dearer than this share of a step
+# would cut nearly every chain, where what the schedule's price says is better heard.
+_VALUE_CAP = 0.5
 # A cost probe (DraftLength.cost_probe) found its rows cheaper than priced when they took under this share of it.
 _COST_PROBE_FOUND = 0.85
 # The longest wait between cost probes, in steps of all requests on which a lookup was cut short: a probe verifies
@@ -424,6 +427,20 @@ class DraftLength:
     def _margin(self, kind: str | None) -> float:
         """What a draft of `kind` must beat a plain step by: `_MODEL_MARGIN` for a model's, nothing for a lookup's."""
         return 1.0 if is_lookup(kind or self.kind) else _MODEL_MARGIN
+
+    def value_floor(self) -> float:
+        """On the adaptive schedule, what a model draft's chain must still be worth for its next token to be
+        verified (`NetworkSession.value_min`): the price of one more verified row as a share of a plain step at this
+        context, at most `_VALUE_CAP` (0 while unmeasured, and on the fixed and heuristic schedules, whose k is the
+        user's). An accepted token saves about a plain step; the chain's tokens are all accepted with about the
+        product of the draft's top probabilities (docs/bench/amxint8/2026-12-07-draft-chain.md), so a token that
+        brings it below the row's share is expected to save less than its row costs."""
+        if self.schedule != "adaptive":
+            return 0.0
+        costs = self.costs.verify.costs(2, self.context)
+        if costs is None:
+            return 0.0
+        return min(_VALUE_CAP, max(0.0, (costs[1] - costs[0]) / costs[0]))
 
     def next_k(self, limit: int, kind: str | None = None, available: int | None = None) -> int:
         """How many tokens to draft now, at most `limit`. The adaptive schedule's choice, for drafts of `kind`,

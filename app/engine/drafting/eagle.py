@@ -307,13 +307,20 @@ class EagleDraft(nn.Module):
         return layout.split(self._final_norm(x)[0])
 
     def chain(
-        self, states: Tensor, tokens: Sequence[int], start: int, cache: KVCache, k: int, p_min: float
+        self,
+        states: Tensor,
+        tokens: Sequence[int],
+        start: int,
+        cache: KVCache,
+        k: int,
+        p_min: float,
+        value_min: float = 0.0,
     ) -> tuple[list[int], Tensor, int] | None:
         """Up to `k` greedy tokens in one kernel call (`DraftChain`), without an adapter: what `forward` over
-        states [T, dim] and `tokens` (T) from `start`, then `draft_logits` and the greedy choice with the cut-off
-        `p_min`, each chosen token fed back with its guessed state, give. Returns (target token ids, the last
-        guessed state [1, dim], the position after the last forward), or None where the chain does not run (no
-        kernel, or a cache of another)."""
+        states [T, dim] and `tokens` (T) from `start`, then `draft_logits` and the greedy choice with the cut-offs
+        `p_min` and `value_min` (`choose_draft_token`'s), each chosen token fed back with its guessed state, give.
+        Returns (target token ids, the last guessed state [1, dim], the position after the last forward), or None
+        where the chain does not run (no kernel, or a cache of another)."""
         chain = self.__dict__["_chain"]
         if chain is None or self._stack_for([cache]) is None:
             return None
@@ -322,7 +329,8 @@ class EagleDraft(nn.Module):
             self._index = {token: i for i, token in enumerate(self._ids)}
         rows = [self._row(chain, token) for token in tokens]
         cos, sin = self._rope(0, start + len(tokens) + k, states.dtype, states.device)
-        found, guess, end = chain(states, [addr for addr, _ in rows], cache.k, cache.v, start, cos, sin, k, p_min)
+        addresses = [addr for addr, _ in rows]
+        found, guess, end = chain(states, addresses, cache.k, cache.v, start, cos, sin, k, p_min, value_min)
         cache.length = end
         return [self._ids[i] for i in found], guess, end
 
@@ -492,11 +500,11 @@ class _EagleSession(NetworkSession):
     def feed(self, token: int) -> None:
         self._input = (self._guess, torch.tensor([token], dtype=torch.long, device=self.device), self._next_pos)
 
-    def chain(self, k: int, p_min: float) -> list[int] | None:
+    def chain(self, k: int, p_min: float, value_min: float) -> list[int] | None:
         if self.adapter is not None or self._input is None:
             return None
         states, tokens, pos = self._input
-        got = self._draft.chain(states, tokens.tolist(), pos, self._cache, k, p_min)
+        got = self._draft.chain(states, tokens.tolist(), pos, self._cache, k, p_min, value_min)
         if got is None:
             return None
         found, self._guess, self._next_pos = got

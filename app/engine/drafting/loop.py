@@ -32,7 +32,9 @@ def choose_draft_token(
     penalty: Penalty | None = None,
     drafted: Sequence[int] = (),
     grammar: GrammarState | None = None,
-) -> tuple[int, Tensor | None] | None:
+    value: float = 1.0,
+    value_min: float = 0.0,
+) -> tuple[int, Tensor | None, float] | None:
     """One drafted token from a draft's `logits` [V'] for sequence `position`: (index into V', None) greedily
     or by the Gumbel-max trick on the target's noise (`rng` a GumbelNoise; `ids` long [V']: the token id of
     each logit, None when logit i is token i), or (index, warped distribution [V']) drawn with a generator,
@@ -40,7 +42,9 @@ def choose_draft_token(
     cut-off, llama.cpp's --draft-p-min: an unsure guess is more likely rejected than accepted, and each
     further token costs a draft step). `penalty`: the request's penalties, over its accepted sequence plus
     `drafted` (this step's proposals so far). `grammar`: the request's grammar, whose allowed tokens after the
-    accepted sequence plus `drafted` are the only ones proposed (None when it allows none of the draft's)."""
+    accepted sequence plus `drafted` are the only ones proposed (None when it allows none of the draft's).
+    `value`: the product of the chain's top probabilities before this token; None where it times this token's falls
+    below `value_min` (0: never), else the new product is returned third (1.0 where neither cut-off asks for it)."""
     if penalty is not None:
         logits = penalty.apply(logits[None], drafted, ids)[0]
     if grammar is not None:
@@ -58,9 +62,12 @@ def choose_draft_token(
     else:
         probs = warp(logits, params)
         choice = (int(sample(probs, rng)), probs)
-    if p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < p_min:
+    if p_min <= 0 and value_min <= 0:
+        return (*choice, 1.0)
+    top = float(torch.softmax(logits.float(), -1).max())
+    if top < p_min or value * top < value_min:
         return None
-    return choice
+    return (*choice, value * top)
 
 
 def drawn(params: SamplingParams | None, rng: Randomness) -> bool:
@@ -84,9 +91,14 @@ class NetworkSession(DraftSession):
     vocab_ids: Tensor | None = None
     target_vocab: int = 0
     device: torch.device = torch.device("cpu")
+    # A greedy `propose` stops before a token where the product of the chain's top probabilities falls below this:
+    # the schedule's price of a verified row as a share of a target step (`DraftLength.value_floor`), set by the
+    # generation before each draft. The draft's top probability is close to how often the target agrees (docs/bench),
+    # so a token below it is expected to save less than its row costs.
+    value_min: float = 0.0
 
     def propose(self, token_ids: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
-        return run_drafts([self], [token_ids], [k], [p_min])[0][0]
+        return run_drafts([self], [token_ids], [k], [p_min], value_mins=[self.value_min])[0][0]
 
     def propose_sampled(
         self, token_ids: Sequence[int], k: int, params: SamplingParams, rng: Randomness, p_min: float = 0.0
@@ -102,8 +114,9 @@ class NetworkSession(DraftSession):
         """`token` was proposed: the next forward reads it."""
         raise NotImplementedError
 
-    def chain(self, k: int, p_min: float) -> list[int] | None:
-        """Right after `begin`: the greedy draft of up to `k` tokens with the cut-off `p_min` in one go, as the
+    def chain(self, k: int, p_min: float, value_min: float) -> list[int] | None:
+        """Right after `begin`: the greedy draft of up to `k` tokens with the cut-offs `p_min` and `value_min`
+        (`choose_draft_token`'s) in one go, as the
         loop would propose it token by token without a grammar or penalties (None: the loop runs it). A draft
         token's Python and torch operations, each run cold after the draft's weights went through the caches, cost
         more than its arithmetic."""
@@ -132,11 +145,13 @@ def run_drafts(
     rng: Randomness = None,
     found: Candidates | None = None,
     width: int = 0,
+    value_mins: Sequence[float] | None = None,
 ) -> list[tuple[list[int], Tensor | None]]:
     """Each session's draft of up to `ks[i]` own tokens after `token_ids[i]`: (tokens, q [len, target vocab] when
     drawn with a generator, else None). Sessions share each forward (`NetworkSession.forward`). `found` (one
     session): filled with the chain's tokens, their draft probabilities and the next `width` choices at each
-    depth (by probability), a tree's material."""
+    depth (by probability), a tree's material. `value_mins`: each greedy chain's `choose_draft_token` value cut-off
+    (None: none)."""
     assert found is None or len(sessions) == 1
     out: list[list[int]] = [[] for _ in sessions]
     dists: list[list[Tensor]] = [[] for _ in sessions]
@@ -145,10 +160,13 @@ def run_drafts(
     active = [i for i, limit in enumerate(limits) if limit > 0]
     keep_q = drawn(params, rng)
     batched = len(sessions) > 1
-    if not batched and found is None and active and (params is None or params.greedy):
+    greedy = params is None or params.greedy
+    floors = list(value_mins) if value_mins is not None and greedy and found is None else [0.0] * len(sessions)
+    values = [1.0] * len(sessions)
+    if not batched and found is None and active and greedy:
         s = sessions[0]
         if s.grammar is None and s.penalty is None:
-            chained = s.chain(min(ks[0], limits[0]), p_mins[0])
+            chained = s.chain(min(ks[0], limits[0]), p_mins[0], floors[0])
             if chained is not None:
                 return [(chained, None)]
     while active:
@@ -167,11 +185,21 @@ def run_drafts(
                 assert lg is not None
                 position = len(token_ids[i]) + len(out[i])
                 choice = choose_draft_token(
-                    lg, params, rng, p_mins[i], position, s.vocab_ids, s.penalty, out[i], s.grammar
+                    lg,
+                    params,
+                    rng,
+                    p_mins[i],
+                    position,
+                    s.vocab_ids,
+                    s.penalty,
+                    out[i],
+                    s.grammar,
+                    value=values[i],
+                    value_min=floors[i],
                 )
                 if choice is None:
                     continue
-                idx, warped = choice
+                idx, warped, values[i] = choice
                 own[i] += 1
                 tok = _target_id(idx, s.vocab_ids)
                 if found is not None:

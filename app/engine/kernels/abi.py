@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
-_P, _I = ctypes.c_void_p, ctypes.c_int
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # The C functions every kernel library exports, as ctypes calls them: name -> (return type, argument types). One
 # table, which tests/test_kernels.py checks against the prototypes in the headers (common.h, quant.h, layers.h,
 # dot4.h), so that a changed C signature cannot go unnoticed on the Python side.
@@ -23,7 +23,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     ),
     "sk_draft_chain": (
         ctypes.c_int,
-        [_P, _P, _P, _I, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, _P, _I, ctypes.c_float, _I, _P, _P, _P],
+        [_P, _P, _P, _I, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, _P, _I, _F, _F, _I, _P, _P, _P],
     ),
     "sk_dot_kind": (ctypes.c_char_p, []),
 }

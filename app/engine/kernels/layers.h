@@ -194,12 +194,13 @@ typedef struct {
    cold after the draft's weights went through the caches: together they cost more than the arithmetic.
    The first forward reads t rows at cache positions start..start+t-1: states [t][dim] and embeds (t pointers to
    embedding rows [dim]). Up to k tokens (draft vocabulary indices) go into tokens; the chain stops before a token
-   whose probability (softmax of the head's logits, summed in index order) is below p_min. cos, sin: RoPE tables from
+   whose probability (softmax of the head's logits, summed in index order) is below p_min, or where the product of
+   the chain's probabilities (in float, token after token) falls below v_min. cos, sin: RoPE tables from
    position 0, [positions][d]. Writes the last guessed state [dim] into guess and the position after the last
    forward into *next; returns the tokens' count. */
 int sk_draft_chain(const sk_draft_t *dr, const uint16_t *states, const uint16_t **embeds, int t, uint16_t *kc,
                    uint16_t *vc, int64_t cap, int64_t start, const uint16_t *cos, const uint16_t *sin, int k,
-                   float p_min, int threads, int32_t *tokens, uint16_t *guess, int64_t *next) {
+                   float p_min, float v_min, int threads, int32_t *tokens, uint16_t *guess, int64_t *next) {
     const int dim = (int)dr->dim, d = (int)dr->head_dim, vocab = (int)dr->vocab, rows = t > 1 ? t : 1;
     uint16_t *in = malloc(sizeof(uint16_t) * ((size_t)rows * 3 * dim + dim + vocab));
     uint16_t *x = in + (size_t)rows * 2 * dim, *g = x + (size_t)rows * dim, *logits = g + dim;
@@ -209,6 +210,7 @@ int sk_draft_chain(const sk_draft_t *dr, const uint16_t *states, const uint16_t 
     }
     int n = 0, m = t;
     int64_t pos = start;
+    float value = 1.0f;
     while (m > 0) {
         sk_product(&dr->fc, in, x, m, 2 * dim, threads, 0, NULL, 0.0f, NULL, NULL);
         sk_seq_t seq = {kc, vc, 0, cap, m, pos, NULL};
@@ -224,10 +226,11 @@ int sk_draft_chain(const sk_draft_t *dr, const uint16_t *states, const uint16_t 
             float v = sk_bf16_to_f32(logits[i]);
             if (v > top) top = v, best = i;
         }
-        if (p_min > 0.0f) {
+        if (p_min > 0.0f || v_min > 0.0f) {
             float sum = 0.0f;
             for (int i = 0; i < vocab; i++) sum += expf(sk_bf16_to_f32(logits[i]) - top);
-            if (1.0f / sum < p_min) break;
+            value *= 1.0f / sum;
+            if (1.0f / sum < p_min || value < v_min) break;
         }
         tokens[n++] = best;
         if (n >= k) break;

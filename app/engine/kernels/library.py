@@ -379,10 +379,12 @@ class DraftChain:
         sin: Tensor,
         k: int,
         p_min: float,
+        value_min: float = 0.0,
     ) -> tuple[list[int], Tensor, int]:
         """Up to `k` greedy tokens (draft vocabulary indices) after the first forward's T rows: states [T, dim]
         (bf16, contiguous) and the addresses of their tokens' embedding rows (`embeds`, T), at cache positions
-        start..start+T-1; the chain stops before a token whose probability is below `p_min`. k_cache, v_cache:
+        start..start+T-1; the chain stops before a token whose probability is below `p_min`, or where the product
+        of the chain's probabilities falls below `value_min`. k_cache, v_cache:
         the draft's [1, 1, kv_heads, capacity, head_dim] (bf16); cos, sin: `rope_tables`' [n, 1, head_dim], n past
         every position the chain reaches (start + T + k - 1). Returns (tokens, the last guessed state [1, dim], the
         position after the last forward)."""
@@ -411,6 +413,7 @@ class DraftChain:
             sin.data_ptr(),
             k,
             p_min,
+            value_min,
             torch.get_num_threads(),
             tokens,
             guess.data_ptr(),
