@@ -118,24 +118,30 @@ def draft_token_ms(
     model: Transformer, draft_dir: Path, draft_weights: str, context: int, repeats: int, warmup: int = 0
 ) -> tuple[str, float]:
     """What one token of the feature draft in `draft_dir` costs beside `model` (its target, loaded as the engine
-    loads it, `draft_weights` as `load_draft` takes them): its forward over one position after `context` positions
-    of the target's states, its head over the draft vocabulary and the argmax, the median of `repeats` after
-    `warmup` (milliseconds). Returns (what the draft's matrices run as, ms)."""
+    loads it, `draft_weights` as `load_draft` takes them), after `context` positions of the target's states: where
+    the draft runs its greedy chain in one kernel call (`DraftChain`), an eighth of a chain of 8 tokens (each a
+    forward over one position, the head over the draft vocabulary and the choice), else one forward, head and
+    argmax; the median of `repeats` after `warmup` (milliseconds). Returns (what the draft's matrices run as, ms)."""
     from app.engine.drafting.eagle import load_draft
 
     draft = load_draft(draft_dir, model, draft_weights)
     ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=torch.Generator())
+    chained = draft.__dict__["_chain"] is not None
+    length = 8 if chained else 1
     times = []
     with torch.inference_mode():
         states = model.hidden(ids[:, :context])
-        cache = draft.new_cache(context + 1, model.dtype, model.device)
+        cache = draft.new_cache(context + length, model.dtype, model.device)
         draft(states[:, :-1], ids[:, 1:context], 0, cache)
         for _ in range(warmup + repeats):
             cache.truncate(context - 1)
             t0 = time.perf_counter()
-            guess = draft(states[:, -1:], ids[:, context:], context - 1, cache)
-            int(draft.draft_logits(guess[0, -1]).argmax())
-            times.append(time.perf_counter() - t0)
+            if chained:
+                draft.chain(states[0, -1:], ids[0, context:].tolist(), context - 1, cache, length, 0.0)
+            else:
+                guess = draft(states[:, -1:], ids[:, context:], context - 1, cache)
+                int(draft.draft_logits(guess[0, -1]).argmax())
+            times.append((time.perf_counter() - t0) / length)
     return draft.runs_as, statistics.median(times[warmup:]) * 1e3
 
 
