@@ -17,7 +17,8 @@ import pytest
 from app.bench import against, anchor_env, llamaserver, openvino_server, vllm_server
 from app.cli import build_parser, main
 
-# A stand-in OpenAI chat server: answers each prompt with its words reversed, one content chunk per word, the usage
+# A stand-in OpenAI server: answers each prompt (a chat's message, or a completion's prompt) with its words reversed,
+# one chunk per word, the usage
 # at the end when asked for (and unless --no-usage). --differ WORD: a prompt with WORD gets another answer (as
 # another server's numerics would give). --fail-with CODE: every chat request gets that status. It takes
 # llama-server's flags as well (the unknown ones ignored), printing its argv first, so that it stands in for it.
@@ -52,7 +53,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b'{"error": "no"}')
             return
         assert body["temperature"] == 0 and body["stream"] is True
-        prompt = body["messages"][0]["content"]
+        completion = self.path == "/v1/completions"
+        prompt = body["prompt"] if completion else body["messages"][0]["content"]
         words = prompt.split()[::-1][: body["max_tokens"]]
         if args.differ and args.differ in prompt:
             words = ["other"] + words[1:]
@@ -66,8 +68,9 @@ class Handler(BaseHTTPRequestHandler):
             import os
             os._exit(1)
         self.end_headers()
-        events = [{"choices": [{"delta": {"role": "assistant"}}]}]
-        events += [{"choices": [{"delta": {"content": (" " if i else "") + w}}]} for i, w in enumerate(words)]
+        events = [] if completion else [{"choices": [{"delta": {"role": "assistant"}}]}]
+        pieces = [(" " if i else "") + w for i, w in enumerate(words)]
+        events += [{"choices": [{"text": p} if completion else {"delta": {"content": p}}]} for p in pieces]
         if args.error_event:
             events.append({"error": {"message": "broken"}})
         if body.get("stream_options", {}).get("include_usage") and not args.no_usage:
@@ -174,6 +177,20 @@ def test_chat_streams_an_answer_and_counts_its_tokens(stand_in: Path, tmp_path: 
     port = against.free_port()
     with against.serving(_command(stand_in, "--no-usage")(port, 1), port, tmp_path / "b.log", None, 30) as url:
         assert against.chat(client, url, "one two three", 64).tokens == 3  # one per content chunk without usage
+
+
+def test_a_prompt_goes_as_it_is_to_the_completions_route(stand_in: Path, tmp_path: Path) -> None:
+    """The completions route (a target without a chat template): the prompt as it is, the answer from each chunk's
+    text, the usage counted; a route it does not know is refused."""
+    port = against.free_port()
+    with against.serving(_command(stand_in)(port, 1), port, tmp_path / "log", None, 30) as url:
+        with httpx.Client() as client:
+            answer = against.chat(client, url, "one two three", 64, "completions")
+            assert (answer.text, answer.tokens) == ("three two one", 103)
+            with pytest.raises(ValueError, match="route 'raw'"):
+                against.chat(client, url, "one two", 8, "raw")
+        answers, _ = against.drive(url, PROMPTS, 2, 2, "completions")
+    assert [a.text for a in answers] == ["three two", "delta gamma", "green red"]
 
 
 def test_chat_refuses_an_error_status_an_error_event_and_a_broken_stream(stand_in: Path, tmp_path: Path) -> None:
@@ -660,3 +677,23 @@ def test_bench_against_openvino_runs_each_export_and_reports_a_failed_one(
     seen = json.loads((out / "logs" / "openvino-int4-1.log").read_text().split("argv ", 1)[1].splitlines()[0])
     assert seen[seen.index("--model") + 1] == str(tmp_path / "ov-int4") and seen[seen.index("--threads") + 1] == "2"
     assert "HTTP layer is specserve's" in data["meta"]["notes"][0]
+
+
+def test_a_base_model_is_compared_over_the_completions_route(tmp_path: Path) -> None:
+    """`--against` sends prompts through the chat route where the target's GGUF has a chat template, and as they are
+    through the completions route where it has none (a base model: Gemma 3 270M's file); an unreadable file is left
+    to the servers to refuse."""
+    import gguf
+
+    from app.cli.bench import _route
+
+    for name, template in (("chat.gguf", "{{ messages }}"), ("base.gguf", None)):
+        writer = gguf.GGUFWriter(str(tmp_path / name), "llama")
+        if template is not None:
+            writer.add_chat_template(template)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF")
+    assert [_route(tmp_path / n) for n in ("chat.gguf", "base.gguf", "broken.gguf")] == ["chat", "completions", "chat"]

@@ -1,5 +1,6 @@
 """`specserve bench --against`: our server beside another one, each started by the same command on the same
-GGUF and driven over its OpenAI chat route with the same prompts, greedy, streamed.
+GGUF and driven over its OpenAI chat route (a base model without a chat template: its completions route) with the
+same prompts, greedy, streamed.
 
 Every server runs as its own process, started afresh for each configuration and each number of clients, so that
 neither is measured with what an earlier configuration left in its caches. A row reports aggregate tokens/s
@@ -64,29 +65,42 @@ def unavailable(name: str, error: str) -> Contender:
     return Contender(name, command, None, error)
 
 
-def chat(client: httpx.Client, base_url: str, prompt: str, max_tokens: int) -> Answer:
-    """`prompt` as one user message to `base_url`'s /v1/chat/completions, greedy (temperature 0), streamed with
-    the usage asked for, through `client` (made beforehand: making one costs more than a short answer); raises
-    RuntimeError on an error status, an error event or a broken connection (a server that died mid-answer)."""
+# The routes a comparison sends its prompts to: one user message through the chat route, or, for a target without a
+# chat template (a base model), the prompt as it is through the completions route.
+ROUTES = ("chat", "completions")
+
+
+def chat(client: httpx.Client, base_url: str, prompt: str, max_tokens: int, route: str = "chat") -> Answer:
+    """`prompt` as one user message to `base_url`'s /v1/chat/completions (`route` "completions": as the prompt of
+    /v1/completions), greedy (temperature 0), streamed with the usage asked for, through `client` (made beforehand:
+    making one costs more than a short answer); raises RuntimeError on an error status, an error event or a broken
+    connection (a server that died mid-answer)."""
     try:
-        return _chat(client, base_url, prompt, max_tokens)
+        return _chat(client, base_url, prompt, max_tokens, route)
     except httpx.HTTPError as exc:
         raise RuntimeError(f"{base_url}: {type(exc).__name__}: {exc}") from exc
 
 
-def _chat(client: httpx.Client, base_url: str, prompt: str, max_tokens: int) -> Answer:
-    body = {
-        "messages": [{"role": "user", "content": prompt}],
+def _chat(client: httpx.Client, base_url: str, prompt: str, max_tokens: int, route: str) -> Answer:
+    if route not in ROUTES:
+        raise ValueError(f"route {route!r}: one of {', '.join(ROUTES)}")
+    body: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
     parts: list[str] = []
     usage: int | None = None
     first: float | None = None
     start = time.perf_counter()
-    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
+    with client.stream("POST", f"{base_url}{path}", json=body) as response:
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text[:300]}")
@@ -102,7 +116,7 @@ def _chat(client: httpx.Client, base_url: str, prompt: str, max_tokens: int) -> 
             if event.get("usage"):
                 usage = event["usage"].get("completion_tokens", usage)
             for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
+                piece = (choice.get("delta") or {}).get("content") if route == "chat" else choice.get("text")
                 if piece:
                     if first is None:
                         first = time.perf_counter() - start
@@ -111,13 +125,15 @@ def _chat(client: httpx.Client, base_url: str, prompt: str, max_tokens: int) -> 
     return Answer("".join(parts), usage if usage is not None else len(parts), seconds, first)
 
 
-def drive(base_url: str, prompts: Sequence[str], max_tokens: int, clients: int) -> tuple[list[Answer], float]:
-    """Every prompt sent by `clients` concurrent clients (each takes the next prompt when its answer is in); the
-    answers in prompt order and the wall seconds of the whole."""
+def drive(
+    base_url: str, prompts: Sequence[str], max_tokens: int, clients: int, route: str = "chat"
+) -> tuple[list[Answer], float]:
+    """Every prompt sent by `clients` concurrent clients (each takes the next prompt when its answer is in) to
+    `route`; the answers in prompt order and the wall seconds of the whole."""
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     with httpx.Client(timeout=_TIMEOUT, limits=limits) as client, ThreadPoolExecutor(max_workers=clients) as pool:
         start = time.perf_counter()
-        answers = list(pool.map(lambda p: chat(client, base_url, p, max_tokens), prompts))
+        answers = list(pool.map(lambda p: chat(client, base_url, p, max_tokens, route), prompts))
         return answers, time.perf_counter() - start
 
 
@@ -180,10 +196,12 @@ def run_comparison(
     logs: Path,
     start_timeout: float = 600.0,
     say: Callable[[str], None] = print,
+    route: str = "chat",
 ) -> list[dict[str, Any]]:
     """Every contender at every number of clients in `levels`, each a fresh process (its output in
-    logs/NAME-N.log): one record per pair, {"server", "clients", "seconds", "answers": [Answer]}, or
-    {"server", "clients", "error"} where it was not prepared, did not start or failed an answer."""
+    logs/NAME-N.log), the prompts sent to `route` (`ROUTES`): one record per pair, {"server", "clients", "seconds",
+    "answers": [Answer]}, or {"server", "clients", "error"} where it was not prepared, did not start or failed an
+    answer."""
     logs.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
     for clients in sorted(set(levels)):
@@ -197,8 +215,8 @@ def run_comparison(
             try:
                 with serving(contender.command(port, clients), port, log, contender.env, start_timeout) as url:
                     with httpx.Client(timeout=_TIMEOUT) as client:
-                        chat(client, url, _WARMUP, 8)
-                    answers, seconds = drive(url, prompts, max_tokens, clients)
+                        chat(client, url, _WARMUP, 8, route)
+                    answers, seconds = drive(url, prompts, max_tokens, clients, route)
             except (RuntimeError, OSError) as exc:
                 say(f"{contender.name}, {clients} client(s) failed: {exc}")
                 records.append({"server": contender.name, "clients": clients, "error": str(exc)})

