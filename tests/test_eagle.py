@@ -293,6 +293,20 @@ def _kernel_target(make_tiny_model, kernel: str):
     return model
 
 
+def _random_draft(target, out, seed: int, std: float, vocab: torch.Tensor | None = None) -> EagleDraft:
+    """A float32 draft for `target` with weights drawn from N(0, std) (`vocab`: its draft vocabulary, default the first
+    V ids), saved into `out` as `load_draft` reads it."""
+    draft = EagleDraft(EagleConfig.for_target(target.config, V, "tiny"))
+    if vocab is not None:
+        draft.vocab_ids.copy_(vocab)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, std)
+    save_draft(draft, out)
+    return draft
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_quantized_blocks_round_each_weight_to_its_nearest_step(qtype):
     w = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
@@ -322,12 +336,7 @@ def test_a_draft_on_a_kernel_runs_its_layer_in_one_call_with_the_layer_by_layer_
     decoder layer in one LayerStack call that gives the bits of its calls one by one, predictions close to the
     float32 draft's, and sessions that propose, across rollbacks and batched, what a fresh session proposes."""
     target = _kernel_target(make_tiny_model, kernel)
-    float_draft = EagleDraft(EagleConfig.for_target(target.config, V, "tiny"))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for p in float_draft.parameters():
-            p.normal_(0, 0.2)
-    save_draft(float_draft, tmp_path / "d")
+    float_draft = _random_draft(target, tmp_path / "d", seed=2, std=0.2)
     draft = load_draft(tmp_path / "d", target, weights)
     assert draft.runs_as == ("bfloat16" if weights == "bf16" else weights.upper())
     assert draft._stack is not None and draft._stack.kernel is target.kernel
@@ -384,13 +393,8 @@ def test_a_greedy_chain_in_one_kernel_call_proposes_what_the_token_by_token_loop
     model = model.to(torch.bfloat16)
     with use_kernel(kernel):
         model.pack(kernels.kernel())
-    float_draft = EagleDraft(EagleConfig.for_target(model.config, V, "tiny"))
-    float_draft.vocab_ids.copy_(torch.arange(V, 2 * V).flip(0))  # the prompt's tokens (below V) lie outside it
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in float_draft.parameters():
-            p.normal_(0, 0.3)
-    save_draft(float_draft, tmp_path / "d")
+    # The draft vocabulary the upper half of the target's: the prompt's tokens (below V) lie outside it.
+    _random_draft(model, tmp_path / "d", seed=3, std=0.3, vocab=torch.arange(V, 2 * V).flip(0))
     draft = load_draft(tmp_path / "d", model, weights)
     assert draft._chain is not None
     drafter = EagleDrafter("eagle", draft, LoadedModel(model, tok, "t", 0.0))

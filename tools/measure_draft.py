@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from measure_hybrid import add_step, timed_steps  # tools/, beside this script
 
 from app.bench.specbench import _prompt_ids, read_prompts
 from app.engine.drafting.eagle import EagleDrafter
@@ -53,7 +54,7 @@ def _chain(prompts, tokens: int) -> None:
 
     DraftChain.__call__ = timed
     drafts = ["default", name]
-    seen = {(e, d): collections.defaultdict(lambda: [0, 0.0, 0, 0.0, 0]) for e in engines for d in drafts}
+    seen = {(e, d): collections.defaultdict(lambda: [0, 0.0, 0, 0.0, 0.0, 0]) for e in engines for d in drafts}
     for engine in engines.values():  # each path's first call, and the schedule's first costs
         for d in drafts:
             for _ in engine.generate(_prompt_ids(engine.tokenizer, "Hello!"), GenerationParams(max_new_tokens=16), d):
@@ -62,29 +63,16 @@ def _chain(prompts, tokens: int) -> None:
         for d in drafts:
             for label, engine in list(engines.items())[:: 1 if i % 2 else -1]:
                 ids = _prompt_ids(engine.tokenizer, p.text)
-                gen = engine.start(ids, GenerationParams(max_new_tokens=tokens, cache_salt=f"m/{d}"), d)
-                gen.step()  # the prefill
-                while not gen.finished:
-                    before = dict(gen.stats.draft_sources)
-                    t0 = time.perf_counter()
-                    out = gen.step()
-                    wall = time.perf_counter() - t0
-                    grew = [s for s, n in gen.stats.draft_sources.items() if n > before.get(s, 0)]
-                    kind = "none" if not grew else "model" if grew == ["model"] else "lookup"
-                    row = seen[(label, d)][kind]
-                    row[0] += 1
-                    row[1] += wall
-                    row[2] += len(out.token_ids)
-                    row[3] += out.draft_seconds
-                    row[4] += out.drafted
+                for kind, wall, out in timed_steps(engine, ids, d, tokens, f"m/{d}"):
+                    add_step(seen[(label, d)][kind], wall, out)
     print("| path | draft | step | steps | tokens/step | drafted/step | ms/step | draft ms | draft ms/token | tok/s |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for (label, d), kinds in seen.items():
         for kind in ("none", "lookup", "model", "all"):
-            row = [sum(v[i] for v in kinds.values()) for i in range(5)] if kind == "all" else kinds.get(kind)
+            row = [sum(v[i] for v in kinds.values()) for i in range(6)] if kind == "all" else kinds.get(kind)
             if not row or not row[0]:
                 continue
-            n, wall, toks, draft, drafted = row
+            n, wall, toks, draft, _, drafted = row
             per = f"{1e3 * draft / drafted:.3f}" if drafted else ""
             print(
                 f"| {label} | {d} | {kind} | {n} | {toks / n:.2f} | {drafted / n:.2f} | {1e3 * wall / n:.2f} | "

@@ -19,6 +19,27 @@ from app.engine.factory import build_engine
 from app.engine.step import GenerationParams
 
 
+def timed_steps(engine, ids, draft: str, tokens: int, salt: str):
+    """Each decoding step of one generation after its prefill, timed whole: (what drafted it, "none", "lookup" or
+    "model"; its wall seconds; its StepOutput)."""
+    gen = engine.start(ids, GenerationParams(max_new_tokens=tokens, cache_salt=salt), draft)
+    gen.step()  # the prefill
+    while not gen.finished:
+        before = dict(gen.stats.draft_sources)
+        t0 = time.perf_counter()
+        out = gen.step()
+        wall = time.perf_counter() - t0
+        # What drafted this step: the source whose count of verified drafts grew (none: nothing drafted).
+        grew = [s for s, n in gen.stats.draft_sources.items() if n > before.get(s, 0)]
+        yield "none" if not grew else "model" if grew == ["model"] else "lookup", wall, out
+
+
+def add_step(row: list, wall: float, out) -> None:
+    """Count a step into `row`: [steps, wall seconds, tokens, draft seconds, verify seconds, drafted tokens]."""
+    for i, value in enumerate((1, wall, len(out.token_ids), out.draft_seconds, out.verify_seconds, out.drafted)):
+        row[i] += value
+
+
 def _kinds(engine, prompts, drafts: list[str], tokens: int) -> None:
     tok = engine.tokenizer
     seen = {d: collections.defaultdict(lambda: [0, 0.0, 0, 0.0, 0.0, 0]) for d in drafts}
@@ -28,23 +49,8 @@ def _kinds(engine, prompts, drafts: list[str], tokens: int) -> None:
     for p in prompts:
         ids = _prompt_ids(tok, p.text)
         for d in drafts:
-            gen = engine.start(ids, GenerationParams(max_new_tokens=tokens, cache_salt=f"m/{d}"), d)
-            gen.step()  # the prefill
-            while not gen.finished:
-                before = dict(gen.stats.draft_sources)
-                t0 = time.perf_counter()
-                out = gen.step()
-                wall = time.perf_counter() - t0
-                # What drafted this step: the source whose count of verified drafts grew (none: nothing drafted).
-                grew = [s for s, n in gen.stats.draft_sources.items() if n > before.get(s, 0)]
-                kind = "none" if not grew else "model" if grew == ["model"] else "lookup"
-                row = seen[d][kind]
-                row[0] += 1
-                row[1] += wall
-                row[2] += len(out.token_ids)
-                row[3] += out.draft_seconds
-                row[4] += out.verify_seconds
-                row[5] += out.drafted
+            for kind, wall, out in timed_steps(engine, ids, d, tokens, f"m/{d}"):
+                add_step(seen[d][kind], wall, out)
     print("| draft | step | steps | tokens/step | drafted/step | ms/step | draft ms | verify ms | tok/s of these |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for d, kinds in seen.items():
