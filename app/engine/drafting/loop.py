@@ -116,10 +116,9 @@ class NetworkSession(DraftSession):
 
     def chain(self, k: int, p_min: float, value_min: float) -> list[int] | None:
         """Right after `begin`: the greedy draft of up to `k` tokens with the cut-offs `p_min` and `value_min`
-        (`choose_draft_token`'s) in one go, as the
-        loop would propose it token by token without a grammar or penalties (None: the loop runs it). A draft
-        token's Python and torch operations, each run cold after the draft's weights went through the caches, cost
-        more than its arithmetic."""
+        (`choose_draft_token`'s) in one go, as the loop would propose it token by token without a grammar or
+        penalties (None: the loop runs it). A draft token's Python and torch operations, each run cold after the
+        draft's weights went through the caches, cost more than its arithmetic."""
         return None
 
     def readable(self, token: int) -> bool:
