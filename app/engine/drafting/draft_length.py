@@ -419,10 +419,8 @@ class DraftLength:
     def rate(self, k: int, kind: str | None = None) -> float | None:
         """Expected tokens per second with a draft of `k` tokens of `kind` (k = 0: a plain target step); None
         while a cost it needs was not measured."""
-        seconds = self.seconds(k, kind)
-        if seconds is None:
-            return None
-        return self.expected(k, kind) / seconds / (self._margin(kind) if k else 1.0)
+        rates = self._rates(k, kind or self.kind)
+        return None if rates is None else rates[k]
 
     def _margin(self, kind: str | None) -> float:
         """What a draft of `kind` must beat a plain step by: `_MODEL_MARGIN` for a model's, nothing for a lookup's."""
@@ -470,10 +468,10 @@ class DraftLength:
         return max(range(cap + 1), key=lambda k: rates[k])
 
     def _rates(self, cap: int, kind: str) -> list[float] | None:
-        """`rate(k, kind)` for k in 0..cap (cap >= 1), in one pass: a step's schedule prices every length of every
-        kind it could draft, and `rate`'s calls one by one cost a hybrid's step more Python time than a lookup's
-        whole choice. None where `rate` is None for some k."""
-        draft = 0.0 if is_lookup(kind) else self.costs.draft_step
+        """`rate(k, kind)` for k in 0..cap, in one pass (a step's schedule prices every length of every kind it
+        could draft): k draft steps (none for a lookup, free to propose) and a verification of k + 1 rows. None
+        while a cost it needs was not measured."""
+        draft = 0.0 if is_lookup(kind) or cap == 0 else self.costs.draft_step
         if draft is None:
             return None
         costs = self.costs.verify.costs(cap + 1, self.context)

@@ -456,8 +456,8 @@ class _EagleSession(NetworkSession):
         self._true_len = 0  # positions computed from the target's states, never to be rolled back
         # The first position in the draft's context (DRAFT_WINDOW): position p is the draft's position p - base.
         self._base = 0
-        # The next forward's input: states [T, dim], tokens long [T], from a position; and its last guess [1, dim].
-        self._input: tuple[Tensor, Tensor, int] | None = None
+        # The next forward's input: states [T, dim], its T tokens, from a position; and its last guess [1, dim].
+        self._input: tuple[Tensor, list[int], int] | None = None
         self._guess = torch.empty(0)
         self._next_pos = 0
         self._adapters = drafter.adapters
@@ -498,13 +498,13 @@ class _EagleSession(NetworkSession):
         return min(max(k, MAX_DRAFT_TOKENS), self._cache.capacity - len(token_ids))
 
     def feed(self, token: int) -> None:
-        self._input = (self._guess, torch.tensor([token], dtype=torch.long, device=self.device), self._next_pos)
+        self._input = (self._guess, [token], self._next_pos)
 
     def chain(self, k: int, p_min: float, value_min: float) -> list[int] | None:
         if self.adapter is not None or self._input is None:
             return None
         states, tokens, pos = self._input
-        got = self._draft.chain(states, tokens.tolist(), pos, self._cache, k, p_min, value_min)
+        got = self._draft.chain(states, tokens, pos, self._cache, k, p_min, value_min)
         if got is None:
             return None
         found, self._guess, self._next_pos = got
@@ -518,8 +518,9 @@ class _EagleSession(NetworkSession):
         inputs = []
         for s in eagles:
             assert s._input is not None
-            inputs.append(s._input)
-            s._next_pos = s._input[2] + s._input[0].shape[0]
+            states, tokens, pos = s._input
+            inputs.append((states, torch.tensor(tokens, dtype=torch.long, device=s.device), pos))
+            s._next_pos = pos + states.shape[0]
         if not batched:
             (states, tokens, pos), s = inputs[0], eagles[0]
             guess = draft(states[None], tokens[None], pos, s._cache, s.adapter)[0, -1:]  # [1, dim]
@@ -537,8 +538,8 @@ class _EagleSession(NetworkSession):
         logits = draft.draft_logits(torch.cat([g[-1:] for g in guesses])).float()
         return [lg if a is None else a.logits(lg) for lg, a in zip(logits, adapters, strict=True)]
 
-    def _catch_up(self, token_ids: Sequence[int], k: int) -> tuple[Tensor, Tensor, int] | None:
-        """The first draft forward's input: (states [T, dim], tokens [T], start position), or None when
+    def _catch_up(self, token_ids: Sequence[int], k: int) -> tuple[Tensor, list[int], int] | None:
+        """The first draft forward's input: (states [T, dim], its T tokens, start position), or None when
         nothing can be drafted. Rolls the cache back to the positions computed from the target's states."""
         assert self.features is not None
         n = len(token_ids)
@@ -552,7 +553,7 @@ class _EagleSession(NetworkSession):
         self._true_len = max(self._base, min(self._true_len, n - 2))
         self._cache.truncate(self._true_len - self._base)
         states = self.features[self._true_len : n - 1]
-        tokens = torch.tensor(token_ids[self._true_len + 1 : n], dtype=torch.long, device=self.features.device)
+        tokens = list(token_ids[self._true_len + 1 : n])
         pos = self._true_len - self._base
         self._true_len = n - 1
         return states, tokens, pos
