@@ -301,6 +301,7 @@ def test_bench_against_flags() -> None:
     ("argv", "message"),
     [
         (["--clients", "2"], "--clients is for --against"),
+        (["--long-tokens", "500"], "--long-tokens is for --against"),
         (["--against", "llama-server", "--temperature", "0.7"], "leave out --temperature"),
         (["--against", "llama-server", "--draft-schedule", "fixed"], "leave out --draft-schedule"),
         (["--against", "llama-server", "--llama-cpp", "gguf"], "leave out --llama-cpp"),
@@ -399,6 +400,48 @@ def test_bench_against_a_synthetic_target_runs_our_target_only_beside_plain_llam
     assert [r["server"] for r in data["rows"]] == ["specserve/none", "llama-server"]
     assert data["meta"]["target"] == str(gguf)
     assert any("synthetic 1.7b q4_k_m" in note for note in data["meta"]["notes"])
+
+
+def test_long_prompts_are_distinct_documents_sized_by_the_targets_tokenizer(target_path: Path) -> None:
+    """--long-tokens N: documents of about N tokens as the target's own tokenizer (read from the GGUF alone)
+    counts them, none a prefix of another beyond their first words."""
+    from app.cli.bench import _long_prompts
+    from app.engine.model.loading import load_tokenizer
+
+    prompts = _long_prompts(target_path, 600, 3)
+    tokenizer = load_tokenizer(target_path)
+    counts = [len(tokenizer.encode(p)) for p in prompts]
+    assert len(set(prompts)) == 3 and all(540 <= n <= 600 for n in counts), counts
+    assert prompts[0][:200] != prompts[1][:200]
+
+
+def test_bench_against_long_tokens_sends_the_long_prompts(
+    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--long-tokens replaces --input's prompts with the long documents (4 unless --limit), to both servers."""
+    _stand_in_llama_server(tmp_path, monkeypatch)
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"GGUF")
+    asked: list[tuple[Path, int, int]] = []
+
+    def long_prompts(path: Path, tokens: int, count: int) -> list[str]:
+        asked.append((path, tokens, count))
+        return [f"long document {i}" for i in range(count)]
+
+    monkeypatch.setattr("app.cli.bench._long_prompts", long_prompts)
+    monkeypatch.setattr("app.cli.bench._route", lambda path: "chat")
+    monkeypatch.setattr(
+        "app.cli.bench.ours",
+        lambda target, drafts, args, threads: [
+            against.Contender(f"specserve/{d}", _command(stand_in, "--draft", d)) for d in drafts
+        ],
+    )
+    out = tmp_path / "out"
+    argv = ["--against", "llama-server", "--target", str(gguf), "--draft", "none", "--long-tokens", "900"]
+    assert main(["bench", *argv, "--limit", "2", "-n", "4", "--out", str(out)]) == 0
+    assert asked == [(gguf, 900, 2)]
+    data = json.loads((out / "against.json").read_text())
+    assert data["meta"]["prompts"] == 2 and {r["requests"] for r in data["rows"]} == {2}
 
 
 def test_our_server_is_started_as_serve_with_the_shared_flags() -> None:

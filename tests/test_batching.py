@@ -301,7 +301,8 @@ def test_a_short_prompt_goes_before_long_ones_and_a_lone_long_prompt_is_chunked(
 def test_chunks_shrink_with_the_context_to_keep_a_step_near_its_target(packed_target):
     """With prefill_step_seconds, a chunk is what the measured seconds per unit of work allow, a row at context
     c costing 1 + c / row_keys units (its attention over c keys beside its products), less the decoding rows'
-    share; the first chunk, before any measurement, is modest."""
+    share; the first chunk, before any measurement, is modest. A prompt with no stream decoding beside it (no
+    pause to bound) goes prefill_chunk tokens a step."""
     packed = packed_target(KERNELS[0])
     engine = Engine(
         packed.model,
@@ -319,13 +320,17 @@ def test_chunks_shrink_with_the_context_to_keep_a_step_near_its_target(packed_ta
     assert 2000 < row_keys < 4000  # SmolLM2-135M: products of ~3.5M weights a layer, attention 576 wide
     params = GenerationParams(max_new_tokens=2, num_draft_tokens=4)
     fresh = engine.start(list(range(1, 1001)), params)
-    assert 56 <= batcher.chunk_sizes([fresh], [])[0] <= 64  # 64 units
+    stream = [_FakePlan(real=1, start=0)]  # one request decoding a row a step: 1 unit
+    assert batcher.chunk_sizes([fresh], []) == [512]
+    assert 56 <= batcher.chunk_sizes([fresh], stream)[0] <= 64  # 64 units
     batcher.unit_seconds = 0.001  # 100 units per step
-    (shallow,) = batcher.chunk_sizes([fresh], [])
-    assert batcher.units(shallow, 0) <= 100 < batcher.units(shallow + 1, 0) and shallow >= 95
+    assert batcher.chunk_sizes([fresh], []) == [512]
+    (shallow,) = batcher.chunk_sizes([fresh], stream)
+    assert batcher.units(shallow, 0) <= 99 < batcher.units(shallow + 1, 0) and shallow >= 94
     fresh.cache.length = 500  # as if 500 tokens were in already
-    (deep,) = batcher.chunk_sizes([fresh], [])
-    assert batcher.units(deep, 500) <= 100 < batcher.units(deep + 1, 500)
+    assert batcher.chunk_sizes([fresh], []) == [500]  # the rest of the prompt
+    (deep,) = batcher.chunk_sizes([fresh], stream)
+    assert batcher.units(deep, 500) <= 99 < batcher.units(deep + 1, 500)
     assert deep < 90
     # Decoding rows take their share first; however much they take, the prompt gets as much work as they do
     # (PREFILL_SHARE), and never less than 16 units.

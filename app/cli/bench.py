@@ -180,6 +180,14 @@ def add_parser(subparsers: argparse._SubParsersAction, flags: bool = True) -> No
         default=None,
         help="with --against: concurrent clients (repeatable: one level each; default 1)",
     )
+    parser.add_argument(
+        "--long-tokens",
+        type=positive_int,
+        default=None,
+        help="with --against: instead of --input's prompts, long documents of about N tokens each (the target's "
+        "tokenizer counts them; 4 unless --limit), seeded reports that share no prefix, each asking one question "
+        "about itself: prefill on long prompts",
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     add_sampling_arguments(parser, samplers=True)
@@ -191,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.against:
         return _bench_against(args)
-    if args.clients:
-        raise CliError("--clients is for --against")
+    if args.clients or args.long_tokens:
+        raise CliError(f"{'--clients' if args.clients else '--long-tokens'} is for --against")
     import torch
 
     from app.bench.specbench import Config, markdown, per_prompt_medians, plots, read_prompts, run_bench, summarize
@@ -449,6 +457,15 @@ _NOT_AGAINST = {
 }
 
 
+def _long_prompts(gguf: Path, tokens: int, count: int) -> list[str]:
+    """`count` long documents (the load test's) of about `tokens` tokens each by the GGUF's tokenizer."""
+    from app.bench.workload_texts import long_prompt
+    from app.engine.model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(gguf)
+    return [long_prompt(i, tokens, lambda text: len(tokenizer.encode(text))) for i in range(count)]
+
+
 def _route(gguf: Path) -> str:
     """The route `--against` sends prompts to: "chat", or "completions" (each prompt as it is) for a base model,
     whose GGUF has no chat template. A file whose metadata cannot be read is left to the servers to refuse."""
@@ -492,10 +509,13 @@ def _bench_against(args: argparse.Namespace) -> int:
     gguf = store.resolve(target)
     if not gguf.is_file() or gguf.suffix != ".gguf":
         raise CliError(f"--against runs the other server on the target's GGUF; {gguf} is not one")
-    path = Path(args.input)
-    if not path.is_file():
-        raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
-    prompts = [p.text for p in read_prompts(path, args.per_category, args.limit)]
+    if args.long_tokens:
+        prompts = _long_prompts(gguf, args.long_tokens, args.limit or 4)
+    else:
+        path = Path(args.input)
+        if not path.is_file():
+            raise CliError(f"no prompts at {path}; give --input FILE.jsonl")
+        prompts = [p.text for p in read_prompts(path, args.per_category, args.limit)]
     threads = args.threads or len(os.sched_getaffinity(0))
     max_tokens = args.max_new_tokens or 128
     say = functools.partial(print, file=sys.stderr)

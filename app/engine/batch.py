@@ -101,16 +101,19 @@ class Batcher:
 
     def chunk_sizes(self, prompts: list[Generation], plans: list[StepPlan]) -> list[int]:
         """Prompt tokens each prefilling generation runs this step, within the step's budget: `prefill_chunk`
-        tokens, and with `prefill_step_seconds` what the measured seconds per unit of work leave beside the
-        decoding rows (`plans`), but never less than `PREFILL_SHARE` of the decoding rows' own work: however many
-        requests decode, prompts keep moving at a known fraction of the machine's speed.
+        tokens, and with `prefill_step_seconds` while requests decode (`plans`) what the measured seconds per unit
+        of work leave beside their rows, but never less than `PREFILL_SHARE` of the decoding rows' own work:
+        however many requests decode, prompts keep moving at a known fraction of the machine's speed.
 
         `prompts` come in the order they started (the scheduler's). The oldest has first claim on `OLDEST_SHARE`
         of the budget (tokens and work); the rest goes to the shortest prompts left first, the oldest included
         (a short request is not held behind long ones, and a stream of short ones cannot starve a long one)."""
         cap = self.prefill_chunk
-        units = math.inf  # without a step time, the budget is cap tokens, whatever they cost
-        if self.prefill_step_seconds:
+        # Without a step time, or with no stream decoding (whose pause the time bounds), the budget is cap tokens
+        # whatever they cost: a prompt alone, cut to a step time's chunks (a few dozen tokens on a big model),
+        # would read every weight once per chunk and wait on those reads (docs/bench, chunked prefill).
+        units = math.inf
+        if self.prefill_step_seconds and plans:
             if self.unit_seconds is None:  # nothing measured yet: a modest first chunk, which measures
                 units = float(min(cap, 64))
             else:

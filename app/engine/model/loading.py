@@ -17,7 +17,7 @@ from app.engine.model.config import ModelConfig
 from app.engine.model.packing import PackedLinear, can_pack
 from app.engine.model.tokenizer import Tokenizer
 from app.engine.model.transformer import Transformer
-from app.engine.model.weights import WeightsError, check_shapes, read_checkpoint
+from app.engine.model.weights import WeightsError, check_shapes, read_checkpoint, read_tokenizer_meta
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,11 @@ class LoadedModel:
     def weight_bytes(self) -> int:
         """Bytes the decoder's weights hold in memory, as laid out for what runs them."""
         return self.model.weights()[1]
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of the GGUF file at `path` alone (its weights are not read): to count or encode text."""
+    return Tokenizer.from_metadata(read_tokenizer_meta(Path(path)))
 
 
 def resolve_device(device: str) -> torch.device:

@@ -305,23 +305,32 @@ def _read_gguf(path: Path, max_seq_len: int | None, quantized: bool = False) -> 
         layer = _layer(path, i, entry.gguf_layer, _Tensors(load, tensors, f"blk.{i}."), config)
         sd.update({f"layers.{i}.{name}": w for name, w in layer.items()})
 
-    tokenizer_meta = {
+    return Checkpoint(config, sd, _tokenizer_meta(reader, arch), source=str(path))
+
+
+def read_tokenizer_meta(path: Path) -> dict[str, Any]:
+    """A GGUF file's tokenizer metadata alone (`Checkpoint.tokenizer_meta`), without reading its weights."""
+    reader = _open_gguf(Path(path))
+    return _tokenizer_meta(reader, _field(reader, "general.architecture"))
+
+
+def _tokenizer_meta(reader: GGUFFile, arch: str) -> dict[str, Any]:
+    return {
         "format": "gguf",
         "architecture": arch,
         "model": _field(reader, "tokenizer.ggml.model"),
         "pre": _field(reader, "tokenizer.ggml.pre"),
-        "tokens": tokens,
+        "tokens": _field(reader, "tokenizer.ggml.tokens"),
         "scores": _field(reader, "tokenizer.ggml.scores"),
         "token_type": _field(reader, "tokenizer.ggml.token_type"),
         "merges": _field(reader, "tokenizer.ggml.merges"),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "unk_token_id": _field(reader, "tokenizer.ggml.unknown_token_id"),
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "add_space_prefix": _field(reader, "tokenizer.ggml.add_space_prefix"),
         "chat_template": _field(reader, "tokenizer.chat_template"),
     }
-    return Checkpoint(config, sd, tokenizer_meta, source=str(path))
 
 
 # ------------------------------------------------------------------------------------------------ HF
