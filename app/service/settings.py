@@ -105,8 +105,8 @@ class Settings(BaseSettings):
         ge=0,
         le=60,
         description="chunked prefill sizes its chunks, from measured costs, so that a step takes about this long "
-        "(what a running stream waits at most between tokens while a prompt is prefilled); 0: chunks of "
-        "prefill_chunk_tokens whatever they cost",
+        "while requests decode (what a running stream waits at most between tokens while a prompt is "
+        "prefilled); with none decoding, and with 0, chunks of prefill_chunk_tokens whatever they cost",
     )
     prefix_cache_mb: float = Field(
         DEFAULT_PREFIX_CACHE_MB,
