@@ -6,9 +6,10 @@
 
    Per 16 columns (two adjacent x8 groups) every chunk's weights are unpacked once, for all rows, into the
    layout a tile's B operand reads: row i of a chunk's B is W_i at 16 lanes (lane c: column c's inputs
-   4i..4i+3), which is what quant_tile.h's x8_nibbles/x8_six give; the activations' int8 rows are the A
-   operand as they lie. Then per 16 rows and chunk one tile product (TDPBSUD; TDPBSSD for Q8_0's signed
-   weights; Q6_K: one per 16-input half), C stored and run through the chain from memory. Fewer rows than
+   4i..4i+3), which is what quant_tile.h's x8_nibbles/x8_six give, less the format's zero point (Q4_0, Q5_0,
+   Q6_K: then signed bytes); the activations' int8 rows are the A operand as they lie. Then per 16 rows and
+   chunk one tile product (TDPBSSD for signed weights: Q8_0's and those; TDPBSUD for the others; Q6_K: one per
+   16-input half), C stored and run through the chain from memory. Fewer rows than
    QA_MIN_ROWS go to the VNNI tiles (q_cols_16), for which a tile product's fixed cost is not paid back.
 
    SK_AMX_TWIN: the tile instructions replaced by plain C of the same meaning, so that this code is checked bit
@@ -85,12 +86,15 @@ static inline void qa_release(void) { _tile_release(); }
 #endif
 
 /* The 16 columns at g (two x8 groups, the second at g + G) unpacked: for chunk b, B [b][8][64] (the W_i, the
-   weights as bytes) and D [b][2][16], the scale of inputs 0-15 and of 16-31 (float; the K-quants: their integer
+   weights less their zero point as bytes) and D [b][2][16], the scale of inputs 0-15 and of 16-31 (float; the K-quants: their integer
    scales, as int32); M [b][16], a 32-input format's offsets, or per K-quant block d [16], -dmin [16] and the
    minimums' pairs [4][16] (as the tiles': kx8_mins); the same values quant_tile.h's tiles compute. */
 static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, float *D, float *M) {
     const int bytes = sk_q_bytes(type), at_h = sk_x8_high(type), at_q = sk_x8_quants(type);
     const int five = at_h != 0, offset = sk_q_offset(type);
+    /* A format's zero point comes off the weights here, once per column (q - z fits a signed byte), so that a
+       signed tile product gives I + the zero point's term itself: no work per row and chunk in qa_rows16. */
+    const __m512i Z = _mm512_set1_epi8((char)sk_q_zero(type));
     if (sk_q_block(type) == 32) {
         for (int b = 0; b < nb; b++) {
             const uint8_t *p = g + (size_t)b * 8 * bytes;
@@ -98,7 +102,7 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
             for (int i = 0; i < 8; i++) {
                 __m512i W = type == SK_Q8_0 ? q16_load(p + at_q + 32 * i, G)
                                             : x8_nibbles_16(q16_load(p + at_q + 32 * (i % 4), G), i, five, H);
-                _mm512_storeu_si512(B + (size_t)b * 512 + 64 * i, W);
+                _mm512_storeu_si512(B + (size_t)b * 512 + 64 * i, _mm512_sub_epi8(W, Z));
             }
             const __m512 d = q16_half(p, G);
             _mm512_storeu_ps(D + (size_t)b * 32, d);
@@ -133,7 +137,7 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
             for (int i = 0; i < 8; i++) {
                 const __m512i Pq = q16_load(P + 32 * (i % 4), G);
                 const __m512i W = six ? x8_six_16(Pq, i, i < 4 ? T0 : T1) : x8_nibbles_16(Pq, i, five, H);
-                _mm512_storeu_si512(B + (size_t)b * 512 + 64 * i, W);
+                _mm512_storeu_si512(B + (size_t)b * 512 + 64 * i, _mm512_sub_epi8(W, Z));
             }
         }
     }
@@ -147,7 +151,7 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
         QA_ZERO(c);                                                                                            \
         QA_LOAD_A(a, xr + 32 * qb + depth * qh, k);                                                            \
         QA_LOAD_B(bt, B + (size_t)qb * 512 + 256 * qh);                                                        \
-        QA_DP(c, a, bt, q8);                                                                                   \
+        QA_DP(c, a, bt, sgn);                                                                                  \
     } while (0)
 #define QA_ISSUE(u)                                                                                            \
     switch ((u) & 3) {                                                                                         \
@@ -172,8 +176,10 @@ static void qa_unpack(int type, const uint8_t *g, long G, int nb, uint8_t *B, fl
    block J's (and the minimums') fused multiply-adds. */
 static void qa_rows16(int type, int R, const sk_qrows *xq, int r0, const uint8_t *B, const float *D, const float *M,
                       float *sums) {
-    const int k = xq->k, nb = k / 32, six = type == SK_Q6_K, q8 = type == SK_Q8_0, halves = six ? 2 : 1;
-    const int depth = six ? 16 : 32, zero = sk_q_zero(type);  /* Q8_0: signed tiles, no zero point */
+    const int k = xq->k, nb = k / 32, six = type == SK_Q6_K, halves = six ? 2 : 1, depth = six ? 16 : 32;
+    /* Signed weights (Q8_0's, and those whose zero point qa_unpack took off) on signed tiles: the product is I
+       with the zero point's term in it. */
+    const int sgn = type == SK_Q8_0 || sk_q_zero(type);
     const int units = nb * halves, kq = sk_q_block(type) == 256;
     const int8_t *xr = xq->q + (size_t)r0 * k;
     const float *dx = xq->d + (size_t)r0 * nb;
@@ -197,8 +203,7 @@ static void qa_rows16(int type, int R, const sk_qrows *xq, int r0, const uint8_t
 #pragma GCC unroll 16
         for (int r = 0; r < 16; r++) {
             if (r >= R) break;
-            __m512i I = _mm512_load_si512(Cu + 16 * r);
-            if (zero) I = _mm512_add_epi32(I, _mm512_set1_epi32(xq->xz[((size_t)(r0 + r) * nb + b) * 2 + h]));
+            const __m512i I = _mm512_load_si512(Cu + 16 * r);
             if (kq) {
                 const int32_t *sh = xq->xe + (size_t)(r0 + r) * nb + b;
                 J[r] = _mm512_add_epi32(J[r], _mm512_mullo_epi32(q16_sllv_at(I, sh), _mm512_castps_si512(Dh)));
