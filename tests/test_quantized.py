@@ -102,7 +102,7 @@ def test_each_format_against_its_exact_dequantized_values(kern, qtype: str) -> N
     # step per 256 inputs and the minimums'; float32 roundings), then one bf16 rounding (2^-8 relative); against
     # the exact values multiplied.
     g = torch.Generator().manual_seed(FORMATS[qtype][0])
-    x = varied_rows(14, k, g)  # 12 rows and more: a prefill's path
+    x = varied_rows(50, k, g)  # 48 rows and more: a prefill's path (amxint8's tiles)
     bias = torch.randn(n, generator=g).bfloat16()
     y = kern.qlinear(weight, bias)(x).double()
     xs = quantized_activations(x, qtype)
@@ -114,7 +114,7 @@ def test_each_format_against_its_exact_dequantized_values(kern, qtype: str) -> N
     # A row's bits depend on nothing but itself: rows alone, a few at a time, any thread count.
     lin = kern.qlinear(weight, bias)
     whole = lin(x)
-    assert all(torch.equal(lin(x[i : i + 1]), whole[i : i + 1]) for i in range(14))
+    assert all(torch.equal(lin(x[i : i + 1]), whole[i : i + 1]) for i in range(50))
     assert torch.equal(torch.cat([lin(x[:5]), lin(x[5:7]), lin(x[7:])]), whole)
     assert_same_on_thread_counts(lambda: lin(x), whole)
 
@@ -157,18 +157,18 @@ def test_fused_norm_swiglu_residual_and_mixed_formats(kern) -> None:
 
 def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(12)
-    x = torch.randn(27, 512, generator=g).bfloat16()
+    x = torch.randn(59, 512, generator=g).bfloat16()
     norm_w = (1 + torch.randn(512, generator=g) / 4).bfloat16()
-    gate_up = torch.randn(17, 1024, generator=g).bfloat16()
-    residual = torch.randn(17, 43, generator=g).bfloat16()
+    gate_up = torch.randn(49, 1024, generator=g).bfloat16()
+    residual = torch.randn(49, 43, generator=g).bfloat16()
     out = []
     for i, qtype in enumerate(FORMATS):
         weight = random_weight(qtype, 43, 512, seed=20 + i)  # 5 groups of 8 columns and 3 (quant.h's x8 layout)
         bias = torch.randn(43, generator=g).bfloat16()
-        out += [kern.qlinear(weight, bias)(x), kern.qlinear(weight, None)(x[:19], norm=norm_w, eps=1e-5)]
+        out += [kern.qlinear(weight, bias)(x), kern.qlinear(weight, None)(x[:51], norm=norm_w, eps=1e-5)]
         out.append(kern.qlinear(weight, None)(gate_up, swiglu=True, residual=residual))
         # Every tile shape of a step and a verification: 1 to 8 rows (a tile takes 8 on AVX-512, 4 on AVX2: 5-7
-        # are 4 and a rest there), and with x's 27, 19 and 17 three full tiles and a rest.
+        # are 4 and a rest there), and with x's 59, 51 and 49 rows (amxint8's tiles from 48) full tiles and a rest.
         out += [kern.qlinear(weight, bias)(x[:rows]) for rows in range(1, 9)]
     return out
 
@@ -196,7 +196,7 @@ def test_the_vnni_kernels_code_gives_the_generic_kernels_bits_through_its_stand_
 def test_the_amx_tiles_code_gives_the_generic_kernels_bits_through_its_stand_in() -> None:
     """amxint8's products of many rows (quant_amx.h: weights unpacked for the tiles, a tile product per chunk,
     the chain run on its sums), run on any AVX-512 VNNI CPU: the same source built with plain C in place of the
-    AMX-INT8 tile instructions gives the generic kernel's bits (27, 19 and 17 rows take the tiles, a full tile
+    AMX-INT8 tile instructions gives the generic kernel's bits (59, 51 and 49 rows take the tiles, full tiles
     and a partial one, with bias, norm, SwiGLU and residual; fewer rows the VNNI tiles). Where the CPU has AMX,
     amxint8 itself runs in the test above."""
     if not kernels.runs_here("amx-twin"):
