@@ -406,16 +406,6 @@ class DraftLength:
         """Expected tokens per target pass with a draft of `k` tokens of `kind`."""
         return self.estimate(kind).expected(k)
 
-    def seconds(self, k: int, kind: str | None = None) -> float | None:
-        """Seconds of a step with a draft of `k` tokens of `kind`: k draft steps and a verification of k + 1 rows
-        (k = 0: a plain target step); None while a cost it needs was not measured. A lookup's proposal counts
-        as free: it is made before the choice."""
-        draft = 0.0 if is_lookup(kind or self.kind) or k == 0 else self.costs.draft_step
-        verify = self.costs.verify_cost(k + 1, self.context)
-        if draft is None or verify is None:
-            return None
-        return max(k * draft + verify, 1e-9)
-
     def rate(self, k: int, kind: str | None = None) -> float | None:
         """Expected tokens per second with a draft of `k` tokens of `kind` (k = 0: a plain target step); None
         while a cost it needs was not measured."""
@@ -484,12 +474,15 @@ class DraftLength:
         """Whether a draft of `kind` of at most `cap` tokens would pay were every token accepted. If not, what
         keeps it from paying is its cost, not its acceptance, and a probe could not change the choice (a draft
         step dearer than a target step, say)."""
-        plain = self.rate(0, kind)
-        seconds = [self.seconds(k, kind) for k in range(1, cap + 1)]
-        if plain is None or any(t is None for t in seconds):
+        kind = kind or self.kind
+        draft = 0.0 if is_lookup(kind) else self.costs.draft_step
+        # One fit of the verification table for every length (a batch asks this of every idle request each step).
+        costs = self.costs.verify.costs(cap + 1, self.context)
+        if costs is None or (draft is None and cap > 0):
             return True
+        plain = self.estimate(kind).expected(0) / max(costs[0], 1e-9)  # rate(0, kind)
         margin = self._margin(kind)
-        return any((k + 1) / t / margin > plain for k, t in enumerate(seconds, 1) if t is not None)
+        return any((k + 1) / max(k * (draft or 0.0) + costs[k], 1e-9) / margin > plain for k in range(1, cap + 1))
 
     def cost_probe(self, k: int, most: int, kind: str | None = None) -> int:
         """`k` (the schedule's choice for a lookup of `kind` that had `most` tokens), or `most` where this step
@@ -627,7 +620,7 @@ def batch_draft_lengths(
         n = max(caps[i], ks[i]) + 1
         if sure and i in free_set:
             return [float(k + 1) for k in range(n)]
-        return [lengths[i].expected(k) for k in range(n)]
+        return lengths[i].estimate().expected_upto(n - 1)
 
     # A move must beat the batch's rate by this much: a verification's cost per row is a line through noisy
     # timings, and in a large batch a wrong row costs every request (the move is kept only for a clear gain).
