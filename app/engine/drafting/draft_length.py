@@ -457,32 +457,27 @@ class DraftLength:
             return -1
         return max(range(cap + 1), key=lambda k: rates[k])
 
-    def _rates(self, cap: int, kind: str) -> list[float] | None:
+    def _rates(self, cap: int, kind: str, sure: bool = False) -> list[float] | None:
         """`rate(k, kind)` for k in 0..cap, in one pass (a step's schedule prices every length of every kind it
-        could draft): k draft steps (none for a lookup, free to propose) and a verification of k + 1 rows. None
-        while a cost it needs was not measured."""
+        could draft): k draft steps (none for a lookup, free to propose) and a verification of k + 1 rows; with
+        `sure`, as if every drafted token were accepted. None while a cost it needs was not measured."""
         draft = 0.0 if is_lookup(kind) or cap == 0 else self.costs.draft_step
         if draft is None:
             return None
         costs = self.costs.verify.costs(cap + 1, self.context)
         if costs is None:
             return None
-        margin, expected = self._margin(kind), self.estimate(kind).expected_upto(cap)
+        margin = self._margin(kind)
+        expected = [float(k + 1) for k in range(cap + 1)] if sure else self.estimate(kind).expected_upto(cap)
         return [expected[k] / max(k * draft + costs[k], 1e-9) / (margin if k else 1.0) for k in range(cap + 1)]
 
     def could_pay(self, cap: int, kind: str | None = None) -> bool:
         """Whether a draft of `kind` of at most `cap` tokens would pay were every token accepted. If not, what
         keeps it from paying is its cost, not its acceptance, and a probe could not change the choice (a draft
         step dearer than a target step, say)."""
-        kind = kind or self.kind
-        draft = 0.0 if is_lookup(kind) else self.costs.draft_step
-        # One fit of the verification table for every length (a batch asks this of every idle request each step).
-        costs = self.costs.verify.costs(cap + 1, self.context)
-        if costs is None or (draft is None and cap > 0):
-            return True
-        plain = self.estimate(kind).expected(0) / max(costs[0], 1e-9)  # rate(0, kind)
-        margin = self._margin(kind)
-        return any((k + 1) / max(k * (draft or 0.0) + costs[k], 1e-9) / margin > plain for k in range(1, cap + 1))
+        # Every length priced in one pass (a batch asks this of every idle request each step).
+        rates = self._rates(cap, kind or self.kind, sure=True)
+        return rates is None or any(rate > rates[0] for rate in rates[1:])
 
     def cost_probe(self, k: int, most: int, kind: str | None = None) -> int:
         """`k` (the schedule's choice for a lookup of `kind` that had `most` tokens), or `most` where this step

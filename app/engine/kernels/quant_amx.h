@@ -10,7 +10,7 @@
    Q6_K: then signed bytes); the activations' int8 rows are the A operand as they lie. Then per 16 rows and
    chunk one tile product (TDPBSSD for signed weights: Q8_0's and those; TDPBSUD for the others; Q6_K: one per
    16-input half), C stored and run through the chain from memory. Fewer rows than
-   QA_MIN_ROWS go to the VNNI tiles (q_cols_16), for which a tile product's fixed cost is not paid back.
+   QA_MIN_ROWS go to the VNNI tiles (q_cols_16), for which the unpacking is not paid back.
 
    SK_AMX_TWIN: the tile instructions replaced by plain C of the same meaning, so that this code is checked bit
    for bit on an AVX-512 CPU without AMX (the "amx-twin" stand-in). Needs quant_tile.h at 16 lanes before it. */
