@@ -122,6 +122,31 @@ def test_step_batch_gives_every_request_its_tokens_alone(packed_target, target_f
     assert sum(g.stats.drafted for g in gens) > 0 or schedule == "adaptive"
 
 
+def test_a_batch_verifies_what_its_lookups_found_as_far_as_it_pays(packed_target, prompts):
+    """Requests that look up first (the adaptive schedule, the `suffix` drafter) are sized by the batch from what
+    their lookups found this step, free to propose: a request copying a list verifies long runs of it in the
+    shared forward (more than 3 tokens per pass, where each request once drafted its first 2 tokens a step, its
+    draft step never measured in a batch), and every request's tokens are its tokens alone."""
+    from app.engine.drafting.suffix import SuffixDrafter
+
+    packed = packed_target(KERNELS[0])
+    engine = Engine(packed.model, packed.tokenizer, {"suffix": SuffixDrafter()}, "suffix", 8)
+    engine.calibrate()
+    tok = packed.tokenizer
+    items = ", ".join(["red", "blue", "green", "gold", "gray", "pink"] * 3)
+    copy = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Copy this list word for word: {items}."}]))
+    params = GenerationParams(max_new_tokens=48)
+    jobs = [copy, prompts[0], prompts[1], copy]
+    alone = [_run_alone(engine, p, params, "suffix") for p in jobs]
+    gens = [engine.start(p, params, "suffix") for p in jobs]
+    while any(not g.finished for g in gens):
+        outs = engine.step_batch([g for g in gens if not g.finished])
+        assert not [o for o in outs if isinstance(o, Exception)]
+    assert [g.generated_ids for g in gens] == alone
+    copied = gens[0].stats
+    assert copied.generated_tokens / copied.target_passes > 3
+
+
 class _BrokenSession(DraftSession):
     def propose(self, token_ids, k, p_min=0.0):
         raise RuntimeError("the draft broke")
@@ -370,14 +395,16 @@ def test_torch_path_neither_batches_nor_chunks(make_tiny_model, word_tokenizer):
     assert engine.together(gens) == []
 
 
-def test_calibration_seeds_the_batch_s_costs_with_wide_forwards(packed_target):
-    """Where requests are batched, calibration also times 16- and 32-row forwards: the first batches then size
-    their drafts from a measured slope, not each request as though alone."""
+def test_calibration_seeds_the_batch_s_costs_with_batched_forwards(packed_target):
+    """Where requests are batched, calibration also times batched forwards of 2, 4 and 8 sequences and of
+    further rows: the first batches then size their drafts from measured prices of a sequence and of a row,
+    not each request as though alone."""
     packed = packed_target(KERNELS[0])
     engine = Engine(packed.model, packed.tokenizer, {"ngram": NgramDrafter()}, "ngram", 4)
-    assert engine.batching and not engine.batcher._batch_costs.verify
+    costs = engine.batcher._batch_costs
+    assert engine.batching and not costs and costs.row() is None
     seconds = engine.calibrate()
     assert sorted(seconds) == [1, 2, 3, 4, 5]
-    batch = engine.batcher._batch_costs.verify.table(32)
-    assert sorted(batch) == [1, 2, 3, 4, 5, 16, 32]
-    assert batch[32] > batch[1] and all(batch[r] == seconds[r] for r in seconds)
+    batch = costs.seqs.table(32)
+    assert sorted(batch) == [2, 4, 8] and batch[8] > batch[2]
+    assert costs.row(32) is not None and costs.row(32) >= 0.0

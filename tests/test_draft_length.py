@@ -12,6 +12,7 @@ from app.engine.drafting.draft_length import (
     _PROBE_AFTER,
     _PROBE_MAX,
     Acceptance,
+    BatchCosts,
     DraftLength,
     StepCosts,
     VerifyCosts,
@@ -27,6 +28,13 @@ def _costs(draft_step: float, verify: dict[int, float]) -> StepCosts:
     c.draft_step = draft_step
     c.verify.seed(verify)
     return c
+
+
+def _batch(seqs: dict[int, float], row: float) -> BatchCosts:
+    """A batch's costs as though calibrated: seconds by sequence count (one row each), and of a row more."""
+    costs = BatchCosts()
+    costs.seed(seqs, row)
+    return costs
 
 
 def _cpu_costs(draft_step: float = 0.0015, step: float = 0.010, row: float = 0.45) -> StepCosts:
@@ -397,11 +405,11 @@ def _policy(schedule: str, acceptance_steps: int, accepted_fraction: float, draf
 
 def test_batch_lengths_follow_each_request_until_a_batch_was_measured():
     policies = [_policy("adaptive", 10, 1.0, 0.001), _policy("fixed", 0, 0.0, 0.001)]
-    assert batch_draft_lengths(policies, [100, 100], StepCosts(), 2) == [p.next_k(100) for p in policies]
+    assert batch_draft_lengths(policies, [100, 100], BatchCosts(), 2) == [p.next_k(100) for p in policies]
 
 
 def test_batch_lengths_draft_where_it_pays_and_not_where_it_does_not():
-    batch = _costs(0.0, {8: 0.060, 16: 0.070, 24: 0.080, 32: 0.090})
+    batch = _batch({2: 0.050, 3: 0.0525}, 0.00125)
     sure = _policy("adaptive", 10, 1.0, 0.001)
     unsure = _policy("adaptive", 10, 0.0, 0.001)
     fixed = _policy("fixed", 0, 0.0, 0.001)
@@ -424,7 +432,7 @@ def test_a_request_the_batch_stopped_drafting_for_drifts_back_to_the_drafters_ac
     for _ in range(10):
         unlucky.update(4, 0)
     assert unlucky.acceptance < 0.2
-    batch = _costs(0.0, {8: 0.060, 16: 0.070, 24: 0.080, 32: 0.090})
+    batch = _batch({2: 0.050, 3: 0.0525}, 0.00125)
     for length in (unlucky, others):
         length.costs.draft_step = 0.001
     assert batch_draft_lengths([unlucky, others], [100, 100], batch, 2)[0] == 0
@@ -439,7 +447,7 @@ def test_a_request_the_batch_stopped_drafting_for_drifts_back_to_the_drafters_ac
 
 
 def test_a_batch_probes_a_request_it_keeps_from_drafting_unless_its_draft_could_never_pay():
-    batch = _costs(0.0, {8: 0.060, 16: 0.070, 24: 0.080, 32: 0.090})
+    batch = _batch({2: 0.050, 3: 0.0525}, 0.00125)
     hopeless, dear = DraftLength("adaptive", 6, _cpu_costs()), DraftLength("adaptive", 6, _cpu_costs(0.050))
     for length in (hopeless, dear):
         _set(length, 0.0, 0.0, weight=1e6)  # so much evidence that resting does not move it
@@ -466,7 +474,7 @@ def _half_accepted(max_k: int = 6) -> DraftLength:
 
 def test_a_shared_draft_forward_is_priced_once_per_position_for_all_its_requests():
     # Verifying 16 rows costs about what 8 do (one 16-row tile); a draft step costs 5 ms alone or for all 8.
-    batch = _costs(0.0, {8: 0.020, 16: 0.021})
+    batch = _batch({4: 0.015, 8: 0.020}, 0.000125)
     policies = [_half_accepted() for _ in range(8)]
     limits = [100] * 8
     # Drafting alone, each token costs its own 5 ms step: 8 of them would double the step. Nothing pays.
@@ -493,8 +501,7 @@ def test_a_large_batch_whose_rows_cost_a_token_each_neither_drafts_nor_probes():
     each more 5.9 ms, so a drafted row pays only if accepted nearly always), a batch of 16 requests whose drafts
     are accepted two times in three drafts nothing, and its idle requests do not probe (a probe's row would
     cost every request, and no acceptance could make it pay); two such requests alone still draft."""
-    rows = {r: 0.0060 + 0.0055 * r for r in (1, 2, 3, 4, 8, 16, 17, 24, 32)}
-    batch = _costs(0.0, rows)
+    batch = _batch({s: 0.0060 + 0.0055 * s for s in (2, 4, 8, 16)}, 0.0055)
     lengths = [DraftLength("adaptive", 6, _cpu_costs(0.0015)) for _ in range(16)]
     for length in lengths:
         _set(length, 0.67, 0.67)
@@ -505,6 +512,64 @@ def test_a_large_batch_whose_rows_cost_a_token_each_neither_drafts_nor_probes():
             length.rest()
     assert lengths[0].probing() and lengths[0].could_pay(6)  # alone, it would have probed
     assert sum(batch_draft_lengths(lengths[:2], [100, 100], batch, 0)) > 0
+
+
+def test_a_large_batch_whose_rows_cost_less_than_its_sequences_drafts_what_pays():
+    """On the AMX Xeon at context 512 a sequence costs a batch 1.5 ms and a further row of a sequence already in
+    it 0.7 ms (docs/bench/amxint8/2026-12-07-batch-rows-apart.md). A token of a 16-request step is worth its
+    1.6 ms: a free lookup accepted two times in three pays for its row. Priced as a sequence (by total rows, as
+    before), the same row would not, and the batch drafted nothing."""
+    seqs = {s: 0.002 + 0.0015 * s for s in (2, 4, 8, 16)}
+    lengths = [DraftLength("adaptive", 6, _cpu_costs(0.0)) for _ in range(16)]
+    for length in lengths:
+        _set(length, 0.67, 0.67)
+    ks = batch_draft_lengths(lengths, [100] * 16, _batch(seqs, 0.0007), 0)
+    assert all(k >= 1 for k in ks)
+    assert batch_draft_lengths(lengths, [100] * 16, _batch(seqs, 0.0015), 0) == [0] * 16
+
+
+def test_a_batch_sizes_lookups_as_free_to_propose_and_within_what_they_found():
+    """A lookup's tokens cost a batch only their rows: a request whose lookup found 5 tokens of a long match is
+    sized by the batch though its drafter never timed a draft step (a lookup has none), never past what was
+    found (3 tokens here); a model draft whose step was never measured drafts its first tokens, which measure it."""
+    seqs = {s: 0.002 + 0.0015 * s for s in (2, 4, 8, 16)}
+    lengths = [DraftLength("adaptive", 8, StepCosts(), kind="lookup") for _ in range(8)]
+    kinds = ["lookup:self:16"] * 8
+    ks = batch_draft_lengths(lengths, [3] * 8, _batch(seqs, 0.0004), 0, None, None, 0, kinds)
+    assert ks == [3] * 8  # a 16-token match: accepted about 0.89 a token, cheap rows
+    assert batch_draft_lengths(lengths, [3] * 8, _batch(seqs, 0.004), 0, None, None, 0, kinds) == [0] * 8
+    model = DraftLength("adaptive", 8, StepCosts())
+    assert model.costs.draft_step is None
+    ks = batch_draft_lengths(
+        [*lengths[:7], model], [3] * 7 + [20], _batch(seqs, 0.0004), 0, None, None, 0, kinds[:7] + [None]
+    )
+    assert ks == [3] * 7 + [2]
+
+
+def test_batch_costs_keep_sequences_and_rows_apart():
+    costs = BatchCosts()
+    assert not costs and costs.pricer(4) is None and costs.row() is None
+    for seqs in (2, 4, 8):
+        costs.observe(seqs, seqs, 0.002 + 0.0015 * seqs, 300)  # one row each: the sequences' own cost
+    assert costs.row(300) is None
+    price = costs.pricer(8, 300)
+    assert price is not None
+    # No row measured yet: a row is priced as a sequence, the dearest it could be.
+    assert price(8) == pytest.approx(0.014) and price(10) == pytest.approx(0.017)
+    costs.observe(8, 24, 0.014 + 16 * 0.0007, 300)  # two rows more for each: 0.7 ms a row
+    assert costs.row(300) == pytest.approx(0.0007)
+    assert costs.pricer(8, 300)(12) == pytest.approx(0.014 + 4 * 0.0007)
+    # A one-row probe that ran slow moves the figure less than the sixteen rows did, and an outlier at most
+    # three times the known price of its rows.
+    costs.observe(8, 9, 0.014 + 0.0100, 300)
+    assert 0.0007 < costs.row(300) < 0.0007 + 0.0021 / 16
+    # Another context class borrows the nearest measured class's row figure until it has its own.
+    assert costs.row(5000) == costs.row(300)
+    costs.seed({2: 0.009}, 0.0002, 5000)
+    assert costs.row(5000) == pytest.approx(0.0002) and costs.row(300) > 0.0007
+    # A seed never replaces what was measured.
+    costs.seed({8: 1.0}, 1.0, 300)
+    assert costs.seqs.table(300)[8] == pytest.approx(0.014) and costs.row(300) < 0.001
 
 
 def test_each_tenant_starts_from_its_own_acceptance_and_shares_only_the_machines_costs(make_tiny_model, word_tokenizer):

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from app.engine.drafting.draft_length import StepCosts, batch_draft_lengths
+from app.engine.drafting.draft_length import BatchCosts, batch_draft_lengths, is_lookup
 from app.engine.generation import Generation
 from app.engine.model.transformer import Transformer
 from app.engine.step import StepOutput, StepPlan, TreePlan
@@ -35,6 +35,11 @@ def row_keys(target: Transformer) -> float:
 PREFILL_SHARE = 1.0
 # The part of the step's prefill budget the oldest prompt still prefilling has first claim on (docs/service.md).
 OLDEST_SHARE = 0.5
+# What `Batcher.calibrate` times: forwards of these many sequences of one row, and of _CALIBRATION_WIDE sequences of
+# _CALIBRATION_ROWS rows.
+_CALIBRATION_SEQS = (2, 4, 8)
+_CALIBRATION_WIDE = 4
+_CALIBRATION_ROWS = 3
 
 
 class Batcher:
@@ -50,15 +55,40 @@ class Batcher:
         self.row_keys = row_keys(target)
         # Measured seconds per unit of work (`units`) of batched forwards; None until one was measured.
         self.unit_seconds: float | None = None
-        # Measured seconds of batched target forwards by total rows (the draft lengths of a batch weigh them).
-        self._batch_costs = StepCosts()
+        # Measured seconds of batched target forwards, sequences and rows apart (the draft lengths of a batch weigh
+        # them).
+        self._batch_costs = BatchCosts()
         # Measured seconds per drafted token when a drafter drafts for several requests at once, per drafter.
         self._batch_draft_step: dict[int, float] = {}
 
-    def seed_costs(self, seconds: dict[int, float], context: int = 0) -> None:
-        """Seconds of target forwards by rows at `context` (`Engine.calibrate`'s) for the row counts no batch has
-        measured there."""
-        self._batch_costs.verify.seed(seconds, context, replace=False)
+    def calibrate(self, context: int) -> None:
+        """Time batched forwards after a `context`-token prompt, as `_forward` runs them: 2, 4 and 8 sequences of
+        one row, and 4 of `_CALIBRATION_ROWS` rows (what a further row costs), each twice, the faster kept; and
+        seed the batch's costs with them where no batch measured yet. The first batches then size their drafts
+        from this machine's prices of a sequence and of a row, not from a single request's."""
+        device = self.target.device
+        caches = []
+        for _ in range(max(_CALIBRATION_SEQS)):
+            cache = self.target.new_cache(min(self.target.config.max_seq_len, context + _CALIBRATION_ROWS + 8))
+            self.target.hidden(torch.ones((1, context), dtype=torch.long, device=device), 0, cache)
+            caches.append(cache)
+
+        def timed(seqs: int, rows: int) -> float:
+            best = math.inf
+            for _ in range(2):
+                feeds = [(torch.ones(rows, dtype=torch.long, device=device), context, c) for c in caches[:seqs]]
+                t0 = time.perf_counter()
+                hidden = self.target.hidden_batch(feeds)
+                float(self.target.logits(torch.cat(hidden)).float().sum())
+                best = min(best, time.perf_counter() - t0)
+                for c in caches[:seqs]:
+                    c.truncate(context)
+            return best
+
+        seqs = {n: timed(n, 1) for n in _CALIBRATION_SEQS}
+        wide = timed(_CALIBRATION_WIDE, _CALIBRATION_ROWS)
+        row = max(0.0, wide - seqs[_CALIBRATION_WIDE]) / (_CALIBRATION_WIDE * (_CALIBRATION_ROWS - 1))
+        self._batch_costs.seed(seqs, row, context)
 
     def step(self, gens: list[Generation]) -> list[StepOutput | Exception]:
         """One step of each of `gens` in one target forward: the decoding ones drafted and verified, the
@@ -147,9 +177,23 @@ class Batcher:
         """Draft lengths chosen for the batch as a whole, the drafts (batched where a drafter can), and each
         request's rows; an exception in place of a request whose drafting failed."""
         limits = [gen.params.max_new_tokens - gen.stats.generated_tokens - 1 for gen in gens]
+        # What each request drafts: a lookup's tokens found now (free), or its model's, sized below.
+        failed: list[StepOutput | Exception | None] = [None] * len(gens)
+        choices: list[tuple[str, int, dict[str, list[int]] | None]] = []
+        for j, (gen, limit) in enumerate(zip(gens, limits, strict=True)):
+            try:
+                choices.append(gen.batch_choice(limit))
+            except Exception as exc:  # this request ends; the others step on
+                failed[j] = exc
+                choices.append((gen.draft_length.kind, 0, None))
+        kinds = [kind for kind, _, _ in choices]
+        limits = [most for _, most, _ in choices]
         # Greedy requests of a drafter that drafts several at once share one draft forward per position: its
-        # seconds measured on batched drafts when there were, else one solo step.
-        groups = [id(gen.drafter) if self._drafts_in_batch(gen) else None for gen in gens]
+        # seconds measured on batched drafts when there were, else one solo step. A lookup's tokens are had.
+        groups = [
+            id(gen.drafter) if self._drafts_in_batch(gen) and not is_lookup(kind) else None
+            for gen, kind in zip(gens, kinds, strict=True)
+        ]
         steps = [
             self._batch_draft_step.get(key, gen.draft_length.costs.draft_step)
             if key is not None
@@ -158,10 +202,9 @@ class Batcher:
         ]
         lengths = [gen.draft_length for gen in gens]
         context = round(sum(length.context for length in lengths) / len(lengths)) if lengths else 0
-        ks = batch_draft_lengths(lengths, limits, self._batch_costs, 0, steps, groups, context)
-        ks = [k if gen.max_draft else 0 for gen, k in zip(gens, ks, strict=True)]
-        failed: list[StepOutput | Exception | None] = [None] * len(gens)
-        drafted = self._draft(gens, ks, failed)
+        ks = batch_draft_lengths(lengths, limits, self._batch_costs, 0, steps, groups, context, kinds)
+        ks = [k if gen.max_draft and failed[j] is None else 0 for j, (gen, k) in enumerate(zip(gens, ks, strict=True))]
+        drafted = self._draft(gens, ks, groups, failed)
         plans: list[StepPlan | Exception] = []
         for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
             problem = failed[j]
@@ -169,7 +212,8 @@ class Batcher:
                 plans.append(problem)
                 continue
             try:
-                plans.append(gen.plan(0, k, drafted.get(j)))
+                kind, _, found = choices[j]
+                plans.append(gen.plan(0, k, drafted.get(j), (kind, found) if found is not None else None))
             except Exception as exc:
                 plans.append(exc)
         return plans
@@ -201,9 +245,9 @@ class Batcher:
                 results[j] = exc
             return
         seconds = time.perf_counter() - t0
-        if not chunks:  # what the draft lengths weigh: forwards of verified rows alone, at the requests' mean context
-            context = round(sum(plan.start for _, plan in plans) / len(plans)) if plans else 0
-            self._batch_costs.observe(0, 0.0, sum(plan.feed.shape[0] for _, plan in plans), seconds, context)
+        if plans and not chunks:  # what the draft lengths weigh: forwards of verified rows alone, at their mean context
+            context = round(sum(plan.start for _, plan in plans) / len(plans))
+            self._batch_costs.observe(len(plans), sum(plan.feed.shape[0] for _, plan in plans), seconds, context)
         units = sum(self.units(p.feed.shape[0], p.start) for _, p in plans)
         units += sum(self.units(feed.shape[0], start) for _, feed, start in chunks)
         if self.prefill_step_seconds and units >= 8:  # a forward of a few rows says little of a big one's cost
@@ -222,16 +266,21 @@ class Batcher:
                 results[j] = exc
 
     def _draft(
-        self, gens: list[Generation], ks: list[int], results: list[StepOutput | Exception | None]
+        self,
+        gens: list[Generation],
+        ks: list[int],
+        groups: list[int | None],
+        results: list[StepOutput | Exception | None],
     ) -> dict[int, tuple[list[int], float]]:
-        """Greedy drafts of the requests whose drafter drafts several at once, by request index: (tokens,
-        that request's share of the seconds). A failure ends the requests of that drafter's batch."""
-        groups: dict[int, list[int]] = {}
-        for j, (gen, k) in enumerate(zip(gens, ks, strict=True)):
-            if k > 0 and gen.draft_session is not None and self._drafts_in_batch(gen):
-                groups.setdefault(id(gen.drafter), []).append(j)
+        """Greedy drafts of the requests of each key of `groups` (a drafter that drafts several at once), by
+        request index: (tokens, that request's share of the seconds). A failure ends the requests of that
+        drafter's batch."""
+        together: dict[int, list[int]] = {}
+        for j, (gen, k, key) in enumerate(zip(gens, ks, groups, strict=True)):
+            if k > 0 and gen.draft_session is not None and key is not None:
+                together.setdefault(key, []).append(j)
         drafted: dict[int, tuple[list[int], float]] = {}
-        for key, js in groups.items():
+        for key, js in together.items():
             if len(js) < 2:
                 continue
             drafter = gens[js[0]].drafter

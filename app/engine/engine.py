@@ -38,8 +38,6 @@ from app.engine.step import SLACK, GenerationError, GenerationParams, StepOutput
 
 log = logging.getLogger(__name__)
 
-# Row counts `Engine.calibrate` also times where requests are batched: a batch's forwards.
-_BATCH_ROWS = (16, 32)
 # Tenants whose drafters' acceptance the engine remembers, the least recently used forgotten.
 _TENANT_COSTS = 4096
 
@@ -272,19 +270,17 @@ class Engine:
         first draft and a guessed cost per row. Optional (without it the first steps measure) and cheap (0.3 s
         for the 135M target on AVX2): a `context`-token prompt, then two forwards of each row count, padded as
         decoding pads them, the faster kept (the first of a shape can be slow). Replaces what was measured for
-        those row counts; returns the seconds. Where requests are batched, forwards of 16 and 32 rows too, which
-        seed the batch's costs (`Batcher.seed_costs`) with the rest."""
+        those row counts; returns the seconds. Where requests are batched, batched forwards too
+        (`Batcher.calibrate`), so that the first batches choose their draft lengths from measured prices rather
+        than each request as though alone (which drafts where a batch cannot pay)."""
         rows = max(1, min(rows or self.num_draft_tokens + 1, SLACK))
-        # Batches: forwards of a whole batch's rows too, so that the first batches choose their draft lengths from
-        # a measured slope rather than each request as though alone (which drafts where a batch cannot pay).
-        wide = [r for r in _BATCH_ROWS if r > rows] if self.batching else []
-        cache = self.target.new_cache(min(self.target.config.max_seq_len, context + max([rows, *wide]) + SLACK))
+        cache = self.target.new_cache(min(self.target.config.max_seq_len, context + rows + SLACK))
         cache.fixed_span = self.verify_width > 0
         device = self.target.device
         self.target.hidden(torch.ones((1, context), dtype=torch.long, device=device), 0, cache)
         seconds: dict[int, float] = {}
         for _ in range(2):
-            for r in [*range(1, rows + 1), *wide]:
+            for r in range(1, rows + 1):
                 feed = torch.ones((1, max(r, self.verify_width)), dtype=torch.long, device=device)
                 t0 = time.perf_counter()
                 hidden = self.target.hidden(feed, context, cache)[0]
@@ -294,9 +290,9 @@ class Engine:
                 elapsed = time.perf_counter() - t0
                 cache.truncate(context)
                 seconds[r] = min(seconds.get(r, elapsed), elapsed)
-        self.batcher.seed_costs(seconds, context)
-        seconds = {r: t for r, t in seconds.items() if r <= rows}
         self._verify_costs.seed(seconds, context)
+        if self.batching:
+            self.batcher.calibrate(context)
         return seconds
 
     @torch.inference_mode()

@@ -221,17 +221,46 @@ class Generation:
         end = min(self.prompt_len, start + budget)
         return torch.tensor(self.ids[start:end], dtype=torch.long, device=self.target.device), start
 
-    def plan(self, width: int, k: int | None = None, drafted: tuple[list[int], float] | None = None) -> StepPlan:
+    def batch_choice(self, limit: int) -> tuple[str, int, dict[str, list[int]] | None]:
+        """What a batch sizes this step's draft by (app.engine.batch): the kind of draft, the most tokens it can
+        have (at most `limit`), and every lookup's proposal by kind (None: this request does not look up first).
+        A request that looks up first proposes now, at no cost: the lookup of the most expected tokens where any
+        found some, else its model draft, else nothing; the others draft as their drafter does."""
+        if not self._lookup_first:
+            return self._length.kind, limit, None
+        if limit <= 0:
+            return self._length.kind, 0, {}
+        session = self._draft
+        assert session is not None
+        proposals = session.proposals(self.ids, min(self._length.lookup_cap, limit))
+        found = {p.kind: p.tokens for p in reversed(proposals)}  # one per kind: the first source's on a tie
+        if found:
+            kind = max(found, key=lambda kind: self._length.expected(len(found[kind]), kind))
+            return kind, len(found[kind]), found
+        return ("model", limit, found) if session.model is not None else (self._length.kind, 0, found)
+
+    def plan(
+        self,
+        width: int,
+        k: int | None = None,
+        drafted: tuple[list[int], float] | None = None,
+        choice: tuple[str, dict[str, list[int]]] | None = None,
+    ) -> StepPlan:
         """Draft this step's tokens and lay out the target's rows: [last token, drafts..., padding].
 
         `width`: rows to pad to (0: none); `k`: the draft length when a batch chose it, else this request's
-        own schedule chooses; `drafted`: (tokens, seconds) when a batch drafted them (greedy) already."""
+        own schedule chooses; `drafted`: (tokens, seconds) when a batch drafted them (greedy) already; `choice`:
+        the kind and the lookups' proposals of `batch_choice`, with `k` of that kind."""
         remaining = self.params.max_new_tokens - self.stats.generated_tokens
         t0 = time.perf_counter()
         found: list[int] | None = None  # a lookup's tokens, chosen before any draft ran
         lookups: dict[str, list[int]] = {}  # every lookup's proposal by kind, for verification's evidence
         kind = self._length.kind
         chosen = k is None and self._lookup_first  # the kind is known from the choice
+        if choice is not None and k is not None:
+            kind, lookups = choice
+            found = lookups[kind][:k] if k and kind in lookups else None
+            chosen = True
         if k is None:
             # A step adds up to k+1 tokens; never draft what could not be kept.
             if chosen:

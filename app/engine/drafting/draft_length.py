@@ -114,6 +114,11 @@ _COST_PROBE_MAX = 512
 # What a cost probe's longer lookup must be expected to add, at least, in tokens per target pass.
 _COST_PROBE_GAIN = 0.5
 _DRAFT_DROP = 0.1  # a draft step's running figure follows drops as slowly as rises: a mean (see _smooth)
+_ROW_DECAY = 0.9  # weight of the past in a batch's cost of a row (BatchCosts): about the last ten forwards count
+_ROW_SEED_WEIGHT = 4.0  # a calibration's row figure counts as this many measured rows
+# The least a batch's row is priced at, as a share of a sequence's mean cost in it (0.35-0.7 measured on the AMX
+# Xeon; an accelerator's rows cost next to nothing until its tiles fill).
+_ROW_FLOOR = 0.05
 
 
 def _smooth(old: float | None, new: float, drop: float = 0.5) -> float:
@@ -262,6 +267,76 @@ class VerifyCosts:
         if not found:
             return None
         return self._tables[min(found, key=lambda c: (abs(c - own), -c))]
+
+
+class BatchCosts:
+    """Running seconds of a batched target forward, its sequences and its rows apart, per `context_class`: `seqs`,
+    S sequences of one row each (a `VerifyCosts` whose row count is the sequence count), and `row`, each row beyond
+    a sequence's first. A sequence brings its own share of the step (its cache's keys read, its layout, its
+    attention's setup) that a further row of a sequence already in the batch does not: on the AMX Xeon at context
+    512, 1.5 ms a sequence against 0.7 ms a row (docs/bench/amxint8/2026-12-07-batch-rows-apart.md). Priced by total
+    rows, a drafted row cost what a sequence does, and a batch of 16 drafted nothing.
+
+    A forward of one row per sequence measures `seqs`; one with more rows measures `row` from its seconds over the
+    sequences' own cost, where that many sequences were measured at its context class (a ratio of decayed sums, so a
+    forward with many extra rows counts for more than a probe's one). Until a class has a row figure, the nearest
+    class's serves; until any has, a sequence's own slope (dear: the first forwards with rows measure it)."""
+
+    def __init__(self) -> None:
+        self.seqs = VerifyCosts()
+        self._rows: dict[int, list[float]] = {}  # per context class: decayed [seconds over the sequences', rows]
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+    def observe(self, seqs: int, rows: int, seconds: float, context: int = 0) -> None:
+        """A forward of `rows` rows over `seqs` sequences, after `context` cached positions (their mean), took
+        `seconds`."""
+        if rows <= seqs:
+            self.seqs.observe(seqs, seconds, context)
+            return
+        base = self.seqs.table(context).get(seqs)
+        if base is None:  # a line's guess at the sequences' cost, off by a row's cost or more, would be the row's
+            return
+        extra = rows - seqs
+        over = seconds - base
+        known = self.row(context)
+        if known is not None:  # one outlier (another process's burst) moves the figure a little, as _smooth's
+            over = max(-known * extra, min(over, 3.0 * known * extra))
+        sums = self._rows.setdefault(context_class(context), [0.0, 0.0])
+        sums[0] = _ROW_DECAY * sums[0] + over
+        sums[1] = _ROW_DECAY * sums[1] + extra
+
+    def seed(self, seqs: dict[int, float], row: float | None = None, context: int = 0) -> None:
+        """Timed forwards (`Batcher.calibrate`'s) at `context`: seconds by sequence count, one row each, and
+        seconds of a further row; only where nothing was measured."""
+        self.seqs.seed(seqs, context, replace=False)
+        if row is not None and context_class(context) not in self._rows:
+            self._rows[context_class(context)] = [_ROW_SEED_WEIGHT * row, _ROW_SEED_WEIGHT]
+
+    def row(self, context: int = 0) -> float | None:
+        """Seconds of a row beyond its sequence's first, after `context` cached positions: its class's figure, else
+        the nearest measured class's (the longer context on a tie); None where none was measured."""
+        own = context_class(context)
+        found = [c for c, (_, n) in self._rows.items() if n > 0]
+        if not found:
+            return None
+        c = own if own in found else min(found, key=lambda c: (abs(c - own), -c))
+        over, n = self._rows[c]
+        return max(0.0, over / n)
+
+    def pricer(self, seqs: int, context: int = 0) -> Callable[[int], float] | None:
+        """Seconds of a forward over `seqs` sequences by its total rows (at least `seqs`); None while nothing was
+        measured."""
+        base = self.seqs.costs(seqs + 1, context, seqs)
+        if base is None:
+            return None
+        row = self.row(context)
+        if row is None:  # no row measured: a sequence's slope, the dearest a row could be
+            row = max(0.0, base[1] - base[0])
+        # Never near free: a figure from a few noisy forwards that came out low would draft every row it could.
+        row = max(row, _ROW_FLOOR * base[0] / max(1, seqs))
+        return lambda rows: base[0] + row * max(0, rows - seqs)
 
 
 class _Line:
@@ -570,52 +645,50 @@ def _with(ks: list[int], move: Sequence[int], f: Callable[[list[int]], float]) -
 def batch_draft_lengths(
     lengths: Sequence[DraftLength],
     limits: Sequence[int],
-    verify: StepCosts,
+    verify: BatchCosts,
     min_rows: int,
     draft_steps: Sequence[float | None] | None = None,
     groups: Sequence[Hashable | None] | None = None,
     context: int = 0,
+    kinds: Sequence[str | None] | None = None,
 ) -> list[int]:
     """Draft lengths for requests whose drafts one target forward verifies together.
 
     In a batch, every drafted token delays every request: it widens the shared forward (`verify`: measured seconds
-    per number of rows in the whole forward, priced at `context` cached positions, the batch's mean; each request
-    takes at least `min_rows`) and costs draft steps. `draft_steps`: seconds of one draft step of each request
+    of the batch's sequences and of each row more, priced at `context` cached positions, the batch's mean; each
+    request takes at least `min_rows`) and costs draft steps. `draft_steps`: seconds of one draft step of each request
     (default: its solo draft step). `groups`: requests with the same key draft together, one draft forward per
     position for all of them, so their drafts cost that key's step times the longest draft among them; None drafts
-    alone (its k steps).
+    alone (its k steps). `kinds`: the kind each request drafts this step (None: its drafter's); a lookup's is free
+    to propose (its step costs nothing), and `limits` then hold no more than the tokens it found.
     Requests on the adaptive schedule get tokens while the batch's expected tokens per second still grow:
     one more token to the request that gains most, or one more to every such request at once (the move that
     pays when a shared draft forward is dear for one row but cheap for all). When drafting no longer pays
     (many requests, costly drafts, low acceptance) they draft nothing. The other schedules keep their own
-    choice. Until a batched forward was measured, each request chooses as it would alone.
+    choice, as does a request whose draft step was never measured (its first draft measures it). Until a batched
+    forward was measured, each request chooses as it would alone.
     """
+    kinds = [kind or length.kind for kind, length in zip(kinds or [None] * len(lengths), lengths, strict=True)]
     steps = list(draft_steps) if draft_steps is not None else [length.costs.draft_step for length in lengths]
+    steps = [0.0 if is_lookup(kind) else step for kind, step in zip(kinds, steps, strict=True)]
     keys = list(groups) if groups is not None else [None] * len(lengths)
-    if not verify.verify or any(step is None for step in steps):
-        return [length.next_k(limit) for length, limit in zip(lengths, limits, strict=True)]
-    caps = [min(length.max_k, limit) for length, limit in zip(lengths, limits, strict=True)]
-    free = [i for i, length in enumerate(lengths) if length.schedule == "adaptive" and caps[i] > 0]
-    # The requests the search below sizes start at 0; the others keep their own schedule's choice.
-    ks = [
-        0 if caps[i] > 0 and length.schedule == "adaptive" else length.next_k(limit)
-        for i, (length, limit) in enumerate(zip(lengths, limits, strict=True))
+    price = verify.pricer(len(lengths), context)
+    if price is None:
+        return [length.next_k(limit, kind) for length, limit, kind in zip(lengths, limits, kinds, strict=True)]
+    caps = [min(length.cap(kind), limit) for length, limit, kind in zip(lengths, limits, kinds, strict=True)]
+    free = [
+        i for i, length in enumerate(lengths) if length.schedule == "adaptive" and caps[i] > 0 and steps[i] is not None
     ]
-    costs: dict[int, float] = {}  # verification seconds by rows, each fitted once (the search asks again and again)
-
-    def verify_cost(rows: int) -> float:
-        if rows not in costs:
-            costs[rows] = verify.verify_cost(rows, context) or 0.0
-        return costs[rows]
-
     free_set = set(free)
+    # The requests the search below sizes start at 0; the others keep their own schedule's choice.
+    ks = [0 if i in free_set or caps[i] <= 0 else lengths[i].next_k(limits[i], kinds[i]) for i in range(len(lengths))]
 
     def table(i: int, sure: bool) -> list[float]:
         """Request i's expected tokens per draft length (every token accepted, if `sure` and it is sized here)."""
         n = max(caps[i], ks[i]) + 1
         if sure and i in free_set:
             return [float(k + 1) for k in range(n)]
-        return lengths[i].estimate().expected_upto(n - 1)
+        return lengths[i].estimate(kinds[i]).expected_upto(n - 1)
 
     # A move must beat the batch's rate by this much: a verification's cost per row is a line through noisy
     # timings, and in a large batch a wrong row costs every request (the move is kept only for a clear gain).
@@ -633,7 +706,7 @@ def batch_draft_lengths(
             elif k > depth.get(key, (0, 0.0))[0]:
                 depth[key] = (k, step or 0.0)
         draft += sum(k * step for k, step in depth.values())
-        return tokens / max(draft + verify_cost(rows), 1e-9)
+        return tokens / max(draft + price(rows), 1e-9)
 
     best = rate(ks)
     # Where not even a draft whose every token is accepted would pay (one request's cheapest, or one token each
@@ -674,7 +747,9 @@ def batch_draft_lengths(
     # accepted: where a row costs the batch more than a whole token is worth, no acceptance could change the
     # choice, and the probe would be a row every request pays for nothing.
     for i in free:
-        if ks[i] == 0 and lengths[i].probing() and lengths[i].could_pay(caps[i]):
+        if named_lookup(kinds[i]) is not None:  # a named lookup learns without drafting: no probes
+            continue
+        if ks[i] == 0 and lengths[i].probing(kinds[i]) and lengths[i].could_pay(caps[i], kinds[i]):
             probe = list(gains)
             probe[i] = sure[i]  # its token accepted
             ks[i] = 1
