@@ -541,7 +541,7 @@ def test_a_batch_sizes_lookups_as_free_to_propose_and_within_what_they_found():
     model = DraftLength("adaptive", 8, StepCosts())
     assert model.costs.draft_step is None
     ks = batch_draft_lengths(
-        [*lengths[:7], model], [3] * 7 + [20], _batch(seqs, 0.0004), 0, None, None, 0, kinds[:7] + [None]
+        [*lengths[:7], model], [3] * 7 + [20], _batch(seqs, 0.0004), 0, None, None, 0, [*kinds[:7], None]
     )
     assert ks == [3] * 7 + [2]
 

@@ -328,10 +328,12 @@ class BatchCosts:
     def pricer(self, seqs: int, context: int = 0) -> Callable[[int], float] | None:
         """Seconds of a forward over `seqs` sequences by its total rows (at least `seqs`); None while nothing was
         measured."""
-        base = self.seqs.costs(seqs + 1, context, seqs)
+        row = self.row(context)
+        own = self.seqs.table(context).get(seqs)
+        # Measured as it is, no line fitted (a batch asks every step).
+        base = [own] if own is not None and row is not None else self.seqs.costs(seqs + 1, context, seqs)
         if base is None:
             return None
-        row = self.row(context)
         if row is None:  # no row measured: a sequence's slope, the dearest a row could be
             row = max(0.0, base[1] - base[0])
         # Never near free: a figure from a few noisy forwards that came out low would draft every row it could.
@@ -594,9 +596,11 @@ class DraftLength:
     def rest(self) -> None:
         """A step on which a batch gave this request nothing to draft: with no new evidence, the estimate
         drifts back toward the drafter-wide acceptance, so that a request is not kept from drafting for the rest
-        of its life by the misses that once made the batch skip it; and it counts toward a probe."""
+        of its life by the misses that once made the batch skip it; and it counts toward a probe. A named lookup's
+        estimate stays: every step's proposals are evidence of it, drafted or not."""
         for kind, seen in self._seen.items():
-            seen.drift(self.costs.kind(kind), _DECAY, (1.0 - _DECAY) * _PRIOR_STEPS)
+            if not kind.startswith("lookup:"):
+                seen.drift(self.costs.kind(kind), _DECAY, (1.0 - _DECAY) * _PRIOR_STEPS)
         self.idle()
 
     def observe(self, drafted: int, accepted: int, kind: str) -> None:
