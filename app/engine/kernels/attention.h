@@ -140,7 +140,10 @@ static inline int sk_item_rows(const sk_attention_call *c, long it, sk_item_room
     while (c->first[p + 1] <= it) p++;
     const part_t *pt = &c->parts[p];
     const long local = it - c->first[p];
-    const int step = pt->parent ? 1 : c->block, t0 = (int)(local / c->kv) * step, g = (int)(local % c->kv);
+    /* Head-major: a kv head's runs of rows one after another, so that its keys and values (a few hundred KB at
+       long contexts) stay in a core's L2 from run to run, instead of every run reading every head's anew. */
+    const int step = pt->parent ? 1 : c->block, runs = ((int)pt->t + step - 1) / step;
+    const int t0 = (int)(local % runs) * step, g = (int)(local / runs);
     const int nr = pt->t - t0 < step ? (int)pt->t - t0 : step;
     *kc = pt->kc + (size_t)g * pt->cap * d;
     *vc = pt->vc + (size_t)g * pt->cap * d;
