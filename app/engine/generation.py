@@ -232,8 +232,7 @@ class Generation:
             return self._length.kind, 0, {}
         session = self._draft
         assert session is not None
-        proposals = session.proposals(self.ids, min(self._length.lookup_cap, limit))
-        found = {p.kind: p.tokens for p in reversed(proposals)}  # one per kind: the first source's on a tie
+        found = self._lookups(limit)
         if found:
             kind = max(found, key=lambda kind: self._length.expected(len(found[kind]), kind))
             return kind, len(found[kind]), found
@@ -312,6 +311,13 @@ class Generation:
         feed = torch.tensor([self.ids[-1], *drafts, *[0] * pad], dtype=torch.long, device=self.target.device)
         return StepPlan(k, drafts, q, start, real, feed, draft_seconds, refused, forced, kind, lookups)
 
+    def _lookups(self, limit: int) -> dict[str, list[int]]:
+        """Every lookup's proposal of up to `limit` tokens (at most the lookup cap), by kind: one per kind, the
+        first source's on a tie. Only for a session that looks up first."""
+        assert self._draft is not None and self._draft.looks_up
+        proposals = self._draft.proposals(self.ids, min(self._length.lookup_cap, limit))
+        return {p.kind: p.tokens for p in reversed(proposals)}
+
     def _choose_with_lookup(self, limit: int) -> tuple[int, str, list[int] | None, dict[str, list[int]]]:
         """The adaptive choice of a session that looks up first: (k, its kind, the lookup's tokens to verify or
         None, every lookup's proposal by kind). Verifying some of a lookup's tokens (free to propose: only their
@@ -322,8 +328,7 @@ class Generation:
         assert session is not None and session.looks_up
         if limit <= 0:
             return 0, self._length.kind, None, {}
-        proposals = session.proposals(self.ids, min(self._length.lookup_cap, limit))
-        found = {p.kind: p.tokens for p in reversed(proposals)}  # one per kind: the first source's on a tie
+        found = self._lookups(limit)
         choices: list[tuple[str, int | None]] = [(kind, len(tokens)) for kind, tokens in found.items()]
         if session.model is not None:
             choices.append(("model", None))

@@ -200,6 +200,14 @@ def context_class(context: int) -> int:
     return (max(0, context) >> 8).bit_length()
 
 
+def _nearest_class(own: int, classes: list[int]) -> int | None:
+    """Of `classes`, `own` itself, else the one nearest it (the longer context on a tie: a dearer guess drafts
+    less); None when there are none."""
+    if not classes:
+        return None
+    return own if own in classes else min(classes, key=lambda c: (abs(c - own), -c))
+
+
 class VerifyCosts:
     """Running seconds of a target verification by row count, one table per `context_class`. Shared by every
     drafter of a target (its rows cost the same whoever drafted them).
@@ -263,10 +271,8 @@ class VerifyCosts:
     def _nearest(self, own: int, least: int) -> dict[int, float] | None:
         """The table of the class nearest `own` (the longer context on a tie: a dearer guess drafts less) with at
         least `least` row counts measured, `own` excluded; None: no such class."""
-        found = [c for c, table in self._tables.items() if c != own and len(table) >= least]
-        if not found:
-            return None
-        return self._tables[min(found, key=lambda c: (abs(c - own), -c))]
+        found = _nearest_class(own, [c for c, table in self._tables.items() if c != own and len(table) >= least])
+        return None if found is None else self._tables[found]
 
 
 class BatchCosts:
@@ -317,12 +323,10 @@ class BatchCosts:
     def row(self, context: int = 0) -> float | None:
         """Seconds of a row beyond its sequence's first, after `context` cached positions: its class's figure, else
         the nearest measured class's (the longer context on a tie); None where none was measured."""
-        own = context_class(context)
-        found = [c for c, (_, n) in self._rows.items() if n > 0]
-        if not found:
+        found = _nearest_class(context_class(context), [c for c, (_, n) in self._rows.items() if n > 0])
+        if found is None:
             return None
-        c = own if own in found else min(found, key=lambda c: (abs(c - own), -c))
-        over, n = self._rows[c]
+        over, n = self._rows[found]
         return max(0.0, over / n)
 
     def pricer(self, seqs: int, context: int = 0) -> Callable[[int], float] | None:
@@ -599,7 +603,7 @@ class DraftLength:
         of its life by the misses that once made the batch skip it; and it counts toward a probe. A named lookup's
         estimate stays: every step's proposals are evidence of it, drafted or not."""
         for kind, seen in self._seen.items():
-            if not kind.startswith("lookup:"):
+            if named_lookup(kind) is None:
                 seen.drift(self.costs.kind(kind), _DECAY, (1.0 - _DECAY) * _PRIOR_STEPS)
         self.idle()
 
