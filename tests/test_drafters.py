@@ -177,9 +177,12 @@ def test_hybrid_uses_the_lookup_on_a_long_match_and_the_model_otherwise():
     # "1 2 3" recurs: the lookup proposes what followed it, the model is not asked.
     assert session.propose([1, 2, 3, 9, 8, 1, 2, 3], 3) == [9, 8, 1]
     assert model.calls == []
-    # Only the last token recurs (a match of 1 < min_match): the model drafts, with the cut-off passed on.
+    # Only the last token recurs (a match of 1, which unpriced the model draft beats): the model drafts, with the
+    # cut-off passed on.
     assert session.propose([1, 2, 3, 9, 8, 5, 3], 2, p_min=0.1) == [7, 7]
     assert model.calls == [(7, 2, 0.1)]
+    # The adaptive schedule sees that match among the proposals, to price beside the model draft.
+    assert [(p.kind, p.tokens) for p in session.proposals([1, 2, 3, 9, 8, 5, 3], 2)] == [("lookup:prompt:1", [9, 8])]
     assert session.lookups == 1
 
 

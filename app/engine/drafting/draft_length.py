@@ -81,11 +81,11 @@ def _shorter(kind: str, known: dict[str, Acceptance]) -> Acceptance | None:
 
 def prior(kind: str) -> float:
     """The acceptance a kind starts from before any draft of it was verified: 0.5, or for a lookup whose match
-    is m tokens long m / (m + 2) (a Laplace-like guess that a longer agreement goes on longer: 0.5 at 2 tokens,
-    0.8 at 8, 0.94 at 32), which the first verifications then correct."""
+    is m tokens long m / (m + 2) (a Laplace-like guess that a longer agreement goes on longer: 0.33 at 1 token,
+    0.5 at 2, 0.8 at 8, 0.94 at 32), which the first verifications then correct."""
     named = named_lookup(kind)
     m = named[1] if named is not None else 0
-    return m / (m + 2) if m >= 2 else 0.5
+    return m / (m + 2) if m >= 1 else 0.5
 
 
 _DECAY = 0.8  # weight of the past in a request's figures (about the last five steps count)

@@ -3,7 +3,9 @@ answers the server gave before (vLLM's `suffix` method, llama.cpp's context and 
 
 Three sources, each a `SuffixIndex` (app.engine.drafting.suffix_index):
 - `prompt`: the request's own prompt and output so far (prompt lookup: a summary quoting its document, code
-  repeating its names, a chat answering in the words of its earlier turns);
+  repeating its names, a chat answering in the words of its earlier turns); where no two tokens match, what
+  followed the last token's latest occurrence (a match of 1: the target's own choice after that token last time,
+  which Token Recycling keeps as its draft; priced apart, it drafts where it pays);
 - `prediction`: the text the request said the answer will mostly be (OpenAI's predicted outputs: a code edit's
   file), proposed from its start while the answer follows it from its first token;
 - `index`: the server's earlier answers, of the request's tenant only (`TrafficIndex`, which the engine files
@@ -31,9 +33,10 @@ SOURCES = ("prediction", "prompt", "index")
 
 
 def match_bucket(length: int) -> int:
-    """The match-length class a lookup's acceptance is calibrated in: 0 (a prediction's start), 2, 4, 8, 16, 32."""
-    if length <= 0:
-        return 0
+    """The match-length class a lookup's acceptance is calibrated in: 0 (a prediction's start), 1 (the own text's
+    last token alone), 2, 4, 8, 16, 32."""
+    if length <= 1:
+        return max(length, 0)
     bucket = 2
     while bucket < length and bucket < 32:
         bucket *= 2
@@ -55,6 +58,9 @@ class _SuffixSession(DraftSession):
         self._own_id = self._own.open()  # the request's sequence, filed as far as `_own.tokens`
         self._prediction: list[int] = []
         self._predicted = SuffixIndex()
+        # Token -> the position after its latest occurrence in the own text (whose successor is written): the
+        # one-token fallback of the `prompt` source.
+        self._after: dict[int, int] = {}
         self._prompt_len = 0
         self._tenant: str | None = None
         self._history = True  # whether the index of other requests' answers is read
@@ -78,6 +84,9 @@ class _SuffixSession(DraftSession):
             return []
         # Without the schedule's prices (a batch's length, a fixed one): the longest match, the first source on a tie.
         best = max(found, key=lambda p: p.match)
+        if best.match < self._d.floor:
+            self.last_kind = "lookup"
+            return []
         self.last_kind = best.kind
         return best.tokens
 
@@ -101,6 +110,8 @@ class _SuffixSession(DraftSession):
     def _match(self, source: str, ids: list[int], k: int) -> Match | None:
         if source == "prompt":
             match = self._own.match(ids, k)
+            if match is None:
+                match = self._after_last(ids, k)
             if match is not None and len(match.tokens) < k and match.position + len(match.tokens) == len(ids):
                 # The match runs into the end of the text: the text repeats with period len(ids) - position (a
                 # loop, a list), and what follows it is that period again.
@@ -120,6 +131,12 @@ class _SuffixSession(DraftSession):
             return Match(self._prediction[written : written + k], written)
         return self._predicted.match(ids, k)
 
+    def _after_last(self, ids: list[int], k: int) -> Match | None:
+        """What followed the latest earlier occurrence of the last token of `ids` (up to `k` tokens; a match of
+        length 1), None where it did not occur before."""
+        at = self._after.get(ids[-1])
+        return None if at is None else Match(ids[at : at + k], 1, self._own_id, at)
+
     def _catch_up(self, ids: list[int]) -> None:
         """File the tokens of `ids` not yet in the own-text index (the accepted sequence only grows)."""
         seen = self._own.tokens
@@ -127,17 +144,23 @@ class _SuffixSession(DraftSession):
             # Not the sequence indexed so far (never, in a generation, whose accepted sequence only grows).
             self._own = SuffixIndex()
             self._own_id, seen = self._own.open(), 0
+            self._after = {}
         if seen < len(ids):
             self._own.extend(self._own_id, ids[seen:])
+            after = self._after
+            for pos in range(max(seen, 1), len(ids)):
+                after[ids[pos - 1]] = pos
 
 
 class SuffixDrafter(Drafter):
     """Lookups in the request's own text, its prediction and the tenant's earlier answers (`traffic`: the engine's
-    index, None: none kept)."""
+    index, None: none kept). `floor`: the shortest match a session's `lookup` (the choice without the adaptive
+    schedule's prices) drafts from; `proposals` gives every match, for the schedule to price."""
 
-    def __init__(self, name: str = "suffix", traffic: TrafficIndex | None = None) -> None:
+    def __init__(self, name: str = "suffix", traffic: TrafficIndex | None = None, floor: int = 1) -> None:
         self.name = name
         self.traffic = traffic
+        self.floor = floor
 
     def session(self, capacity: int) -> DraftSession:
         return _SuffixSession(self)
