@@ -38,6 +38,7 @@ costs and counted over every request's steps: each request probing on its own wo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 
 SCHEDULES = ("adaptive", "heuristic", "fixed")
@@ -57,6 +58,7 @@ def lookup_kind(source: str, bucket: int) -> str:
     return f"lookup:{source}:{bucket}"
 
 
+@functools.lru_cache(maxsize=64)  # a handful of kinds, asked several times a request's step
 def named_lookup(kind: str) -> tuple[str, int] | None:
     """(source, match-length class) of a kind `lookup_kind` made; None for any other kind."""
     head, _, rest = kind.partition(":")
