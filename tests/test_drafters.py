@@ -183,6 +183,10 @@ def test_hybrid_uses_the_lookup_on_a_long_match_and_the_model_otherwise():
     assert model.calls == [(7, 2, 0.1)]
     # The adaptive schedule sees that match among the proposals, to price beside the model draft.
     assert [(p.kind, p.tokens) for p in session.proposals([1, 2, 3, 9, 8, 5, 3], 2)] == [("lookup:prompt:1", [9, 8])]
+    # A prediction's start (a match of 0: nothing written yet) is still drafted unpriced, before the model.
+    predicted = HybridDrafter("hybrid", model).session(100)
+    predicted.start(3, None, [40, 41, 42])
+    assert predicted.propose([1, 2, 3], 2) == [40, 41] and len(model.calls) == 1
     assert session.lookups == 1
 
 

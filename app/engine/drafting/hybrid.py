@@ -13,7 +13,7 @@ from app.engine.decoding.penalties import Penalty
 from app.engine.decoding.sampling import SamplingParams
 from app.engine.drafting.base import Drafter, DraftSession, Proposal, Randomness
 from app.engine.drafting.suffix import SuffixDrafter
-from app.engine.drafting.suffix_index import ANCHOR, TrafficIndex
+from app.engine.drafting.suffix_index import TrafficIndex
 from app.engine.drafting.tree import Candidates, DraftTree, TreeShape, build_tree
 
 
@@ -101,8 +101,8 @@ class HybridDrafter(Drafter):
     def __init__(self, name: str, model: Drafter, traffic: TrafficIndex | None = None) -> None:
         self.name = name
         self.model = model
-        # Unpriced, a one-token match is a weaker guess than the model draft's: it drafts from two tokens up.
-        self.lookup = SuffixDrafter(f"{name}/lookup", traffic, floor=ANCHOR)
+        # Unpriced, a match of the last token alone is a weaker guess than the model draft's, which drafts instead.
+        self.lookup = SuffixDrafter(f"{name}/lookup", traffic, one_token=False)
 
     def session(self, capacity: int) -> DraftSession:
         return _HybridSession(self, capacity)

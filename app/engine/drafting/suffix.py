@@ -84,7 +84,7 @@ class _SuffixSession(DraftSession):
             return []
         # Without the schedule's prices (a batch's length, a fixed one): the longest match, the first source on a tie.
         best = max(found, key=lambda p: p.match)
-        if best.match < self._d.floor:
+        if best.match == 1 and not self._d.one_token:
             self.last_kind = "lookup"
             return []
         self.last_kind = best.kind
@@ -154,13 +154,13 @@ class _SuffixSession(DraftSession):
 
 class SuffixDrafter(Drafter):
     """Lookups in the request's own text, its prediction and the tenant's earlier answers (`traffic`: the engine's
-    index, None: none kept). `floor`: the shortest match a session's `lookup` (the choice without the adaptive
-    schedule's prices) drafts from; `proposals` gives every match, for the schedule to price."""
+    index, None: none kept). `one_token`: whether a session's `lookup` (the choice without the adaptive schedule's
+    prices) drafts from a match of the last token alone; `proposals` gives every match, for the schedule to price."""
 
-    def __init__(self, name: str = "suffix", traffic: TrafficIndex | None = None, floor: int = 1) -> None:
+    def __init__(self, name: str = "suffix", traffic: TrafficIndex | None = None, one_token: bool = True) -> None:
         self.name = name
         self.traffic = traffic
-        self.floor = floor
+        self.one_token = one_token
 
     def session(self, capacity: int) -> DraftSession:
         return _SuffixSession(self)
