@@ -187,6 +187,11 @@ def test_hybrid_uses_the_lookup_on_a_long_match_and_the_model_otherwise():
     predicted = HybridDrafter("hybrid", model).session(100)
     predicted.start(3, None, [40, 41, 42])
     assert predicted.propose([1, 2, 3], 2) == [40, 41] and len(model.calls) == 1
+    # ... also where the own text has a match of its last token alone (1 followed 1 before), which it leaves aside.
+    predicted = HybridDrafter("hybrid", model).session(100)
+    predicted.start(3, None, [40, 41, 42])
+    assert {p.kind for p in predicted.proposals([1, 2, 1], 2)} == {"lookup:prediction:0", "lookup:prompt:1"}
+    assert predicted.propose([1, 2, 1], 2) == [40, 41] and len(model.calls) == 1
     assert session.lookups == 1
 
 

@@ -79,14 +79,13 @@ class _SuffixSession(DraftSession):
 
     def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         found = self.proposals(token_ids, k)
+        if not self._d.one_token:
+            found = [p for p in found if p.match != 1]
         if not found:
             self.last_kind = "lookup"
             return []
         # Without the schedule's prices (a batch's length, a fixed one): the longest match, the first source on a tie.
         best = max(found, key=lambda p: p.match)
-        if best.match == 1 and not self._d.one_token:
-            self.last_kind = "lookup"
-            return []
         self.last_kind = best.kind
         return best.tokens
 
