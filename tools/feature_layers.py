@@ -22,18 +22,16 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app import store
 from app.distill import training
+from app.distill.corpus import Sample, teacher_forced
+from app.engine.drafting.adapter import Adapter
 from app.engine.drafting.eagle import EagleConfig, EagleDraft
 from app.engine.model.loading import load_model
 
@@ -53,13 +51,15 @@ class _Fused(nn.Module):
             self.proj.weight.zero_()
             self.proj.weight[:, (n - 1) * dim :] = torch.eye(dim)
 
-    def forward(self, states: Tensor, next_tokens: Tensor) -> Tensor:
-        if states.shape[-1] != self.draft.config.dim:
-            states = self.proj(states)
-        return self.draft(states, next_tokens)
+    def mapped(self, states: Tensor) -> Tensor:
+        """`states` as the draft reads them: [.., dim], the layers' mapped, its own guesses as they are."""
+        return self.proj(states) if states.shape[-1] != self.draft.config.dim else states
 
-    def draft_logits(self, states: Tensor) -> Tensor:
-        return self.draft.draft_logits(states)
+    def forward(self, states: Tensor, next_tokens: Tensor, adapter: Adapter | None = None) -> Tensor:
+        return self.draft(self.mapped(states), next_tokens, adapter=adapter)
+
+    def draft_logits(self, states: Tensor, adapter: Adapter | None = None) -> Tensor:
+        return self.draft.draft_logits(states, adapter)
 
 
 def _rms(x: Tensor) -> Tensor:
@@ -69,34 +69,23 @@ def _rms(x: Tensor) -> Tensor:
 @torch.inference_mode()
 def layer_states(model, ids: list[Tensor], layers: list[int], batch_tokens: int = 8192) -> list[Tensor]:
     """Per sequence [n - 1, len(layers) * dim] (bf16): the chosen layers' outputs over its tokens but the last (-1:
-    the final-normed last state), teacher-forced, one forward per batch of similar lengths."""
+    the final-normed last state), teacher-forced (`corpus.teacher_forced`, as the recipe computes its states)."""
     caught: dict[int, Tensor] = {}
     hooks = [
         model.layers[i].register_forward_hook(lambda m, a, out, i=i: caught.__setitem__(i, out))
         for i in layers
         if i >= 0
     ]
-    out: list[Tensor | None] = [None] * len(ids)
-    order = sorted(range(len(ids)), key=lambda j: len(ids[j]))
-    k = 0
+
+    def forward(x: Tensor) -> Tensor:
+        last = model.hidden(x)
+        return torch.cat([last if i < 0 else _rms(caught[i]) for i in layers], -1)
+
     try:
-        while k < len(order):
-            width = len(ids[order[k]]) - 1
-            group = order[k : k + max(1, batch_tokens // max(width, 1))]
-            width = max(len(ids[j]) - 1 for j in group)
-            x = torch.zeros(len(group), width, dtype=torch.long)
-            for r, j in enumerate(group):
-                x[r, : len(ids[j]) - 1] = ids[j][:-1].long()
-            last = model.hidden(x)
-            parts = [last if i < 0 else _rms(caught[i]) for i in layers]
-            both = torch.cat(parts, -1)
-            for r, j in enumerate(group):
-                out[j] = both[r, : len(ids[j]) - 1].to(torch.bfloat16).clone()
-            k += len(group)
+        return [f.clone() for f in teacher_forced(ids, forward, batch_tokens)]  # not views of whole batches
     finally:
         for h in hooks:
             h.remove()
-    return [o for o in out if o is not None]
 
 
 def _goal_fixed(batch: training.Batch, dim: int) -> training.Batch:
@@ -104,22 +93,19 @@ def _goal_fixed(batch: training.Batch, dim: int) -> training.Batch:
     return training.Batch(batch.states, batch.next_tokens, batch.goal[..., -dim:].contiguous(), batch.weight)
 
 
-def _loss(draft, batch: training.Batch, unroll: int, reg_weight: float) -> tuple[Tensor, list[Tensor]]:
+def _loss(
+    draft: EagleDraft | _Fused, batch: training.Batch, unroll: int, reg_weight: float
+) -> tuple[Tensor, list[Tensor]]:
+    """`training.unrolled_loss`, for either arm: position 0 reads its true state in every pass, mapped where the
+    draft maps layers (the recipe's draft reads one state, which it keeps as it is)."""
     with torch.no_grad():
         teacher = torch.softmax(draft.draft_logits(batch.goal).float(), -1)
     fed, parts, agrees = batch.states, [], []
-    first = None
-    w = batch.weight
+    first = draft.mapped(fed[:, :1]) if isinstance(draft, _Fused) else fed[:, :1]
     for _ in range(max(1, unroll)):
-        guess = draft(fed, batch.next_tokens)
-        logp = F.log_softmax(draft.draft_logits(guess).float(), -1)
-        ce = (-(teacher * logp).sum(-1) * w).sum() / w.sum().clamp_min(1)
-        reg = F.smooth_l1_loss(guess.float(), batch.goal.float(), reduction="none").mean(-1)
-        reg = (reg * w).sum() / w.sum().clamp_min(1)
-        parts.append(ce + reg_weight * reg)
-        agrees.append(((logp.argmax(-1) == teacher.argmax(-1)).float() * w).sum() / w.sum().clamp_min(1))
-        if first is None:  # position 0 has no guess before it: it reads its true (mapped) state in every pass
-            first = fed[:, :1] if fed.shape[-1] == guess.shape[-1] else draft.proj(fed[:, :1])
+        part, agree, guess = training._pass_loss(draft, fed, batch, teacher, reg_weight, None)
+        parts.append(part)
+        agrees.append(agree)
         fed = torch.cat([first.to(guess.dtype), guess[:, :-1]], dim=1)
     return torch.stack(parts).sum(), agrees
 
@@ -176,7 +162,6 @@ def main() -> int:
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     loaded = load_model(
         store.resolve("smollm2-135m-instruct"), "bfloat16", "cpu", cache_dir=store.cache_dir(), weights="bf16"
     )
@@ -195,8 +180,6 @@ def main() -> int:
     states = layer_states(model, [s for s, _ in chosen], layers)
     print(f"states of {sum(x.shape[0] for x in states)} positions, layers {layers}: {time.perf_counter() - t0:.0f} s")
     dim = model.config.dim
-    from app.distill.corpus import Sample
-
     fused = [Sample(s, f, p) for (s, p), f in zip(chosen, states, strict=True)]
     single = [Sample(s, f[:, -dim:].contiguous(), p) for (s, p), f in zip(chosen, states, strict=True)]
     n = args.train

@@ -243,26 +243,34 @@ def compute_features(loaded: LoadedModel, paths: Sequence[Path], batch_tokens: i
             continue
         d = _read_ids(path)
         seqs = list(torch.split(d["tokens"], d["lengths"].tolist()))
-        feats: list[Tensor | None] = [None] * len(seqs)
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        i = 0
-        while i < len(order):
-            width = len(seqs[order[i]]) - 1
-            rows = max(1, batch_tokens // max(width, 1))
-            group = order[i : i + rows]
-            width = max(len(seqs[j]) - 1 for j in group)
-            ids = torch.zeros(len(group), width, dtype=torch.long)
-            for r, j in enumerate(group):
-                ids[r, : len(seqs[j]) - 1] = seqs[j][:-1].long()
-            hidden = model.hidden(ids.to(dev)).cpu()
-            for r, j in enumerate(group):
-                feats[j] = hidden[r, : len(seqs[j]) - 1].to(torch.bfloat16)
-                done += len(seqs[j]) - 1
-            i += rows
+        feats = teacher_forced(seqs, lambda ids: model.hidden(ids.to(dev)).cpu(), batch_tokens)
+        done += sum(f.shape[0] for f in feats)
         tmp = _features_path(path).with_suffix(".tmp")
-        torch.save({"features": torch.cat([f for f in feats if f is not None])}, tmp)
+        torch.save({"features": torch.cat(feats)}, tmp)
         tmp.rename(_features_path(path))
     return done
+
+
+def teacher_forced(seqs: Sequence[Tensor], forward: Callable[[Tensor], Tensor], batch_tokens: int) -> list[Tensor]:
+    """Per sequence [L] its states [L - 1, D] (bf16) over every token but the last: `forward` (long ids [B, T] ->
+    [B, T, D]) once per batch of similar lengths, about `batch_tokens` positions each, right-padded (harmless under
+    causal attention)."""
+    feats: list[Tensor | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    i = 0
+    while i < len(order):
+        width = len(seqs[order[i]]) - 1
+        rows = max(1, batch_tokens // max(width, 1))
+        group = order[i : i + rows]
+        width = max(len(seqs[j]) - 1 for j in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        for r, j in enumerate(group):
+            ids[r, : len(seqs[j]) - 1] = seqs[j][:-1].long()
+        hidden = forward(ids)
+        for r, j in enumerate(group):
+            feats[j] = hidden[r, : len(seqs[j]) - 1].to(torch.bfloat16)
+        i += rows
+    return [f for f in feats if f is not None]
 
 
 def encode_prompt(loaded: LoadedModel, prompt: Prompt) -> list[int]:
