@@ -222,6 +222,8 @@ def _everything(kern: kernels.Kernel) -> list[torch.Tensor]:
     vc8_long = torch.randn(1, 600, 128, generator=g).bfloat16()
     return [
         kern.linear(w, b)(x),
+        # One, two and three rows: the shapes a decoding step takes (generic's tiles of blocks, not of rows).
+        *(kern.linear(w, b)(x[:m]) for m in (1, 2, 3)),
         kern.linear(w, None)(x, norm=norm_w, eps=1e-5),
         kern.linear(w2, None)(gate_up, swiglu=True, residual=residual),
         kern.linear(w2, None)(gate_up, geglu=True),

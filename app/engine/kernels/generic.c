@@ -8,27 +8,62 @@ int sk_init(void) { return 1; }
 
 static float sum_squares(const uint16_t *x, int k) { return sk_sum_squares_ref(x, k); }
 
-/* Blocks b0..b1-1 of 16 columns, every row. */
+/* A tile of R rows by C blocks of 16 columns, from row r0 and block blk. Each sum is its own chain of fmaf over
+   k in order, as the definition's (so the bits are the same whatever the tile); a tile only keeps R * C * 16
+   chains in flight, where one row of one block kept 16, each waiting on the previous fmaf's latency. */
+#define SK_TILE(R, C)                                                                                               \
+    static void tile_##R##x##C(const uint16_t *w, const float *xf, uint16_t *y, const float *bias, int k, int n,    \
+                               int r0, int blk, const uint16_t *residual) {                                        \
+        float acc[R][C][16];                                                                                       \
+        const uint16_t *wb[C];                                                                                     \
+        for (int c = 0; c < C; c++) wb[c] = sk_block(w, k, 16, blk + c);                                           \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C; c++)                                                                            \
+                for (int i = 0; i < 16; i++) acc[r][c][i] = 0.0f;                                                  \
+        for (int kk = 0; kk < k; kk++) {                                                                           \
+            float xv[R];                                                                                           \
+            for (int r = 0; r < R; r++) xv[r] = xf[(size_t)(r0 + r) * k + kk];                                    \
+            for (int j = 0; j < 16; j++) {                                                                         \
+                _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                              \
+                    const float wv = sk_bf16_to_f32(wb[c][(size_t)kk * 16 + j]);                                   \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r][c][j] = fmaf(xv[r], wv, acc[r][c][j]); \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C; c++)                                                                            \
+                for (int j = 0; j < 16; j++) {                                                                     \
+                    int col = 16 * (blk + c) + (j & 1 ? 8 : 0) + j / 2; /* a block's pairs: columns i and 8 + i */ \
+                    size_t at = (size_t)(r0 + r) * n + col;                                                        \
+                    y[at] = sk_finish(acc[r][c][j], bias, col, residual ? residual + at : NULL);                   \
+                }                                                                                                  \
+    }
+SK_TILE(2, 2)
+SK_TILE(1, 4)
+SK_TILE(2, 1)
+SK_TILE(1, 2)
+SK_TILE(1, 1)
+#undef SK_TILE
+
+/* Blocks b0..b1-1 of 16 columns, every row, a span of blocks at a time (every row of it before the next, while
+   its weights are in cache): rows two at a time by two blocks (a single row: four blocks). Wider tiles (4 rows)
+   compiled to spilled registers and ran slower. */
 static void blocks(const uint16_t *w, const float *xf, uint16_t *y, const float *bias, int m, int k, int n, int b0,
                    int b1, const uint16_t *residual) {
-    for (int blk = b0; blk < b1; blk++) {
-        const uint16_t *wb = sk_block(w, k, 16, blk);
-        for (int r = 0; r < m; r++) {
-            const float *xr = xf + (size_t)r * k;
-            float acc[16] = {0};
-            for (int kk = 0; kk < k; kk++) {
-                const uint16_t *p = wb + (size_t)kk * 16;
-                float xv = xr[kk];
-                for (int i = 0; i < 8; i++) {
-                    acc[i] = fmaf(xv, sk_bf16_to_f32(p[2 * i]), acc[i]);
-                    acc[8 + i] = fmaf(xv, sk_bf16_to_f32(p[2 * i + 1]), acc[8 + i]);
-                }
-            }
-            for (int j = 0; j < 16; j++) {
-                int col = 16 * blk + j;
-                size_t at = (size_t)r * n + col;
-                y[at] = sk_finish(acc[j], bias, col, residual ? residual + at : NULL);
-            }
+    for (int blk = b0; blk < b1;) {
+        const int left = b1 - blk;
+        int r = 0;
+        if (m == 1 && left >= 4) {
+            tile_1x4(w, xf, y, bias, k, n, 0, blk, residual);
+            blk += 4;
+        } else if (left >= 2) {
+            for (; r + 2 <= m; r += 2) tile_2x2(w, xf, y, bias, k, n, r, blk, residual);
+            if (r < m) tile_1x2(w, xf, y, bias, k, n, r, blk, residual);
+            blk += 2;
+        } else {
+            for (; r + 2 <= m; r += 2) tile_2x1(w, xf, y, bias, k, n, r, blk, residual);
+            if (r < m) tile_1x1(w, xf, y, bias, k, n, r, blk, residual);
+            blk += 1;
         }
     }
 }
