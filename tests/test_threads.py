@@ -20,13 +20,21 @@ class Clocks:
     def waited(self) -> float | None:
         return self.delay if self.schedstat else None
 
-    def run(self, governor: ThreadGovernor, steps: int, share: float | None, delay: float = 0.0) -> None:
+    def run(
+        self,
+        governor: ThreadGovernor,
+        steps: int,
+        share: float | None,
+        delay: float = 0.0,
+        tokens: dict[int, int] | None = None,
+    ) -> None:
+        """`tokens`: what a decoding step generates at each thread count (None: steps that say nothing)."""
         for _ in range(steps):
             governor.before_step()
             self.wall += 0.05
             self.cpu += (0.985 * governor.threads if share is None else share) * 0.05
             self.delay += delay * 0.05
-            governor.after_step()
+            governor.after_step(None if tokens is None else tokens[governor.threads])
             self.wall += 0.001  # between steps: no CPU counted toward the steps
 
 
@@ -99,3 +107,32 @@ def test_run_delay_reads_this_process() -> None:
         assert first is None  # elsewhere the governor decides by the CPU share alone
         return
     assert first is not None and first >= 0 and (run_delay() or 0.0) >= first
+
+
+def test_a_drop_that_decodes_slower_is_undone_and_not_tried_again_while_fresh() -> None:
+    # A light process beside (a load generator, the server's own event loop): the clocks say contended, but
+    # two threads still decode more tokens a second than one.
+    clocks, calls = Clocks(), []
+    governor = _governor(clocks, 2, calls)
+    light = {2: 3, 1: 2}
+    clocks.run(governor, 10, share=1.5, delay=0.6, tokens=light)  # one window at 2: contended, 60 tokens/s
+    assert calls == [1]
+    clocks.run(governor, 10, share=1.0, delay=0.3, tokens=light)  # one window at 1: 40 tokens/s
+    assert governor.threads == 2 and calls == [1, 2]
+    clocks.run(governor, 150, share=1.5, delay=0.6, tokens=light)  # 7.6 s: the slower drop is not tried again
+    assert governor.threads == 2 and calls == [1, 2]
+    clocks.run(governor, 100, share=1.5, delay=0.6, tokens=light)  # past 10 s it is stale: tried, undone again
+    assert calls == [1, 2, 1, 2] and governor.threads == 2
+
+
+def test_a_drop_that_decodes_faster_is_kept() -> None:
+    # A busy process beside: every barrier waits for a thread the scheduler put aside; one thread is faster.
+    clocks, calls = Clocks(), []
+    governor = _governor(clocks, 2, calls)
+    busy = {2: 1, 1: 2}
+    clocks.run(governor, 10, share=1.3, delay=0.6, tokens=busy)
+    assert calls == [1]
+    clocks.run(governor, 150, share=1.0, delay=0.05, tokens=busy)  # faster: kept
+    assert governor.threads == 1 and calls == [1]
+    clocks.run(governor, 60, share=1.3, delay=0.6, tokens=busy)  # past 10 s: all threads again, slower: dropped
+    assert calls == [1, 2, 1] and governor.threads == 1

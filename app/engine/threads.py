@@ -14,12 +14,20 @@ that run or spin on free cores get about one CPU each; 1.3 of 2 there). Both mus
 single-threaded Python lowers the share on free cores too (where schedstat cannot be read, the share alone
 decides). It then drops to the threads the share says it really gets, and every `retry` seconds tries the full
 count again for one window, keeping it if the cores have become free.
+
+The clocks say the cores are shared, not that fewer threads are faster: beside a lighter process (a load
+generator on the same 2 cores running its own engine now and then, seen to trigger drops to one thread) both
+signals can fire while two threads still decode faster. So the count is judged by what the steps produce too:
+where the steps only decoded, the window's tokens per second is kept per thread count, a drop whose window
+decoded slower than the window before it is undone, and while that is fresh (`retry` seconds) the same drop is
+not tried again.
 """
 
 from __future__ import annotations
 
 import glob
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -71,6 +79,8 @@ class ThreadGovernor:
         self._opened: tuple[float, float | None] | None = None  # the window's start: wall, run delay
         self._since = self._wall()  # when the thread count last changed
         self._start: tuple[float, float] | None = None
+        self._decoded = [0.0, 0]  # wall seconds and tokens of this window's steps that only decoded
+        self._rates: dict[int, tuple[float, float]] = {}  # thread count -> (tokens a second, when measured)
 
     def before_step(self) -> None:
         """A step begins; while contended, after `retry` seconds the full count is tried again."""
@@ -80,13 +90,17 @@ class ThreadGovernor:
         if self._opened is None:
             self._opened = (self._start[0], self._waited())
 
-    def after_step(self) -> None:
-        """A step ended: its wall and CPU time count toward the window, judged when it is full."""
+    def after_step(self, tokens: int | None = None) -> None:
+        """A step ended: its wall and CPU time count toward the window, judged when it is full. `tokens`: what it
+        generated, where it only decoded (None: it prefilled too, or failed): each thread count's speed."""
         if self._start is None:
             return
         wall, cpu = self._wall(), self._cpu()
         self._spent[0] += wall - self._start[0]
         self._spent[1] += cpu - self._start[1]
+        if tokens is not None:
+            self._decoded[0] += wall - self._start[0]
+            self._decoded[1] += tokens
         self._start = None
         if self._spent[0] < self._window:
             return
@@ -95,10 +109,29 @@ class ThreadGovernor:
         opened, waited_then = self._opened
         waited_now = self._waited()
         waited = None if waited_then is None or waited_now is None else (waited_now - waited_then) / (wall - opened)
-        self._spent, self._opened = [0.0, 0.0], None
+        # A window mostly of decoding steps measures this count's speed.
+        rate = self._decoded[1] / self._decoded[0] if self._decoded[0] >= self._spent[0] / 2 else None
+        self._spent, self._opened, self._decoded = [0.0, 0.0], None, [0.0, 0]
+        if rate is not None:
+            self._rates[self.threads] = (rate, wall)
+        if self.threads < self.most:
+            full = self._rate(self.most, wall)
+            if rate is not None and full is not None and rate < full:
+                why = f"{self.threads} threads decoded slower ({rate:.1f} against {full:.1f} tokens a second)"
+                self._change(self.most, why)
+                return
         if self.threads > 1 and share < self.threads - _SLACK and (waited is None or waited > _WAITED):
+            fewer = max(1, int(share))
+            known = self._rate(fewer, wall)
+            if rate is not None and known is not None and known <= rate:
+                return  # fewer threads decoded slower a moment ago, beside the same contention
             why = f"the process got {share:.2f} CPUs of {self.threads} threads"
-            self._change(max(1, int(share)), why + ("" if waited is None else f", waited {waited:.2f} s a second"))
+            self._change(fewer, why + ("" if waited is None else f", waited {waited:.2f} s a second"))
+
+    def _rate(self, threads: int, now: float) -> float | None:
+        """Tokens a second `threads` threads decoded in their last window, if within `retry` seconds."""
+        rate, when = self._rates.get(threads, (0.0, -math.inf))
+        return rate if now - when <= self._retry else None
 
     def _change(self, threads: int, why: str) -> None:
         if threads != self.threads:
@@ -106,4 +139,4 @@ class ThreadGovernor:
             self._set(threads)
             self.threads = threads
         self._since = self._wall()
-        self._spent, self._opened = [0.0, 0.0], None
+        self._spent, self._opened, self._decoded = [0.0, 0.0], None, [0.0, 0]

@@ -673,10 +673,15 @@ class Scheduler:
             gens.append(job.gen)
         firsts = [gen.needs_prefill for gen in gens]
         self._threads.before_step()
+        outcomes = None
         try:
             outcomes = self.engine.step_batch(gens)
         finally:
-            self._threads.after_step()
+            # What the thread count is judged by: the tokens of a step that only decoded.
+            decoded = None
+            if outcomes is not None and not any(firsts):
+                decoded = sum(len(out.token_ids) for out in outcomes if not isinstance(out, Exception))
+            self._threads.after_step(decoded)
         together = len(outcomes.together)
         if self.metrics is not None:
             for _ in range(len(gens) - together):
