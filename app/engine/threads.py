@@ -75,11 +75,9 @@ class ThreadGovernor:
         self.threads = self.most
         self._window, self._retry = window, retry
         self._set, self._wall, self._cpu, self._waited = set_threads, wall, cpu, waited
-        self._spent = [0.0, 0.0]  # wall and CPU seconds of the steps in this window
-        self._opened: tuple[float, float | None] | None = None  # the window's start: wall, run delay
         self._since = self._wall()  # when the thread count last changed
         self._start: tuple[float, float] | None = None
-        self._decoded = [0.0, 0]  # wall seconds and tokens of this window's steps that only decoded
+        self._new_window()
         self._rates: dict[int, tuple[float, float]] = {}  # thread count -> (tokens a second, when measured)
 
     def before_step(self) -> None:
@@ -111,7 +109,7 @@ class ThreadGovernor:
         waited = None if waited_then is None or waited_now is None else (waited_now - waited_then) / (wall - opened)
         # A window mostly of decoding steps measures this count's speed.
         rate = self._decoded[1] / self._decoded[0] if self._decoded[0] >= self._spent[0] / 2 else None
-        self._spent, self._opened, self._decoded = [0.0, 0.0], None, [0.0, 0]
+        self._new_window()
         if rate is not None:
             self._rates[self.threads] = (rate, wall)
         if self.threads < self.most:
@@ -128,6 +126,11 @@ class ThreadGovernor:
             why = f"the process got {share:.2f} CPUs of {self.threads} threads"
             self._change(fewer, why + ("" if waited is None else f", waited {waited:.2f} s a second"))
 
+    def _new_window(self) -> None:
+        self._spent = [0.0, 0.0]  # wall and CPU seconds of the steps in this window
+        self._opened: tuple[float, float | None] | None = None  # the window's start: wall, run delay
+        self._decoded = [0.0, 0]  # wall seconds and tokens of this window's steps that only decoded
+
     def _rate(self, threads: int, now: float) -> float | None:
         """Tokens a second `threads` threads decoded in their last window, if within `retry` seconds."""
         rate, when = self._rates.get(threads, (0.0, -math.inf))
@@ -139,4 +142,4 @@ class ThreadGovernor:
             self._set(threads)
             self.threads = threads
         self._since = self._wall()
-        self._spent, self._opened, self._decoded = [0.0, 0.0], None, [0.0, 0]
+        self._new_window()
