@@ -213,6 +213,7 @@ def _tiny_config(
     tie_embeddings: bool = True,
     qkv_bias: bool = False,
     max_seq_len: int = 256,
+    embed_scale: float = 1.0,
 ) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab_size,
@@ -225,6 +226,7 @@ def _tiny_config(
         tie_embeddings=tie_embeddings,
         qkv_bias=qkv_bias,
         max_seq_len=max_seq_len,
+        embed_scale=embed_scale,
     )
 
 

@@ -301,6 +301,20 @@ def test_train_draft_resume_flag_is_checked_before_anything_runs(capsys, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_a_target_without_a_chat_template_gets_its_prompts_as_plain_text(tiny):
+    """A base model (Gemma 3 270M's GGUF has no chat template) is asked what its completions route and the bench
+    send it: the text itself, a conversation's turns one after another; not an error."""
+    tok = tiny.tokenizer
+    assert tok.chat_template is None
+    assert corpus.encode_prompt(tiny, "t3 t4 t5") == tok.encode("t3 t4 t5") == [3, 4, 5]
+    turns = [
+        {"role": "user", "content": "t3 t4"},
+        {"role": "assistant", "content": "t5"},
+        {"role": "user", "content": "t6"},
+    ]
+    assert corpus.encode_prompt(tiny, turns) == [3, 4, 5, 6]
+
+
 @pytest.mark.parametrize("kernel", kernels.available())
 def test_corpus_answers_on_a_cpu_kernel_are_the_ones_each_prompt_gets_alone(packed_target, kernel):
     """The real target on each CPU kernel this machine runs: prompts taking turns in one forward get the tokens,

@@ -166,6 +166,22 @@ def test_the_generation_hands_the_draft_the_target_states_of_every_verified_posi
         assert torch.allclose(features[:known], _states(target, gen.ids)[:known], atol=1e-5)
 
 
+def test_a_draft_reads_a_token_as_the_targets_first_layer_does_scaled_where_the_target_scales_it(make_tiny_model):
+    """Gemma multiplies its embeddings by sqrt(dim) before its first layer; the draft, which borrows them, reads them
+    scaled too: beside a target that scales by 4 it computes what it computes beside the same target whose embedding
+    rows were multiplied by 4 instead, and not what it computes from the raw rows."""
+    scaled = make_tiny_model(seed=11, vocab_size=V, embed_scale=4.0)
+    raw = make_tiny_model(seed=11, vocab_size=V)
+    premultiplied = make_tiny_model(seed=11, vocab_size=V)
+    premultiplied.embed.weight.mul_(4.0)
+    ids = [*PROMPT, 7, 8]
+    states, tokens = _states(raw, ids)[:-1][None], torch.tensor([ids[1:]])
+    with torch.no_grad():
+        out = {name: _draft(model)(states, tokens) for name, model in [("s", scaled), ("p", premultiplied), ("r", raw)]}
+    assert torch.equal(out["s"], out["p"])
+    assert not torch.allclose(out["s"], out["r"], atol=1e-3)
+
+
 def test_save_and_load_round_trip(target, tmp_path):
     draft = _draft(target, vocab=[0, 5, 7, 63], seed=4)
     save_draft(draft, tmp_path / "d")
@@ -381,15 +397,20 @@ def test_a_draft_on_a_kernel_runs_its_layer_in_one_call_with_the_layer_by_layer_
 
 
 @pytest.mark.parametrize("kernel", kernels.available())
-@pytest.mark.parametrize("weights", ["q8_0", "bf16"])
+@pytest.mark.parametrize("weights", ["q8_0", "bf16", "bf16, scaled embeddings"])
 def test_a_greedy_chain_in_one_kernel_call_proposes_what_the_token_by_token_loop_does(
     make_tiny_model, tok, tmp_path, kernel, weights, monkeypatch
 ):
     """On every kernel this machine runs: a session's greedy drafts through `DraftChain` (one C call a draft)
     equal the loop's token by token (forward, head, choice), across rollbacks, cut-offs that stop a chain early
     (`p_min` on a token's probability, `value_min` on the chain's), and target tokens outside the draft vocabulary;
-    the next draft after each starts from the same state."""
-    model = make_tiny_model(seed=12, vocab_size=2 * V, dim=128, n_heads=2, n_kv_heads=1, intermediate_size=96)
+    the next draft after each starts from the same state. Also beside a target that scales its embeddings
+    (Gemma): the chain's rows of the draft vocabulary and of tokens outside it are scaled as the loop's."""
+    scale = 4.0 if "scaled" in weights else 1.0
+    weights = weights.split(",")[0]
+    model = make_tiny_model(
+        seed=12, vocab_size=2 * V, dim=128, n_heads=2, n_kv_heads=1, intermediate_size=96, embed_scale=scale
+    )
     model = model.to(torch.bfloat16)
     with use_kernel(kernel):
         model.pack(kernels.kernel())

@@ -274,9 +274,13 @@ def teacher_forced(seqs: Sequence[Tensor], forward: Callable[[Tensor], Tensor], 
 
 
 def encode_prompt(loaded: LoadedModel, prompt: Prompt) -> list[int]:
-    """The chat-templated token ids of an instruction or conversation."""
+    """The chat-templated token ids of an instruction or conversation; for a target without a chat template (a base
+    model, as Gemma 3 270M's GGUF) the text as it is (a conversation's turns one after another, a blank line
+    between), as its completions route and the bench send it."""
     tok = loaded.tokenizer
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if tok.chat_template is None:
+        return tok.encode("\n\n".join(str(m["content"]) for m in messages))
     return tok.encode(tok.apply_chat_template(messages))
 
 

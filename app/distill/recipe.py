@@ -186,11 +186,10 @@ def measure(loaded: LoadedModel, drafter: EagleDrafter, prompts: list[str], max_
     engine = Engine(
         loaded.model, loaded.tokenizer, {drafter.name: drafter}, drafter.name, 6, draft_p_min=0.0, prefill_chunk=0
     )
-    tok = loaded.tokenizer
     configs = {"none": ("none", "fixed"), "fixed k=6": (drafter.name, "fixed"), "adaptive": (drafter.name, "adaptive")}
     totals = {c: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "passes": 0, "same": 0} for c in configs}
     for text in tqdm(prompts, desc="measure", unit="prompt", dynamic_ncols=True):
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+        ids = corpus.encode_prompt(loaded, text)
         outputs = {}
         for label, (draft, schedule) in configs.items():
             params = GenerationParams(max_new_tokens=max_new_tokens, num_draft_tokens=6, draft_schedule=schedule)

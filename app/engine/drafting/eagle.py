@@ -114,6 +114,7 @@ class EagleDraft(nn.Module):
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.register_buffer("vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
         self.__dict__["_embed"] = None  # the target's embedding module (attach), kept out of the registry
+        self._embed_scale = 1.0  # the target's factor on its embeddings (attach)
         self._head_rows = torch.empty(0)
         self.__dict__["_head"] = None
         self._rope_len = 0
@@ -139,6 +140,7 @@ class EagleDraft(nn.Module):
         # Plain tensors and a module kept out of the registry: they belong to the target, so they are
         # neither trained nor saved with the draft.
         self.__dict__["_embed"] = target.embed
+        self._embed_scale = c.embed_scale
         rows = target.head_rows(self.vocab_ids)
         if isinstance(rows, QuantizedWeight):  # a quantized target's rows run as blocks, on its kernel
             if pack and qtype is not None and _bytes_per_weight(qtype) < min(map(_bytes_per_weight, rows.formats)):
@@ -193,7 +195,7 @@ class EagleDraft(nn.Module):
             return None
         # The chain feeds back tokens it chose, so it holds their rows: the draft vocabulary's, as the lookup
         # gives them (bf16 [V', dim]: 9.4 MB for the default draft), read without a call back into Python.
-        embed = torch.cat([self._embed(ids) for ids in self.vocab_ids.split(4096)]).to(torch.bfloat16)
+        embed = torch.cat([self._embedded(ids) for ids in self.vocab_ids.split(4096)]).to(torch.bfloat16)
         try:
             return DraftChain(stack, self.fc.fused, head.fused, self.norm.weight, embed, self.config.norm_eps)
         except ValueError:  # a padded product, or a width the chain does not take: token by token
@@ -237,6 +239,12 @@ class EagleDraft(nn.Module):
         stack = self.__dict__["_stack"]
         return stack if stack is not None and all(c.kernel is stack.kernel for c in caches) else None
 
+    def _embedded(self, ids: Tensor) -> Tensor:
+        # The token as the target's first layer reads it: Gemma scales its embeddings (by sqrt(dim), in the
+        # activations' dtype), and a draft fed the raw rows sees its token 25 times fainter than the target's state.
+        x = self._embed(ids)
+        return x if self._embed_scale == 1.0 else x * torch.tensor(self._embed_scale, dtype=x.dtype)
+
     def _final_norm(self, x: Tensor) -> Tensor:
         return final_norm(self.norm, self.__dict__["_kernel"], x)
 
@@ -251,7 +259,7 @@ class EagleDraft(nn.Module):
         if self._embed is None:
             raise RuntimeError("attach(target) first")
         t = states.shape[1]
-        inputs = torch.cat([self._embed(next_tokens).to(states.dtype), states], dim=-1)
+        inputs = torch.cat([self._embedded(next_tokens).to(states.dtype), states], dim=-1)
         x = self.fc(inputs)
         if adapter is not None:
             x = x + adapter.fusion(inputs).to(x.dtype)
@@ -287,7 +295,7 @@ class EagleDraft(nn.Module):
             [(s.shape[0], start, cache) for s, _, start, cache in items],
             lambda a, b: self._rope(a, b, dtype, device),
         )
-        inputs = torch.cat([self._embed(tokens).to(dtype), states], dim=-1)
+        inputs = torch.cat([self._embedded(tokens).to(dtype), states], dim=-1)
         x = self.fc(inputs)
         if adapters is not None and any(a is not None for a in adapters):
             x = x.clone()
@@ -342,7 +350,7 @@ class EagleDraft(nn.Module):
             return chain.row(index), None
         row = self._extra.pop(token, None)
         if row is None:
-            row = self._embed(torch.tensor([token], dtype=torch.long))[0].to(torch.bfloat16).contiguous()
+            row = self._embedded(torch.tensor([token], dtype=torch.long))[0].to(torch.bfloat16).contiguous()
             if len(self._extra) >= 1024:
                 del self._extra[next(iter(self._extra))]
         self._extra[token] = row
