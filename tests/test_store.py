@@ -321,6 +321,50 @@ def test_local_entries_resolve_under_the_catalog_directory(tiny: Tiny) -> None:
         store.resolve("small")
 
 
+def test_a_trained_draft_is_missing_until_its_command_made_it_and_only_then_the_targets_default(tiny: Tiny) -> None:
+    """A draft the catalog names but cannot ship (Gemma's: its license covers what is learned from it) is made on
+    the user's machine by its command; until a whole draft is there (config.json written last) it is missing, an
+    error naming the command, and the target keeps the lookups as its default."""
+    command = "specserve train-draft --target tiny --steps 3"
+    draft = {"description": "d", "role": "draft", "format": "specserve-eagle", "license": "x", "draft_for": "tiny"}
+    tiny.write(tiny=tiny.entry(), eagle={**draft, "source": {"type": "trained", "command": command}})
+    assert store.status("eagle") == "missing" and store.default_draft_for("tiny") is None
+    for call in (store.resolve, lambda name: store.fetch(name, progress=False)):
+        with pytest.raises(ModelStoreError, match=f"not trained on this machine yet; run: {command}$"):
+            call("eagle")
+    where = tiny.cache / "eagle"
+    where.mkdir(parents=True)
+    (where / "model.safetensors").write_bytes(b"x")  # a run stopped before its config
+    assert store.status("eagle") == "missing" and store.default_draft_for("tiny") is None
+    (where / "config.json").write_text("{}")
+    assert store.status("eagle") == "ok" and store.resolve("eagle") == where
+    assert store.default_draft_for("tiny") == "eagle"
+    tiny.write(eagle={**draft, "source": {"type": "trained", "command": "rm -rf /"}})
+    with pytest.raises(ModelStoreError, match="'command' must be the specserve command"):
+        store.catalog()
+
+
+def test_train_draft_writes_where_the_catalog_keeps_the_targets_trained_draft(tiny: Tiny, monkeypatch) -> None:
+    """`specserve train-draft --target T` without --out trains the catalog's draft of T into its place in the cache
+    (the place `resolve` and the target's default then find it); a target the catalog names no such draft for needs
+    --out."""
+    import app.distill.recipe as recipe
+    from app.cli import main
+
+    draft = {"description": "d", "role": "draft", "format": "specserve-eagle", "license": "x", "draft_for": "tiny"}
+    tiny.write(tiny=tiny.entry(), eagle={**draft, "source": {"type": "trained", "command": "specserve train-draft"}})
+    calls = []
+
+    def fake(target, out, work, rec, name, *rest):
+        calls.append((target, out, name))
+        return {"held_out_measurement": {}}
+
+    monkeypatch.setattr(recipe, "train_draft", fake)
+    assert main(["train-draft", "--target", "tiny"]) == 0
+    assert calls == [("tiny", tiny.cache / "eagle", "eagle")]
+    assert main(["train-draft", "--target", "other"]) == 1
+
+
 def test_malformed_catalog_is_one_line_error(tiny: Tiny) -> None:
     tiny.write(bad={**tiny.entry(), "source": {"type": "ftp"}})
     with pytest.raises(ModelStoreError, match="'source' must be") as exc:

@@ -20,7 +20,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "write model.safetensors, config.json and card.json into --out. Every stage resumes from --work.",
     )
     parser.add_argument("--target", default=None, help="catalog name or path (default: smollm2-135m-instruct)")
-    parser.add_argument("--out", required=True, help="directory for the draft (model_store/drafts/NAME to ship it)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="directory for the draft (model_store/drafts/NAME to ship it; default: where the catalog keeps the "
+        "draft it names for --target to be trained on this machine, e.g. gemma-3-270m-q4_k_m-eagle)",
+    )
     parser.add_argument("--name", default=None, help="the draft's name in its card (default: the --out folder)")
     parser.add_argument(
         "--work", default=None, help="corpus and checkpoints (default: $SPECSERVE_CACHE/train-draft/NAME)"
@@ -75,7 +80,14 @@ def run(args: argparse.Namespace) -> int:
     if device.type not in ("cpu", "cuda"):
         raise CliError(f"--device {args.device}: choose cpu, cuda or cuda:N")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    out = Path(args.out)
+    target = args.target or DEFAULT_TARGET
+    if args.out:
+        out = Path(args.out)
+    else:
+        trained = [e for e in store.catalog().values() if e.source == "trained" and e.draft_for == target]
+        if not trained:
+            raise CliError(f"--out is needed: the catalog names no draft of {target!r} to be trained here")
+        out = trained[0].local_path()
     name = args.name or out.name
     work = Path(args.work) if args.work else store.cache_dir() / "train-draft" / name
     changes = {
@@ -103,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         if not (resume.is_file() or is_eagle_dir(resume)):
             raise CliError(f"--resume {args.resume}: neither a checkpoint file nor a feature draft's directory")
     data_dir = Path(args.corpus) if args.corpus else None
-    card = train_draft(args.target or DEFAULT_TARGET, out, work, recipe, name, args.device, resume, data_dir)
+    card = train_draft(target, out, work, recipe, name, args.device, resume, data_dir)
     print(json.dumps(card["held_out_measurement"], indent=2))
     print(f"draft written to {out} (card: {out / 'card.json'})")
     return 0

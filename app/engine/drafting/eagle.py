@@ -369,15 +369,16 @@ def _bytes_per_weight(qtype: str) -> float:
 
 
 def save_draft(draft: EagleDraft, out_dir: Path) -> None:
-    """Write config.json and model.safetensors (float32 weights and the vocabulary ids) into `out_dir`."""
+    """Write model.safetensors (float32 weights and the vocabulary ids), then config.json, into `out_dir`: a
+    directory with config.json holds a whole draft (the model store counts a trained one as present by it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = {"architecture": ARCHITECTURE, **asdict(draft.config)}
-    (out_dir / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
     state = {
         k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else torch.int64).contiguous()
         for k, v in draft.state_dict().items()
     }
     save_file(state, str(out_dir / WEIGHTS_FILE))
+    cfg = {"architecture": ARCHITECTURE, **asdict(draft.config)}
+    (out_dir / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def is_eagle_dir(path: Path) -> bool:
