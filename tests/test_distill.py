@@ -301,6 +301,23 @@ def test_train_draft_resume_flag_is_checked_before_anything_runs(capsys, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_a_sampled_corpus_token_follows_the_targets_distribution_and_its_prompts_generator():
+    """The corpus's draw at a temperature: frequencies within sampling error of softmax(logits / T), a token of
+    probability 0 never drawn, and the same draws again from a generator seeded alike."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
+    want = torch.softmax(logits / 0.7, -1)
+    gen = torch.Generator().manual_seed(5)
+    n = 20_000
+    draws = [corpus._draw(logits, 0.7, gen) for _ in range(n)]
+    freq = torch.bincount(torch.tensor(draws), minlength=6).double() / n
+    assert freq[4] == 0
+    sigma = (want * (1 - want) / n).sqrt()
+    assert ((freq - want).abs() <= 5 * sigma + 1e-9).all(), (freq, want)
+    again = torch.Generator().manual_seed(5)
+    assert [corpus._draw(logits, 0.7, again) for _ in range(50)] == draws[:50]
+    assert corpus._draw(logits, 0.0, gen) == 0
+
+
 def test_a_target_without_a_chat_template_gets_its_prompts_as_plain_text(tiny):
     """A base model (Gemma 3 270M's GGUF has no chat template) is asked what its completions route and the bench
     send it: the text itself, a conversation's turns one after another; not an error."""

@@ -35,7 +35,13 @@ def _draw(logits: Tensor, temperature: float, generator: torch.Generator) -> int
     """The next token from one row's logits [vocab] (on the CPU): argmax at temperature 0, else a draw from the
     prompt's own generator (the same corpus for a seed on any device, whatever else ran beside it)."""
     if temperature > 0:
-        return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+        # By the inverse of the cumulative distribution, from one uniform number: torch.multinomial took 6 ms a row
+        # over Gemma 3's 262,144 tokens (half of a 48-row corpus step), this half a millisecond. In float64, so
+        # that the last cumulative sums still step by the smallest probabilities; `right`: the first sum above the
+        # draw, which a token of probability 0 (an unchanged sum) never is.
+        cumulative = torch.softmax(logits.double() / temperature, -1).cumsum(0)
+        u = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
+        return min(int(torch.searchsorted(cumulative, u, right=True)), cumulative.shape[0] - 1)
     return int(logits.argmax())
 
 
