@@ -277,6 +277,10 @@ def run(args: argparse.Namespace) -> int:
         for sched in schedules
         for rows in (dict.fromkeys(args.tree_rows or [None]) if d != "ngram" else [None])
     ]
+    if workloads and loaded.tokenizer.chat_template is None:
+        # Agents, chats, edits: each episode is a conversation, written through the target's chat template.
+        name = Path(loaded.source).name
+        raise CliError(f"--workload: {name} has no chat template (a base model); its traffic is conversations")
     threads = torch.get_num_threads()
     llama_cpp = args.llama_cpp or (["gguf"] if synthetic else None)
     if synthetic and llama_cpp and importlib.util.find_spec("llama_cpp") is None:
