@@ -175,6 +175,17 @@ def test_bench_workload_refusals(argv: list[str], message: str, capsys) -> None:
     assert message in capsys.readouterr().err
 
 
+def test_a_workload_on_a_base_model_is_one_error_line(tmp_path: Path, capsys) -> None:
+    """The traffic workloads are conversations: a target without a chat template (a base model, as Gemma 3 270M's
+    GGUF) is refused in one line that says so, not a traceback from the template."""
+    from app.bench import synthetic
+
+    base = synthetic.write_tiny_gguf(tmp_path / "base.gguf", "qwen3", chat_template=False)
+    assert main(["bench", "--target", str(base), "--workload", "chat", "--no-hf", "--draft", "suffix"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: --workload: base.gguf has no chat template (a base model); its traffic is conversations"
+
+
 def test_workload_bench_end_to_end(tiny, tmp_path: Path, monkeypatch) -> None:
     """`specserve bench --workload chat --workload code-edit`, one episode each: every configuration on every
     turn with target-only's greedy output, the next chat turn built from target-only's answer, the prediction
